@@ -1,0 +1,21 @@
+"""moe_tune: fine-tune Hugging Face Mixture-of-Experts checkpoints.
+
+``import moe_tune`` needs neither a GPU, DeepEP nor TransformerEngine; heavy modules load on first use.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+
+class AutoModelForCausalLM:
+    """``moe_tune.AutoModelForCausalLM.from_pretrained(local_dir, dtype=torch.float32, kernels="torch")``."""
+
+    @staticmethod
+    def from_pretrained(path: str, dtype="float32", kernels: str = "torch", device=None):
+        from moe_tune.models.model import MoECausalLM
+
+        return MoECausalLM.from_pretrained(path, dtype=dtype, kernels=kernels, device=device)
+
+
+__all__ = ["AutoModelForCausalLM", "__version__"]

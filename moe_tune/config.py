@@ -1,0 +1,249 @@
+"""Configuration schema: dataclasses registered in Hydra's ConfigStore, and ``validate``.
+
+The schema is the single source of truth for every key; ``conf/<group>/<option>.yaml`` only fills values.
+Unknown keys fail at compose time because every group is a structured config.
+This module imports no torch and no backend: ``validate`` probes backends through ``moe_tune.backends``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+PRECISIONS = ("fp32", "amp_bf16", "bf16_fp32_master", "bf16")
+COMMS = ("all_to_all", "deepep", "symm_mem")
+KERNEL_SETS = ("torch", "te")
+EXPERT_KERNELS = ("grouped_mm", "te", "loop")
+FP8_MODES = ("none", "current", "delayed", "mxfp8")
+AC_MODES = ("none", "full", "selective")
+
+
+class ConfigError(ValueError):
+    """A configuration or input the user must fix: reported as one line, exit code 2."""
+
+
+@dataclass
+class ModelConfig:
+    # A name from conf/model (tiny models are built locally) or a local Hugging Face directory in `path`.
+    name: str = "tiny_qwen3_moe"
+    path: str | None = None
+    # Storage dtype of the parameters (the master copy); compute dtype follows train.precision.
+    dtype: str = "float32"
+    # For built-in models: overrides of the Hugging Face config fields (e.g. num_hidden_layers).
+    overrides: dict[str, Any] = field(default_factory=dict)
+    # For built-in models: which published architecture the tiny/random model follows.
+    family: str = "qwen3_moe"
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    # -1: every rank not used by dp_replicate.
+    dp_shard: int = -1
+    ep: int = 1
+    activation_checkpointing: str = "none"
+    # Reshard parameters after forward (ZeRO-3); False keeps them gathered until backward (ZeRO-2-like).
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class CommConfig:
+    name: str = "all_to_all"
+    # DeepEP: streaming multiprocessors given to the communication kernels.
+    num_sms: int = 24
+    # symm_mem: worst-case rows per rank as a multiple of tokens x top_k.
+    capacity_factor: float = 2.0
+
+
+@dataclass
+class KernelsConfig:
+    name: str = "torch"
+    experts: str = "grouped_mm"
+    fp8: str = "none"
+    compile: bool = False
+    # Chunked linear cross-entropy that never materialises the full logits.
+    fused_loss: bool = True
+    loss_chunk_size: int = 4096
+
+
+@dataclass
+class DataConfig:
+    # "arithmetic" is the built-in instruction set; otherwise a jsonl/parquet file or directory in `path`.
+    name: str = "arithmetic"
+    path: str | None = None
+    num_samples: int = 4096
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    text_key: str = "text"
+    # Mask prompt tokens out of the loss.
+    mask_prompt: bool = True
+    # Pack several samples into one sequence of train.seq_len.
+    packing: bool = True
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 60
+    seq_len: int = 256
+    micro_batch_size: int = 4
+    # -1: micro_batch_size x data-parallel size (no gradient accumulation).
+    global_batch_size: int = -1
+    seed: int = 0
+    lr: float = 3e-3
+    precision: str = "bf16_fp32_master"
+    # Load-balancing: auxiliary loss coefficient, router z-loss and aux-loss-free bias update rate.
+    aux_loss_coef: float = 0.001
+    z_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+    # Forced balanced routing for benchmarks (token i goes to experts i*k..i*k+k-1 mod E).
+    force_balanced_routing: bool = False
+    log_every: int = 1
+    warmup_steps_excluded: int = 3
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    resume: str = "auto"
+    export_hf: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    output_dir: str = "outputs/run"
+
+
+GROUPS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "comm": CommConfig,
+    "kernels": KernelsConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+}
+
+
+def register_configs() -> None:
+    """Store the schema as ``base_config`` and ``base_<group>`` so YAML files are type-checked against it."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, schema in GROUPS.items():
+        cs.store(group=group, name=f"base_{group}", node=schema)
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+
+
+def _choice(value: str, allowed: tuple[str, ...], key: str) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}; pick one of those")
+
+
+def resolve_parallel(p: ParallelConfig, world_size: int) -> tuple[int, int, int]:
+    """Return (dp_replicate, dp_shard, ep) with dp_shard=-1 filled in, or raise ConfigError."""
+    if p.dp_replicate < 1 or p.ep < 1:
+        raise ConfigError(f"parallel.dp_replicate ({p.dp_replicate}) and parallel.ep ({p.ep}) must be >= 1")
+    if world_size % p.dp_replicate:
+        raise ConfigError(
+            f"parallel.dp_replicate ({p.dp_replicate}) must divide the world size ({world_size}); "
+            f"try parallel.dp_replicate=1"
+        )
+    dp_shard = world_size // p.dp_replicate if p.dp_shard == -1 else p.dp_shard
+    if p.dp_replicate * dp_shard != world_size:
+        raise ConfigError(
+            f"parallel.dp_replicate ({p.dp_replicate}) x parallel.dp_shard ({dp_shard}) must equal the world size "
+            f"({world_size}); try parallel.dp_shard=-1"
+        )
+    if dp_shard % p.ep:
+        raise ConfigError(
+            f"parallel.ep ({p.ep}) must divide parallel.dp_shard ({dp_shard}, world size {world_size}); "
+            f"expert parallelism borrows its ranks from dp_shard: try parallel.ep=1"
+        )
+    return p.dp_replicate, dp_shard, p.ep
+
+
+def validate(cfg: Config, world_size: int | None = None, num_experts: int | None = None) -> None:
+    """Cross-group checks, run before any process group exists. Raises ConfigError with one line."""
+    world_size = world_size_from_env() if world_size is None else world_size
+    _choice(cfg.train.precision, PRECISIONS, "train.precision")
+    _choice(cfg.comm.name, COMMS, "comm")
+    _choice(cfg.kernels.name, KERNEL_SETS, "kernels")
+    _choice(cfg.kernels.experts, EXPERT_KERNELS, "kernels.experts")
+    _choice(cfg.kernels.fp8, FP8_MODES, "kernels.fp8")
+    _choice(cfg.parallel.activation_checkpointing, AC_MODES, "parallel.activation_checkpointing")
+    _choice(cfg.model.dtype, ("float32", "bfloat16"), "model.dtype")
+    _, dp_shard, ep = resolve_parallel(cfg.parallel, world_size)
+    if cfg.model.path is not None and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} has no config.json; give a local Hugging Face checkpoint directory"
+        )
+    if num_experts is not None and num_experts % ep:
+        raise ConfigError(
+            f"the model's number of experts ({num_experts}) must be divisible by parallel.ep ({ep}); "
+            f"try parallel.ep={_largest_divisor(num_experts, dp_shard)}"
+        )
+    t = cfg.train
+    if t.steps < 1 or t.seq_len < 2 or t.micro_batch_size < 1:
+        raise ConfigError(
+            f"train.steps ({t.steps}), train.seq_len ({t.seq_len}) and train.micro_batch_size "
+            f"({t.micro_batch_size}) must be positive (seq_len >= 2)"
+        )
+    dp = world_size
+    if t.global_batch_size != -1 and t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
+            f"({t.micro_batch_size}) x data-parallel ranks ({dp}); try train.global_batch_size={t.micro_batch_size * dp}"
+        )
+    if cfg.comm.name != "all_to_all" and ep == 1:
+        raise ConfigError(f"comm={cfg.comm.name} needs expert parallelism; set parallel.ep>1 or comm=all_to_all")
+    if cfg.kernels.name != "te" and (cfg.kernels.fp8 != "none" or cfg.kernels.experts == "te"):
+        raise ConfigError(
+            f"kernels.fp8={cfg.kernels.fp8} and kernels.experts={cfg.kernels.experts} need kernels=te; "
+            f"add kernels=te or drop them"
+        )
+    from moe_tune import backends
+
+    for name in _backends_needed(cfg):
+        reason = backends.unusable_reason(name)
+        if reason is not None:
+            raise ConfigError(reason)
+
+
+def _backends_needed(cfg: Config) -> list[str]:
+    needed = []
+    if cfg.comm.name in ("deepep", "symm_mem"):
+        needed.append(cfg.comm.name)
+    if cfg.kernels.name == "te":
+        needed.append("transformer_engine")
+    if cfg.kernels.fp8 != "none":
+        needed.append(f"fp8_{cfg.kernels.fp8}")
+    return needed
+
+
+def _largest_divisor(n: int, upper: int) -> int:
+    return max(d for d in range(1, upper + 1) if n % d == 0 and upper % d == 0)

@@ -1,0 +1,113 @@
+"""Write a (possibly sharded, expert-parallel) model as a Hugging Face checkpoint, streaming.
+
+Every rank walks the tensors in the same order. A sharded tensor is gathered (a collective over its FSDP
+mesh) one at a time; the rank that owns it in the output keeps it, the others drop it at once, so no rank
+ever holds more than one full tensor beyond its own output shard. Expert tensors are written by the rank
+that holds those experts (ep rank), so the expert weights never travel across the expert-parallel group.
+Each writing rank flushes its own ``.safetensors`` files; rank 0 writes the index and the config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from moe_tune.models.hf_io import (
+    EXPERT_PARAM,
+    copy_side_files,
+    expert_offsets,
+    named_tensors,
+    source_dtypes,
+    to_disk_tensors,
+)
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    # FSDP2 shards are DTensors: full_tensor() all-gathers over the tensor's own mesh (dp_shard or efsdp).
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@torch.no_grad()
+def write_checkpoint(model, out_dir: str, max_shard_bytes: int = 4 << 30, expert_writer: bool | None = None) -> None:
+    """``expert_writer``: whether this rank writes its local experts (one rank per ep group; the caller
+    decides, e.g. the efsdp/dp_replicate rank 0). Dense tensors are written round-robin over all ranks."""
+    rank, world = _rank_world()
+    if expert_writer is None:
+        expert_writer = rank == 0
+    os.makedirs(out_dir, exist_ok=True)
+    family = model.family
+    dtypes = source_dtypes(model.source_dir) if model.source_dir else {}
+    offsets = expert_offsets(model)
+    ep_sharded = bool(offsets)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    dense_index = 0
+    for name, t in named_tensors(model):
+        if tied and name == "lm_head.weight":
+            continue
+        full = _full(t)
+        is_expert = EXPERT_PARAM.match(name) is not None
+        if is_expert and ep_sharded:
+            mine = expert_writer
+        else:
+            mine = dense_index % world == rank
+            dense_index += 1
+        if not mine:
+            continue
+        for key, piece in to_disk_tensors(family, name, full, offsets.get(name, 0)):
+            piece = piece.to(dtypes.get(key, piece.dtype)).detach().cpu().contiguous()
+            nbytes = piece.numel() * piece.element_size()
+            if size and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][key] = piece
+            size += nbytes
+    shards = [s for s in shards if s]
+
+    # Name files by rank so writers never collide; the index maps every key to its file.
+    files: dict[str, str] = {}
+    nbytes_total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
+    for i, shard in enumerate(shards):
+        fname = f"model-rank{rank:05d}-part{i:03d}.safetensors" if world > 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        files.update(dict.fromkeys(shard, fname))
+    gathered = [(files, nbytes_total)]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (files, nbytes_total))
+    if rank == 0:
+        weight_map = {k: v for f, _ in gathered for k, v in f.items()}
+        total = sum(n for _, n in gathered)
+        fnames = sorted(set(weight_map.values()))
+        if len(fnames) == 1 and world == 1:
+            os.replace(os.path.join(out_dir, fnames[0]), os.path.join(out_dir, "model.safetensors"))
+        else:
+            with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+        _write_config(model, out_dir)
+        copy_side_files(model.source_dir, out_dir)
+    if world > 1:
+        dist.barrier()
+
+
+def _write_config(model, out_dir: str) -> None:
+    src = os.path.join(model.source_dir, "config.json") if model.source_dir else None
+    if src and os.path.isfile(src):
+        with open(src) as f:
+            cfg = json.load(f)
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2, sort_keys=True)
+    else:
+        model.config.save_pretrained(out_dir)

@@ -1,0 +1,116 @@
+"""Per-family specs: where the MoE block sits, how it routes, and how its experts are named on disk.
+
+A family is data, not a fork of the model: everything else (attention, norms, embeddings) is the Hugging
+Face model as published. ``build_moe_spec`` reads the routing semantics from the Hugging Face config so
+they are computed exactly as transformers computes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from moe_tune.config import ConfigError
+from moe_tune.moe.experts import ExpertsSpec
+from moe_tune.moe.layer import MoESpec
+from moe_tune.moe.router import RouterSpec
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    moe_spec: Callable[[object], MoESpec]
+    # Attribute of the decoder layer that holds the MoE block (in memory, transformers v5 names).
+    block_attr: str = "mlp"
+    # On disk, experts stored one tensor per expert: in-memory stacked name -> per-expert parts
+    # concatenated along dim 0 (gate rows then up rows). None: stored stacked, as in memory (GPT-OSS).
+    disk_experts: dict[str, tuple[str, ...]] | None = field(
+        default_factory=lambda: {
+            "gate_up_proj": ("gate_proj.weight", "up_proj.weight"),
+            "down_proj": ("down_proj.weight",),
+        }
+    )
+    # (in-memory fragment, on-disk fragment) renames, e.g. Mixtral's block_sparse_moe.
+    disk_renames: tuple[tuple[str, str], ...] = ()
+
+
+def _softmax_family(num_experts_key: str, hidden_key: str, norm: bool | None, shared: bool = False):
+    def spec(c) -> MoESpec:
+        E = getattr(c, num_experts_key)
+        return MoESpec(
+            router=RouterSpec(
+                num_experts=E,
+                top_k=c.num_experts_per_tok,
+                score="softmax",
+                norm_topk_prob=bool(c.norm_topk_prob) if norm is None else norm,
+            ),
+            experts=ExpertsSpec(num_experts=E, dim=c.hidden_size, hidden=getattr(c, hidden_key)),
+            shared_attr="shared_expert" if shared else None,
+            shared_gate_attr="shared_expert_gate" if shared else None,
+        )
+
+    return spec
+
+
+def _sigmoid_family(c) -> MoESpec:
+    E = c.n_routed_experts
+    return MoESpec(
+        router=RouterSpec(
+            num_experts=E,
+            top_k=c.num_experts_per_tok,
+            score="sigmoid",
+            norm_topk_prob=bool(c.norm_topk_prob),
+            routed_scaling_factor=float(c.routed_scaling_factor),
+            num_groups=c.n_group,
+            topk_groups=c.topk_group,
+            correction_bias=True,
+        ),
+        experts=ExpertsSpec(num_experts=E, dim=c.hidden_size, hidden=c.moe_intermediate_size),
+        shared_attr="shared_experts",
+    )
+
+
+def _gpt_oss(c) -> MoESpec:
+    E = c.num_local_experts
+    return MoESpec(
+        router=RouterSpec(num_experts=E, top_k=c.num_experts_per_tok, score="topk_softmax", bias=True),
+        experts=ExpertsSpec(
+            num_experts=E,
+            dim=c.hidden_size,
+            hidden=c.intermediate_size,
+            layout="in_out",
+            bias=True,
+            activation="clamped_swiglu",
+            swiglu_alpha=float(getattr(c, "swiglu_alpha", 1.702)),
+            swiglu_limit=float(getattr(c, "swiglu_limit", 7.0)),
+        ),
+        router_attr="router",
+        returns_tuple=True,
+    )
+
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family("qwen3_moe", _softmax_family("num_experts", "moe_intermediate_size", None)),
+        Family("qwen2_moe", _softmax_family("num_experts", "moe_intermediate_size", None, shared=True)),
+        Family(
+            "mixtral",
+            _softmax_family("num_local_experts", "intermediate_size", True),
+            disk_experts={"gate_up_proj": ("w1.weight", "w3.weight"), "down_proj": ("w2.weight",)},
+            disk_renames=((".mlp.", ".block_sparse_moe."),),
+        ),
+        Family("olmoe", _softmax_family("num_experts", "intermediate_size", None)),
+        Family("deepseek_v3", _sigmoid_family),
+        Family("glm4_moe", _sigmoid_family),
+        Family("gpt_oss", _gpt_oss, disk_experts=None),
+    )
+}
+
+
+def get_family(model_type: str) -> Family:
+    if model_type not in FAMILIES:
+        raise ConfigError(
+            f"model_type {model_type!r} is not supported; supported families: {', '.join(sorted(FAMILIES))}"
+        )
+    return FAMILIES[model_type]

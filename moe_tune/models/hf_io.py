@@ -1,0 +1,229 @@
+"""Read Hugging Face safetensors checkpoints straight into a meta-built model, and write them back.
+
+Every in-memory tensor is read as a row range of its *global* (unsharded) shape, so that a rank reads only
+what it owns: with expert parallelism an expert tensor's rows are experts, with FSDP2 a parameter's local
+shard is a row range of dim 0. Stacked expert tensors are assembled from the per-expert tensors most
+published checkpoints use (see ``moe_tune.moe.experts`` for the two layouts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+from moe_tune.config import ConfigError
+from moe_tune.models.families import Family
+
+EXPERT_PARAM = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<name>gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$")
+# Files copied verbatim from the source checkpoint into an export.
+SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+class CheckpointReader:
+    """Key -> file index over a checkpoint directory (single file, sharded with an index, or loose files)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        else:
+            files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+            if not files:
+                raise ConfigError(f"{path} holds no *.safetensors files; give a Hugging Face checkpoint directory")
+            weight_map = {}
+            for name in files:
+                with safe_open(os.path.join(path, name), "pt") as f:
+                    weight_map.update(dict.fromkeys(f.keys(), name))
+        self.weight_map: dict[str, str] = weight_map
+        self._handles: dict[str, object] = {}
+        self.used: set[str] = set()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.weight_map
+
+    def _slice(self, key: str):
+        name = self.weight_map[key]
+        if name not in self._handles:
+            self._handles[name] = safe_open(os.path.join(self.path, name), "pt")
+        self.used.add(key)
+        return self._handles[name].get_slice(key)
+
+    def shape(self, key: str) -> list[int]:
+        return list(self._slice(key).get_shape())
+
+    def dtype(self, key: str) -> torch.dtype:
+        return _DTYPES.get(self._slice(key).get_dtype(), torch.float32)
+
+    def rows(self, key: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        sl = self._slice(key)
+        if start is None:
+            return sl[:]
+        return sl[start:stop]
+
+
+def disk_key(family: Family, name: str) -> str:
+    for mem, disk in family.disk_renames:
+        name = name.replace(mem, disk)
+    return name
+
+
+def read_global_rows(reader: CheckpointReader, family: Family, name: str, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) of in-memory tensor ``name`` in its global (all experts, unsharded) shape."""
+    key = disk_key(family, name)
+    if key in reader:
+        return reader.rows(key, start, stop)
+    m = EXPERT_PARAM.match(name)
+    if m and family.disk_experts and m["name"] in family.disk_experts:
+        prefix = disk_key(family, m["prefix"])
+        parts = family.disk_experts[m["name"]]
+        experts = []
+        for j in range(start, stop):
+            keys = [f"{prefix}.{j}.{p}" for p in parts]
+            missing = [k for k in keys if k not in reader]
+            if missing:
+                raise ConfigError(f"checkpoint {reader.path} lacks {missing[0]} (needed for {name}); is it complete?")
+            experts.append(torch.cat([reader.rows(k) for k in keys], dim=0))
+        if not experts:
+            return torch.empty(0)
+        return torch.stack(experts)
+    raise ConfigError(f"checkpoint {reader.path} has no tensor for {name} (looked for {key}); is it complete?")
+
+
+def _global_shape_and_rows(t: torch.Tensor, name: str, expert_offsets: dict[str, int]) -> tuple[int, int]:
+    """The global row range that tensor ``t`` (plain, or an FSDP2 DTensor shard) holds."""
+    offset = expert_offsets.get(name, 0)
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        DTensor = ()
+    if isinstance(t, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local_shape, global_offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        start = global_offset[0] if local_shape[0] else 0
+        return offset + start, offset + start + local_shape[0]
+    return offset, offset + t.shape[0]
+
+
+def named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters and persistent buffers, tied parameters once."""
+    yield from model.named_parameters()
+    for name, buf in model.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        if leaf not in module._non_persistent_buffers_set:
+            yield name, buf
+
+
+def expert_offsets(model: torch.nn.Module) -> dict[str, int]:
+    """For each stacked expert tensor, the global index of this rank's first expert (0 without EP)."""
+    offsets = {}
+    for name, module in model.named_modules():
+        first = getattr(module, "expert_offset", 0)
+        if hasattr(module, "gate_up_proj") and first:
+            for p in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+                offsets[f"{name}.{p}"] = first
+    return offsets
+
+
+@torch.no_grad()
+def load_state(model: torch.nn.Module, path: str, family: Family, strict: bool = True) -> None:
+    """Fill every parameter and persistent buffer of a materialised model from ``path``; fail on anything
+    missing or left over, so nothing is silently lost or partially loaded."""
+    reader = CheckpointReader(path)
+    offsets = expert_offsets(model)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    for name, t in named_tensors(model):
+        if tied and name == "lm_head.weight":
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        start, stop = _global_shape_and_rows(t, name, offsets)
+        src = read_global_rows(reader, family, name, start, stop)
+        if tuple(src.shape) != tuple(local.shape):
+            raise ConfigError(
+                f"checkpoint tensor for {name} has shape {tuple(src.shape)}, the model expects {tuple(local.shape)}; "
+                f"does config.json match the weights?"
+            )
+        local.copy_(src.to(local.dtype))
+    if strict and offsets == {} and not _is_sharded(model):
+        unused = set(reader.weight_map) - reader.used - ({"lm_head.weight"} if tied else set())
+        unused = {k for k in unused if not k.endswith("rotary_emb.inv_freq")}
+        if unused:
+            raise ConfigError(
+                f"checkpoint {path} has {len(unused)} tensors the model does not use (e.g. {sorted(unused)[0]}); "
+                f"does config.json match the weights?"
+            )
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    return any(hasattr(p, "to_local") for p in model.parameters())
+
+
+def source_dtypes(path: str) -> dict[str, torch.dtype]:
+    reader = CheckpointReader(path)
+    return {k: reader.dtype(k) for k in reader.weight_map}
+
+
+def to_disk_tensors(family: Family, name: str, t: torch.Tensor, first_expert: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """In-memory tensor -> the (key, tensor) pairs the family stores on disk."""
+    m = EXPERT_PARAM.match(name)
+    if m and family.disk_experts and m["name"] in family.disk_experts:
+        prefix = disk_key(family, m["prefix"])
+        parts = family.disk_experts[m["name"]]
+        for j in range(t.shape[0]):
+            for part, piece in zip(parts, t[j].chunk(len(parts), dim=0)):
+                yield f"{prefix}.{first_expert + j}.{part}", piece
+    else:
+        yield disk_key(family, name), t
+
+
+def save_pretrained(model, out_dir: str, max_shard_bytes: int = 4 << 30) -> None:
+    """Single-process export (no sharding): Hugging Face keys, shapes and dtypes as in the source checkpoint."""
+    from moe_tune.models.export import write_checkpoint
+
+    write_checkpoint(model, out_dir, max_shard_bytes=max_shard_bytes)
+
+
+def copy_side_files(src: str | None, out_dir: str) -> None:
+    if not src:
+        return
+    for name in SIDE_FILES:
+        p = os.path.join(src, name)
+        if os.path.isfile(p):
+            shutil.copy2(p, os.path.join(out_dir, name))
+
+
+def load_pretrained(path: str, dtype=torch.float32, kernels: str = "torch", device=None):
+    from transformers import AutoConfig
+
+    from moe_tune.models.model import build_model, materialize
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"{path} has no config.json; give a local Hugging Face checkpoint directory")
+    config = AutoConfig.from_pretrained(path)
+    model = build_model(config, dtype=dtype)
+    model.source_dir = path
+    materialize(model, device or "cpu")
+    load_state(model, path, model.family)
+    from moe_tune.kernels import apply_kernels
+
+    apply_kernels(model, kernels)
+    return model

@@ -1,0 +1,154 @@
+"""``MoECausalLM``: a Hugging Face decoder with moe_tune's MoE layers in place of its sparse blocks.
+
+The model is built once, on the meta device; the loader then reads tensors straight into place. Parameter
+names equal the Hugging Face model's (``model.layers.3.mlp.experts.gate_up_proj``...), so the state dict
+maps onto transformers v5 without renaming.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moe_tune.models.families import Family, get_family
+from moe_tune.moe.layer import MoE
+
+
+@dataclass
+class CausalLMOutput:
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    z_loss: torch.Tensor | None = None
+    ce_loss: torch.Tensor | None = None
+
+
+def _torch_dtype(dtype) -> torch.dtype:
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+class MoECausalLM(nn.Module):
+    def __init__(self, hf_model: nn.Module, family: Family, source_dir: str | None = None):
+        super().__init__()
+        # Hold the Hugging Face submodules directly so state-dict keys stay "model.*" and "lm_head.*".
+        self.model = hf_model.model
+        self.lm_head = hf_model.lm_head
+        self.config = hf_model.config
+        self.family = family
+        self.source_dir = source_dir
+        self.aux_loss_coef = float(getattr(self.config, "router_aux_loss_coef", 0.0) or 0.0)
+        self.z_loss_coef = 0.0
+        self.loss_fn = None  # set by kernels: a (hidden_ND, weight_VD, labels_N) -> sum loss function
+        self._hf_class = type(hf_model)
+
+    # -- structure -------------------------------------------------------------------------------
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def moe_layers(self) -> list[MoE]:
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    @property
+    def num_experts(self) -> int:
+        moes = self.moe_layers()
+        return moes[0].spec.router.num_experts if moes else 0
+
+    # -- forward ---------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        loss_normalizer: torch.Tensor | float | None = None,
+        return_logits: bool | None = None,
+    ) -> CausalLMOutput:
+        """Like transformers: ``labels`` are aligned with ``input_ids`` and shifted here; -100 is ignored.
+        The loss is the token sum divided by ``loss_normalizer`` (default: this batch's label tokens)."""
+        hidden = self.model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state
+        out = CausalLMOutput()
+        want_logits = labels is None if return_logits is None else return_logits
+        if want_logits:
+            out.logits = self.lm_head(hidden)
+        if labels is None:
+            return out
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        flat_labels = shift_labels.reshape(-1)
+        if loss_normalizer is None:
+            loss_normalizer = (flat_labels != -100).sum().clamp(min=1)
+        h = hidden.reshape(-1, hidden.shape[-1])
+        if self.loss_fn is not None:
+            ce_sum = self.loss_fn(h, self.lm_head.weight, flat_labels)
+        else:
+            logits = out.logits if out.logits is not None else self.lm_head(h)
+            # fp32 island: cross-entropy on fp32 logits, as transformers does.
+            ce_sum = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(), flat_labels, ignore_index=-100, reduction="sum"
+            )
+        out.ce_loss = ce_sum / loss_normalizer
+        out.loss = out.ce_loss
+        if self.training:
+            moes = self.moe_layers()
+            if moes and self.aux_loss_coef:
+                out.aux_loss = torch.stack([m.aux_loss for m in moes]).mean()
+                out.loss = out.loss + self.aux_loss_coef * out.aux_loss
+            if moes and self.z_loss_coef:
+                out.z_loss = torch.stack([m.z_loss for m in moes]).mean()
+                out.loss = out.loss + self.z_loss_coef * out.z_loss
+        return out
+
+    # -- Hugging Face I/O ------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str, dtype=torch.float32, kernels: str = "torch", device=None) -> MoECausalLM:
+        from moe_tune.models.hf_io import load_pretrained
+
+        return load_pretrained(path, dtype=_torch_dtype(dtype), kernels=kernels, device=device)
+
+    def save_pretrained(self, out_dir: str) -> None:
+        from moe_tune.models.hf_io import save_pretrained
+
+        save_pretrained(self, out_dir)
+
+
+def build_model(config, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa") -> MoECausalLM:
+    """The Hugging Face model for ``config`` on the meta device, its sparse blocks replaced by ``MoE``."""
+    from transformers import AutoModelForCausalLM
+
+    family = get_family(config.model_type)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        for layer in hf.model.layers:
+            block = getattr(layer, family.block_attr)
+            if not hasattr(block, "experts"):
+                continue  # a dense layer (DeepSeek-V3's first_k_dense_replace, Qwen's mlp_only_layers)
+            spec = family.moe_spec(config)
+            shared = {}
+            for name in (spec.shared_attr, spec.shared_gate_attr):
+                if name is not None:
+                    shared[name] = getattr(block, name)
+            setattr(layer, family.block_attr, MoE(spec, shared))
+    model = MoECausalLM(hf, family)
+    model.to(dtype)
+    for m in model.moe_layers():
+        # fp32 island: the router's selection bias stays fp32 whatever the parameter dtype.
+        if m.router.e_score_correction_bias is not None:
+            m.router.e_score_correction_bias.data = m.router.e_score_correction_bias.data.float()
+    return model
+
+
+def materialize(model: MoECausalLM, device: torch.device | str) -> None:
+    """Allocate meta parameters on ``device`` (uninitialised) and rebuild computed buffers (rotary tables)."""
+    model.to_empty(device=device)
+    with torch.device(device):
+        for parent in model.modules():
+            for name, child in list(parent.named_children()):
+                if hasattr(child, "inv_freq") and hasattr(child, "config"):
+                    fresh = type(child)(child.config)
+                    setattr(parent, name, fresh.to(device))
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.model.embed_tokens.weight

@@ -1,0 +1,22 @@
+"""No expert parallelism: every expert is local, dispatch is a sort."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_tune.moe.dispatch.base import Dispatcher, inverse_permutation, sort_by_expert, weighted_sum
+from moe_tune.moe.router import expert_counts
+
+
+class LocalDispatcher(Dispatcher):
+    def __init__(self, num_experts: int, top_k: int):
+        self.num_experts = self.num_local_experts = num_experts
+        self.top_k = top_k
+
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor):
+        order_R, token_R = sort_by_expert(ids_TK)
+        counts_e = expert_counts(ids_TK, self.num_experts)
+        return x_TD[token_R], counts_e, inverse_permutation(order_R)
+
+    def combine(self, y_RD: torch.Tensor, weights_TK: torch.Tensor, ctx) -> torch.Tensor:
+        return weighted_sum(y_RD, ctx, weights_TK)

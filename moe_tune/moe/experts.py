@@ -1,0 +1,114 @@
+"""Routed experts as stacked weights, run with one grouped GEMM per projection.
+
+Two in-memory layouts exist in Hugging Face transformers v5, and we keep each family's so that parameter
+names and shapes equal the Hugging Face model's:
+  - "out_in" (Qwen, Mixtral, OLMoE, DeepSeek-V3, GLM-4-MoE): ``gate_up_proj [E, 2I, D]`` (gate rows then up
+    rows), ``down_proj [E, D, I]``: each expert's matrix as an ``nn.Linear`` weight (out x in).
+  - "in_out" (GPT-OSS): ``gate_up_proj [E, D, 2I]`` with gate and up *interleaved* along the last dim,
+    ``down_proj [E, I, D]``, plus ``gate_up_proj_bias [E, 2I]`` and ``down_proj_bias [E, D]``.
+On disk, most published checkpoints store one tensor per expert instead (``experts.<j>.gate_proj.weight``...);
+``moe_tune.models.families`` maps between the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    num_experts: int
+    dim: int
+    hidden: int
+    layout: str = "out_in"
+    bias: bool = False
+    # "swiglu": silu(gate) * up. "clamped_swiglu": GPT-OSS's clamped gate/up with (up + 1) * gate * sigmoid(alpha*gate).
+    activation: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+
+def grouped_mm(x_RK: torch.Tensor, w_eKN: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
+    """Rows of group j (between offs[j-1] and offs[j]) times w[j]; empty groups are fine."""
+    return F.grouped_mm(x_RK, w_eKN, offs=offs_e)
+
+
+class GroupedExperts(nn.Module):
+    """The experts held by this rank (all of them without expert parallelism).
+
+    ``forward(x_RD, counts_e)``: rows sorted by local expert, ``counts_e`` rows per local expert (a device
+    tensor: no host sync). Returns ``y_RD`` in the same order.
+    """
+
+    def __init__(self, spec: ExpertsSpec, num_local_experts: int | None = None):
+        super().__init__()
+        self.spec = spec
+        e = spec.num_experts if num_local_experts is None else num_local_experts
+        self.num_local_experts = e
+        D, I = spec.dim, spec.hidden
+        if spec.layout == "out_in":
+            self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * I, D))
+            self.down_proj = nn.Parameter(torch.empty(e, D, I))
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(e, D, 2 * I))
+            self.down_proj = nn.Parameter(torch.empty(e, I, D))
+        if spec.bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * I))
+            self.down_proj_bias = nn.Parameter(torch.empty(e, D))
+        self.impl = "grouped_mm"
+
+    def _weights_KN(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # grouped_mm wants [e, in, out]; the "out_in" layout is read through a transposed view (no copy).
+        if self.spec.layout == "out_in":
+            return self.gate_up_proj.transpose(-2, -1), self.down_proj.transpose(-2, -1)
+        return self.gate_up_proj, self.down_proj
+
+    def _activation(self, h_RI2: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        if s.activation == "swiglu":
+            gate, up = h_RI2.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        gate, up = h_RI2[..., ::2], h_RI2[..., 1::2]
+        gate = gate.clamp(max=s.swiglu_limit)
+        up = up.clamp(min=-s.swiglu_limit, max=s.swiglu_limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * s.swiglu_alpha))
+
+    def forward(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
+        if self.impl == "loop":
+            return self.forward_loop(x_RD, counts_e)
+        w1, w2 = self._weights_KN()
+        offs_e = torch.cumsum(counts_e, dim=0, dtype=torch.int32)
+        h = grouped_mm(x_RD, w1.to(x_RD.dtype), offs_e)
+        if self.spec.bias:
+            row_expert_R = self._row_experts(counts_e, x_RD.shape[0])
+            h = h + self.gate_up_proj_bias.to(h.dtype)[row_expert_R]
+        y = grouped_mm(self._activation(h), w2.to(x_RD.dtype), offs_e)
+        if self.spec.bias:
+            y = y + self.down_proj_bias.to(y.dtype)[row_expert_R]
+        return y
+
+    @staticmethod
+    def _row_experts(counts_e: torch.Tensor, num_rows: int) -> torch.Tensor:
+        ids = torch.arange(counts_e.shape[0], device=counts_e.device)
+        # output_size is given so repeat_interleave needs no host sync.
+        return torch.repeat_interleave(ids, counts_e, output_size=num_rows)
+
+    def forward_loop(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
+        """Reference: one matmul pair per expert. Used by tests and ``kernels.experts=loop`` only."""
+        w1, w2 = self._weights_KN()
+        outs, start = [], 0
+        for j, n in enumerate(counts_e.tolist()):  # host sync: the reference loop needs Python ints
+            x = x_RD[start : start + n]
+            h = x @ w1[j].to(x.dtype)
+            if self.spec.bias:
+                h = h + self.gate_up_proj_bias[j].to(h.dtype)
+            y = self._activation(h) @ w2[j].to(x.dtype)
+            if self.spec.bias:
+                y = y + self.down_proj_bias[j].to(y.dtype)
+            outs.append(y)
+            start += n
+        return torch.cat(outs) if outs else x_RD.new_zeros(0, self.spec.dim)

@@ -1,0 +1,74 @@
+"""The MoE layer that takes the place of every family's Hugging Face sparse-MoE block."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_tune.moe.dispatch import Dispatcher
+from moe_tune.moe.dispatch.local import LocalDispatcher
+from moe_tune.moe.experts import ExpertsSpec, GroupedExperts
+from moe_tune.moe.router import Router, RouterSpec, expert_counts, load_balancing_loss, z_loss
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    router: RouterSpec
+    experts: ExpertsSpec
+    # Attribute names kept from Hugging Face so that parameter names match its state dict.
+    router_attr: str = "gate"
+    # Names of the Hugging Face block's shared-expert modules we adopt as they are (dense MLPs).
+    shared_attr: str | None = None
+    # Qwen2-MoE: a Linear(D, 1) whose sigmoid scales the shared expert's output.
+    shared_gate_attr: str | None = None
+    # GPT-OSS's block returns (hidden, router_scores).
+    returns_tuple: bool = False
+
+
+class MoE(nn.Module):
+    def __init__(self, spec: MoESpec, shared: dict[str, nn.Module] | None = None, dispatcher: Dispatcher | None = None):
+        super().__init__()
+        self.spec = spec
+        setattr(self, spec.router_attr, Router(spec.router, spec.experts.dim))
+        self.dispatcher = dispatcher or LocalDispatcher(spec.router.num_experts, spec.router.top_k)
+        self.experts = GroupedExperts(spec.experts, self.dispatcher.num_local_experts)
+        for name, module in (shared or {}).items():
+            setattr(self, name, module)
+        # Filled by every forward for the trainer: balancing losses (with graph) and rows per expert (detached).
+        self.aux_loss: torch.Tensor | None = None
+        self.z_loss: torch.Tensor | None = None
+        self.counts_E: torch.Tensor | None = None
+
+    @property
+    def router(self) -> Router:
+        return getattr(self, self.spec.router_attr)
+
+    def set_dispatcher(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+
+    def forward(self, x: torch.Tensor):
+        shape = x.shape
+        x_TD = x.reshape(-1, shape[-1])
+        weights_TK, ids_TK, scores_TE, logits_TE = self.router(x_TD)
+        counts_E = expert_counts(ids_TK, self.spec.router.num_experts)
+        if self.training:
+            self.aux_loss = load_balancing_loss(scores_TE, counts_E, self.spec.router.top_k)
+            self.z_loss = z_loss(logits_TE)
+        self.counts_E = counts_E.detach()
+
+        x_RD, counts_e, ctx = self.dispatcher.dispatch(x_TD, ids_TK)
+        y_RD = self.experts(x_RD, counts_e)
+        out_TD = self.dispatcher.combine(y_RD, weights_TK, ctx)
+
+        if self.spec.shared_attr is not None:
+            shared_TD = getattr(self, self.spec.shared_attr)(x_TD)
+            if self.spec.shared_gate_attr is not None:
+                shared_TD = F.sigmoid(getattr(self, self.spec.shared_gate_attr)(x_TD)) * shared_TD
+            out_TD = out_TD + shared_TD
+        out = out_TD.view(shape).to(x.dtype)
+        if self.spec.returns_tuple:
+            return out, weights_TK
+        return out
