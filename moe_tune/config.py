@@ -28,12 +28,13 @@ class ModelConfig:
     # A name from conf/model (tiny models are built locally) or a local Hugging Face directory in `path`.
     name: str = "tiny_qwen3_moe"
     path: str | None = None
-    # Storage dtype of the parameters (the master copy); compute dtype follows train.precision.
-    dtype: str = "float32"
+    # dtype of the exported hf/ weights: "source" keeps each tensor's dtype from the source checkpoint.
+    # (Training dtypes are train.precision's.)
+    dtype: str = "source"
     # For built-in models: overrides of the Hugging Face config fields (e.g. num_hidden_layers).
     overrides: dict[str, Any] = field(default_factory=dict)
-    # For built-in models: which published architecture the tiny/random model follows.
-    family: str = "qwen3_moe"
+    # The Hugging Face model_type this model follows ("auto": read from model.path's config.json).
+    family: str = "auto"
 
 
 @dataclass
@@ -196,7 +197,7 @@ def validate(cfg: Config, world_size: int | None = None, num_experts: int | None
     _choice(cfg.kernels.experts, EXPERT_KERNELS, "kernels.experts")
     _choice(cfg.kernels.fp8, FP8_MODES, "kernels.fp8")
     _choice(cfg.parallel.activation_checkpointing, AC_MODES, "parallel.activation_checkpointing")
-    _choice(cfg.model.dtype, ("float32", "bfloat16"), "model.dtype")
+    _choice(cfg.model.dtype, ("source", "float32", "bfloat16"), "model.dtype")
     _, dp_shard, ep = resolve_parallel(cfg.parallel, world_size)
     if cfg.model.path is not None and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
         raise ConfigError(

@@ -11,8 +11,14 @@ import functools
 from moe_tune.config import ConfigError
 
 
-def apply_kernels(model, name: str = "torch", experts: str = "grouped_mm", fused_loss: bool = True,
-                  loss_chunk_size: int = 4096, fp8: str = "none") -> None:
+def apply_kernels(
+    model,
+    name: str = "torch",
+    experts: str = "grouped_mm",
+    fused_loss: bool = True,
+    loss_chunk_size: int = 4096,
+    fp8: str = "none",
+) -> None:
     if name not in ("torch", "te"):
         raise ConfigError(f"kernels={name!r} is not one of torch, te")
     for moe in model.moe_layers():

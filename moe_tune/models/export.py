@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from moe_tune.models.hf_io import (
     EXPERT_PARAM,
     copy_side_files,
+    disk_key,
     expert_offsets,
     named_tensors,
     source_dtypes,
@@ -37,10 +38,33 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def _stacked_on_disk(family, name: str, source_keys) -> bool:
+    """Whether an expert tensor is stored as one stacked key (GPT-OSS, or a v5-format source), not per expert."""
+    parts = family.disk_experts or {}
+    return EXPERT_PARAM.match(name)["name"] not in parts or disk_key(family, name) in source_keys
+
+
+def _gather_experts(local: torch.Tensor, ep_group) -> torch.Tensor:
+    if ep_group is None:
+        raise ValueError("exporting EP-sharded experts stored stacked needs ep_group (the ep mesh axis's group)")
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(ep_group))]
+    # Collective over the ep mesh axis: every ep rank's expert slice, in expert order (ep rank s owns block s).
+    dist.all_gather(pieces, local.contiguous(), group=ep_group)
+    return torch.cat(pieces)
+
+
 @torch.no_grad()
-def write_checkpoint(model, out_dir: str, max_shard_bytes: int = 4 << 30, expert_writer: bool | None = None) -> None:
+def write_checkpoint(
+    model,
+    out_dir: str,
+    max_shard_bytes: int = 4 << 30,
+    expert_writer: bool | None = None,
+    dtype=None,
+    ep_group=None,
+) -> None:
     """``expert_writer``: whether this rank writes its local experts (one rank per ep group; the caller
-    decides, e.g. the efsdp/dp_replicate rank 0). Dense tensors are written round-robin over all ranks."""
+    decides, e.g. the efsdp/dp_replicate rank 0). Dense tensors are written round-robin over all ranks.
+    ``ep_group``: under EP, experts that the checkpoint stores as one stacked key are gathered over it."""
     rank, world = _rank_world()
     if expert_writer is None:
         expert_writer = rank == 0
@@ -59,6 +83,9 @@ def write_checkpoint(model, out_dir: str, max_shard_bytes: int = 4 << 30, expert
             continue
         full = _full(t)
         is_expert = EXPERT_PARAM.match(name) is not None
+        first = offsets.get(name, 0)
+        if is_expert and ep_sharded and _stacked_on_disk(family, name, dtypes):
+            full, first, is_expert = _gather_experts(full, ep_group), 0, False  # then written like a dense tensor
         if is_expert and ep_sharded:
             mine = expert_writer
         else:
@@ -66,8 +93,8 @@ def write_checkpoint(model, out_dir: str, max_shard_bytes: int = 4 << 30, expert
             dense_index += 1
         if not mine:
             continue
-        for key, piece in to_disk_tensors(family, name, full, offsets.get(name, 0)):
-            piece = piece.to(dtypes.get(key, piece.dtype)).detach().cpu().contiguous()
+        for key, piece in to_disk_tensors(family, name, full, first, source_keys=dtypes):
+            piece = piece.to(dtype or dtypes.get(key, piece.dtype)).detach().cpu().contiguous()
             nbytes = piece.numel() * piece.element_size()
             if size and size + nbytes > max_shard_bytes:
                 shards.append({})
@@ -80,7 +107,11 @@ def write_checkpoint(model, out_dir: str, max_shard_bytes: int = 4 << 30, expert
     files: dict[str, str] = {}
     nbytes_total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
     for i, shard in enumerate(shards):
-        fname = f"model-rank{rank:05d}-part{i:03d}.safetensors" if world > 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        fname = (
+            f"model-rank{rank:05d}-part{i:03d}.safetensors"
+            if world > 1
+            else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
         save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
         files.update(dict.fromkeys(shard, fname))
     gathered = [(files, nbytes_total)]
@@ -95,7 +126,9 @@ def write_checkpoint(model, out_dir: str, max_shard_bytes: int = 4 << 30, expert
             os.replace(os.path.join(out_dir, fnames[0]), os.path.join(out_dir, "model.safetensors"))
         else:
             with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+                json.dump(
+                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2
+                )
         _write_config(model, out_dir)
         copy_side_files(model.source_dir, out_dir)
     if world > 1:

@@ -32,19 +32,32 @@ class Family:
     )
     # (in-memory fragment, on-disk fragment) renames, e.g. Mixtral's block_sparse_moe.
     disk_renames: tuple[tuple[str, str], ...] = ()
+    # Attention kernel for the (unchanged) Hugging Face attention. GPT-OSS's attention sinks have no SDPA path
+    # in transformers, so it runs eager attention as Hugging Face does.
+    attn_implementation: str = "sdpa"
+
+
+def _swiglu_hidden(c, key: str) -> int:
+    """The routed experts' hidden size; refuses activations other than SwiGLU (silu) rather than run them wrong."""
+    act = getattr(c, "hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{c.model_type}: hidden_act={act!r} is not supported for experts; only 'silu' (SwiGLU) is")
+    return getattr(c, key)
 
 
 def _softmax_family(num_experts_key: str, hidden_key: str, norm: bool | None, shared: bool = False):
     def spec(c) -> MoESpec:
         E = getattr(c, num_experts_key)
         return MoESpec(
+            # Mixtral only: multiplicative noise on the block's input in training (0 in published configs).
+            input_jitter=float(getattr(c, "router_jitter_noise", 0.0) or 0.0),
             router=RouterSpec(
                 num_experts=E,
                 top_k=c.num_experts_per_tok,
                 score="softmax",
                 norm_topk_prob=bool(c.norm_topk_prob) if norm is None else norm,
             ),
-            experts=ExpertsSpec(num_experts=E, dim=c.hidden_size, hidden=getattr(c, hidden_key)),
+            experts=ExpertsSpec(num_experts=E, dim=c.hidden_size, hidden=_swiglu_hidden(c, hidden_key)),
             shared_attr="shared_expert" if shared else None,
             shared_gate_attr="shared_expert_gate" if shared else None,
         )
@@ -65,7 +78,7 @@ def _sigmoid_family(c) -> MoESpec:
             topk_groups=c.topk_group,
             correction_bias=True,
         ),
-        experts=ExpertsSpec(num_experts=E, dim=c.hidden_size, hidden=c.moe_intermediate_size),
+        experts=ExpertsSpec(num_experts=E, dim=c.hidden_size, hidden=_swiglu_hidden(c, "moe_intermediate_size")),
         shared_attr="shared_experts",
     )
 
@@ -103,14 +116,16 @@ FAMILIES: dict[str, Family] = {
         Family("olmoe", _softmax_family("num_experts", "intermediate_size", None)),
         Family("deepseek_v3", _sigmoid_family),
         Family("glm4_moe", _sigmoid_family),
-        Family("gpt_oss", _gpt_oss, disk_experts=None),
+        Family("gpt_oss", _gpt_oss, disk_experts=None, attn_implementation="eager"),
     )
 }
 
 
-def get_family(model_type: str) -> Family:
+def get_family(model_type: str, architectures: list[str] | None = None) -> Family:
     if model_type not in FAMILIES:
+        arch = f" ({', '.join(architectures)})" if architectures else ""
         raise ConfigError(
-            f"model_type {model_type!r} is not supported; supported families: {', '.join(sorted(FAMILIES))}"
+            f"model_type {model_type!r}{arch} is not a supported MoE family; supported families: "
+            f"{', '.join(sorted(FAMILIES))}. Give a checkpoint of one of those"
         )
     return FAMILIES[model_type]

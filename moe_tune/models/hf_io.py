@@ -12,7 +12,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 
 import torch
 from safetensors import safe_open
@@ -20,7 +20,9 @@ from safetensors import safe_open
 from moe_tune.config import ConfigError
 from moe_tune.models.families import Family
 
-EXPERT_PARAM = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<name>gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$")
+EXPERT_PARAM = re.compile(
+    r"^(?P<prefix>.*\.experts)\.(?P<name>gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$"
+)
 # Files copied verbatim from the source checkpoint into an export.
 SIDE_FILES = (
     "generation_config.json",
@@ -134,13 +136,14 @@ def named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def expert_offsets(model: torch.nn.Module) -> dict[str, int]:
-    """For each stacked expert tensor, the global index of this rank's first expert (0 without EP)."""
+    """For each stacked expert tensor, the global index of this rank's first expert. Empty without EP; under
+    EP (``apply_ep`` sets ``expert_offset`` on every experts module) it lists every expert tensor, ep rank 0's
+    included, so all ranks agree that the experts are EP-sharded."""
     offsets = {}
     for name, module in model.named_modules():
-        first = getattr(module, "expert_offset", 0)
-        if hasattr(module, "gate_up_proj") and first:
+        if hasattr(module, "gate_up_proj") and hasattr(module, "expert_offset"):
             for p in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
-                offsets[f"{name}.{p}"] = first
+                offsets[f"{name}.{p}"] = module.expert_offset
     return offsets
 
 
@@ -155,6 +158,8 @@ def load_state(model: torch.nn.Module, path: str, family: Family, strict: bool =
         if tied and name == "lm_head.weight":
             continue
         local = t.to_local() if hasattr(t, "to_local") else t
+        if local.numel() == 0:
+            continue  # an empty FSDP shard (more ranks than rows): nothing to read
         start, stop = _global_shape_and_rows(t, name, offsets)
         src = read_global_rows(reader, family, name, start, stop)
         if tuple(src.shape) != tuple(local.shape):
@@ -182,10 +187,13 @@ def source_dtypes(path: str) -> dict[str, torch.dtype]:
     return {k: reader.dtype(k) for k in reader.weight_map}
 
 
-def to_disk_tensors(family: Family, name: str, t: torch.Tensor, first_expert: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """In-memory tensor -> the (key, tensor) pairs the family stores on disk."""
+def to_disk_tensors(
+    family: Family, name: str, t: torch.Tensor, first_expert: int = 0, source_keys: Container[str] = ()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """In-memory tensor -> the (key, tensor) pairs the family stores on disk: one tensor per expert, unless the
+    source checkpoint (``source_keys``) stored this tensor stacked as transformers v5 holds it in memory."""
     m = EXPERT_PARAM.match(name)
-    if m and family.disk_experts and m["name"] in family.disk_experts:
+    if m and family.disk_experts and m["name"] in family.disk_experts and disk_key(family, name) not in source_keys:
         prefix = disk_key(family, m["prefix"])
         parts = family.disk_experts[m["name"]]
         for j in range(t.shape[0]):

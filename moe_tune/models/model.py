@@ -115,13 +115,18 @@ class MoECausalLM(nn.Module):
         save_pretrained(self, out_dir)
 
 
-def build_model(config, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa") -> MoECausalLM:
-    """The Hugging Face model for ``config`` on the meta device, its sparse blocks replaced by ``MoE``."""
+def build_model(config, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> MoECausalLM:
+    """The Hugging Face model for ``config`` on the meta device, its sparse blocks replaced by ``MoE``.
+
+    ``attn_implementation``: None takes the family's (``sdpa``, or ``eager`` where transformers has no SDPA path).
+    """
     from transformers import AutoModelForCausalLM
 
-    family = get_family(config.model_type)
+    family = get_family(config.model_type, getattr(config, "architectures", None))
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        hf = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation or family.attn_implementation
+        )
         for layer in hf.model.layers:
             block = getattr(layer, family.block_attr)
             if not hasattr(block, "experts"):
@@ -131,14 +136,20 @@ def build_model(config, dtype: torch.dtype = torch.float32, attn_implementation:
             for name in (spec.shared_attr, spec.shared_gate_attr):
                 if name is not None:
                     shared[name] = getattr(block, name)
-            setattr(layer, family.block_attr, MoE(spec, shared))
-    model = MoECausalLM(hf, family)
-    model.to(dtype)
-    for m in model.moe_layers():
-        # fp32 island: the router's selection bias stays fp32 whatever the parameter dtype.
-        if m.router.e_score_correction_bias is not None:
-            m.router.e_score_correction_bias.data = m.router.e_score_correction_bias.data.float()
-    return model
+            moe = MoE(spec, shared)
+            _match_dtypes(moe, block, dtype)
+            setattr(layer, family.block_attr, moe)
+    return MoECausalLM(hf, family)
+
+
+def _match_dtypes(moe: MoE, block: nn.Module, dtype: torch.dtype) -> None:
+    """Give each MoE tensor the dtype transformers gives the tensor of the same name in its block: the model
+    dtype, except the fp32 islands it keeps whatever the dtype (DeepSeek-V3 and GLM-4-MoE create the router
+    weight and ``e_score_correction_bias`` in fp32, so bf16 rounding never decides which experts are chosen)."""
+    theirs = {**dict(block.named_parameters()), **dict(block.named_buffers())}
+    for name, t in [*moe.named_parameters(), *moe.named_buffers()]:
+        ref = theirs.get(name)
+        t.data = t.data.to(ref.dtype if ref is not None else dtype)
 
 
 def materialize(model: MoECausalLM, device: torch.device | str) -> None:

@@ -49,7 +49,7 @@ class GroupedExperts(nn.Module):
         self.spec = spec
         e = spec.num_experts if num_local_experts is None else num_local_experts
         self.num_local_experts = e
-        D, I = spec.dim, spec.hidden
+        D, I = spec.dim, spec.hidden  # noqa: E741 (I: expert hidden dim, the moe/ legend)
         if spec.layout == "out_in":
             self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * I, D))
             self.down_proj = nn.Parameter(torch.empty(e, D, I))

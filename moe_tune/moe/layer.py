@@ -26,6 +26,8 @@ class MoESpec:
     shared_gate_attr: str | None = None
     # GPT-OSS's block returns (hidden, router_scores).
     returns_tuple: bool = False
+    # Mixtral's router_jitter_noise: in training, the block's input is scaled by U(1 - j, 1 + j) per element.
+    input_jitter: float = 0.0
 
 
 class MoE(nn.Module):
@@ -44,13 +46,17 @@ class MoE(nn.Module):
 
     @property
     def router(self) -> Router:
-        return getattr(self, self.spec.router_attr)
+        # Read _modules directly: for GPT-OSS the attribute is itself called "router" and getattr would recurse.
+        return self._modules[self.spec.router_attr]
 
     def set_dispatcher(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
 
     def forward(self, x: torch.Tensor):
         shape = x.shape
+        if self.training and self.spec.input_jitter > 0:
+            j = self.spec.input_jitter
+            x = x * torch.empty_like(x).uniform_(1.0 - j, 1.0 + j)
         x_TD = x.reshape(-1, shape[-1])
         weights_TK, ids_TK, scores_TE, logits_TE = self.router(x_TD)
         counts_E = expert_counts(ids_TK, self.spec.router.num_experts)

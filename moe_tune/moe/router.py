@@ -90,7 +90,8 @@ class Router(nn.Module):
             group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
             group_ids = torch.topk(group_scores, k=s.topk_groups, dim=-1, sorted=False)[1]
             keep = torch.zeros_like(group_scores).scatter_(1, group_ids, 1.0).bool()
-            choice_TE = grouped.masked_fill(~keep.unsqueeze(-1), 0.0).view(T, -1)
+            # -inf, not 0: with a negative correction bias a kept expert can score below 0 and must still win.
+            choice_TE = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, -1)
         return torch.topk(choice_TE, k=s.top_k, dim=-1, sorted=False)[1]
 
     def _maybe_balanced(self, ids_TK: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,3 @@
+from moe_tune.cli import main
+
+main()

@@ -1,0 +1,171 @@
+"""Is a backend usable here? Two levels, both cheap enough to run before any process group exists.
+
+``unusable_reason(name)`` is what ``config.validate()`` asks: is the package importable, is there a CUDA GPU,
+is its compute capability high enough. It returns one line naming the problem and the fix, or None.
+``probe(name)`` goes further and *runs* a tiny call of the backend (a grouped GEMM forward and backward, a
+TransformerEngine Linear, a symmetric-memory allocation...) and checks its numbers; ``moe-tune-env`` prints it.
+
+Nothing heavy is imported at module import time: torch and every backend load inside the functions.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+BACKENDS = (
+    "grouped_mm",
+    "deepep",
+    "symm_mem",
+    "transformer_engine",
+    "fp8_current",
+    "fp8_delayed",
+    "fp8_mxfp8",
+)
+
+DEEPEP_HOWTO = (
+    "DeepEP is not installed, and it is not on PyPI: build it from upstream source tag v1.2.1: "
+    "`git clone --branch v1.2.1 https://github.com/deepseek-ai/DeepEP && pip install nvidia-nvshmem-cu13 && "
+    "CPATH=/usr/local/cuda/include/cccl:$CPATH pip install --no-build-isolation ./DeepEP` "
+    "(its setup.py finds NVSHMEM in PyTorch's nvidia-nvshmem wheel; use -cu12 on CUDA 12, where the CPATH "
+    "addition for CUDA 13's CCCL headers is not needed); or pick comm=all_to_all"
+)
+TE_HOWTO = "TransformerEngine is not installed: pip install 'moe_tune[te]' (transformer-engine[pytorch]); or pick kernels=torch"
+# Lowest compute capability per backend, and the fp8 recipe each kernels.fp8 mode maps to.
+_MIN_CC = {"deepep": (9, 0), "symm_mem": (8, 0), "transformer_engine": (8, 0), "grouped_mm": (8, 0)}
+_FP8_MODES = {"fp8_current": "Float8CurrentScaling", "fp8_delayed": "DelayedScaling", "fp8_mxfp8": "MXFP8BlockScaling"}
+
+
+def _cuda() -> tuple[str, tuple[int, int]] | None:
+    """(name, compute capability) of the current CUDA device, or None when there is none."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(), tuple(torch.cuda.get_device_capability())
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _import_error(module: str) -> str | None:
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # a broken install raises anything (ImportError, OSError for a missing .so...)
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def _needs_gpu(what: str, key: str, gpu, min_cc: tuple[int, int]) -> str | None:
+    if gpu is None:
+        return f"{key} needs a CUDA GPU and none is visible here (torch.cuda.is_available() is False)"
+    name, cc = gpu
+    if cc < min_cc:
+        return (
+            f"{key} needs compute capability >= {min_cc[0]}.{min_cc[1]} for {what}; "
+            f"this GPU is {name} (sm{cc[0]}{cc[1]})"
+        )
+    return None
+
+
+def unusable_reason(name: str) -> str | None:
+    """None if backend ``name`` can be used here, else one line saying why not and what to do."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
+    if name == "grouped_mm":
+        return _grouped_mm_reason()
+    gpu = _cuda()
+    if name == "deepep":
+        if not _installed("deep_ep"):
+            return f"comm=deepep: {DEEPEP_HOWTO}"
+        reason = _needs_gpu("DeepEP's kernels (built for Hopper)", "comm=deepep", gpu, _MIN_CC["deepep"])
+        if reason:
+            return reason
+        err = _import_error("deep_ep")
+        return f"comm=deepep: `import deep_ep` fails ({err}); rebuild DeepEP against this torch" if err else None
+    if name == "symm_mem":
+        return _symm_mem_reason(gpu)
+    if name == "transformer_engine":
+        return _te_reason("kernels=te", gpu)
+    # fp8 modes: the GPU decides first (an mxfp8 request on Hopper is wrong whatever is installed).
+    key = f"kernels.fp8={name.removeprefix('fp8_')}"
+    if gpu is None:
+        return f"{key} needs a CUDA GPU and none is visible here (torch.cuda.is_available() is False)"
+    gpu_name, cc = gpu
+    if name == "fp8_mxfp8" and cc < (10, 0):
+        return (
+            f"{key} needs a Blackwell GPU (compute capability 10.x, sm100) for MXFP8 block scaling; this GPU is "
+            f"{gpu_name} (sm{cc[0]}{cc[1]}): use kernels.fp8=current or kernels.fp8=delayed"
+        )
+    if cc < (8, 9):
+        return f"{key} needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell); this GPU is {gpu_name} (sm{cc[0]}{cc[1]})"
+    return _te_reason(key, gpu)
+
+
+def _grouped_mm_reason() -> str | None:
+    import torch
+    import torch.nn.functional as F
+
+    if not hasattr(F, "grouped_mm") and not hasattr(torch, "_grouped_mm"):
+        return f"kernels.experts=grouped_mm needs torch >= 2.10 (torch.nn.functional.grouped_mm); this is torch {torch.__version__}"
+    gpu = _cuda()
+    if gpu is not None and gpu[1] < _MIN_CC["grouped_mm"]:
+        return _needs_gpu("grouped_mm's CUDA kernel", "kernels.experts=grouped_mm", gpu, _MIN_CC["grouped_mm"])
+    return None
+
+
+def _te_reason(key: str, gpu) -> str | None:
+    if not _installed("transformer_engine"):
+        return f"{key}: {TE_HOWTO}"
+    reason = _needs_gpu("TransformerEngine", key, gpu, _MIN_CC["transformer_engine"])
+    if reason:
+        return reason
+    err = _import_error("transformer_engine.pytorch")
+    return (
+        f"{key}: `import transformer_engine.pytorch` fails ({err}); reinstall it for this torch and CUDA"
+        if err
+        else None
+    )
+
+
+def _symm_mem_reason(gpu) -> str | None:
+    reason = _needs_gpu("symmetric memory", "comm=symm_mem", gpu, _MIN_CC["symm_mem"])
+    if reason:
+        return reason
+    import torch
+
+    try:
+        from torch.distributed import _symmetric_memory as symm
+    except ImportError as e:
+        return f"comm=symm_mem: torch {torch.__version__} has no torch.distributed._symmetric_memory ({e}); use torch >= 2.11"
+    if not symm.is_nvshmem_available():
+        return (
+            f"comm=symm_mem: NVSHMEM is not available to torch {torch.__version__} "
+            "(symm_mem.is_nvshmem_available() is False); pip install nvidia-nvshmem-cu13 (cu12 on CUDA 12), or pick comm=all_to_all"
+        )
+    if not hasattr(torch.ops.symm_mem, "all_to_all_vdev"):
+        return f"comm=symm_mem: torch {torch.__version__} lacks torch.ops.symm_mem.all_to_all_vdev; use torch >= 2.11"
+    return None
+
+
+# -- probes: run the backend ---------------------------------------------------------------------------
+
+
+def probe(name: str) -> tuple[bool, str]:
+    """Run a tiny call of backend ``name`` here. Returns (ok, detail): what ran and what it measured, or why
+    it could not run. Never raises for a backend failure."""
+    reason = unusable_reason(name)
+    if reason is not None:
+        return False, reason
+    from moe_tune import probes
+
+    try:
+        if name in _FP8_MODES:
+            return probes.run_fp8(_FP8_MODES[name])
+        return getattr(probes, f"run_{name}")()
+    except Exception as e:
+        return False, f"{name}: the probe call failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

@@ -1,0 +1,286 @@
+"""``moe-tune-bench`` = ``python -m moe_tune.bench``: one workload through the plain Transformers baseline,
+moe_tune variants and (when installed) NeMo AutoModel, side by side.
+
+    moe-tune-bench model=qwen3_30b_a3b model.overrides.num_hidden_layers=8 train.seq_len=4096 \\
+        train.micro_batch_size=1 train.steps=20 train.warmup_steps_excluded=5 \\
+        --variants 'a2a:comm=all_to_all,parallel.ep=2;deepep:comm=deepep,parallel.ep=2' --nproc 2
+
+Positional arguments are moe_tune's Hydra overrides, shared by every row (the workload). Each row runs in its
+own process group lifetime (``torchrun --standalone`` or, for one process, plain ``python -m``), writing
+``<out>/runs/<stamp>/<variant>/{metrics.jsonl,summary.json,stdout.log,stderr.log}``; a row that fails is
+recorded as ``oom`` or ``error: <reason>`` and the benchmark goes on. Results: ``<out>/bench-<stamp>.json``
+(schema in CONTRACT.md), ``.md`` (table) and ``.png`` (chart) beside it; see benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+
+from moe_tune.bench.runner import Row, run_row, split_overrides
+
+# Written out for every row unless the overrides set them: no export or checkpoint writes in a benchmark,
+# and never resume from an earlier run's checkpoint.
+BENCH_DEFAULTS = ("checkpoint.export_hf=false", "checkpoint.every=0", "checkpoint.resume=none")
+BASELINES = ("grouped_mm", "eager")
+PEAK_SOURCE = "NVIDIA datasheet dense BF16 tensor-core peak, without sparsity"
+
+
+@dataclass
+class Plan:
+    name: str
+    kind: str  # baseline | moe_tune | peer
+    module: str
+    args: list[str]
+    overrides: list[str] = field(default_factory=list)
+
+
+def parse_variants(spec: str | None) -> list[tuple[str, list[str]]]:
+    """``'a2a:comm=all_to_all,parallel.ep=2;comm=deepep,parallel.ep=2'`` -> [(name, overrides)], names
+    defaulting to the overrides' leaf keys and values (``comm=deepep,ep=2``), made unique."""
+    out: list[tuple[str, list[str]]] = []
+    for part in (spec or "").split(";"):
+        part = part.strip()
+        if not part:
+            continue
+        name, sep, rest = part.partition(":")
+        if not sep or "=" in name:
+            name, rest = "", part
+        overrides = split_overrides(rest)
+        name = name.strip() or ",".join(f"{o.partition('=')[0].rsplit('.', 1)[-1]}={o.partition('=')[2]}" for o in overrides)
+        out.append((name or "moe_tune", overrides))
+    if not out:
+        out = [("moe_tune", [])]
+    seen: dict[str, int] = {}
+    unique = []
+    for name, overrides in out:
+        seen[name] = seen.get(name, 0) + 1
+        unique.append((name if seen[name] == 1 else f"{name}-{seen[name]}", overrides))
+    return unique
+
+
+def with_defaults(overrides: list[str]) -> list[str]:
+    keys = {o.partition("=")[0].lstrip("+~") for o in overrides}
+    return [d for d in BENCH_DEFAULTS if d.partition("=")[0] not in keys] + overrides
+
+
+def compose_config(overrides: list[str]):
+    """The resolved ``Config`` of a set of overrides, or the one-line reason it does not compose."""
+    from moe_tune.cli import compose, to_config
+
+    try:
+        return to_config(compose(overrides)), None
+    except Exception as e:  # noqa: BLE001  (Hydra raises many exception types for bad overrides)
+        cause = e.__cause__ or e.__context__
+        return None, " ".join(f"{e} {cause or ''}".split())[:300]
+
+
+def row_config(cfg, kind: str, experts: str | None = None) -> dict:
+    if cfg is None:
+        return {}
+    common = {
+        "precision": cfg.train.precision,
+        "activation_checkpointing": cfg.parallel.activation_checkpointing,
+        "micro_batch_size": cfg.train.micro_batch_size,
+    }
+    if kind == "baseline":
+        return {"comm": "none", "kernels": "transformers", "experts": experts, "ep": 1, "fsdp": "per layer + root", **common}
+    return {
+        "comm": cfg.comm.name,
+        "kernels": cfg.kernels.name,
+        "experts": cfg.kernels.experts,
+        "fp8": cfg.kernels.fp8,
+        "compile": cfg.kernels.compile,
+        "fused_loss": cfg.kernels.fused_loss,
+        "ep": cfg.parallel.ep,
+        "dp_replicate": cfg.parallel.dp_replicate,
+        **common,
+    }
+
+
+def workload(cfg, nproc: int) -> dict:
+    from moe_tune.models.presets import PRESETS
+
+    t = cfg.train
+    published = PRESETS.get(cfg.model.name, {}).get("num_hidden_layers") if cfg.model.path is None else None
+    num_layers = cfg.model.overrides.get("num_hidden_layers", published)
+    if cfg.model.path is not None:
+        with open(os.path.join(cfg.model.path, "config.json")) as f:
+            num_layers = json.load(f).get("num_hidden_layers")
+    return {
+        "model": cfg.model.path or cfg.model.name,
+        "num_layers": num_layers,
+        "published_num_layers": published,
+        "seq_len": t.seq_len,
+        "global_batch_size": t.micro_batch_size * nproc if t.global_batch_size == -1 else t.global_batch_size,
+        "micro_batch_size": t.micro_batch_size,
+        "precision": t.precision,
+        "routing": "forced_balanced" if t.force_balanced_routing else "real",
+        "activation_checkpointing": cfg.parallel.activation_checkpointing,
+        "steps": t.steps,
+        "warmup_steps_excluded": t.warmup_steps_excluded,
+        "data": cfg.data.path or cfg.data.name,
+        "seed": t.seed,
+        "lr": t.lr,
+    }
+
+
+def build_plans(args, common: list[str]) -> tuple[list[Plan], list[dict]]:
+    plans, skipped = [], []
+    baselines = [] if args.baselines.strip() == "none" else [b.strip() for b in args.baselines.split(",") if b.strip()]
+    for b in baselines:
+        if b not in BASELINES:
+            raise SystemExit(f"moe-tune-bench: error: --baselines {b!r} is not one of {', '.join(BASELINES)}, none")
+        plans.append(Plan(f"hf_{b}", "baseline", "moe_tune.bench.baseline", ["--experts", b], common))
+    for name, overrides in parse_variants(args.variants):
+        plans.append(Plan(name, "moe_tune", "moe_tune", [], common + overrides))
+    if args.peer == "automodel":
+        if importlib.util.find_spec("nemo_automodel") is None and not args.peer_pythonpath:
+            skipped.append(
+                {"variant": "nemo_automodel", "kind": "peer", "reason": "nemo_automodel is not importable here "
+                 "(pip install nemo_automodel, or give --peer-pythonpath DIR where it is installed)"}
+            )  # fmt: skip
+        else:
+            plans.append(Plan("nemo_automodel", "peer", "moe_tune.bench.peer", ["--dispatcher", args.peer_dispatcher], common))
+    return plans, skipped
+
+
+def max_loss_diff(losses: list[float], reference: list[float]) -> float | None:
+    pairs = list(zip(losses, reference))
+    return max(abs(a - b) for a, b in pairs) if pairs else None
+
+
+def finish_rows(rows: list[dict], peak: float | None) -> str | None:
+    """Fill MFU and the loss difference from the reference baseline (the first baseline that ran)."""
+    ref = next((r for r in rows if r["kind"] == "baseline" and r["status"] == "ok"), None)
+    for r in rows:
+        r["mfu"] = r["tflops_per_gpu"] / peak if peak and r["tflops_per_gpu"] is not None else None
+        r["max_loss_diff_vs_baseline"] = (
+            max_loss_diff(r["losses"], ref["losses"]) if ref is not None and r["status"] == "ok" else None
+        )
+    return ref["variant"] if ref else None
+
+
+def _default_nproc() -> int:
+    import torch
+
+    return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="moe-tune-bench", description=__doc__.splitlines()[0])
+    p.add_argument("overrides", nargs="*", help="Hydra overrides shared by every row (the workload)")
+    p.add_argument("--variants", default=None, help="'name:k=v,k=v;k=v' moe_tune variants (default: one, as given)")
+    p.add_argument("--baselines", default="grouped_mm,eager", help="plain Transformers rows: grouped_mm,eager or none")
+    p.add_argument("--nproc", type=int, default=None, help="ranks per row (default: number of GPUs, 1 on CPU)")
+    p.add_argument("--peer", choices=("none", "automodel"), default="none", help="add a NeMo AutoModel row")
+    p.add_argument("--peer-dispatcher", default="torch", help="NeMo AutoModel MoE dispatcher: torch or deepep")
+    p.add_argument("--peer-pythonpath", default=None, help="prepended to PYTHONPATH for the peer row only")
+    p.add_argument("--routing", choices=("real", "forced_balanced"), default=None, help="default: the overrides'")
+    p.add_argument("--out", default=None, help="default: benchmarks/results/<date>-<hardware>")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="per row")
+    p.add_argument("--peak-tflops", type=float, default=None, help="per-GPU peak for MFU (default: datasheet)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from moe_tune.bench.report import hardware_label, hardware_name, peak_tflops, write_report
+    from moe_tune.env import versions
+    from moe_tune.train import _git_commit, _write_json
+
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    nproc = args.nproc or _default_nproc()
+    common = with_defaults(list(args.overrides))
+    if args.routing is not None:
+        common.append(f"train.force_balanced_routing={str(args.routing == 'forced_balanced').lower()}")
+    cfg, error = compose_config(common)
+    if cfg is None:
+        print(f"moe-tune-bench: error: {error} (overrides: {' '.join(common)}); check the key names against conf/", file=sys.stderr)
+        return 2
+    now = datetime.datetime.now()
+    stamp = now.strftime("%Y%m%d-%H%M%S")
+    import torch
+
+    num_gpus = nproc if torch.cuda.is_available() else 0
+    out = args.out or os.path.join("benchmarks", "results", f"{now:%Y-%m-%d}-{hardware_label(num_gpus)}")
+    os.makedirs(out, exist_ok=True)
+    hardware = hardware_name(num_gpus)
+    peak = args.peak_tflops or peak_tflops(hardware)
+    plans, skipped = build_plans(args, common)
+    result = {
+        "hardware": hardware,
+        "num_gpus": num_gpus,
+        "world_size": nproc,
+        "commit": _git_commit(),
+        "dirty": _dirty(),
+        "date": now.isoformat(timespec="seconds"),
+        "versions": {**versions(), **_peer_version()},
+        "workload": workload(cfg, nproc),
+        "flops_per_token": None,
+        "peak_tflops_per_gpu": peak,
+        "peak_source": (PEAK_SOURCE if args.peak_tflops is None else "given with --peak-tflops") if peak else None,
+        "reference_variant": None,
+        "common_overrides": common,
+        "command": "moe-tune-bench " + shlex.join(argv),
+        "complete": False,
+        "rows": [],
+        "skipped": skipped,
+    }
+    json_path = os.path.join(out, f"bench-{stamp}.json")
+    runs = os.path.join(out, "runs", stamp)
+    for i, plan in enumerate(plans, 1):
+        variant_cfg, error = compose_config(plan.overrides) if plan.kind != "peer" else (cfg, None)
+        row = Row(plan.name, plan.kind, config=row_config(variant_cfg, plan.kind, _experts_arg(plan)))
+        row.config["overrides"] = plan.overrides[len(common) :] if plan.kind == "moe_tune" else []
+        if error is not None:
+            row.status = f"error: {error}"
+        else:
+            env_extra = {"PYTHONPATH": args.peer_pythonpath} if plan.kind == "peer" and args.peer_pythonpath else {}
+            print(f"[bench] {i}/{len(plans)} {plan.name}: running", flush=True)
+            t0 = time.perf_counter()
+            run_row(row, plan.module, plan.args, plan.overrides, os.path.join(runs, plan.name), nproc, args.timeout_s, env_extra)
+            print(f"[bench] {i}/{len(plans)} {plan.name}: {row.one_line()} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        result["rows"].append(row.as_dict())
+        result["reference_variant"] = finish_rows(result["rows"], peak)
+        result["flops_per_token"] = result["flops_per_token"] or row.flops_per_token
+        _write_json(json_path, result)  # after every row: a killed benchmark keeps what it measured
+    result["complete"] = True
+    _write_json(json_path, result)
+    md, png = write_report(result, json_path)
+    print(f"[bench] wrote {json_path}, {md}, {png}", flush=True)
+    return 0
+
+
+def _experts_arg(plan: Plan) -> str | None:
+    return plan.args[plan.args.index("--experts") + 1] if "--experts" in plan.args else None
+
+
+def _peer_version() -> dict:
+    try:
+        from importlib.metadata import version
+
+        return {"nemo_automodel": version("nemo_automodel")}
+    except Exception:  # noqa: BLE001  (not installed: nothing to report)
+        return {}
+
+
+def _dirty() -> bool | None:
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        out = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
+
+
+__all__ = ["main", "parse_variants", "split_overrides"]

@@ -1,0 +1,5 @@
+import sys
+
+from moe_tune.bench import main
+
+sys.exit(main())

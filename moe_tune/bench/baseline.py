@@ -1,0 +1,315 @@
+"""The plain Transformers baseline of ``moe-tune-bench``: the Hugging Face model as published, trained the way
+a user of transformers + FSDP2 would, on exactly moe_tune's workload.
+
+Run as its own process group (``torchrun ... -m moe_tune.bench.baseline --experts grouped_mm <overrides>``,
+or one process without torchrun); the overrides are moe_tune's Hydra overrides and are composed the same way.
+
+What is the Hugging Face model's own:
+  ``AutoModelForCausalLM.from_config(config, attn_implementation=<family's, sdpa>, experts_implementation=
+  grouped_mm|eager)``; its forward computes the full logits and cross-entropy (``labels=``); its router,
+  experts and auxiliary loss (``output_router_logits``, when ``train.aux_loss_coef`` > 0, with that coefficient).
+What is mirrored from moe_tune's Trainer, so that only the model code differs:
+  - weights: the same random init (``init_random`` draws each tensor by its name) or the same checkpoint;
+  - data: ``build_dataset`` and ``PackedDataset.rows(step, micro, mbs, accum, rank, world)``, position ids included;
+  - loss: label-token sum / global label tokens of the step (``num_items_in_batch``), averaged by FSDP over ranks;
+  - FSDP2 ``fully_shard`` per decoder layer and the root over all ranks, moe_tune's MixedPrecisionPolicy for
+    ``train.precision`` and ``parallel.reshard_after_forward``;
+  - optimizer, schedule and clipping: ``moe_tune.optim`` (PyTorch fused AdamW on CUDA) and ``clip_grad_norm_``;
+  - activation checkpointing: ``full`` is Hugging Face's ``gradient_checkpointing_enable``; ``selective`` (which
+    transformers lacks) wraps each layer's attention with moe_tune's ``apply_ac``;
+  - forced balanced routing (``train.force_balanced_routing``): the softmax top-k routers pick experts
+    t*k .. t*k+k-1 mod E for token t, as moe_tune's router does;
+  - metrics: the same metrics.jsonl / summary.json fields, timing and FLOP formula.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+import time
+import types
+from dataclasses import asdict, replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moe_tune.config import CommConfig, Config, ConfigError, KernelsConfig, validate
+
+log = logging.getLogger("moe_tune.bench")
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager")
+
+
+def hf_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """``moe_tune.metrics.flops_per_token`` for a plain Hugging Face model.
+
+    The shared formula counts ``nn.Linear`` modules (attention, dense and shared-expert MLPs, lm_head) and
+    moe_tune's MoE layers; a Hugging Face sparse block instead holds stacked 3-D expert tensors and a router
+    that is not an ``nn.Linear``. Their active parameters are added here: top_k experts' matrices per token
+    (from the global, unsharded shapes) and the router's E x D.
+    """
+    from moe_tune.metrics import flops_per_token
+
+    top_k = model.config.num_experts_per_tok
+    extra = 0
+    for block in model.modules():
+        experts = getattr(block, "experts", None)
+        if not isinstance(experts, nn.Module) or getattr(experts, "gate_up_proj", None) is None:
+            continue
+        per_expert = sum(
+            torch.Size(p.shape[1:]).numel()
+            for name, p in experts.named_parameters(recurse=False)
+            if p.dim() == 3  # stacked (E, out, in) matrices; the biases of GPT-OSS are not matmuls
+        )
+        extra += top_k * per_expert
+        router = getattr(block, "gate", None) or getattr(block, "router", None)
+        if router is not None and not isinstance(router, nn.Linear) and getattr(router, "weight", None) is not None:
+            extra += router.weight.shape.numel()
+    return flops_per_token(model, seq_len) + 6.0 * extra
+
+
+def _balanced_router_forward(self, hidden_states: torch.Tensor):
+    """A softmax top-k router (transformers v5: returns logits, gates, expert ids) with forced balanced
+    routing: token t takes experts t*k .. t*k+k-1 mod E, gated by their softmax scores (fp32 island)."""
+    x_TD = hidden_states.reshape(-1, self.weight.shape[-1])
+    logits_TE = F.linear(x_TD, self.weight)
+    scores_TE = torch.softmax(logits_TE, dtype=torch.float32, dim=-1)
+    T, K = x_TD.shape[0], self.top_k
+    ids_TK = (torch.arange(T, device=x_TD.device).unsqueeze(1) * K + torch.arange(K, device=x_TD.device)) % self.num_experts
+    weights_TK = scores_TE.gather(1, ids_TK)
+    if self.norm_topk_prob:
+        weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+    return logits_TE, weights_TK.to(logits_TE.dtype), ids_TK
+
+
+def apply_forced_balanced_routing(model: nn.Module) -> int:
+    """Patch every softmax top-k router of ``model``; returns how many. Other routers (sigmoid, biased,
+    grouped) are refused rather than silently left on real routing."""
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter") or type(m).__name__.endswith("TopkRouter")]
+    for r in routers:
+        plain = all(hasattr(r, a) for a in ("weight", "top_k", "num_experts", "norm_topk_prob"))
+        if not plain or getattr(r, "bias", None) is not None or hasattr(r, "e_score_correction_bias"):
+            raise ConfigError(
+                f"train.force_balanced_routing=true: the baseline can force only plain softmax top-k routers, not "
+                f"{type(r).__name__}; run this model with routing real (--routing real)"
+            )
+        r.forward = types.MethodType(_balanced_router_forward, r)
+    if not routers:
+        raise ConfigError("train.force_balanced_routing=true: no top-k router found in the Hugging Face model")
+    return len(routers)
+
+
+class Baseline:
+    """Build the Hugging Face model sharded with FSDP2, then train it like ``moe_tune.train.Trainer``."""
+
+    def __init__(self, cfg: Config, experts_implementation: str = "grouped_mm"):
+        from moe_tune.data import build_dataset
+        from moe_tune.dist.env import init_distributed
+        from moe_tune.metrics import MetricsWriter
+        from moe_tune.optim import build_optimizer, build_scheduler
+        from moe_tune.train import _setup_logging, _write_json, build_source, build_tokenizer
+
+        if experts_implementation not in EXPERTS_IMPLEMENTATIONS:
+            raise ConfigError(f"--experts {experts_implementation!r} is not one of {', '.join(EXPERTS_IMPLEMENTATIONS)}")
+        # The baseline has no expert parallelism, dispatcher or kernel choice: check the rest of the workload.
+        validate(replace(cfg, parallel=replace(cfg.parallel, ep=1), comm=CommConfig(), kernels=KernelsConfig()))
+        self.cfg, self.experts_implementation = cfg, experts_implementation
+        self.env = init_distributed()
+        self.rank, self.world, self.device = self.env.rank, self.env.world_size, self.env.device
+        torch.manual_seed(cfg.train.seed)
+        _setup_logging(self.rank)
+        if self.rank == 0:
+            os.makedirs(cfg.output_dir, exist_ok=True)
+            _write_json(os.path.join(cfg.output_dir, "config.json"), asdict(cfg))
+        source, hf_config = build_source(cfg, self.rank)
+        self.model, self.mesh = self.build_model(source, hf_config)
+        t = cfg.train
+        self.accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.micro_batch_size * self.world)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, t.lr, self.device.type)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
+        self.data = build_dataset(cfg.data, build_tokenizer(source), t.seq_len, t.seed)
+        self.metrics = MetricsWriter(cfg.output_dir, self.rank == 0, t.warmup_steps_excluded)
+        self.flops_per_token = hf_flops_per_token(self.model, t.seq_len)
+
+    def build_model(self, source: str | None, hf_config) -> tuple[nn.Module, object]:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from transformers import AutoModelForCausalLM
+
+        from moe_tune.dist.mesh import ParallelDims
+        from moe_tune.models.families import get_family
+        from moe_tune.models.hf_io import load_state
+        from moe_tune.models.init import init_random
+        from moe_tune.models.model import materialize
+        from moe_tune.parallel import apply_ac, mixed_precision_policy
+
+        cfg = self.cfg
+        family = get_family(hf_config.model_type, getattr(hf_config, "architectures", None))
+        aux = cfg.train.aux_loss_coef
+        if hasattr(hf_config, "output_router_logits"):
+            hf_config.output_router_logits = aux > 0
+            hf_config.router_aux_loss_coef = aux
+        hf_config.use_cache = False
+        param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                hf_config,
+                dtype=param_dtype,
+                attn_implementation=family.attn_implementation,
+                experts_implementation=self.experts_implementation,
+            )
+        if cfg.train.force_balanced_routing:
+            apply_forced_balanced_routing(model)
+        ac = cfg.parallel.activation_checkpointing
+        if ac == "full":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif ac == "selective":
+            apply_ac(model.model, "selective")  # transformers has no selective mode: attention only, as moe_tune
+        mesh = ParallelDims(dp_replicate=1, dp_shard=self.world, ep=1, world_size=self.world).build_mesh(
+            self.device.type
+        )
+        mp = mixed_precision_policy(cfg.train.precision)
+        reshard = cfg.parallel.reshard_after_forward
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp_shard"], mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh["dp_shard"], mp_policy=mp)
+        if self.device.type == "cpu":  # gloo has no PREMUL_SUM: reduce with SUM and divide separately
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_force_sum_reduction_for_comms(True)
+        materialize(model, self.device)
+        num_experts = next(
+            (getattr(hf_config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts") if hasattr(hf_config, k)),
+            None,
+        )
+        if source is not None:
+            load_state(model, source, family)
+        else:
+            init_random(model, seed=cfg.train.seed, num_experts=num_experts)
+        model.train()
+        return model, mesh
+
+    def train_step(self, step: int) -> dict:
+        """One optimizer step; the loss bookkeeping is the Trainer's, line for line."""
+        from moe_tune.parallel import clip_grad_norm_
+
+        cfg, model = self.cfg, self.model
+        batches = [
+            [t.to(self.device) for t in self.data.rows(step, m, cfg.train.micro_batch_size, self.accum, self.rank, self.world)]
+            for m in range(self.accum)
+        ]
+        total = sum((labels[:, 1:] != -100).sum() for _, labels, _ in batches).float()
+        if dist.is_initialized():
+            dist.all_reduce(total)  # all ranks: label tokens of the whole step
+        normalizer = total.clamp(min=1) / self.world  # FSDP averages gradients over the world
+        aux_coef = cfg.train.aux_loss_coef
+        ce_sum = torch.zeros((), device=self.device)
+        autocast = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if cfg.train.precision == "amp_bf16"
+            else contextlib.nullcontext()
+        )
+        for m, (ids, labels, pos) in enumerate(batches):
+            model.set_requires_gradient_sync(m == self.accum - 1)
+            with autocast:
+                out = model(input_ids=ids, labels=labels, position_ids=pos, num_items_in_batch=normalizer)
+            # transformers adds router_aux_loss_coef * aux_loss to its loss; split it off to log the CE alone.
+            ce = out.loss - aux_coef * out.aux_loss if getattr(out, "aux_loss", None) is not None else out.loss
+            (ce + (out.loss - ce) / self.accum).backward()
+            ce_sum += ce.detach()
+        grad_norm = clip_grad_norm_(model, cfg.optim.max_grad_norm, self.mesh)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if dist.is_initialized():
+            dist.all_reduce(ce_sum)  # all ranks: per-rank token-loss sums / (global / world)
+        return {"loss": ce_sum / self.world, "grad_norm": grad_norm}
+
+    def fit(self) -> dict:
+        from moe_tune.metrics import peak_memory_gib
+
+        t = self.cfg.train
+        tokens = t.seq_len * t.micro_batch_size * self.accum * self.world
+        for step in range(t.steps):
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            t0 = time.perf_counter()
+            out = self.train_step(step)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # host sync: time the whole step
+            dt = time.perf_counter() - t0
+            alloc, reserved = peak_memory_gib(self.device)
+            # host sync: one .tolist() per step for the metrics line
+            loss, grad_norm = torch.stack([out["loss"].float(), out["grad_norm"].float().to(self.device)]).tolist()
+            tps = tokens / dt
+            row = {
+                "step": step + 1,
+                "loss": loss,
+                "lr": self.scheduler.get_last_lr()[0],
+                "grad_norm": grad_norm,
+                "tokens_per_s": tps,
+                "tokens_per_s_per_gpu": tps / self.world,
+                "tflops_per_gpu": tps / self.world * self.flops_per_token / 1e12,
+                "peak_mem_gib": alloc,
+                "peak_reserved_gib": reserved,
+                "step_time_s": dt,
+            }
+            self.metrics.log(row)
+            if self.rank == 0:
+                log.info(f"step {step + 1} | loss {loss:.4f} | {tps:,.0f} tok/s | {alloc:.1f} GiB")
+        return self.write_summary()
+
+    def write_summary(self) -> dict:
+        from moe_tune.bench.report import hardware_name
+        from moe_tune.env import versions
+        from moe_tune.train import _git_commit, _write_json
+
+        cfg = self.cfg
+        summary = {
+            "config": asdict(cfg),
+            "versions": versions(),
+            "hardware": hardware_name(self.world if self.device.type == "cuda" else 0),
+            "num_gpus": self.world if self.device.type == "cuda" else 0,
+            "world_size": self.world,
+            "commit": _git_commit(),
+            "flops_per_token": self.flops_per_token,
+            "routing": "forced_balanced" if cfg.train.force_balanced_routing else "real",
+            "experts_implementation": self.model.config._experts_implementation,
+            "attn_implementation": self.model.config._attn_implementation,
+            **self.metrics.summary(),
+        }
+        if self.rank == 0:
+            _write_json(os.path.join(cfg.output_dir, "summary.json"), summary)
+        return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    from moe_tune.cli import compose, precheck, to_config
+
+    parser = argparse.ArgumentParser(prog="python -m moe_tune.bench.baseline", description=__doc__.splitlines()[0])
+    parser.add_argument("--experts", default="grouped_mm", choices=EXPERTS_IMPLEMENTATIONS)
+    parser.add_argument("overrides", nargs="*", help="moe_tune Hydra overrides (model=..., train.seq_len=..., output_dir=...)")
+    args = parser.parse_args(argv)
+    precheck(args.overrides)  # a bad override: one line, exit 2
+    try:
+        cfg = to_config(compose(args.overrides))
+        Baseline(cfg, args.experts).fit()
+    except ConfigError as e:
+        print(f"moe-tune-bench baseline: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        from moe_tune.dist.env import destroy_distributed
+
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    sys.exit(main())
+
+
+__all__ = ["Baseline", "apply_forced_balanced_routing", "hf_flops_per_token", "main"]

@@ -1,0 +1,168 @@
+"""Hardware naming, MFU, and the Markdown table and PNG chart of a ``moe-tune-bench`` result JSON.
+
+``python -m moe_tune.bench.report <bench-*.json>`` re-renders the table and chart next to a result file.
+
+MFU = achieved TFLOP/s per GPU / the GPU's dense BF16 peak from its datasheet (no sparsity):
+H100 SXM and H200: 989 TFLOP/s; B200: 2250; A100: 312. The achieved TFLOP/s use the FLOP formula of
+``moe_tune.metrics`` (6 x active matmul parameters per token + causal attention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+
+# Dense BF16 tensor-core peak per GPU, TFLOP/s, from NVIDIA's datasheets (the "with sparsity" figures are 2x).
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0}
+
+
+def gpu_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def hardware_name(num_gpus: int) -> str:
+    """``"2 x NVIDIA H200"``, or ``"cpu"`` without GPUs."""
+    name = gpu_name()
+    return f"{num_gpus} x {name}" if name and num_gpus > 0 else "cpu"
+
+
+def hardware_label(num_gpus: int) -> str:
+    """Short form for directory names: ``"2xH200"``, or ``"cpu"``."""
+    name = gpu_name()
+    if not name or num_gpus == 0:
+        return "cpu"
+    m = re.search(r"[A-Z]+\d+\w*", name.replace("NVIDIA", ""))
+    short = m.group(0) if m else re.sub(r"\W+", "", name)
+    return f"{num_gpus}x{short}"
+
+
+def peak_tflops(hardware: str) -> float | None:
+    for key, value in PEAK_BF16_TFLOPS.items():
+        if key in hardware:
+            return value
+    return None
+
+
+# -- Markdown ------------------------------------------------------------------------------------------
+def _num(value, fmt: str) -> str:
+    return "" if value is None else format(value, fmt)
+
+
+def _reference(result: dict) -> dict | None:
+    ref = result.get("reference_variant")
+    return next((r for r in result["rows"] if r["variant"] == ref and r["status"] == "ok"), None)
+
+
+def markdown(result: dict) -> str:
+    w = result["workload"]
+    layers = f"{w['num_layers']} layers" + (
+        f" (of {w['published_num_layers']})" if w.get("published_num_layers") not in (None, w["num_layers"]) else ""
+    )
+    tokens_per_gpu_step = w["global_batch_size"] * w["seq_len"] // max(1, result["world_size"])
+    peak = result.get("peak_tflops_per_gpu")
+    lines = [
+        f"# {w['model']}, {layers}, seq {w['seq_len']}, {result['hardware']}",
+        "",
+        f"- {result['date']}, commit `{result['commit'][:12]}`{' (uncommitted changes)' if result.get('dirty') else ''}, "
+        + ", ".join(f"{k} {v}" for k, v in result["versions"].items() if k in ("torch", "transformers", "CUDA", "NCCL")),
+        f"- Workload: micro-batch {w['micro_batch_size']} x {w['seq_len']} tokens per rank, global batch "
+        f"{w['global_batch_size']} sequences ({tokens_per_gpu_step:,} tokens per GPU per step), precision "
+        f"`{w['precision']}`, activation checkpointing `{w['activation_checkpointing']}`, routing `{w['routing']}`, "
+        f"{w['steps']} steps, medians after the first {w['warmup_steps_excluded']}.",
+        "- TFLOP/s per GPU = tokens/s per GPU x FLOPs/token, FLOPs/token = 6 x active matmul parameters + "
+        f"6 x layers x seq x (heads x head_dim) (causal attention) = {_num(result.get('flops_per_token'), '.3g')}.",
+        f"- MFU against {peak:g} TFLOP/s per GPU ({result.get('peak_source', '')})." if peak else "- MFU: no peak known for this hardware.",
+        "",
+        "| variant | kind | status | comm | kernels | ep | tokens/s/GPU | vs baseline | TFLOP/s/GPU | MFU | "
+        "peak alloc GiB | peak reserved GiB | final loss | max loss diff vs baseline |",
+        "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    ref = _reference(result)
+    for r in result["rows"]:
+        c = r["config"]
+        speedup = ""
+        if ref and r["status"] == "ok" and ref["tokens_per_s_per_gpu"]:
+            speedup = f"{r['tokens_per_s_per_gpu'] / ref['tokens_per_s_per_gpu']:.2f}x"
+        mfu = "" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+        lines.append(
+            f"| {r['variant']} | {r['kind']} | {r['status']} | {c.get('comm', '')} | {c.get('kernels', '')} | "
+            f"{c.get('ep', '')} | {_num(r['tokens_per_s_per_gpu'], ',.0f')} | {speedup} | "
+            f"{_num(r['tflops_per_gpu'], '.1f')} | {mfu} | {_num(r['peak_mem_gib'], '.1f')} | "
+            f"{_num(r['peak_reserved_gib'], '.1f')} | {_num(r['final_loss'], '.4f')} | "
+            f"{_num(r.get('max_loss_diff_vs_baseline'), '.2e')} |"
+        )
+    for s in result.get("skipped", []):
+        lines.append(f"\nNot run: {s['variant']} ({s['kind']}): {s['reason']}.")
+    notes = [f"{r['variant']}: {r['note']}" for r in result["rows"] if r.get("note")]
+    if notes:
+        lines += ["", *(f"- {n}" for n in notes)]
+    lines += ["", "Reproduce:", "", "```", result["command"], "```", ""]
+    return "\n".join(lines)
+
+
+# -- chart ---------------------------------------------------------------------------------------------
+def chart(result: dict, path: str) -> None:
+    """Two horizontal bar panels: tokens/s per GPU, and peak allocated (solid) / reserved (outline) GiB."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    names = [r["variant"] for r in rows]
+    colors = {"baseline": "#7f7f7f", "moe_tune": "#1f77b4", "peer": "#ff7f0e"}
+    ys = list(range(len(rows)))[::-1]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 1.2 + 0.45 * len(rows)), sharey=True)
+    for y, r in zip(ys, rows):
+        ok = r["status"] == "ok"
+        color = colors.get(r["kind"], "#2ca02c")
+        tps = r["tokens_per_s_per_gpu"] or 0.0
+        ax1.barh(y, tps if ok else 0, color=color)
+        ax1.text(tps if ok else 0, y, f" {tps:,.0f}" if ok else f" {r['status'][:40]}", va="center", fontsize=8)
+        alloc, reserved = r["peak_mem_gib"] or 0.0, r["peak_reserved_gib"] or 0.0
+        if ok:
+            ax2.barh(y, reserved, color="none", edgecolor=color)
+            ax2.barh(y, alloc, color=color)
+        ax2.text(alloc if ok else 0, y, f" {alloc:.1f}" if ok else " -", va="center", fontsize=8)
+    ax1.set_yticks(ys, names)
+    ax1.set_xlabel("tokens/s per GPU (median)")
+    ax2.set_xlabel("peak memory per GPU, GiB (solid: allocated, outline: reserved)")
+    for ax in (ax1, ax2):
+        ax.margins(x=0.25)
+        ax.grid(axis="x", alpha=0.3)
+    w = result["workload"]
+    fig.suptitle(
+        f"{w['model']} ({w['num_layers']} layers), seq {w['seq_len']}, micro-batch {w['micro_batch_size']}, "
+        f"{w['precision']}, routing {w['routing']}: {result['hardware']}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(result: dict, json_path: str) -> tuple[str, str]:
+    """Write ``<stem>.md`` and ``<stem>.png`` next to ``json_path``; returns their paths."""
+    stem = os.path.splitext(json_path)[0]
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(result))
+    chart(result, stem + ".png")
+    return stem + ".md", stem + ".png"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_tune.bench.report", description="re-render a bench result")
+    parser.add_argument("json_path", nargs="+")
+    args = parser.parse_args(argv)
+    for path in args.json_path:
+        with open(path) as f:
+            print(*write_report(json.load(f), path))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,133 @@
+"""Resumable checkpoints with torch.distributed.checkpoint (DCP), and the Hugging Face export of a run.
+
+Layout: ``checkpoints/step_<N>/`` holds DCP shards of the model and optimizer, ``meta.json`` (step,
+scheduler, source checkpoint, resolved config) and ``COMPLETE``, written last by rank 0: a directory
+without it is an interrupted save and is never resumed from.
+
+Expert tensors are stored one expert per key (``...experts.gate_up_proj@<j>``, j the global expert index)
+so that a checkpoint does not depend on how experts were split: it can be resumed under another expert-
+parallel or FSDP layout. The per-expert entries are views of the live tensors, so DCP reads straight into
+place. This needs each rank to hold whole experts: (experts / ep) divisible by the FSDP ranks sharding them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+import torch.distributed as dist
+
+from moe_tune.config import ConfigError
+from moe_tune.models.hf_io import EXPERT_PARAM, expert_offsets
+
+COMPLETE = "COMPLETE"
+
+
+def _local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(local tensor, global index of its first row) for a plain tensor or an FSDP2 DTensor shard."""
+    if hasattr(t, "to_local"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        local = t.to_local()
+        if shape[0] and local.shape[0] != shape[0]:
+            local = local[: shape[0]]  # drop FSDP's padding rows
+        return local, offset[0] if shape[0] else 0
+    return t, 0
+
+
+def _split_experts(flat: dict, offsets: dict[str, int], fqn_of=lambda k: k) -> dict:
+    """Replace each stacked expert entry by one view per expert, keyed by global expert index."""
+    out = {}
+    for key, value in flat.items():
+        fqn = fqn_of(key)
+        if EXPERT_PARAM.match(fqn) and isinstance(value, torch.Tensor) and value.dim() >= 2:
+            local, first = _local_rows(value)
+            for i in range(local.shape[0]):
+                out[f"{key}@{offsets.get(fqn, 0) + first + i}"] = local[i]
+        else:
+            out[key] = value
+    return out
+
+
+def _flat_state(trainer) -> tuple[dict, dict, dict]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    offsets = expert_offsets(trainer.model)
+    flat = {f"model.{k}": v for k, v in _split_experts(model_sd, offsets).items()}
+    for fqn, state in optim_sd["state"].items():
+        for name, value in state.items():
+            key = f"optim.{fqn}.{name}"
+            if EXPERT_PARAM.match(fqn) and isinstance(value, torch.Tensor) and value.dim() >= 2:
+                flat.update(_split_experts({key: value}, offsets, fqn_of=lambda k, f=fqn: f))
+            else:
+                flat[key] = value
+    return flat, model_sd, optim_sd
+
+
+def save(trainer, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    flat, _, optim_sd = _flat_state(trainer)
+    dcp.save(flat, checkpoint_id=path)
+    if trainer.rank == 0:
+        from dataclasses import asdict
+
+        meta = {
+            "step": trainer.step,
+            "scheduler": trainer.scheduler.state_dict(),
+            "param_groups": optim_sd["param_groups"],
+            "source": trainer.source,
+            "config": asdict(trainer.cfg),
+        }
+        with open(os.path.join(path, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=2, default=str)
+        with open(os.path.join(path, COMPLETE), "w") as f:
+            f.write(str(trainer.step))
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def latest(run_dir: str) -> str | None:
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return None
+    steps = [
+        (int(m.group(1)), os.path.join(root, n))
+        for n in os.listdir(root)
+        if (m := re.fullmatch(r"step_(\d+)", n)) and os.path.isfile(os.path.join(root, n, COMPLETE))
+    ]
+    return max(steps)[1] if steps else None
+
+
+def maybe_resume(trainer, resume: str) -> int:
+    """Returns the step to start from: 0, or the step of the checkpoint resumed."""
+    if resume == "none":
+        return 0
+    path = latest(trainer.cfg.output_dir) if resume == "auto" else resume
+    if path is None:
+        return 0
+    if not os.path.isfile(os.path.join(path, COMPLETE)):
+        raise ConfigError(f"checkpoint.resume={path} is not a complete checkpoint (no {COMPLETE} file)")
+    load(trainer, path)
+    return trainer.step
+
+
+def load(trainer, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    flat, model_sd, optim_sd = _flat_state(trainer)
+    dcp.load(flat, checkpoint_id=path)
+    # Expert entries were views: the stacked tensors are filled already. Others were replaced in ``flat``.
+    for key, value in flat.items():
+        if key.startswith("model.") and "@" not in key:
+            model_sd[key[len("model.") :]] = value
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    trainer.scheduler.load_state_dict(meta["scheduler"])
+    trainer.step = meta["step"]

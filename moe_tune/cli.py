@@ -1,0 +1,82 @@
+"""``moe-tune`` / ``python -m moe_tune``: the only place a DictConfig exists.
+
+Overrides are composed once up front so that a bad key or value is reported as one line with exit code 2
+(Hydra's own handler would print a multi-line error and exit 1); then Hydra runs the job as usual, which
+keeps multirun and launchers (``hydra/launcher=submitit_slurm ... -m``) working.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def fail(message: str) -> None:
+    print(f"moe-tune: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def to_config(dict_cfg):
+    """DictConfig -> the plain ``Config`` dataclass that everything below cli.py takes."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_object(dict_cfg)
+    if isinstance(cfg, dict):  # composed without the structured schema: rebuild it
+        from moe_tune.config import Config
+
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), dict_cfg))
+    return cfg
+
+
+def compose(overrides: list[str]):
+    """Compose the config with Hydra's compose API (used by the pre-check, tests and the benchmark)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from moe_tune.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides)
+
+
+def precheck(argv: list[str]) -> None:
+    """Compose the user's overrides; any Hydra/OmegaConf error becomes one line and exit 2."""
+    overrides = [a for a in argv if not a.startswith("-") and not a.startswith("hydra")]
+    if "-m" in argv or "--multirun" in argv:
+        overrides = [o for o in overrides if "," not in o.partition("=")[2]]
+    try:
+        cfg = compose(overrides)
+        to_config(cfg)
+    except Exception as e:  # noqa: BLE001  (Hydra raises many exception types for bad overrides)
+        cause = e.__cause__ or e.__context__
+        msg = " ".join(str(e).split()) + (f": {' '.join(str(cause).split()[:40])}" if cause else "")
+        fail(f"{msg} (overrides: {' '.join(overrides) or 'none'}); check the key names against conf/")
+
+
+def run(dict_cfg) -> None:
+    from moe_tune.config import ConfigError
+
+    try:
+        from moe_tune.train import Trainer
+
+        trainer = Trainer(to_config(dict_cfg))
+    except ConfigError as e:
+        fail(str(e))
+    trainer.fit()
+
+
+def main() -> None:
+    import hydra
+
+    from moe_tune.config import register_configs
+
+    precheck(sys.argv[1:])
+    register_configs()
+    hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(run)()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Rank, local rank and world size from the launcher, and the one ``init_distributed`` every entry point calls.
+
+Launchers, in order of precedence:
+  - torchrun (also one torchrun per node under ``srun``): ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``.
+  - ``srun python -m moe_tune`` without torchrun: ``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NTASKS``; the
+    rendezvous host is the first node of ``SLURM_JOB_NODELIST`` unless ``MASTER_ADDR`` is set.
+  - neither: one process, rank 0 of 1.
+A process group is created in every case (world size 1 included), so one code path serves 1..N ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    launcher: str  # "torchrun", "slurm" or "single"
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device: its local GPU, or the CPU when there is none."""
+        return torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def dist_env(environ: dict[str, str] | None = None) -> DistEnv:
+    """Where this process sits, read from the environment only (no process group needed)."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(int(env["RANK"]), int(env.get("LOCAL_RANK", "0")), int(env["WORLD_SIZE"]), "torchrun")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return DistEnv(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", "0")), int(env["SLURM_NTASKS"]), "slurm")
+    return DistEnv(0, 0, 1, "single")
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm node list (``node[003-005,010],gpu7`` -> ``node003``), without calling scontrol."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if m is None:
+        raise ValueError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}; set MASTER_ADDR")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _slurm_master_addr() -> str:
+    nodelist = os.environ.get("SLURM_JOB_NODELIST", os.environ.get("SLURM_NODELIST", ""))
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+        return out.stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return first_slurm_host(nodelist)
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> DistEnv:
+    """Create the default process group (nccl with CUDA, else gloo) and select this rank's GPU.
+
+    Idempotent: if a group exists already, returns the environment unchanged."""
+    env = dist_env()
+    if dist.is_initialized():
+        return env
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device_id = None
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+        device_id = torch.device("cuda", env.local_rank)
+    timeout = timedelta(seconds=timeout_s)
+    if env.launcher == "single" and "MASTER_ADDR" not in os.environ:
+        # One process: an in-memory store, so no port is needed and nothing can collide.
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=device_id
+        )
+        return env
+    if env.launcher == "slurm":
+        os.environ.setdefault("MASTER_ADDR", _slurm_master_addr())
+    os.environ.setdefault("MASTER_PORT", str(DEFAULT_PORT))
+    dist.init_process_group(
+        backend,
+        init_method="env://",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+        device_id=device_id,
+    )
+    return env
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

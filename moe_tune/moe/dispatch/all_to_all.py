@@ -1,0 +1,93 @@
+"""``comm=all_to_all``: expert parallelism over ``torch.distributed.all_to_all_single`` (NCCL or gloo).
+
+Experts are split in contiguous blocks: ep rank s owns global experts [s*e, (s+1)*e), e = E / ep.
+Dispatch, on each rank of the ep group:
+  1. sort the T*K routed rows by global expert; this also groups them by destination rank;
+  2. all-to-all the per-expert row counts (E ints) so every rank learns counts_Se, the rows it will
+     receive from source s for each of its local experts;
+  3. one host sync: all_to_all_single takes its split sizes as Python ints;
+  4. all-to-all the rows (uneven and empty splits are fine);
+  5. permute the received rows from source-rank-major to local-expert-major order (device ops only).
+Combine is the exact reverse: inverse permutation, all-to-all back with the splits swapped, then the
+weighted sum of each token's K copies. Both all-to-alls are differentiable (backward is the reverse
+all-to-all), so gradients reach the tokens' ranks and the experts' ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe_tune.moe.dispatch.base import (
+    Dispatcher,
+    expert_major_positions,
+    inverse_permutation,
+    sort_by_expert,
+    weighted_sum,
+)
+from moe_tune.moe.router import expert_counts
+
+
+def _exchange(x_RD: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    out = x_RD.new_empty((sum(out_splits), *x_RD.shape[1:]))
+    # Collective over the ep mesh axis: rows [sum(in_splits[:s]), +in_splits[s]) go to ep rank s.
+    dist.all_to_all_single(out, x_RD.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with autograd: backward sends the gradients back along the same routes."""
+
+    @staticmethod
+    def forward(ctx, x_RD, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _exchange(x_RD, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        out_splits, in_splits = ctx.splits
+        return _exchange(grad_RD, in_splits, out_splits, ctx.group), None, None, None
+
+
+def all_to_all(x_RD: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    return _AllToAll.apply(x_RD, out_splits, in_splits, group)
+
+
+@dataclass
+class _Route:
+    inv_order_R: torch.Tensor  # undoes this rank's sort by global expert
+    dest_R: torch.Tensor  # received (source-major) row r sits at dest_R[r] in expert-major order
+    send_splits: list[int]
+    recv_splits: list[int]
+
+
+class AllToAllDispatcher(Dispatcher):
+    def __init__(self, num_experts: int, top_k: int, ep_group):
+        ep = dist.get_world_size(ep_group)
+        if num_experts % ep:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by the ep group size ({ep})")
+        self.num_experts, self.top_k, self.ep_group, self.ep = num_experts, top_k, ep_group, ep
+        self.num_local_experts = num_experts // ep
+
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor):
+        S, e = self.ep, self.num_local_experts
+        order_R, token_R = sort_by_expert(ids_TK)
+        counts_E = expert_counts(ids_TK, self.num_experts)
+        counts_Se = torch.empty_like(counts_E)
+        # Collective over the ep mesh axis: e counts to each ep rank, for the experts it owns.
+        dist.all_to_all_single(counts_Se, counts_E, group=self.ep_group)
+        counts_Se = counts_Se.view(S, e)
+        # host sync: all_to_all_single needs its split sizes as Python ints (the one sync of this backend).
+        send_splits, recv_splits = torch.stack([counts_E.view(S, e).sum(1), counts_Se.sum(1)]).tolist()
+        routed_RD = all_to_all(x_TD[token_R], recv_splits, send_splits, self.ep_group)
+        dest_R = expert_major_positions(counts_Se, sum(recv_splits))
+        x_RD = routed_RD[inverse_permutation(dest_R)]
+        route = _Route(inverse_permutation(order_R), dest_R, send_splits, recv_splits)
+        return x_RD, counts_Se.sum(0), route
+
+    def combine(self, y_RD: torch.Tensor, weights_TK: torch.Tensor, ctx: _Route) -> torch.Tensor:
+        # Back to source-rank-major order, then the reverse all-to-all (ep mesh axis) returns each row home.
+        back_RD = all_to_all(y_RD[ctx.dest_R], ctx.send_splits, ctx.recv_splits, self.ep_group)
+        return weighted_sum(back_RD, ctx.inv_order_R, weights_TK)

@@ -1,0 +1,49 @@
+"""Optimizer and learning-rate schedule.
+
+The optimizer is PyTorch's fused AdamW (``torch.optim.AdamW(fused=True)``), the current form of Apex's
+FusedAdam: one kernel updates all parameters of a dtype/device group. Its state is fp32 whenever the
+parameters are (the default ``bf16_fp32_master`` precision keeps fp32 parameters as the master copy).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moe_tune.config import ConfigError, OptimConfig
+
+
+def build_optimizer(params, cfg: OptimConfig, lr: float, device_type: str) -> torch.optim.Optimizer:
+    if cfg.name != "adamw":
+        raise ConfigError(f"optim={cfg.name!r} is not one of adamw")
+    params = [p for p in params if p.requires_grad]
+    return torch.optim.AdamW(
+        params,
+        lr=lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        fused=device_type == "cuda",
+        foreach=None if device_type == "cuda" else True,
+    )
+
+
+def lr_lambda(cfg: OptimConfig, total_steps: int):
+    """Linear warm-up, then cosine (or constant) down to ``min_lr_ratio`` of the peak."""
+    if cfg.schedule not in ("cosine", "constant"):
+        raise ConfigError(f"optim.schedule={cfg.schedule!r} is not one of cosine, constant")
+
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return f
+
+
+def build_scheduler(optimizer, cfg: OptimConfig, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))

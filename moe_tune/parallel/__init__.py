@@ -1,0 +1,68 @@
+"""Parallelism applied to a model in place, in this order: apply_ep -> apply_ac -> apply_fsdp.
+
+Typical use (the model on the meta device, then materialised and loaded shard by shard)::
+
+    env = init_distributed()
+    mesh = ParallelDims.from_config(cfg.parallel, env.world_size).build_mesh(env.device.type)
+    model = build_model(hf_config)             # meta device
+    parallelize(model, mesh, cfg)
+    materialize(model, env.device)
+    load_state(model, path, model.family)      # each rank reads its expert rows and FSDP shards only
+"""
+
+from __future__ import annotations
+
+from moe_tune.dist.mesh import ParallelMesh
+from moe_tune.parallel.activation_checkpoint import apply_ac
+from moe_tune.parallel.clip import clip_grad_norm_, global_grad_norm
+from moe_tune.parallel.expert_parallel import apply_ep
+from moe_tune.parallel.fsdp import apply_fsdp, mixed_precision_policy
+
+
+def _comm_options(comm) -> dict:
+    if comm.name == "deepep":
+        return {"num_sms": comm.num_sms}
+    if comm.name == "symm_mem":
+        return {"capacity_factor": comm.capacity_factor}
+    return {}
+
+
+def parallelize(model, mesh: ParallelMesh, cfg) -> None:
+    """``cfg``: the run's Config (``comm``, ``parallel`` and ``train.precision`` are read)."""
+    apply_ep(model, mesh, cfg.comm.name, **_comm_options(cfg.comm))
+    apply_ac(model, cfg.parallel.activation_checkpointing)
+    apply_fsdp(model, mesh, cfg.train.precision, cfg.parallel.reshard_after_forward)
+
+
+def export_hf(model, out_dir: str, mesh: ParallelMesh, dtype=None, max_shard_bytes: int = 4 << 30) -> None:
+    """Write a parallelized model as a Hugging Face checkpoint, streaming; every rank must call it.
+
+    Expert slices are written by efsdp rank 0 of dp_replicate rank 0 of each ep rank; full_tensor() gathers
+    them over efsdp only. ``dtype``: a torch dtype or name forcing every tensor's dtype (default: the source
+    checkpoint's dtypes, else the in-memory ones)."""
+    import torch
+
+    from moe_tune.models.export import write_checkpoint
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    write_checkpoint(
+        model,
+        out_dir,
+        max_shard_bytes=max_shard_bytes,
+        expert_writer=mesh.is_expert_writer(),
+        dtype=dtype,
+        ep_group=mesh.group("ep"),
+    )
+
+
+__all__ = [
+    "apply_ac",
+    "apply_ep",
+    "apply_fsdp",
+    "clip_grad_norm_",
+    "export_hf",
+    "global_grad_norm",
+    "mixed_precision_policy",
+    "parallelize",
+]

@@ -1,0 +1,90 @@
+"""FSDP2 (``fully_shard``) per decoder layer, experts as their own units on the efsdp mesh, and the root.
+
+Units, innermost first:
+  - each MoE layer's ``experts`` over ``expert_fsdp`` = (dp_replicate, efsdp), or efsdp alone when
+    dp_replicate == 1. Its gradients are reduce-scattered over efsdp (and all-reduced over dp_replicate);
+    they already hold the contributions of every ep rank's tokens (the all-to-all backward brought them),
+    so they are divided by the whole data-parallel size, like dense gradients, not by efsdp x dp_replicate.
+  - each decoder layer over ``dense_fsdp`` = (dp_replicate, dp_shard) (HSDP), or dp_shard alone.
+  - the root: embeddings, final norm and lm_head.
+Explicit prefetching: a layer's forward all-gathers the next layer and its experts, its backward the
+previous ones, because the nested experts unit would otherwise break FSDP2's implicit backward order.
+
+Precision (``train.precision``, the names in ``config.PRECISIONS``):
+  ``bf16_fp32_master``: fp32 parameters and optimizer state, bf16 all-gathers and compute, fp32 reduce-scatter.
+  ``bf16``: bf16 everything (parameters, compute, gradient reduction); build the model in bf16.
+  ``fp32``: no casts.
+  ``amp_bf16``: fp32 parameters; the train step runs under ``torch.autocast``, so FSDP casts nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from moe_tune.config import PRECISIONS, ConfigError
+from moe_tune.dist.mesh import ParallelMesh
+from moe_tune.moe.layer import MoE
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    if precision == "bf16_fp32_master":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    if precision in ("fp32", "amp_bf16"):
+        return MixedPrecisionPolicy()
+    raise ConfigError(f"train.precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+
+
+def _moe_of(layer: nn.Module) -> MoE | None:
+    moes = [m for m in layer.modules() if isinstance(m, MoE)]
+    return moes[0] if moes else None
+
+
+def _set_prefetch(units: list[list[FSDPModule]]) -> None:
+    """``units[i]``: layer i's FSDP modules (the layer, then its experts if it has them)."""
+    for i, unit in enumerate(units):
+        if i + 1 < len(units):
+            unit[0].set_modules_to_forward_prefetch(units[i + 1])
+        if i > 0:
+            unit[0].set_modules_to_backward_prefetch(units[i - 1])
+
+
+def apply_fsdp(
+    model, mesh: ParallelMesh, precision: str = "bf16_fp32_master", reshard_after_forward: bool = True
+) -> None:
+    """Shard ``model`` in place (call after apply_ep and apply_ac, before materialising meta parameters)."""
+    dims = mesh.dims
+    mp = mixed_precision_policy(precision)
+    # 1-D meshes when there is no replication: plain FSDP, no size-1 replicate dimension.
+    dense_mesh = mesh["dense_fsdp"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    expert_mesh = mesh["expert_fsdp"] if dims.dp_replicate > 1 else mesh["efsdp"]
+    units: list[list[FSDPModule]] = []
+    for layer in model.layers:
+        unit = []
+        moe = _moe_of(layer)
+        if moe is not None:
+            fully_shard(moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+            # Expert grads summed over ep by the all-to-all backward: average over all dp ranks (dp_replicate x
+            # dp_shard), as FSDP does for dense grads, not over the efsdp x dp_replicate ranks that reduce them.
+            moe.experts.set_gradient_divide_factor(float(dims.dp))
+            unit.append(moe.experts)
+        fully_shard(layer, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        units.append([layer, *unit])
+    fully_shard(model, mesh=dense_mesh, mp_policy=mp)
+    _set_prefetch(units)
+    if mesh.device_type == "cpu":
+        _gloo_reductions(model, dims.dp, dims.dp_shard, dims.efsdp)
+
+
+def _gloo_reductions(model, dp: int, dp_shard: int, efsdp: int) -> None:
+    """gloo has no PREMUL_SUM (the reduce op behind a divide factor) and no AVG all-reduce: reduce with SUM
+    and divide by the data-parallel size afterwards. Not when a unit's shard group has one rank: FSDP2 then
+    skips the reduce-scatter and already divides while copying, and forcing SUM would divide a second time."""
+    experts = {id(m.experts) for m in model.modules() if isinstance(m, MoE)}
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(float(dp))
+            m.set_force_sum_reduction_for_comms((efsdp if id(m) in experts else dp_shard) > 1)

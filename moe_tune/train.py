@@ -1,0 +1,309 @@
+"""The trainer: ``build_*`` helpers, then ``train_step`` (one optimizer step) in a plain loop."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from moe_tune import checkpoint as ckpt
+from moe_tune.config import Config, ConfigError, resolve_parallel, validate
+from moe_tune.metrics import MetricsWriter, flops_per_token, peak_memory_gib
+
+log = logging.getLogger("moe_tune")
+
+
+def build_source(cfg: Config, rank: int) -> tuple[str | None, object]:
+    """(checkpoint dir or None for a random-initialised preset, transformers config)."""
+    from transformers import AutoConfig
+
+    from moe_tune.models.presets import build_tiny_checkpoint, preset_config
+
+    if cfg.model.path is not None:
+        return cfg.model.path, AutoConfig.from_pretrained(cfg.model.path)
+    if cfg.model.name.startswith("tiny_"):
+        path = os.path.join(cfg.output_dir, "base_model")
+        if rank == 0:
+            build_tiny_checkpoint(path, cfg.model.name, cfg.model.overrides, seed=cfg.train.seed)
+        _barrier()
+        return path, AutoConfig.from_pretrained(path)
+    return None, preset_config(cfg.model.name, cfg.model.overrides)
+
+
+def build_tokenizer(source: str | None):
+    from moe_tune.models.presets import build_tokenizer as builtin
+
+    if source is not None and os.path.isfile(os.path.join(source, "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(source)
+    return builtin()
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class Trainer:
+    def __init__(self, cfg: Config, write_run_files: bool = True):
+        self.cfg = cfg
+        validate(cfg)  # before any process group exists
+        from moe_tune.dist.env import init_distributed
+
+        self.env = init_distributed()
+        self.rank, self.world = self.env.rank, self.env.world_size
+        self.device = self.env.device
+        torch.manual_seed(cfg.train.seed)
+        _setup_logging(self.rank)
+        if self.rank == 0 and write_run_files:
+            os.makedirs(cfg.output_dir, exist_ok=True)
+            _write_json(os.path.join(cfg.output_dir, "config.json"), asdict(cfg))
+        self.source, hf_config = build_source(cfg, self.rank)
+        self.tokenizer = build_tokenizer(self.source)
+        self.model, self.mesh = self.build_model(hf_config)
+        self.dp_size, self.accum = self._batch_layout()
+        self.optimizer, self.scheduler = self.build_optimizer()
+        from moe_tune.data import build_dataset
+
+        self.data = build_dataset(cfg.data, self.tokenizer, cfg.train.seq_len, cfg.train.seed)
+        self.metrics = MetricsWriter(
+            cfg.output_dir, self.rank == 0 and write_run_files, cfg.train.warmup_steps_excluded
+        )
+        self.flops_per_token = flops_per_token(self.model, cfg.train.seq_len)
+        self.step = ckpt.maybe_resume(self, cfg.checkpoint.resume)
+
+    # -- building ----------------------------------------------------------------------------------
+    def build_model(self, hf_config):
+        from moe_tune.dist.mesh import ParallelDims
+        from moe_tune.kernels import apply_kernels
+        from moe_tune.models.hf_io import load_state
+        from moe_tune.models.init import init_random
+        from moe_tune.models.model import build_model, materialize
+        from moe_tune.parallel import parallelize
+
+        cfg = self.cfg
+        param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+        model = build_model(hf_config, dtype=param_dtype)
+        model.source_dir = self.source
+        validate(cfg, world_size=self.world, num_experts=model.num_experts)
+        model.aux_loss_coef = cfg.train.aux_loss_coef
+        model.z_loss_coef = cfg.train.z_loss_coef
+        for moe in model.moe_layers():
+            moe.router.force_balanced = cfg.train.force_balanced_routing
+        k = cfg.kernels
+        apply_kernels(model, k.name, k.experts, k.fused_loss, k.loss_chunk_size, k.fp8)
+        dp_replicate, dp_shard, ep = resolve_parallel(cfg.parallel, self.world)
+        dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, world_size=self.world)
+        mesh = dims.build_mesh(self.device.type)
+        parallelize(model, mesh, cfg)
+        materialize(model, self.device)
+        if self.source is not None:
+            load_state(model, self.source, model.family)
+        else:
+            init_random(model, seed=cfg.train.seed, num_experts=model.num_experts)
+        model.train()
+        return model, mesh
+
+    def _batch_layout(self) -> tuple[int, int]:
+        t = self.cfg.train
+        dp = self.world  # every rank is a data-parallel rank (EP borrows its ranks from dp_shard)
+        per_micro = t.micro_batch_size * dp
+        accum = 1 if t.global_batch_size == -1 else t.global_batch_size // per_micro
+        return dp, accum
+
+    def build_optimizer(self):
+        from moe_tune.optim import build_optimizer, build_scheduler
+
+        opt = build_optimizer(self.model.parameters(), self.cfg.optim, self.cfg.train.lr, self.device.type)
+        return opt, build_scheduler(opt, self.cfg.optim, self.cfg.train.steps)
+
+    # -- one optimizer step ------------------------------------------------------------------------
+    def train_step(self, step: int) -> dict:
+        from moe_tune.parallel import clip_grad_norm_
+
+        cfg, model = self.cfg, self.model
+        batches = [
+            [
+                t.to(self.device)
+                for t in self.data.rows(step, m, cfg.train.micro_batch_size, self.accum, self.rank, self.dp_size)
+            ]
+            for m in range(self.accum)
+        ]
+        # The loss is a mean over every label token of the step on all ranks: count them first.
+        # FSDP averages gradients over the dp ranks, so each rank divides its token sum by global / dp.
+        local = sum((labels[:, 1:] != -100).sum() for _, labels, _ in batches).float()
+        total = local.clone()
+        if dist.is_initialized():
+            dist.all_reduce(total)  # mesh: all ranks (every rank is data parallel)
+        normalizer = total.clamp(min=1) / self.dp_size
+        ce_sum = torch.zeros((), device=self.device)
+        autocast = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if cfg.train.precision == "amp_bf16"
+            else contextlib.nullcontext()
+        )
+        for m, (ids, labels, pos) in enumerate(batches):
+            if hasattr(model, "set_requires_gradient_sync"):
+                model.set_requires_gradient_sync(m == self.accum - 1)
+            with autocast:
+                out = model(ids, labels=labels, position_ids=pos, loss_normalizer=normalizer)
+            extra = (out.loss - out.ce_loss) / self.accum  # balancing losses, averaged over micro-batches
+            (out.ce_loss + extra).backward()
+            ce_sum += out.ce_loss.detach()
+        grad_norm = clip_grad_norm_(model, cfg.optim.max_grad_norm, self.mesh)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if cfg.train.bias_update_rate > 0:
+            self._update_expert_bias()
+        if dist.is_initialized():
+            dist.all_reduce(ce_sum)  # mesh: all ranks; per-rank sums of token losses / (global / dp)
+        return {"loss": ce_sum / self.dp_size, "grad_norm": grad_norm, "aux_loss": out.aux_loss}
+
+    def _update_expert_bias(self) -> None:
+        from moe_tune.moe.router import update_expert_bias
+
+        moes = [m for m in self.model.moe_layers() if m.router.e_score_correction_bias is not None]
+        if moes:
+            counts = torch.stack([m.counts_E for m in moes])
+            update_expert_bias([m.router for m in moes], counts, self.cfg.train.bias_update_rate)
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        cfg = self.cfg
+        tokens_per_step = cfg.train.seq_len * cfg.train.micro_batch_size * self.accum * self.dp_size
+        bar = _progress(self.rank, cfg.train.steps, self.step)
+        while self.step < cfg.train.steps:
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            t0 = time.perf_counter()
+            out = self.train_step(self.step)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # host sync: time the whole step
+            dt = time.perf_counter() - t0
+            self.step += 1
+            row = self._metrics_row(out, dt, tokens_per_step)
+            self.metrics.log(row)
+            _report(bar, row, self.rank)
+            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                ckpt.save(self, os.path.join(cfg.output_dir, "checkpoints", f"step_{self.step}"))
+        if bar is not None:
+            bar.close()
+        if cfg.checkpoint.export_hf:
+            self.export(os.path.join(cfg.output_dir, "hf"))
+        summary = self.write_summary()
+        return summary
+
+    def _metrics_row(self, out: dict, dt: float, tokens: int) -> dict:
+        alloc, reserved = peak_memory_gib(self.device)
+        loads = torch.stack([m.counts_E.float() for m in self.model.moe_layers()])
+        load_ratio = (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1)).mean()
+        # host sync: one .item() batch per logged step for the metrics line
+        vals = torch.stack([out["loss"].float(), out["grad_norm"].float().to(self.device), load_ratio.to(self.device)])
+        loss, grad_norm, load = vals.tolist()
+        tps = tokens / dt
+        return {
+            "step": self.step,
+            "loss": loss,
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm,
+            "tokens_per_s": tps,
+            "tokens_per_s_per_gpu": tps / self.world,
+            "tflops_per_gpu": tps / self.world * self.flops_per_token / 1e12,
+            "peak_mem_gib": alloc,
+            "peak_reserved_gib": reserved,
+            "expert_load_max_over_mean": load,
+            "step_time_s": dt,
+        }
+
+    def export(self, out_dir: str) -> None:
+        from moe_tune.parallel import export_hf
+
+        export_hf(
+            self.model, out_dir, self.mesh, dtype=None if self.cfg.model.dtype == "source" else self.cfg.model.dtype
+        )
+
+    def write_summary(self) -> dict:
+        from moe_tune.env import versions
+
+        summary = {
+            "config": asdict(self.cfg),
+            "versions": versions(),
+            "hardware": hardware_name(self.world, self.device),
+            "num_gpus": self.world if self.device.type == "cuda" else 0,
+            "world_size": self.world,
+            "commit": _git_commit(),
+            "flops_per_token": self.flops_per_token,
+            "routing": "forced_balanced" if self.cfg.train.force_balanced_routing else "real",
+            **self.metrics.summary(),
+        }
+        if self.rank == 0:
+            _write_json(os.path.join(self.cfg.output_dir, "summary.json"), summary)
+        return summary
+
+
+def hardware_name(world: int, device: torch.device) -> str:
+    """'2 x NVIDIA H200', or 'cpu (2 cores)'."""
+    if device.type == "cuda":
+        return f"{world} x {torch.cuda.get_device_name(device)}"
+    return f"cpu ({os.cpu_count()} cores) x {world} processes"
+
+
+def _git_commit() -> str:
+    import subprocess
+
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return (
+            subprocess.run(
+                ["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or "unknown"
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+def _setup_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank{rank}] %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+
+
+def _progress(rank: int, total: int, initial: int):
+    import sys
+
+    if rank != 0 or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)
+
+
+def _report(bar, row: dict, rank: int) -> None:
+    text = f"loss {row['loss']:.4f} | {row['tokens_per_s']:,.0f} tok/s | {row['peak_mem_gib']:.1f} GiB"
+    if bar is not None:
+        bar.set_postfix_str(text)
+        bar.update(1)
+    elif rank == 0:
+        log.info("step %d | %s | grad_norm %.3f | lr %.2e", row["step"], text, row["grad_norm"], row["lr"])
+
+
+__all__ = ["Trainer", "ConfigError"]

@@ -1,0 +1,149 @@
+"""A tiny qwen3_moe under parallelize() on gloo ranks: training losses and gradient norms against EP=1 and the
+single-process model, activation checkpointing, loading under EP, and bit-exact export from EP=2."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_harness import rel_err, run_ranks, tiny_qwen3_moe
+
+from moe_tune.config import Config
+from moe_tune.dist.mesh import ParallelDims
+from moe_tune.kernels import apply_kernels
+from moe_tune.models.hf_io import CheckpointReader, load_pretrained, load_state
+from moe_tune.models.model import build_model, materialize
+from moe_tune.parallel import clip_grad_norm_, export_hf, parallelize
+
+pytestmark = pytest.mark.dist
+STEPS, BATCH, SEQ, MAX_NORM = 3, 4, 16, 0.5
+
+
+def _build(path: str, dims: ParallelDims, ac: str = "none", aux_coef: float = 0.0):
+    from transformers import AutoConfig
+
+    cfg = Config()
+    cfg.train.precision, cfg.parallel.activation_checkpointing = "fp32", ac
+    model = build_model(AutoConfig.from_pretrained(path), dtype=torch.float32)
+    model.source_dir = path
+    mesh = dims.build_mesh("cpu")
+    parallelize(model, mesh, cfg)
+    materialize(model, "cpu")
+    load_state(model, path, model.family)
+    apply_kernels(model, "torch")
+    model.aux_loss_coef = aux_coef
+    model.train()
+    return model, mesh
+
+
+def _batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 128, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def _train(model, mesh=None) -> tuple[list[float], list[float]]:
+    """AdamW steps; with a mesh, this rank takes its slice of each global batch. Returns (losses, norms)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    dp = 1 if mesh is None else mesh.dims.dp
+    rank = 0 if mesh is None else dist.get_rank()
+    losses, norms = [], []
+    for ids in _batches():
+        local = ids.chunk(dp)[rank]
+        # Each rank divides its token sum by global tokens / dp: FSDP's gradient average makes it the global mean.
+        out = model(local, labels=local, loss_normalizer=(ids.shape[0] * (SEQ - 1)) / dp)
+        out.loss.backward()
+        if mesh is None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        else:
+            norm = clip_grad_norm_(model, MAX_NORM, mesh)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = out.loss.detach().clone()
+        if mesh is not None:
+            dist.all_reduce(loss)  # mesh axis dp (all ranks): mean of per-rank losses = the global mean
+        losses.append(loss.item() / dp)
+        norms.append(norm.item())
+    return losses, norms
+
+
+def _close(a: list[float], b: list[float], tol: float, what: str) -> None:
+    err = rel_err(torch.tensor(a), torch.tensor(b))
+    assert err < tol, f"{what}: {a} vs {b} (relative error {err:.2e})"
+
+
+def _train_body(rank: int, path: str) -> None:
+    ref = load_pretrained(path)
+    ref.aux_loss_coef = 0.0  # the balancing loss is per rank: compared between EP=1 and EP=2 below
+    ref_losses, ref_norms = _train(ref)
+    ep1 = ParallelDims(dp_replicate=1, dp_shard=2, ep=1, world_size=2)
+    ep2 = ParallelDims(dp_replicate=1, dp_shard=2, ep=2, world_size=2)
+    losses, norms = _train(*_build(path, ep2))
+    _close(losses, ref_losses, 1e-5, "EP=2+FSDP vs single process: losses")
+    _close(norms, ref_norms, 1e-5, "EP=2+FSDP vs single process: grad norms")
+    assert norms[0] > MAX_NORM  # clipping was exercised
+    # With the (per-rank) load-balancing loss on, EP=2 against EP=1 on the same two ranks.
+    a_losses, a_norms = _train(*_build(path, ep1, aux_coef=0.01))
+    b_losses, b_norms = _train(*_build(path, ep2, aux_coef=0.01))
+    _close(b_losses, a_losses, 1e-5, "EP=2 vs EP=1: losses")
+    _close(b_norms, a_norms, 1e-5, "EP=2 vs EP=1: grad norms")
+    for ac in ("full", "selective"):  # recomputation must not change the numbers
+        c_losses, c_norms = _train(*_build(path, ep2, ac=ac, aux_coef=0.01))
+        _close(c_losses, b_losses, 1e-6, f"activation_checkpointing={ac}: losses")
+        _close(c_norms, b_norms, 1e-6, f"activation_checkpointing={ac}: grad norms")
+
+
+def test_training_ep2_matches_ep1_and_single_process(tmp_path):
+    path = tiny_qwen3_moe(str(tmp_path / "src"))
+    run_ranks(_train_body, 2, path)
+
+
+def _check_loaded(model, ref_state: dict[str, torch.Tensor]) -> None:
+    for name, p in model.named_parameters():
+        full = p.full_tensor()  # dense: gathered over dp_shard; experts: over efsdp only (this ep rank's rows)
+        want = ref_state[name]
+        experts = model.get_submodule(name.rsplit(".", 1)[0])
+        if hasattr(experts, "expert_offset"):
+            want = want[experts.expert_offset : experts.expert_offset + experts.num_local_experts]
+        assert full.shape == want.shape and torch.equal(full, want), name
+
+
+def _read_all(path: str) -> dict[str, torch.Tensor]:
+    reader = CheckpointReader(path)
+    return {k: reader.rows(k) for k in sorted(reader.weight_map)}
+
+
+def _load_export_body(rank: int, path: str, out: str, layouts: list[tuple[int, int, int]]) -> None:
+    world = dist.get_world_size()
+    ref_state = {k: v.detach().clone() for k, v in load_pretrained(path).state_dict().items()}
+    dirs = []
+    for dp_replicate, dp_shard, ep in layouts:
+        model, mesh = _build(path, ParallelDims(dp_replicate, dp_shard, ep, world))
+        _check_loaded(model, ref_state)
+        with torch.no_grad():
+            for p in model.parameters():  # a layout-independent change, so the export is not just the source
+                p.to_local().mul_(1.5)
+        dirs.append(os.path.join(out, f"rep{dp_replicate}_shard{dp_shard}_ep{ep}"))
+        export_hf(model, dirs[-1], mesh)
+    if rank != 0:
+        return
+    source = {k: v * 1.5 for k, v in _read_all(path).items()}
+    for d in dirs:
+        got = _read_all(d)
+        assert sorted(got) == sorted(source), d
+        for k, v in source.items():
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), f"{d}: {k}"
+        assert os.path.isfile(os.path.join(d, "config.json"))
+
+
+def test_load_and_export_under_ep_2_ranks(tmp_path):
+    path = tiny_qwen3_moe(str(tmp_path / "src"))
+    run_ranks(_load_export_body, 2, path, str(tmp_path), [(1, 2, 1), (1, 2, 2)])
+
+
+@pytest.mark.slow
+def test_load_and_export_under_ep_4_ranks_hsdp(tmp_path):
+    """efsdp = 2 (experts FSDP-sharded and gathered over efsdp) and HSDP (dp_replicate = 2)."""
+    path = tiny_qwen3_moe(str(tmp_path / "src"))
+    run_ranks(_load_export_body, 4, path, str(tmp_path), [(1, 4, 2), (2, 2, 2), (1, 4, 1)])

@@ -1,0 +1,117 @@
+"""Tiny random Hugging Face MoE checkpoints for parity tests, built locally (no hub).
+
+Every family: 2 layers, hidden 32, 8 experts, top-2. DeepSeek-V3 and GLM-4-MoE have one leading dense layer,
+four expert groups of which 2 (GLM: 3) are kept, and a nonzero ``e_score_correction_bias``; GPT-OSS keeps its
+attention sinks, sliding window and YaRN rotary; Qwen2-MoE its gated shared expert; OLMoE clips q/k/v.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe")
+VOCAB = 128
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    num_experts_per_tok=2,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=None,
+)
+_FAMILY = {
+    "qwen3_moe": dict(num_experts=8, moe_intermediate_size=16, intermediate_size=48, head_dim=8, norm_topk_prob=True),
+    "qwen2_moe": dict(
+        num_experts=8, moe_intermediate_size=16, intermediate_size=48, shared_expert_intermediate_size=24
+    ),
+    "mixtral": dict(num_local_experts=8, intermediate_size=16),
+    "olmoe": dict(num_experts=8, intermediate_size=16, clip_qkv=8.0),
+    "deepseek_v3": dict(
+        n_routed_experts=8,
+        n_shared_experts=1,
+        moe_intermediate_size=16,
+        intermediate_size=48,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        num_key_value_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+    ),
+    "gpt_oss": dict(
+        num_local_experts=8,
+        intermediate_size=16,
+        head_dim=8,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "glm4_moe": dict(
+        n_routed_experts=8,
+        n_shared_experts=1,
+        moe_intermediate_size=16,
+        intermediate_size=48,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=3,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.5,
+        head_dim=8,
+        use_qk_norm=True,
+    ),
+}
+
+
+def tiny_config(model_type: str, **overrides):
+    return AutoConfig.for_model(model_type, **{**_COMMON, **_FAMILY[model_type], **overrides})
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Every parameter and persistent buffer drawn at random. Hugging Face initialises routers (and DeepSeek's
+    correction bias) to zero, which would make every token pick the same experts."""
+    torch.manual_seed(seed)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if not t.is_floating_point() or "inv_freq" in name:
+            continue
+        if "norm" in name:
+            t.normal_(1.0, 0.1)
+        elif "e_score_correction_bias" in name:
+            t.normal_(0.0, 0.1)
+        elif name.endswith(("gate.weight", "router.weight", "router.bias")) or "sinks" in name:
+            t.normal_(0.0, 0.5)
+        else:
+            t.normal_(0.0, 0.2)
+
+
+def build_hf(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    model = AutoModelForCausalLM.from_config(
+        tiny_config(model_type, **overrides), dtype=dtype, attn_implementation="eager"
+    )
+    randomize_(model, seed)
+    return model
+
+
+def load_hf(path, dtype: torch.dtype = torch.float32):
+    """The reference: plain transformers, eager attention and eager (per-expert loop) experts."""
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
+    )
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` in float64 (0 when both are zero)."""
+    a, b = a.detach().double(), b.detach().double()
+    den = b.norm().item()
+    return (a - b).norm().item() / den if den else (a - b).norm().item()

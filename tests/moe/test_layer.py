@@ -1,0 +1,152 @@
+"""The MoE layer on routing edge cases: grouped_mm experts against the per-expert loop and a per-token dense
+reference, forward and backward, for both expert layouts.
+
+CPU grouped_mm cannot take an expanded (stride-0) upstream gradient, so losses are ``(y * g).sum()`` with a
+random ``g``, never ``y.sum()``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_tune.moe.experts import ExpertsSpec
+from moe_tune.moe.layer import MoE, MoESpec
+from moe_tune.moe.router import RouterSpec
+
+D, HIDDEN, T = 16, 8, 24
+
+LAYOUTS = {
+    # Qwen/DeepSeek-style: [E, 2I, D] / [E, D, I], plain SwiGLU, no expert biases.
+    "out_in": dict(layout="out_in"),
+    # GPT-OSS-style: [E, D, 2I] interleaved / [E, I, D], clamped SwiGLU, expert biases.
+    "in_out": dict(layout="in_out", bias=True, activation="clamped_swiglu"),
+}
+
+
+def build_moe(layout: str, num_experts: int, top_k: int, score: str = "softmax", favour=None, seed: int = 0) -> MoE:
+    """``favour``: {expert: router bias}; a large bias sends every token to that expert."""
+    spec = MoESpec(
+        router=RouterSpec(num_experts=num_experts, top_k=top_k, score=score, bias=True, norm_topk_prob=True),
+        experts=ExpertsSpec(num_experts=num_experts, dim=D, hidden=HIDDEN, **LAYOUTS[layout]),
+    )
+    moe = MoE(spec)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.5)
+        for expert, b in (favour or {}).items():
+            moe.router.bias[expert] = b
+    return moe
+
+
+def dense_reference(moe: MoE, x_TD: torch.Tensor) -> torch.Tensor:
+    """Token by token, choice by choice: ``sum_k w_tk * expert_{id_tk}(x_t)``; no sorting, no grouping."""
+    weights_TK, ids_TK, _, _ = moe.router(x_TD)
+    ex = moe.experts
+    w1, w2 = ex._weights_KN()
+    rows = []
+    for t in range(x_TD.shape[0]):
+        acc = x_TD.new_zeros(D)
+        for k in range(ids_TK.shape[1]):
+            j = int(ids_TK[t, k])
+            h = x_TD[t] @ w1[j] + (ex.gate_up_proj_bias[j] if ex.spec.bias else 0)
+            y = ex._activation(h) @ w2[j] + (ex.down_proj_bias[j] if ex.spec.bias else 0)
+            acc = acc + weights_TK[t, k] * y
+        rows.append(acc)
+    return torch.stack(rows) if rows else x_TD.new_zeros(0, D)
+
+
+def run(moe: MoE, x_TD: torch.Tensor, g_TD: torch.Tensor, impl: str):
+    """Output and gradients (input and every parameter) of ``(y * g).sum()``."""
+    moe.zero_grad(set_to_none=True)
+    x = x_TD.clone().requires_grad_(True)
+    if impl == "dense":
+        y = dense_reference(moe, x)
+    else:
+        moe.experts.impl = impl
+        y = moe(x)
+    (y * g_TD).sum().backward()
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in moe.named_parameters()}
+    return y.detach(), x.grad, grads
+
+
+CASES = {
+    # every token to expert 2 (top-1): one group holds all rows, the others none
+    "all_to_one": dict(num_experts=4, top_k=1, favour={2: 50.0}),
+    # only experts 1 and 4 receive tokens; the first and the last expert are empty
+    "zero_token_experts": dict(num_experts=6, top_k=2, favour={1: 50.0, 4: 40.0}),
+    # every token to every expert
+    "top_k_equals_experts": dict(num_experts=4, top_k=4),
+    "random": dict(num_experts=8, top_k=2),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", CASES)
+def test_grouped_matches_loop_and_dense(layout, case):
+    moe = build_moe(layout, **CASES[case])
+    gen = torch.Generator().manual_seed(1)
+    x_TD, g_TD = torch.randn(T, D, generator=gen), torch.randn(T, D, generator=gen)
+    y, gx, grads = run(moe, x_TD, g_TD, "grouped_mm")
+    counts_E = moe.counts_E
+    assert int(counts_E.sum()) == T * moe.spec.router.top_k
+    for ref_impl in ("loop", "dense"):
+        y_ref, gx_ref, grads_ref = run(moe, x_TD, g_TD, ref_impl)
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-5)
+        for name in grads:
+            torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-5, atol=1e-5, msg=name)
+    # experts that received no rows get exactly zero gradient (not NaN, not garbage)
+    empty = (counts_E == 0).nonzero().flatten()
+    for name in ("gate_up_proj", "down_proj") + (
+        ("gate_up_proj_bias", "down_proj_bias") if moe.spec.experts.bias else ()
+    ):
+        g = grads[f"experts.{name}"]
+        assert torch.isfinite(g).all()
+        assert torch.all(g[empty] == 0), name
+        assert torch.all(g[counts_E > 0].flatten(1).abs().sum(-1) > 0), name
+    if case == "all_to_one":
+        assert counts_E.tolist() == [0, 0, T, 0]
+    if case == "zero_token_experts":
+        assert counts_E.tolist() == [0, T, 0, 0, T, 0]
+
+
+@pytest.mark.parametrize("score", ["softmax", "topk_softmax", "sigmoid"])
+def test_score_modes_through_the_layer(score):
+    moe = build_moe("in_out", num_experts=8, top_k=2, score=score)
+    gen = torch.Generator().manual_seed(2)
+    x_TD, g_TD = torch.randn(T, D, generator=gen), torch.randn(T, D, generator=gen)
+    y, gx, grads = run(moe, x_TD, g_TD, "grouped_mm")
+    y_ref, gx_ref, grads_ref = run(moe, x_TD, g_TD, "dense")
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-5)
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_no_tokens():
+    moe = build_moe("out_in", num_experts=4, top_k=2)
+    x = torch.zeros(0, D, requires_grad=True)
+    y = moe(x)
+    assert y.shape == (0, D)
+    (y * torch.randn_like(y)).sum().backward()
+    assert torch.all(moe.experts.gate_up_proj.grad == 0)
+
+
+def test_batched_shape_stats_and_tuple():
+    """[B, S, D] in, same shape out; per-layer statistics and losses for the trainer; GPT-OSS returns a tuple."""
+    moe = build_moe("out_in", num_experts=4, top_k=2)
+    x = torch.randn(2, 5, D)
+    moe.train()
+    y = moe(x)
+    assert y.shape == x.shape
+    assert moe.aux_loss is not None and moe.aux_loss.requires_grad and moe.z_loss is not None
+    assert int(moe.counts_E.sum()) == 2 * 5 * 2
+    moe.eval()
+    torch.testing.assert_close(moe(x), y)
+    tupled = MoE(MoESpec(router=moe.spec.router, experts=moe.spec.experts, returns_tuple=True))
+    tupled.load_state_dict(moe.state_dict())
+    out, weights_TK = tupled.eval()(x)
+    torch.testing.assert_close(out, y)
+    assert weights_TK.shape == (10, 2)

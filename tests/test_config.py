@@ -1,0 +1,115 @@
+"""Every file in conf/ composes and validates; every validation error has its message and exit code."""
+
+import os
+import subprocess
+
+import pytest
+
+from moe_tune.cli import CONF_DIR, compose, to_config
+from moe_tune.config import Config, ConfigError, validate
+
+from .conftest import PY, ROOT
+
+GROUP_OPTIONS = [
+    (group, name[: -len(".yaml")])
+    for group in sorted(os.listdir(CONF_DIR))
+    if os.path.isdir(os.path.join(CONF_DIR, group))
+    for name in sorted(os.listdir(os.path.join(CONF_DIR, group)))
+    if name.endswith(".yaml")
+]
+NEEDS = {  # options that need a value the user must supply, or hardware this machine lacks
+    ("model", "hf"): ["model.path=" + ROOT],
+    ("data", "jsonl"): ["data.path=" + os.path.join(ROOT, "pyproject.toml")],
+}
+
+
+@pytest.mark.parametrize("group,option", GROUP_OPTIONS)
+def test_every_conf_file_composes(group, option):
+    overrides = [f"{group}={option}"] + NEEDS.get((group, option), [])
+    cfg = to_config(compose(overrides))
+    assert isinstance(cfg, Config)
+    if group == "experiment":
+        world = cfg.parallel.ep * max(cfg.parallel.dp_replicate, 1)
+        validate_without_backends(cfg, world)
+    elif (group, option) in {("comm", "deepep"), ("comm", "symm_mem"), ("kernels", "te"), ("model", "hf")}:
+        with pytest.raises(ConfigError):  # not usable on this CPU machine, or path lacks config.json
+            validate(cfg, world_size=2)
+    else:
+        validate(cfg, world_size=1)
+
+
+def validate_without_backends(cfg, world):
+    cfg.comm.name = "all_to_all"
+    cfg.kernels.name = "torch"
+    validate(cfg, world_size=world)
+
+
+def test_default_values():
+    cfg = to_config(compose([]))
+    assert cfg.model.name == "tiny_qwen3_moe" and cfg.comm.name == "all_to_all" and cfg.kernels.name == "torch"
+    assert cfg.train.precision == "bf16_fp32_master" and cfg.parallel.ep == 1
+
+
+@pytest.mark.parametrize(
+    "overrides,world,message",
+    [
+        (["parallel.ep=3"], 4, "parallel.ep (3) must divide parallel.dp_shard (4"),
+        (["parallel.ep=2"], 1, "parallel.ep (2) must divide parallel.dp_shard (1"),
+        (["parallel.dp_replicate=3"], 4, "parallel.dp_replicate (3) must divide the world size (4)"),
+        (["parallel.dp_shard=3"], 4, "parallel.dp_replicate (1) x parallel.dp_shard (3) must equal the world size (4)"),
+        (["comm=deepep", "parallel.ep=2"], 2, "deepep"),
+        (["comm=symm_mem", "parallel.ep=2"], 2, "symm_mem"),
+        (["comm=deepep"], 1, "comm=deepep needs expert parallelism"),
+        (["kernels=te"], 1, "transformer_engine"),
+        (["kernels.fp8=current"], 1, "need kernels=te"),
+        (["train.precision=fp16"], 1, "train.precision='fp16' is not one of"),
+        (["parallel.activation_checkpointing=some"], 1, "parallel.activation_checkpointing='some'"),
+        (["model.path=/nonexistent"], 1, "model.path='/nonexistent' has no config.json"),
+        (
+            ["train.global_batch_size=6", "train.micro_batch_size=4"],
+            1,
+            "train.global_batch_size (6) must be a multiple",
+        ),
+        (["train.steps=0"], 1, "must be positive"),
+    ],
+)
+def test_validation_errors(overrides, world, message):
+    cfg = to_config(compose(overrides))
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=world)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_experts_not_divisible_by_ep():
+    cfg = to_config(compose(["parallel.ep=8"]))
+    with pytest.raises(
+        ConfigError, match=r"number of experts \(60\) must be divisible by parallel.ep \(8\); try parallel.ep=4"
+    ):
+        validate(cfg, world_size=8, num_experts=60)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["model.bogus=1"], "Could not override 'model.bogus'"),
+        (["parallel.ep=x"], "parallel.ep"),
+        (["comm=nccl_magic"], "comm"),
+        (["parallel.ep=3"], "parallel.ep (3) must divide"),
+        (["model.path=/nonexistent"], "has no config.json"),
+        (["kernels=te"], "transformer_engine"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(args, message, cli_env, tmp_path):
+    r = subprocess.run(
+        [PY, "-m", "moe_tune", f"output_dir={tmp_path}", *args],
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr
+    assert message in lines[0]
+    assert "Traceback" not in r.stderr
