@@ -19,6 +19,7 @@ import datetime
 import importlib.util
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -246,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             env_extra = {"PYTHONPATH": args.peer_pythonpath} if plan.kind == "peer" and args.peer_pythonpath else {}
             print(f"[bench] {i}/{len(plans)} {plan.name}: running", flush=True)
             t0 = time.perf_counter()
-            run_row(row, plan.module, plan.args, plan.overrides, os.path.join(runs, plan.name), nproc, args.timeout_s, env_extra)
+            run_dir = os.path.join(runs, re.sub(r"[^\w.-]+", "_", plan.name))  # no '=' or ',' in a Hydra value
+            run_row(row, plan.module, plan.args, plan.overrides, run_dir, nproc, args.timeout_s, env_extra)
             print(f"[bench] {i}/{len(plans)} {plan.name}: {row.one_line()} ({time.perf_counter() - t0:.0f} s)", flush=True)
         result["rows"].append(row.as_dict())
         result["reference_variant"] = finish_rows(result["rows"], peak)

@@ -126,8 +126,12 @@ def load(trainer, path: str) -> None:
     for key, value in flat.items():
         if key.startswith("model.") and "@" not in key:
             model_sd[key[len("model.") :]] = value
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
+    # Learning rate, betas etc. as they were at the save (the fresh optimizer holds step 0's values).
+    optim_sd["param_groups"] = [
+        {**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["param_groups"]
+    ]
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     trainer.scheduler.load_state_dict(meta["scheduler"])
     trainer.step = meta["step"]

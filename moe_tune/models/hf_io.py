@@ -170,7 +170,11 @@ def load_state(model: torch.nn.Module, path: str, family: Family, strict: bool =
         local.copy_(src.to(local.dtype))
     if strict and offsets == {} and not _is_sharded(model):
         unused = set(reader.weight_map) - reader.used - ({"lm_head.weight"} if tied else set())
-        unused = {k for k in unused if not k.endswith("rotary_emb.inv_freq")}
+        # Keys transformers itself skips: DeepSeek-V3's and GLM-4-MoE's multi-token-prediction layer
+        # (model.layers.61.* / .92.* / .46.*), which the causal LM never runs.
+        patterns = getattr(getattr(model, "_hf_class", None), "_keys_to_ignore_on_load_unexpected", None) or ()
+        ignore = [re.compile(p) for p in patterns]
+        unused = {k for k in unused if not k.endswith("rotary_emb.inv_freq") and not any(p.search(k) for p in ignore)}
         if unused:
             raise ConfigError(
                 f"checkpoint {path} has {len(unused)} tensors the model does not use (e.g. {sorted(unused)[0]}); "

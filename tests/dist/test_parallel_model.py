@@ -21,12 +21,13 @@ pytestmark = pytest.mark.dist
 STEPS, BATCH, SEQ, MAX_NORM = 3, 4, 16, 0.5
 
 
-def _build(path: str, dims: ParallelDims, ac: str = "none", aux_coef: float = 0.0):
+def _build(path: str, dims: ParallelDims, ac: str = "none", aux_coef: float = 0.0, precision: str = "fp32"):
     from transformers import AutoConfig
 
     cfg = Config()
-    cfg.train.precision, cfg.parallel.activation_checkpointing = "fp32", ac
-    model = build_model(AutoConfig.from_pretrained(path), dtype=torch.float32)
+    cfg.train.precision, cfg.parallel.activation_checkpointing = precision, ac
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = build_model(AutoConfig.from_pretrained(path), dtype=dtype)
     model.source_dir = path
     mesh = dims.build_mesh("cpu")
     parallelize(model, mesh, cfg)
@@ -142,8 +143,55 @@ def test_load_and_export_under_ep_2_ranks(tmp_path):
     run_ranks(_load_export_body, 2, path, str(tmp_path), [(1, 2, 1), (1, 2, 2)])
 
 
-@pytest.mark.slow
-def test_load_and_export_under_ep_4_ranks_hsdp(tmp_path):
-    """efsdp = 2 (experts FSDP-sharded and gathered over efsdp) and HSDP (dp_replicate = 2)."""
+def _four_rank_body(rank: int, path: str, out: str) -> None:
+    layouts = [(1, 4, 2), (2, 2, 2), (1, 4, 1)]
+    _load_export_body(rank, path, out, layouts)
+    ref = load_pretrained(path)
+    ref.aux_loss_coef = 0.0
+    ref_losses, ref_norms = _train(ref)
+    for layout in layouts[:2]:
+        losses, norms = _train(*_build(path, ParallelDims(*layout, world_size=4)))
+        _close(losses, ref_losses, 1e-5, f"{layout} vs single process: losses")
+        _close(norms, ref_norms, 1e-5, f"{layout} vs single process: grad norms")
+
+
+def test_four_ranks_efsdp_and_hsdp(tmp_path):
+    """efsdp = 2 (experts FSDP-sharded, gathered over efsdp) and HSDP (dp_replicate = 2): load, export, train."""
     path = tiny_qwen3_moe(str(tmp_path / "src"))
-    run_ranks(_load_export_body, 4, path, str(tmp_path), [(1, 4, 2), (2, 2, 2), (1, 4, 1)])
+    run_ranks(_four_rank_body, 4, path, str(tmp_path))
+
+
+def _precision_body(rank: int, path: str) -> None:
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, ep=2, world_size=2)
+    fp32_losses, _ = _train(*_build(path, dims))
+    for precision, param_dtype in (("bf16_fp32_master", torch.float32), ("bf16", torch.bfloat16)):
+        model, mesh = _build(path, dims, precision=precision)
+        assert {p.dtype for p in model.parameters()} == {param_dtype}
+        losses, _ = _train(model, mesh)
+        assert {p.grad is None for p in model.parameters()} == {True}  # zero_grad(set_to_none) ran
+        _close(losses, fp32_losses, 2e-2, f"{precision} vs fp32")
+
+
+def test_mixed_precision_ep2(tmp_path):
+    path = tiny_qwen3_moe(str(tmp_path / "src"))
+    run_ranks(_precision_body, 2, path)
+
+
+def test_world_size_one_same_code_path(tmp_path, monkeypatch):
+    """No launcher: init_distributed makes a 1-rank group and parallelize runs the same FSDP path."""
+    from moe_tune.dist.env import destroy_distributed, init_distributed
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
+    path = tiny_qwen3_moe(str(tmp_path / "src"))
+    env = init_distributed()
+    try:
+        assert (env.world_size, env.launcher, dist.get_world_size(), dist.get_backend()) == (1, "single", 1, "gloo")
+        ref = load_pretrained(path)
+        ref.aux_loss_coef = 0.0
+        ref_losses, ref_norms = _train(ref)
+        losses, norms = _train(*_build(path, ParallelDims(1, 1, 1, 1)))
+        _close(losses, ref_losses, 1e-5, "world size 1 vs plain model: losses")
+        _close(norms, ref_norms, 1e-5, "world size 1 vs plain model: grad norms")
+    finally:
+        destroy_distributed()

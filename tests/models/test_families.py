@@ -289,6 +289,21 @@ def test_sharded_checkpoint_round_trip(tmp_path):
         torch.testing.assert_close(again.state_dict()[k], v, rtol=0, atol=0, msg=k)
 
 
+def test_mtp_layer_ignored_extra_tensors_refused(tmp_path):
+    """DeepSeek-V3 checkpoints carry a multi-token-prediction layer (model.layers.61.*) that transformers skips;
+    so do we. Any other tensor the model does not use is an error, not silently dropped."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    build_hf("deepseek_v3").save_pretrained(src)
+    extra = {"model.layers.61.eh_proj.weight": torch.zeros(4, 4)}
+    save_file(extra, str(src / "model-mtp.safetensors"))
+    moe_tune.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    save_file({"model.extra.weight": torch.zeros(4)}, str(src / "model-extra.safetensors"))
+    with pytest.raises(ConfigError, match="model.extra.weight"):
+        moe_tune.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+
+
 def test_unsupported_architecture(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 

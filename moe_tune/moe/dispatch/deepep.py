@@ -1,0 +1,233 @@
+"""``comm=deepep``: DeepEP's normal-mode (high-throughput) kernels, v1.2.x ``Buffer`` API.
+
+Intranode over NVLink (2, 4 or 8 ranks) and internode over RDMA + NVLink (DeepEP picks the path from the
+group). DeepEP sends each token once to every rank that owns one of its experts (not once per expert), and
+reduces on the way back. On each rank of the ep group (experts in contiguous blocks of e = E / ep):
+
+dispatch: ``get_dispatch_layout`` (tokens per rank and expert) -> ``Buffer.dispatch``: this rank receives
+  N tokens, each with its top-k ids translated to local experts (-1 where the expert lives elsewhere).
+  The (token, local expert) pairs become rows sorted by local expert (``expand_by_local_expert``), so
+  GroupedExperts sees the same layout as with ``all_to_all``.
+combine: the gates go to the experts' ranks with a cached-handle ``dispatch`` (fp32 bytes, same layout as
+  the tokens), each received token's rows are weighted and summed there (``weighted_sum_per_token``), and
+  ``Buffer.combine`` adds the ranks' partial sums into each token.
+Autograd: the backward of a dispatch is a combine with the same handle and vice versa; the gates' backward
+is a combine whose fp32 top-k-weights channel sums their gradients over ranks.
+
+One host sync per dispatch, inside DeepEP: normal mode waits on the host for the number of tokens this rank
+receives (it sizes the output), as ``all_to_all`` waits for its split sizes. DeepEP moves bf16 activations.
+One ``Buffer`` per ep group, sized from DeepEP's own config hints, is shared by every layer and reused
+across steps. ``deep_ep`` is imported only when this backend is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moe_tune.moe.dispatch.base import Dispatcher
+
+# DeepEP moves rows in 16-byte units: the fp32 gates are padded to a multiple of 4 per token.
+_GATE_ALIGN = 4
+
+
+def _import_deep_ep():
+    try:
+        import deep_ep
+    except ImportError as e:
+        from moe_tune.backends import DEEPEP_HOWTO
+
+        raise ImportError(f"comm=deepep: {DEEPEP_HOWTO} (import failed: {e})") from e
+    return deep_ep
+
+
+def expand_by_local_expert(recv_ids_NK: torch.Tensor, num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows for the (received token, local expert) pairs, sorted by local expert (stable: within an expert,
+    in received order). Returns ``(order_P, counts_e)``: ``order_P`` are flat N*K indices, valid pairs
+    first, then the pairs of experts elsewhere (-1); ``counts_e`` rows per local expert. Device ops only."""
+    flat_P = recv_ids_NK.reshape(-1)
+    key_P = torch.where(flat_P >= 0, flat_P, num_local_experts)
+    order_P = torch.argsort(key_P, stable=True)
+    counts = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=flat_P.device)
+    counts.scatter_add_(0, key_P, torch.ones_like(key_P))
+    return order_P, counts[:num_local_experts]
+
+
+def weighted_sum_per_token(y_RD: torch.Tensor, pair_R: torch.Tensor, gates_NK: torch.Tensor) -> torch.Tensor:
+    """``z_ND[n] = sum_k gates[n, k] * y[row of pair (n, k)]`` over the pairs held here; pairs of experts on
+    other ranks contribute zero (their gates still arrive, and get a zero gradient here). One batched
+    matmul, no atomics."""
+    N, K = gates_NK.shape
+    y_PD = y_RD.new_zeros(N * K, y_RD.shape[1]).index_copy(0, pair_R, y_RD)
+    return torch.bmm(gates_NK.to(y_RD.dtype).unsqueeze(1), y_PD.view(N, K, -1)).squeeze(1)
+
+
+@dataclass
+class _Comm:
+    """What every DeepEP call of one dispatch/combine pair needs; ``handle`` is DeepEP's layout cache."""
+
+    buffer: Any
+    dispatch_config: Any
+    combine_config: Any
+    num_experts: int
+    handle: Any = None
+    num_rows: int = 0  # (received token, local expert) pairs: DeepEP returns the counts as host ints
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, ids_TK, comm: _Comm):
+        buf = comm.buffer
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(ids_TK, comm.num_experts)
+        # The gates are not known yet (they travel in combine); DeepEP wants weights beside the ids.
+        no_gates_TK = torch.zeros(ids_TK.shape, dtype=torch.float32, device=ids_TK.device)
+        # Collective over the ep mesh axis (NVLink within a node, RDMA across nodes): each token goes once to
+        # every ep rank that owns one of its experts.
+        # host sync: DeepEP's normal-mode dispatch waits on the host for the received token count (sizes recv_x).
+        recv_ND, recv_ids_NK, _, rows_per_expert, handle, _ = buf.dispatch(
+            x_TD,
+            num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=ids_TK,
+            topk_weights=no_gates_TK,
+            config=comm.dispatch_config,
+        )
+        comm.handle, comm.num_rows = handle, sum(rows_per_expert)
+        ctx.comm = comm
+        ctx.mark_non_differentiable(recv_ids_NK)
+        return recv_ND, recv_ids_NK
+
+    @staticmethod
+    def backward(ctx, grad_ND, _grad_ids):
+        c = ctx.comm
+        # Collective over the ep mesh axis: each token's gradient is the sum over the ranks it was sent to.
+        grad_TD, _, _ = c.buffer.combine(grad_ND.contiguous(), c.handle, config=c.combine_config)
+        return grad_TD, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z_ND, comm: _Comm):
+        ctx.comm = comm
+        # Collective over the ep mesh axis: every rank's partial sum goes back to the token's rank and is added.
+        out_TD, _, _ = comm.buffer.combine(z_ND.contiguous(), comm.handle, config=comm.combine_config)
+        return out_TD
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        c = ctx.comm
+        # Collective over the ep mesh axis: the output gradient goes to every rank that holds part of the sum.
+        grad_ND, _, _, _, _, _ = c.buffer.dispatch(grad_TD.contiguous(), handle=c.handle, config=c.dispatch_config)
+        return grad_ND, None
+
+
+class _SendGates(torch.autograd.Function):
+    """Gates ``[T, K]`` fp32 -> ``[N, K]`` on the experts' ranks, bytes unchanged (cached-handle dispatch)."""
+
+    @staticmethod
+    def forward(ctx, gates_TK, comm: _Comm):
+        ctx.comm = comm
+        T, K = gates_TK.shape
+        padded = gates_TK.new_zeros(T, -(-K // _GATE_ALIGN) * _GATE_ALIGN)
+        padded[:, :K] = gates_TK
+        # Collective over the ep mesh axis: the same routes as the tokens (cached layout), no host sync.
+        recv_NK, _, _, _, _, _ = comm.buffer.dispatch(padded, handle=comm.handle, config=comm.dispatch_config)
+        return recv_NK[:, :K].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad_NK):
+        c = ctx.comm
+        # Combine needs a bf16 payload; the gate gradients travel in its fp32 top-k-weights channel, which is
+        # summed over the ranks a token went to (each rank's non-local gates have zero gradient).
+        empty_N8 = torch.zeros(grad_NK.shape[0], 8, dtype=torch.bfloat16, device=grad_NK.device)
+        weights = grad_NK.float().contiguous()
+        # Collective over the ep mesh axis.
+        _, grad_TK, _ = c.buffer.combine(empty_N8, c.handle, topk_weights=weights, config=c.combine_config)
+        return grad_TK, None
+
+
+# One Buffer per ep group (by group name), shared by every layer's dispatcher and reused across steps; rebuilt
+# larger if a layer needs more bytes than it was sized for (hidden sizes are the same on every rank, so every
+# rank rebuilds at the same call). A per-process cache keyed by group name, not a process-group singleton.
+_BUFFERS: dict[str, tuple[Any, int, int]] = {}
+
+
+def release_buffers() -> None:
+    _BUFFERS.clear()
+
+
+@dataclass
+class _Route:
+    comm: _Comm
+    pair_R: torch.Tensor  # expanded row r is the flat (received token, k) pair pair_R[r]
+
+
+class DeepEPDispatcher(Dispatcher):
+    """Option ``num_sms``: streaming multiprocessors DeepEP's normal kernels use (even; ``comm.num_sms``)."""
+
+    def __init__(self, num_experts: int, top_k: int, ep_group, num_sms: int = 24):
+        self._deep_ep = _import_deep_ep()
+        ep = dist.get_world_size(ep_group)
+        if num_experts % ep:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by the ep group size ({ep})")
+        if num_sms <= 0 or num_sms % 2:
+            raise ValueError(f"comm.num_sms must be a positive even number (DeepEP pairs SMs per channel), got {num_sms}")
+        self.num_experts, self.top_k, self.ep_group, self.ep = num_experts, top_k, ep_group, ep
+        self.num_local_experts = num_experts // ep
+        Buffer = self._deep_ep.Buffer
+        Buffer.set_num_sms(num_sms)  # class-wide in DeepEP: the configs below capture it for this dispatcher
+        try:
+            self.dispatch_config = Buffer.get_dispatch_config(ep)
+            self.combine_config = Buffer.get_combine_config(ep)
+        except AssertionError as e:
+            raise ValueError(
+                f"DeepEP has no tuned config for an ep group of {ep} ranks (it has 2, 4, 8, 16, 24, 32, 64, 128, "
+                f"144, 160); pick parallel.ep among those or comm=all_to_all"
+            ) from e
+
+    def _buffer(self, hidden_bytes: int):
+        S = self.ep
+        configs = (self.dispatch_config, self.combine_config)
+        nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, S) for c in configs)
+        rdma = max(c.get_rdma_buffer_size_hint(hidden_bytes, S) for c in configs)
+        name = self.ep_group.group_name
+        cached = _BUFFERS.get(name)
+        if cached is None or cached[1] < nvl or cached[2] < rdma:
+            nvl, rdma = max(nvl, cached[1] if cached else 0), max(rdma, cached[2] if cached else 0)
+            # Collective over the ep mesh axis: exchanges device ids and IPC handles (a one-time host sync).
+            _BUFFERS[name] = (self._deep_ep.Buffer(self.ep_group, num_nvl_bytes=nvl, num_rdma_bytes=rdma), nvl, rdma)
+        return _BUFFERS[name][0]
+
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor):
+        x_TD = _as_bf16(x_TD)
+        comm = _Comm(
+            self._buffer(x_TD.shape[1] * x_TD.element_size()),
+            self.dispatch_config,
+            self.combine_config,
+            self.num_experts,
+        )
+        recv_ND, recv_ids_NK = _Dispatch.apply(x_TD.contiguous(), ids_TK.to(torch.int64).contiguous(), comm)
+        order_P, counts_e = expand_by_local_expert(recv_ids_NK, self.num_local_experts)
+        pair_R = order_P[: comm.num_rows]  # the valid pairs come first
+        return recv_ND[pair_R // self.top_k], counts_e, _Route(comm, pair_R)
+
+    def combine(self, y_RD: torch.Tensor, weights_TK: torch.Tensor, ctx: _Route) -> torch.Tensor:
+        gates_NK = _SendGates.apply(weights_TK.float().contiguous(), ctx.comm)
+        z_ND = weighted_sum_per_token(y_RD, ctx.pair_R, gates_NK)
+        return _Combine.apply(z_ND.to(torch.bfloat16), ctx.comm)
+
+
+def _as_bf16(x_TD: torch.Tensor) -> torch.Tensor:
+    if x_TD.dtype == torch.bfloat16:
+        return x_TD
+    if torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16:
+        return x_TD.to(torch.bfloat16)  # what autocast feeds the expert GEMMs anyway
+    raise TypeError(
+        f"comm=deepep moves bfloat16 activations only (DeepEP's combine kernel is bf16-only); got {x_TD.dtype}: "
+        "train in bf16 (train.precision=bf16, bf16_fp32_master or amp_bf16) or pick comm=all_to_all"
+    )

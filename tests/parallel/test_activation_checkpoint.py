@@ -1,0 +1,50 @@
+"""Activation checkpointing keeps fewer activations, changes no number and keeps Hugging Face parameter names."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dist"))
+from dist_harness import tiny_qwen3_moe  # noqa: E402
+
+from moe_tune.config import ConfigError  # noqa: E402
+from moe_tune.models.hf_io import load_pretrained  # noqa: E402
+from moe_tune.parallel import apply_ac  # noqa: E402
+
+
+def _run(path: str, mode: str) -> tuple[int, float, dict[str, torch.Tensor], list[str]]:
+    model = load_pretrained(path)
+    apply_ac(model, mode)
+    model.train()
+    saved = [0]
+
+    def pack(t):
+        saved[0] += t.numel()
+        return t
+
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return saved[0], out.loss.item(), grads, [n for n, _ in model.named_parameters()]
+
+
+def test_modes_save_less_and_match(tmp_path):
+    path = tiny_qwen3_moe(str(tmp_path / "src"))
+    none, selective, full = (_run(path, mode) for mode in ("none", "selective", "full"))
+    assert none[0] > selective[0] > full[0]  # elements kept for backward
+    for saved, loss, grads, names in (selective, full):
+        assert names == none[3]  # no wrapper module: parameter names unchanged
+        assert loss == none[1]
+        for n, g in grads.items():
+            torch.testing.assert_close(g, none[2][n], rtol=1e-6, atol=1e-7)
+
+
+def test_unknown_mode_fails():
+    with pytest.raises(ConfigError, match="parallel.activation_checkpointing='some'"):
+        apply_ac(None, "some")

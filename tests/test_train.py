@@ -1,0 +1,123 @@
+"""The embedded default run end to end, a 2-rank torchrun on gloo, resume and export."""
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+from conftest import PY
+
+CONTRACT_METRICS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "peak_mem_gib"}
+CONTRACT_SUMMARY = {"config", "versions", "hardware", "commit", "final_loss", "tokens_per_s_per_gpu", "tflops_per_gpu", "peak_mem_gib"}
+FAST = ["train.seq_len=64", "train.micro_batch_size=2", "data.num_samples=256", "train.precision=fp32"]
+
+
+def run_cli(args, env, nproc=1, timeout=600):
+    cmd = [PY, "-m", "moe_tune", *args]
+    if nproc > 1:
+        cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "moe_tune", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r
+
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def hf_logits_equal(hf_dir):
+    """transformers loads hf/ and gives the same logits as moe_tune's model loaded from it."""
+    from transformers import AutoModelForCausalLM
+
+    import moe_tune
+
+    ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ours = moe_tune.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = torch.randint(4, ref.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ref(ids).logits, ours(ids).logits
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_default_run_end_to_end(tmp_path, cli_env):
+    """`moe-tune` with no overrides but the run directory: loss falls, files per CONTRACT.md, hf/ loads."""
+    run_cli([f"output_dir={tmp_path}"], cli_env)
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 60 and all(CONTRACT_METRICS <= set(r) for r in rows)
+    first, last = sum(r["loss"] for r in rows[:5]) / 5, sum(r["loss"] for r in rows[-5:]) / 5
+    assert last < 0.5 * first, (first, last)
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
+    assert CONTRACT_SUMMARY <= set(summary)
+    assert summary["config"]["model"]["name"] == "tiny_qwen3_moe"
+    hf_logits_equal(str(tmp_path / "hf"))
+
+
+@pytest.mark.dist
+def test_two_rank_torchrun_gloo(tmp_path, cli_env):
+    """The default job under torchrun with 2 ranks (FSDP2 on gloo, then EP=2): one run directory, rank 0 writes."""
+    run_cli([f"output_dir={tmp_path / 'dp'}", "train.steps=4", *FAST], cli_env, nproc=2)
+    run_cli([f"output_dir={tmp_path / 'ep'}", "train.steps=4", "parallel.ep=2", *FAST], cli_env, nproc=2)
+    dp, ep = read_metrics(tmp_path / "dp"), read_metrics(tmp_path / "ep")
+    assert [r["step"] for r in dp] == [1, 2, 3, 4] == [r["step"] for r in ep]
+    # Same data, same weights: expert parallelism changes where experts run, not the maths.
+    for a, b in zip(dp, ep):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a["loss"], b["loss"])
+    hf_logits_equal(str(tmp_path / "ep" / "hf"))
+
+
+@pytest.mark.dist
+def test_resume_is_bitwise(tmp_path, cli_env):
+    """6 steps straight == 3 steps, stop, resume from checkpoints/step_3 for 3 more (fp32, CPU, rtol=0)."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = ["train.steps=6", "checkpoint.every=3", *FAST]
+    run_cli([f"output_dir={straight}", *common], cli_env)
+    # An interrupted run: copy the step-3 checkpoint and the first 3 metric lines, then resume.
+    import shutil
+
+    os.makedirs(resumed / "checkpoints")
+    shutil.copytree(straight / "checkpoints" / "step_3", resumed / "checkpoints" / "step_3")
+    shutil.copytree(straight / "base_model", resumed / "base_model")
+    run_cli([f"output_dir={resumed}", *common], cli_env)
+    a = [r["loss"] for r in read_metrics(straight)][3:]
+    b = [r["loss"] for r in read_metrics(resumed)]
+    assert len(b) == 3 and a == b, (a, b)
+    from safetensors.torch import load_file
+
+    sa, sb = load_file(straight / "hf" / "model.safetensors"), load_file(resumed / "hf" / "model.safetensors")
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.dist
+def test_export_cli_from_ep2_checkpoint(tmp_path, cli_env):
+    """moe-tune-export of an EP=2 checkpoint (2 ranks) equals the run's own hf/ export, bit for bit."""
+    run_cli([f"output_dir={tmp_path}", "train.steps=2", "checkpoint.every=2", "parallel.ep=2", *FAST], cli_env, nproc=2)
+    out = tmp_path / "exported"
+    r = subprocess.run(
+        [PY, "-m", "moe_tune.export_cli", str(tmp_path / "checkpoints" / "step_2"), str(out)],
+        capture_output=True, text=True, env=cli_env, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    from safetensors import safe_open
+
+    def tensors(d):
+        idx = d / "model.safetensors.index.json"
+        files = set(json.load(open(idx))["weight_map"].values()) if idx.exists() else {"model.safetensors"}
+        out = {}
+        for name in files:
+            with safe_open(d / name, "pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})
+        return out
+
+    a, b = tensors(tmp_path / "hf"), tensors(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    hf_logits_equal(str(out))
+
+
+def test_export_cli_bad_input_exits_2(tmp_path, cli_env):
+    r = subprocess.run([PY, "-m", "moe_tune.export_cli", str(tmp_path), str(tmp_path / "o")], capture_output=True, text=True, env=cli_env)
+    assert r.returncode == 2 and "not a complete moe-tune checkpoint" in r.stderr
