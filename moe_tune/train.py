@@ -72,7 +72,9 @@ class Trainer:
         self.optimizer, self.scheduler = self.build_optimizer()
         from moe_tune.data import build_dataset
 
-        self.data = build_dataset(cfg.data, self.tokenizer, cfg.train.seq_len, cfg.train.seed)
+        self.data = build_dataset(
+            cfg.data, self.tokenizer, cfg.train.seq_len, cfg.train.seed, vocab_size=self.model.config.vocab_size
+        )
         self.metrics = MetricsWriter(
             cfg.output_dir, self.rank == 0 and write_run_files, cfg.train.warmup_steps_excluded
         )
@@ -97,6 +99,7 @@ class Trainer:
         model.z_loss_coef = cfg.train.z_loss_coef
         for moe in model.moe_layers():
             moe.router.force_balanced = cfg.train.force_balanced_routing
+            moe.want_aux_loss, moe.want_z_loss = cfg.train.aux_loss_coef > 0, cfg.train.z_loss_coef > 0
         k = cfg.kernels
         apply_kernels(model, k.name, k.experts, k.fused_loss, k.loss_chunk_size, k.fp8)
         dp_replicate, dp_shard, ep = resolve_parallel(cfg.parallel, self.world)
@@ -129,13 +132,7 @@ class Trainer:
         from moe_tune.parallel import clip_grad_norm_
 
         cfg, model = self.cfg, self.model
-        batches = [
-            [
-                t.to(self.device)
-                for t in self.data.rows(step, m, cfg.train.micro_batch_size, self.accum, self.rank, self.dp_size)
-            ]
-            for m in range(self.accum)
-        ]
+        batches = [self._micro_batch(step, m) for m in range(self.accum)]
         # The loss is a mean over every label token of the step on all ranks: count them first.
         # FSDP averages gradients over the dp ranks, so each rank divides its token sum by global / dp.
         local = sum((labels[:, 1:] != -100).sum() for _, labels, _ in batches).float()
@@ -166,6 +163,16 @@ class Trainer:
         if dist.is_initialized():
             dist.all_reduce(ce_sum)  # mesh: all ranks; per-rank sums of token losses / (global / dp)
         return {"loss": ce_sum / self.dp_size, "grad_norm": grad_norm, "aux_loss": out.aux_loss}
+
+    def _micro_batch(self, step: int, micro: int):
+        t = self.cfg.train
+        ids, labels, pos = self.data.rows(step, micro, t.micro_batch_size, self.accum, self.rank, self.dp_size)
+        # Rows that hold one sequence each need no position ids; passing them would make transformers look
+        # for packed sequences on the device, a host sync per forward. Decided here, on CPU tensors.
+        if torch.equal(pos, torch.arange(pos.shape[1]).expand_as(pos)):
+            pos = None
+        to = lambda x: None if x is None else x.to(self.device, non_blocking=True)  # noqa: E731
+        return to(ids), to(labels), to(pos)
 
     def _update_expert_bias(self) -> None:
         from moe_tune.moe.router import update_expert_bias

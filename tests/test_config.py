@@ -60,7 +60,7 @@ def test_default_values():
         (["comm=deepep", "parallel.ep=2"], 2, "deepep"),
         (["comm=symm_mem", "parallel.ep=2"], 2, "symm_mem"),
         (["comm=deepep"], 1, "comm=deepep needs expert parallelism"),
-        (["kernels=te"], 1, "transformer_engine"),
+        (["kernels=te"], 1, "TransformerEngine is not installed"),
         (["kernels.fp8=current"], 1, "need kernels=te"),
         (["train.precision=fp16"], 1, "train.precision='fp16' is not one of"),
         (["parallel.activation_checkpointing=some"], 1, "parallel.activation_checkpointing='some'"),
@@ -97,7 +97,7 @@ def test_experts_not_divisible_by_ep():
         (["comm=nccl_magic"], "comm"),
         (["parallel.ep=3"], "parallel.ep (3) must divide"),
         (["model.path=/nonexistent"], "has no config.json"),
-        (["kernels=te"], "transformer_engine"),
+        (["kernels=te"], "TransformerEngine is not installed"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(args, message, cli_env, tmp_path):

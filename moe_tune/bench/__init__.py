@@ -55,7 +55,9 @@ def parse_variants(spec: str | None) -> list[tuple[str, list[str]]]:
         if not sep or "=" in name:
             name, rest = "", part
         overrides = split_overrides(rest)
-        name = name.strip() or ",".join(f"{o.partition('=')[0].rsplit('.', 1)[-1]}={o.partition('=')[2]}" for o in overrides)
+        name = name.strip() or ",".join(
+            f"{o.partition('=')[0].rsplit('.', 1)[-1]}={o.partition('=')[2]}" for o in overrides
+        )
         out.append((name or "moe_tune", overrides))
     if not out:
         out = [("moe_tune", [])]
@@ -91,8 +93,17 @@ def row_config(cfg, kind: str, experts: str | None = None) -> dict:
         "activation_checkpointing": cfg.parallel.activation_checkpointing,
         "micro_batch_size": cfg.train.micro_batch_size,
     }
+    if kind == "peer":
+        return {"kernels": "nemo_automodel", **common}  # the rest comes from its summary.json
     if kind == "baseline":
-        return {"comm": "none", "kernels": "transformers", "experts": experts, "ep": 1, "fsdp": "per layer + root", **common}
+        return {
+            "comm": "none",
+            "kernels": "transformers",
+            "experts": experts,
+            "ep": 1,
+            "fsdp": "per layer + root",
+            **common,
+        }
     return {
         "comm": cfg.comm.name,
         "kernels": cfg.kernels.name,
@@ -149,7 +160,11 @@ def build_plans(args, common: list[str]) -> tuple[list[Plan], list[dict]]:
                  "(pip install nemo_automodel, or give --peer-pythonpath DIR where it is installed)"}
             )  # fmt: skip
         else:
-            plans.append(Plan("nemo_automodel", "peer", "moe_tune.bench.peer", ["--dispatcher", args.peer_dispatcher], common))
+            peer_args = ["--dispatcher", args.peer_dispatcher, "--backend", args.peer_backend]
+            peer_args += ["--ep", str(args.peer_ep)] if args.peer_ep else []
+            plans.append(
+                Plan(f"nemo_automodel_{args.peer_dispatcher}", "peer", "moe_tune.bench.peer", peer_args, common)
+            )
     return plans, skipped
 
 
@@ -183,6 +198,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=None, help="ranks per row (default: number of GPUs, 1 on CPU)")
     p.add_argument("--peer", choices=("none", "automodel"), default="none", help="add a NeMo AutoModel row")
     p.add_argument("--peer-dispatcher", default="torch", help="NeMo AutoModel MoE dispatcher: torch or deepep")
+    p.add_argument(
+        "--peer-ep", type=int, default=None, help="NeMo AutoModel EP size (default: parallel.ep, else nproc)"
+    )
+    p.add_argument("--peer-backend", default="", help="NeMo BackendConfig overrides, e.g. attn=te,linear=te")
     p.add_argument("--peer-pythonpath", default=None, help="prepended to PYTHONPATH for the peer row only")
     p.add_argument("--routing", choices=("real", "forced_balanced"), default=None, help="default: the overrides'")
     p.add_argument("--out", default=None, help="default: benchmarks/results/<date>-<hardware>")
@@ -204,7 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         common.append(f"train.force_balanced_routing={str(args.routing == 'forced_balanced').lower()}")
     cfg, error = compose_config(common)
     if cfg is None:
-        print(f"moe-tune-bench: error: {error} (overrides: {' '.join(common)}); check the key names against conf/", file=sys.stderr)
+        print(
+            f"moe-tune-bench: error: {error} (overrides: {' '.join(common)}); check the key names against conf/",
+            file=sys.stderr,
+        )
         return 2
     now = datetime.datetime.now()
     stamp = now.strftime("%Y%m%d-%H%M%S")
@@ -243,13 +265,16 @@ def main(argv: list[str] | None = None) -> int:
         row.config["overrides"] = plan.overrides[len(common) :] if plan.kind == "moe_tune" else []
         if error is not None:
             row.status = f"error: {error}"
+            print(f"[bench] {i}/{len(plans)} {plan.name}: not run, {row.status}", flush=True)
         else:
             env_extra = {"PYTHONPATH": args.peer_pythonpath} if plan.kind == "peer" and args.peer_pythonpath else {}
             print(f"[bench] {i}/{len(plans)} {plan.name}: running", flush=True)
             t0 = time.perf_counter()
             run_dir = os.path.join(runs, re.sub(r"[^\w.-]+", "_", plan.name))  # no '=' or ',' in a Hydra value
             run_row(row, plan.module, plan.args, plan.overrides, run_dir, nproc, args.timeout_s, env_extra)
-            print(f"[bench] {i}/{len(plans)} {plan.name}: {row.one_line()} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            print(
+                f"[bench] {i}/{len(plans)} {plan.name}: {row.one_line()} ({time.perf_counter() - t0:.0f} s)", flush=True
+            )
         result["rows"].append(row.as_dict())
         result["reference_variant"] = finish_rows(result["rows"], peak)
         result["flops_per_token"] = result["flops_per_token"] or row.flops_per_token
@@ -279,7 +304,12 @@ def _dirty() -> bool | None:
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
-        out = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return bool(out.stdout.strip()) if out.returncode == 0 else None

@@ -79,7 +79,9 @@ def _balanced_router_forward(self, hidden_states: torch.Tensor):
     logits_TE = F.linear(x_TD, self.weight)
     scores_TE = torch.softmax(logits_TE, dtype=torch.float32, dim=-1)
     T, K = x_TD.shape[0], self.top_k
-    ids_TK = (torch.arange(T, device=x_TD.device).unsqueeze(1) * K + torch.arange(K, device=x_TD.device)) % self.num_experts
+    ids_TK = (
+        torch.arange(T, device=x_TD.device).unsqueeze(1) * K + torch.arange(K, device=x_TD.device)
+    ) % self.num_experts
     weights_TK = scores_TE.gather(1, ids_TK)
     if self.norm_topk_prob:
         weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
@@ -89,7 +91,9 @@ def _balanced_router_forward(self, hidden_states: torch.Tensor):
 def apply_forced_balanced_routing(model: nn.Module) -> int:
     """Patch every softmax top-k router of ``model``; returns how many. Other routers (sigmoid, biased,
     grouped) are refused rather than silently left on real routing."""
-    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter") or type(m).__name__.endswith("TopkRouter")]
+    routers = [
+        m for m in model.modules() if type(m).__name__.endswith("TopKRouter") or type(m).__name__.endswith("TopkRouter")
+    ]
     for r in routers:
         plain = all(hasattr(r, a) for a in ("weight", "top_k", "num_experts", "norm_topk_prob"))
         if not plain or getattr(r, "bias", None) is not None or hasattr(r, "e_score_correction_bias"):
@@ -114,7 +118,9 @@ class Baseline:
         from moe_tune.train import _setup_logging, _write_json, build_source, build_tokenizer
 
         if experts_implementation not in EXPERTS_IMPLEMENTATIONS:
-            raise ConfigError(f"--experts {experts_implementation!r} is not one of {', '.join(EXPERTS_IMPLEMENTATIONS)}")
+            raise ConfigError(
+                f"--experts {experts_implementation!r} is not one of {', '.join(EXPERTS_IMPLEMENTATIONS)}"
+            )
         # The baseline has no expert parallelism, dispatcher or kernel choice: check the rest of the workload.
         validate(replace(cfg, parallel=replace(cfg.parallel, ep=1), comm=CommConfig(), kernels=KernelsConfig()))
         self.cfg, self.experts_implementation = cfg, experts_implementation
@@ -133,7 +139,7 @@ class Baseline:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
         self.data = build_dataset(cfg.data, build_tokenizer(source), t.seq_len, t.seed)
         self.metrics = MetricsWriter(cfg.output_dir, self.rank == 0, t.warmup_steps_excluded)
-        self.flops_per_token = hf_flops_per_token(self.model, t.seq_len)
+        self.flops_per_token = self.count_flops(hf_config)
 
     def build_model(self, source: str | None, hf_config) -> tuple[nn.Module, object]:
         from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -182,7 +188,11 @@ class Baseline:
                     m.set_force_sum_reduction_for_comms(True)
         materialize(model, self.device)
         num_experts = next(
-            (getattr(hf_config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts") if hasattr(hf_config, k)),
+            (
+                getattr(hf_config, k)
+                for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                if hasattr(hf_config, k)
+            ),
             None,
         )
         if source is not None:
@@ -194,18 +204,18 @@ class Baseline:
 
     def train_step(self, step: int) -> dict:
         """One optimizer step; the loss bookkeeping is the Trainer's, line for line."""
-        from moe_tune.parallel import clip_grad_norm_
-
-        cfg, model = self.cfg, self.model
+        cfg = self.cfg
         batches = [
-            [t.to(self.device) for t in self.data.rows(step, m, cfg.train.micro_batch_size, self.accum, self.rank, self.world)]
+            [
+                t.to(self.device)
+                for t in self.data.rows(step, m, cfg.train.micro_batch_size, self.accum, self.rank, self.world)
+            ]
             for m in range(self.accum)
         ]
         total = sum((labels[:, 1:] != -100).sum() for _, labels, _ in batches).float()
         if dist.is_initialized():
             dist.all_reduce(total)  # all ranks: label tokens of the whole step
         normalizer = total.clamp(min=1) / self.world  # FSDP averages gradients over the world
-        aux_coef = cfg.train.aux_loss_coef
         ce_sum = torch.zeros((), device=self.device)
         autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -213,20 +223,43 @@ class Baseline:
             else contextlib.nullcontext()
         )
         for m, (ids, labels, pos) in enumerate(batches):
-            model.set_requires_gradient_sync(m == self.accum - 1)
+            if hasattr(self.model, "set_requires_gradient_sync"):  # an FSDP2 root: reduce on the last micro-batch
+                self.model.set_requires_gradient_sync(m == self.accum - 1)
             with autocast:
-                out = model(input_ids=ids, labels=labels, position_ids=pos, num_items_in_batch=normalizer)
-            # transformers adds router_aux_loss_coef * aux_loss to its loss; split it off to log the CE alone.
-            ce = out.loss - aux_coef * out.aux_loss if getattr(out, "aux_loss", None) is not None else out.loss
-            (ce + (out.loss - ce) / self.accum).backward()
-            ce_sum += ce.detach()
-        grad_norm = clip_grad_norm_(model, cfg.optim.max_grad_norm, self.mesh)
+                ce_sum += self.forward_backward(ids, labels, pos, normalizer)
+        grad_norm = self.clip_grad_norm()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if dist.is_initialized():
             dist.all_reduce(ce_sum)  # all ranks: per-rank token-loss sums / (global / world)
         return {"loss": ce_sum / self.world, "grad_norm": grad_norm}
+
+    def forward_backward(self, ids, labels, pos, normalizer: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns its detached cross-entropy (sum / normalizer)."""
+        out = self.model(input_ids=ids, labels=labels, position_ids=pos, num_items_in_batch=normalizer)
+        # transformers adds router_aux_loss_coef * aux_loss to its loss; split it off to log the CE alone.
+        aux = getattr(out, "aux_loss", None)
+        ce = out.loss - self.cfg.train.aux_loss_coef * aux if aux is not None else out.loss
+        (ce + (out.loss - ce) / self.accum).backward()
+        return ce.detach()
+
+    def clip_grad_norm(self) -> torch.Tensor:
+        from moe_tune.parallel import clip_grad_norm_
+
+        return clip_grad_norm_(self.model, self.cfg.optim.max_grad_norm, self.mesh)
+
+    def count_flops(self, hf_config) -> float:
+        return hf_flops_per_token(self.model, self.cfg.train.seq_len)
+
+    def describe(self) -> dict:
+        """What this row actually ran, for summary.json (``bench_config`` updates the row's config)."""
+        c = self.model.config
+        return {
+            "experts_implementation": c._experts_implementation,
+            "attn_implementation": c._attn_implementation,
+            "bench_config": {"experts": c._experts_implementation},
+        }
 
     def fit(self) -> dict:
         from moe_tune.metrics import peak_memory_gib
@@ -277,8 +310,7 @@ class Baseline:
             "commit": _git_commit(),
             "flops_per_token": self.flops_per_token,
             "routing": "forced_balanced" if cfg.train.force_balanced_routing else "real",
-            "experts_implementation": self.model.config._experts_implementation,
-            "attn_implementation": self.model.config._attn_implementation,
+            **self.describe(),
             **self.metrics.summary(),
         }
         if self.rank == 0:
@@ -291,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m moe_tune.bench.baseline", description=__doc__.splitlines()[0])
     parser.add_argument("--experts", default="grouped_mm", choices=EXPERTS_IMPLEMENTATIONS)
-    parser.add_argument("overrides", nargs="*", help="moe_tune Hydra overrides (model=..., train.seq_len=..., output_dir=...)")
+    parser.add_argument(
+        "overrides", nargs="*", help="moe_tune Hydra overrides (model=..., train.seq_len=..., output_dir=...)"
+    )
     args = parser.parse_args(argv)
     precheck(args.overrides)  # a bad override: one line, exit 2
     try:

@@ -68,14 +68,18 @@ def markdown(result: dict) -> str:
         f"# {w['model']}, {layers}, seq {w['seq_len']}, {result['hardware']}",
         "",
         f"- {result['date']}, commit `{result['commit'][:12]}`{' (uncommitted changes)' if result.get('dirty') else ''}, "
-        + ", ".join(f"{k} {v}" for k, v in result["versions"].items() if k in ("torch", "transformers", "CUDA", "NCCL")),
+        + ", ".join(
+            f"{k} {v}" for k, v in result["versions"].items() if k in ("torch", "transformers", "CUDA", "NCCL")
+        ),
         f"- Workload: micro-batch {w['micro_batch_size']} x {w['seq_len']} tokens per rank, global batch "
         f"{w['global_batch_size']} sequences ({tokens_per_gpu_step:,} tokens per GPU per step), precision "
         f"`{w['precision']}`, activation checkpointing `{w['activation_checkpointing']}`, routing `{w['routing']}`, "
         f"{w['steps']} steps, medians after the first {w['warmup_steps_excluded']}.",
         "- TFLOP/s per GPU = tokens/s per GPU x FLOPs/token, FLOPs/token = 6 x active matmul parameters + "
         f"6 x layers x seq x (heads x head_dim) (causal attention) = {_num(result.get('flops_per_token'), '.3g')}.",
-        f"- MFU against {peak:g} TFLOP/s per GPU ({result.get('peak_source', '')})." if peak else "- MFU: no peak known for this hardware.",
+        f"- MFU against {peak:g} TFLOP/s per GPU ({result.get('peak_source', '')})."
+        if peak
+        else "- MFU: no peak known for this hardware.",
         "",
         "| variant | kind | status | comm | kernels | ep | tokens/s/GPU | vs baseline | TFLOP/s/GPU | MFU | "
         "peak alloc GiB | peak reserved GiB | final loss | max loss diff vs baseline |",

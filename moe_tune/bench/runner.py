@@ -75,7 +75,16 @@ def launch_command(module: str, args: list[str], nproc: int) -> list[str]:
     """One process: plain ``python -m``; more: ``torchrun --standalone`` (a fresh rendezvous on a free port)."""
     if nproc == 1:
         return [sys.executable, "-m", module, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", module, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        module,
+        *args,
+    ]
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -94,6 +103,7 @@ def failure_reason(stderr: str, returncode: int) -> str:
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     errors = [ln for ln in lines if _ERROR_LINE.search(ln) and not _NOISE.search(ln)]
     reason = errors[-1] if errors else next((ln for ln in reversed(lines) if not _NOISE.search(ln)), "")
+    reason = re.sub(r"^moe-tune[\w -]*: error:\s*", "", reason)
     if not reason:
         reason = f"killed by signal {-returncode}" if returncode < 0 else f"exit code {returncode}, no message"
     return f"error: {reason[:300]}"
@@ -131,6 +141,7 @@ def read_run(row: Row, run_dir: str) -> bool:
                 "flops_per_token", "steps_timed"):  # fmt: skip
         setattr(row, key, s.get(key))
     row.resolved_config = s.get("config")
+    row.config.update(s.get("bench_config", {}))
     if s.get("experts_implementation") and row.config.get("experts") not in (None, s["experts_implementation"]):
         row.note = f"transformers ran experts_implementation={s['experts_implementation']!r}"
     metrics = os.path.join(run_dir, "metrics.jsonl")

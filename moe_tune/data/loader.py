@@ -91,7 +91,17 @@ class PackedDataset:
         return int(self._perm[1][j])
 
 
-def build_dataset(cfg: DataConfig, tokenizer, seq_len: int, seed: int) -> PackedDataset:
+def random_dataset(num_rows: int, seq_len: int, vocab_size: int, seed: int) -> PackedDataset:
+    """Uniform random tokens over the whole vocabulary, every position labelled: the benchmark workload
+    (routing is then decided by the model's weights, not by a small tokenizer's few ids)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (num_rows, seq_len), generator=g)
+    return PackedDataset(ids, ids.clone(), torch.arange(seq_len).expand(num_rows, seq_len).clone(), seed)
+
+
+def build_dataset(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size: int | None = None) -> PackedDataset:
+    if cfg.name == "random" and cfg.path is None:
+        return random_dataset(max(cfg.num_samples, 1), seq_len, vocab_size or len(tokenizer), seed)
     samples = [tokenize(s, tokenizer, cfg) for s in read_samples(cfg, seed)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows_ids, rows_labels, rows_pos = [], [], []

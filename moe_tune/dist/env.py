@@ -33,7 +33,9 @@ class DistEnv:
     @property
     def device(self) -> torch.device:
         """This rank's device: its local GPU, or the CPU when there is none."""
-        return torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", self.local_rank % torch.cuda.device_count())
 
 
 def dist_env(environ: dict[str, str] | None = None) -> DistEnv:
@@ -80,8 +82,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device_id = None
     if torch.cuda.is_available():
-        torch.cuda.set_device(env.local_rank)
-        device_id = torch.device("cuda", env.local_rank)
+        # Modulo: a Slurm task bound to one GPU (CUDA_VISIBLE_DEVICES set per task) sees it as device 0.
+        device_id = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device_id)
     timeout = timedelta(seconds=timeout_s)
     if env.launcher == "single" and "MASTER_ADDR" not in os.environ:
         # One process: an in-memory store, so no port is needed and nothing can collide.

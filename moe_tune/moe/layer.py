@@ -42,6 +42,9 @@ class MoE(nn.Module):
         # Filled by every forward for the trainer: balancing losses (with graph) and rows per expert (detached).
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
+        # Which balancing losses the model adds (set by MoECausalLM from its coefficients): computing an
+        # unused one still costs kernels on every layer.
+        self.want_aux_loss, self.want_z_loss = True, False
         self.counts_E: torch.Tensor | None = None
 
     @property
@@ -61,8 +64,10 @@ class MoE(nn.Module):
         weights_TK, ids_TK, scores_TE, logits_TE = self.router(x_TD)
         counts_E = expert_counts(ids_TK, self.spec.router.num_experts)
         if self.training:
-            self.aux_loss = load_balancing_loss(scores_TE, counts_E, self.spec.router.top_k)
-            self.z_loss = z_loss(logits_TE)
+            if self.want_aux_loss:
+                self.aux_loss = load_balancing_loss(scores_TE, counts_E, self.spec.router.top_k)
+            if self.want_z_loss:
+                self.z_loss = z_loss(logits_TE)
         self.counts_E = counts_E.detach()
 
         x_RD, counts_e, ctx = self.dispatcher.dispatch(x_TD, ids_TK)

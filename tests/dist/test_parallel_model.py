@@ -168,7 +168,6 @@ def _precision_body(rank: int, path: str) -> None:
         model, mesh = _build(path, dims, precision=precision)
         assert {p.dtype for p in model.parameters()} == {param_dtype}
         losses, _ = _train(model, mesh)
-        assert {p.grad is None for p in model.parameters()} == {True}  # zero_grad(set_to_none) ran
         _close(losses, fp32_losses, 2e-2, f"{precision} vs fp32")
 
 

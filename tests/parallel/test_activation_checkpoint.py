@@ -38,7 +38,7 @@ def test_modes_save_less_and_match(tmp_path):
     path = tiny_qwen3_moe(str(tmp_path / "src"))
     none, selective, full = (_run(path, mode) for mode in ("none", "selective", "full"))
     assert none[0] > selective[0] > full[0]  # elements kept for backward
-    for saved, loss, grads, names in (selective, full):
+    for _, loss, grads, names in (selective, full):
         assert names == none[3]  # no wrapper module: parameter names unchanged
         assert loss == none[1]
         for n, g in grads.items():

@@ -62,7 +62,7 @@ def weighted_sum_per_token(y_RD: torch.Tensor, pair_R: torch.Tensor, gates_NK: t
     matmul, no atomics."""
     N, K = gates_NK.shape
     y_PD = y_RD.new_zeros(N * K, y_RD.shape[1]).index_copy(0, pair_R, y_RD)
-    return torch.bmm(gates_NK.to(y_RD.dtype).unsqueeze(1), y_PD.view(N, K, -1)).squeeze(1)
+    return torch.bmm(gates_NK.to(y_RD.dtype).unsqueeze(1), y_PD.view(N, K, y_RD.shape[1])).squeeze(1)
 
 
 @dataclass

@@ -87,6 +87,10 @@ def _all_to_all_vdev(send, recv, in_splits_S, out_splits_offsets_2S, group_name:
     torch.ops.symm_mem.all_to_all_vdev(send, recv, in_splits_S, out_splits_offsets_2S, group_name)
 
 
+# torch >= 2.12 renames all_gather_into_tensor (kept there, deprecated) to all_gather_single.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _init_nvshmem(device: torch.device, group_name: str) -> None:
     from torch.distributed import _symmetric_memory as symm
 
@@ -200,7 +204,7 @@ class _ToExperts(torch.autograd.Function):
             torch.index_select(grad_CD.contiguous(), 0, r.em_of_src_C, out=send[:C])
 
         recv = r.pool.exchange(False, r.recv_S, fill)
-        grad_TKD = recv.index_select(0, r.inv_order_R).view(r.num_tokens, r.top_k, -1)
+        grad_TKD = recv.index_select(0, r.inv_order_R).view(r.num_tokens, r.top_k, recv.shape[1])
         return grad_TKD.sum(1), None
 
 
@@ -219,7 +223,7 @@ class _ToTokens(torch.autograd.Function):
             torch.index_select(y_RD, 0, route.em_of_src_C, out=send[:C])
 
         recv = route.pool.exchange(False, route.recv_S, fill)
-        return recv.index_select(0, route.inv_order_R).view(route.num_tokens, route.top_k, -1)
+        return recv.index_select(0, route.inv_order_R).view(route.num_tokens, route.top_k, recv.shape[1])
 
     @staticmethod
     def backward(ctx, grad_TKD):
@@ -227,7 +231,7 @@ class _ToTokens(torch.autograd.Function):
         n = r.order_R.numel()
 
         def fill(send):
-            torch.index_select(grad_TKD.reshape(n, -1), 0, r.order_R, out=send[:n])
+            torch.index_select(grad_TKD.reshape(n, send.shape[1]), 0, r.order_R, out=send[:n])
 
         recv = r.pool.exchange(True, r.send_S, fill)
         return recv.index_select(0, r.src_of_em_C[: ctx.num_rows]), None
@@ -307,7 +311,7 @@ class SymmMemDispatcher(Dispatcher):
         counts_E = expert_counts(ids_TK, E)
         counts_SE = counts_E.new_empty(S * E)
         # Collective over the ep mesh axis (all-gather): every rank's rows per global expert, on the device.
-        dist.all_gather_into_tensor(counts_SE, counts_E, group=self.ep_group)
+        _all_gather(counts_SE, counts_E, group=self.ep_group)
         counts_SSe = counts_SE.view(S, S, e)  # [source, receiving rank, its local expert]
         recv_rows_S = counts_SSe.sum(dim=(0, 2))
         overflow = (recv_rows_S > pool.capacity).any()

@@ -1,0 +1,177 @@
+"""The NeMo AutoModel row of ``moe-tune-bench`` (``--peer automodel``): ``NeMoAutoModelForCausalLM`` with expert
+parallelism and FSDP2, trained on moe_tune's workload by the same loop as the Transformers baseline.
+
+Written against nemo_automodel 0.7.0 (its ``recipes/llm/train_ft.py`` step): ``DistributedSetup.build(strategy=
+FSDP2Config(mp_policy), parallelism_sizes=ParallelismSizes(ep_size), moe_parallel_config, activation_checkpointing)``,
+``BackendConfig`` for attention / linear / experts / dispatcher, its ``MaskedCrossEntropy`` on full logits, and its
+``scale_grads_and_clip_grad_norm`` (which also rescales expert gradients for EP). Mapped from moe_tune's choices:
+  - precision: moe_tune's MixedPrecisionPolicy for ``train.precision`` (fp32 parameters for ``bf16_fp32_master``);
+  - ``parallel.activation_checkpointing`` none|full|selective -> False|"full"|"selective";
+  - ``train.force_balanced_routing`` -> ``BackendConfig(fake_balanced_gate=True)`` (its balanced gate, which is not
+    moe_tune's assignment but balances the same way);
+  - ``train.aux_loss_coef`` -> the config's ``router_aux_loss_coef``;
+  - ``--dispatcher torch|deepep`` and ``--backend k=v,...`` (default attn=sdpa, linear=torch, experts=torch_mm,
+    rope_fusion=False: no TransformerEngine), ``--ep`` (default parallel.ep if > 1, else every rank).
+Its weights are its own random init (parameter names differ from Hugging Face's), so its losses are not expected to
+match the baseline's step for step. FLOPs per token are counted on the Hugging Face model of the same config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from moe_tune.bench.baseline import Baseline, hf_flops_per_token
+from moe_tune.config import Config, ConfigError
+
+DEFAULT_BACKEND = {"attn": "sdpa", "linear": "torch", "experts": "torch_mm", "rope_fusion": False}
+
+
+def parse_backend(text: str, dispatcher: str) -> dict:
+    """``'attn=te,linear=te'`` -> BackendConfig kwargs over DEFAULT_BACKEND (``true``/``false`` become bools)."""
+    kwargs: dict = {**DEFAULT_BACKEND, "dispatcher": dispatcher}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--backend item {item!r} is not key=value; e.g. --backend attn=te,linear=te")
+        kwargs[key] = {"true": True, "false": False}.get(value.lower(), value)
+    return kwargs
+
+
+class Peer(Baseline):
+    def __init__(self, cfg: Config, dispatcher: str = "torch", ep: int | None = None, backend: str = ""):
+        self.backend_kwargs = parse_backend(backend, dispatcher)
+        self.requested_ep = ep
+        super().__init__(cfg)
+
+    def build_model(self, source: str | None, hf_config):
+        from nemo_automodel import NeMoAutoModelForCausalLM
+        from nemo_automodel.components.distributed import (
+            DistributedSetup,
+            FSDP2Config,
+            MoEParallelizerConfig,
+            ParallelismSizes,
+        )
+        from nemo_automodel.components.loss.masked_ce import MaskedCrossEntropy
+        from nemo_automodel.components.models.common.utils import BackendConfig
+
+        from moe_tune.parallel import mixed_precision_policy
+
+        cfg = self.cfg
+        num_experts = next(
+            (
+                getattr(hf_config, k)
+                for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                if hasattr(hf_config, k)
+            ),
+            1,
+        )
+        ep = self.requested_ep or (cfg.parallel.ep if cfg.parallel.ep > 1 else self.world)
+        if num_experts % ep or self.world % ep:
+            raise ConfigError(
+                f"--ep {ep} must divide the number of experts ({num_experts}) and the world size ({self.world})"
+            )
+        self.ep = ep
+        mp = mixed_precision_policy(cfg.train.precision)
+        ac = {"none": False, "full": "full", "selective": "selective"}[cfg.parallel.activation_checkpointing]
+        setup = DistributedSetup.build(
+            strategy=FSDP2Config(mp_policy=mp),
+            parallelism_sizes=ParallelismSizes(ep_size=ep),
+            moe_parallel_config=MoEParallelizerConfig(mp_policy=mp) if ep > 1 else None,
+            activation_checkpointing=ac,
+        )
+        self.mesh_context = setup.mesh_context
+        backend = BackendConfig(**self.backend_kwargs, fake_balanced_gate=cfg.train.force_balanced_routing)
+        hf_config.router_aux_loss_coef = cfg.train.aux_loss_coef
+        param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+        kwargs = dict(dtype=param_dtype, distributed_setup=setup, backend=backend)
+        if source is not None:
+            model = NeMoAutoModelForCausalLM.from_pretrained(source, **kwargs)
+        else:
+            model = NeMoAutoModelForCausalLM.from_config(hf_config, **kwargs)
+        self.loss_fn = MaskedCrossEntropy(reduction="sum")
+        model.train()
+        return model, None
+
+    def train_step(self, step: int) -> dict:
+        from nemo_automodel.components.moe.megatron.moe_utils import MoEAuxLossAutoScaler
+
+        # Its recipe: balancing-loss gradients averaged over the step's micro-batches.
+        MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0 / self.accum)
+        return super().train_step(step)
+
+    def forward_backward(self, ids, labels, pos, normalizer: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=ids, position_ids=pos).logits
+        shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]  # labels aligned with input_ids, as for the others
+        ce = self.loss_fn(logits, shifted) / normalizer  # fp32 island: MaskedCrossEntropy upcasts the logits
+        ce.backward()
+        return ce.detach()
+
+    def clip_grad_norm(self) -> torch.Tensor:
+        from nemo_automodel.components.training.utils import scale_grads_and_clip_grad_norm
+
+        mc = self.mesh_context
+        moe_mesh = mc.moe_mesh
+        norm = scale_grads_and_clip_grad_norm(
+            self.cfg.optim.max_grad_norm,
+            [self.model],
+            norm_type=2.0,
+            device_mesh=mc.device_mesh,
+            moe_mesh=moe_mesh,
+            ep_axis_name="ep" if moe_mesh is not None and "ep" in (moe_mesh.mesh_dim_names or ()) else None,
+            foreach=True,
+            dp_group_size=self.world,
+        )
+        return torch.as_tensor(norm, dtype=torch.float32, device=self.device)
+
+    def count_flops(self, hf_config) -> float:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            reference = AutoModelForCausalLM.from_config(hf_config)
+        return hf_flops_per_token(reference, self.cfg.train.seq_len)
+
+    def describe(self) -> dict:
+        from importlib.metadata import version
+
+        b = self.backend_kwargs
+        return {
+            "nemo_automodel": version("nemo_automodel"),
+            "backend": {**b, "fake_balanced_gate": self.cfg.train.force_balanced_routing},
+            "bench_config": {
+                "comm": f"nemo {b['dispatcher']}",
+                "kernels": f"nemo_automodel attn={b['attn']} linear={b['linear']}",
+                "experts": b["experts"],
+                "ep": self.ep,
+            },
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from moe_tune.cli import compose, precheck, to_config
+    from moe_tune.dist.env import destroy_distributed
+
+    parser = argparse.ArgumentParser(prog="python -m moe_tune.bench.peer", description=__doc__.splitlines()[0])
+    parser.add_argument("--dispatcher", default="torch", help="NeMo AutoModel MoE dispatcher: torch or deepep")
+    parser.add_argument(
+        "--ep", type=int, default=None, help="expert-parallel size (default: parallel.ep, else all ranks)"
+    )
+    parser.add_argument("--backend", default="", help="BackendConfig overrides, e.g. attn=te,linear=te")
+    parser.add_argument("overrides", nargs="*", help="moe_tune Hydra overrides (the workload)")
+    args = parser.parse_args(argv)
+    precheck(args.overrides)
+    try:
+        Peer(to_config(compose(args.overrides)), args.dispatcher, args.ep, args.backend).fit()
+    except ConfigError as e:
+        print(f"moe-tune-bench peer: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
