@@ -4,11 +4,10 @@ import os
 import subprocess
 
 import pytest
+from conftest import PY, ROOT
 
 from moe_tune.cli import CONF_DIR, compose, to_config
 from moe_tune.config import Config, ConfigError, validate
-
-from conftest import PY, ROOT
 
 GROUP_OPTIONS = [
     (group, name[: -len(".yaml")])

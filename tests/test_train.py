@@ -6,11 +6,28 @@ import subprocess
 
 import pytest
 import torch
-
 from conftest import PY
 
-CONTRACT_METRICS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "peak_mem_gib"}
-CONTRACT_SUMMARY = {"config", "versions", "hardware", "commit", "final_loss", "tokens_per_s_per_gpu", "tflops_per_gpu", "peak_mem_gib"}
+CONTRACT_METRICS = {
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "tokens_per_s_per_gpu",
+    "tflops_per_gpu",
+    "peak_mem_gib",
+}
+CONTRACT_SUMMARY = {
+    "config",
+    "versions",
+    "hardware",
+    "commit",
+    "final_loss",
+    "tokens_per_s_per_gpu",
+    "tflops_per_gpu",
+    "peak_mem_gib",
+}
 FAST = ["train.seq_len=64", "train.micro_batch_size=2", "data.num_samples=256", "train.precision=fp32"]
 
 
@@ -99,7 +116,10 @@ def test_export_cli_from_ep2_checkpoint(tmp_path, cli_env):
     out = tmp_path / "exported"
     r = subprocess.run(
         [PY, "-m", "moe_tune.export_cli", str(tmp_path / "checkpoints" / "step_2"), str(out)],
-        capture_output=True, text=True, env=cli_env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     from safetensors import safe_open
@@ -119,5 +139,10 @@ def test_export_cli_from_ep2_checkpoint(tmp_path, cli_env):
 
 
 def test_export_cli_bad_input_exits_2(tmp_path, cli_env):
-    r = subprocess.run([PY, "-m", "moe_tune.export_cli", str(tmp_path), str(tmp_path / "o")], capture_output=True, text=True, env=cli_env)
+    r = subprocess.run(
+        [PY, "-m", "moe_tune.export_cli", str(tmp_path), str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        env=cli_env,
+    )
     assert r.returncode == 2 and "not a complete moe-tune checkpoint" in r.stderr
