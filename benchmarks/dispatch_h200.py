@@ -86,7 +86,8 @@ def routed_inputs(case: str, moe: MoE, rank: int) -> tuple[torch.Tensor, torch.T
             w[:, 0] = torch.linspace(1.5, -1.5, E).to(w.dtype)
             x[:, 0] = 2.0
         elif case in ("zero_token", "one_rank"):
-            live = [0, 1, 2, 3, 64, 65, 66, 67] if case == "zero_token" else list(range(K))
+            half = E // 2  # zero_token: experts 0-3 and 64-67 (both ranks) can win; one_rank: experts 0-7
+            live = [0, 1, 2, 3, half, half + 1, half + 2, half + 3] if case == "zero_token" else list(range(K))
             w[:, 0] = -4.0
             w[live, 0] = 4.0
             x[:, 0] = 6.0
@@ -213,16 +214,18 @@ def count_host_syncs(d, x, ids, w) -> int:
     return sum("synchroniz" in str(c.message) for c in caught)
 
 
-def bench(backends: list[str], group, rank: int) -> list[dict]:
-    rows = []
+def bench(backends: list[str], group, rank: int, save, rows: list[dict]) -> list[dict]:
     for D in HIDDENS:
         for T in TOKENS:  # largest first: smaller symmetric buffers then reuse the freed memory
             for name in backends:
                 try:
                     rows.append(time_point(name, T, D, group, rank))
                 except Exception as e:
-                    rows.append({"backend": name, "tokens": T, "hidden": D, "status": f"error: {type(e).__name__}: {e}"})
+                    rows.append(
+                        {"backend": name, "tokens": T, "hidden": D, "status": f"error: {type(e).__name__}: {e}"}
+                    )
                     release(name)
+                save()
     return rows
 
 
@@ -243,7 +246,10 @@ def meta() -> dict:
         "num_gpus": dist.get_world_size(),
         "commit": os.environ.get("COMMIT", "unknown"),
         "versions": versions,
-        "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")},
+        "env": {
+            k: os.environ.get(k)
+            for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+        },
     }
 
 
@@ -254,14 +260,22 @@ def main() -> None:
     group, rank = dist.group.WORLD, env.rank
     backends = [b for b in os.environ.get("BACKENDS", "symm_mem").split(",") if b]
     out = Path(os.environ.get("OUT", "benchmarks/out"))
-    part = {"meta": meta(), "backends": backends}
+    part = {"meta": meta(), "backends": backends, "correctness": [], "bench": []}
+
+    def save() -> None:  # after every part, so that a later failure keeps what was measured
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"part_{'_'.join(backends)}.json").write_text(json.dumps(part, indent=1))
+
     part["correctness"] = correctness(backends, group, rank)
+    save()
     timed = backends if os.environ.get("SKIP_A2A_BENCH") else ["all_to_all", *backends]
-    part["bench"] = bench(timed, group, rank)
+    part["bench"] = bench(timed, group, rank, save, part["bench"])
+    save()
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"part_{'_'.join(backends)}.json").write_text(json.dumps(part, indent=1))
         print(markdown(merge_parts([part])))
+    for name in backends:  # DeepEP's buffer must go while every rank is still alive
+        release(name)
     destroy_distributed()
 
 
@@ -286,7 +300,9 @@ def merge_parts(parts: list[dict]) -> dict:
 def markdown(m: dict) -> str:
     lines = [f"# Dispatch + combine, {m['meta']['hardware']} (commit {m['meta']['commit'][:12]})", ""]
     lines += ["## Correctness vs all_to_all (bf16; relative norm, tolerance 1e-2)", ""]
-    lines += ["| backend | routing | status | out max abs | out max abs / max ref | out rel | dx rel | d_gate_up rel | d_down rel | d_router rel |"]
+    lines += [
+        "| backend | routing | status | out max abs | out max abs / max ref | out rel | dx rel | d_gate_up rel | d_down rel | d_router rel |"
+    ]
     lines += ["|---|---|---|---|---|---|---|---|---|---|"]
     for r in m["correctness"]:
         d = r.get("diffs", {})

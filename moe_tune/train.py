@@ -180,7 +180,8 @@ class Trainer:
         moes = [m for m in self.model.moe_layers() if m.router.e_score_correction_bias is not None]
         if moes:
             counts = torch.stack([m.counts_E for m in moes])
-            update_expert_bias([m.router for m in moes], counts, self.cfg.train.bias_update_rate)
+            # mesh: dp (all ranks): every rank applies the same update from everyone's counts
+            update_expert_bias([m.router for m in moes], counts, self.cfg.train.bias_update_rate, self.mesh.group("dp"))
 
     # -- the loop ----------------------------------------------------------------------------------
     def fit(self) -> dict:

@@ -30,7 +30,8 @@ from moe_tune.bench.runner import Row, run_row, split_overrides
 # Written out for every row unless the overrides set them: no export or checkpoint writes in a benchmark,
 # and never resume from an earlier run's checkpoint.
 BENCH_DEFAULTS = ("checkpoint.export_hf=false", "checkpoint.every=0", "checkpoint.resume=none")
-BASELINES = ("grouped_mm", "eager")
+# Plain Transformers rows: experts_implementation, and "_nofsdp" for the model without FSDP (one process only).
+BASELINES = ("grouped_mm", "eager", "grouped_mm_nofsdp", "eager_nofsdp")
 PEAK_SOURCE = "NVIDIA datasheet dense BF16 tensor-core peak, without sparsity"
 
 
@@ -150,7 +151,8 @@ def build_plans(args, common: list[str]) -> tuple[list[Plan], list[dict]]:
     for b in baselines:
         if b not in BASELINES:
             raise SystemExit(f"moe-tune-bench: error: --baselines {b!r} is not one of {', '.join(BASELINES)}, none")
-        plans.append(Plan(f"hf_{b}", "baseline", "moe_tune.bench.baseline", ["--experts", b], common))
+        flags = ["--experts", b.removesuffix("_nofsdp")] + (["--no-fsdp"] if b.endswith("_nofsdp") else [])
+        plans.append(Plan(f"hf_{b}", "baseline", "moe_tune.bench.baseline", flags, common))
     for name, overrides in parse_variants(args.variants):
         plans.append(Plan(name, "moe_tune", "moe_tune", [], common + overrides))
     if args.peer == "automodel":
@@ -206,14 +208,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--routing", choices=("real", "forced_balanced"), default=None, help="default: the overrides'")
     p.add_argument("--out", default=None, help="default: benchmarks/results/<date>-<hardware>")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="per row")
+    p.add_argument("--dry-run", action="store_true", help="print each row's command and exit")
     p.add_argument("--peak-tflops", type=float, default=None, help="per-GPU peak for MFU (default: datasheet)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_tune.bench.report import hardware_label, hardware_name, peak_tflops, write_report
-    from moe_tune.env import versions
-    from moe_tune.train import _git_commit, _write_json
+    from moe_tune.bench.report import hardware_label, write_report
+    from moe_tune.train import _write_json
 
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -224,21 +226,42 @@ def main(argv: list[str] | None = None) -> int:
     cfg, error = compose_config(common)
     if cfg is None:
         print(
-            f"moe-tune-bench: error: {error} (overrides: {' '.join(common)}); check the key names against conf/",
-            file=sys.stderr,
+            f"moe-tune-bench: error: {error} (overrides: {' '.join(common)}); check keys against conf/", file=sys.stderr
         )
         return 2
     now = datetime.datetime.now()
-    stamp = now.strftime("%Y%m%d-%H%M%S")
-    import torch
-
-    num_gpus = nproc if torch.cuda.is_available() else 0
+    num_gpus = nproc if _cuda() else 0
     out = args.out or os.path.join("benchmarks", "results", f"{now:%Y-%m-%d}-{hardware_label(num_gpus)}")
+    plans, skipped = build_plans(args, common)
+    if args.dry_run:
+        return _print_plans(plans, skipped, out, nproc)
+    result = new_result(args, argv, cfg, common, nproc, num_gpus, now)
+    result["skipped"] = skipped
     os.makedirs(out, exist_ok=True)
+    stamp = now.strftime("%Y%m%d-%H%M%S")
+    json_path, runs = os.path.join(out, f"bench-{stamp}.json"), os.path.join(out, "runs", stamp)
+    for i, plan in enumerate(plans, 1):
+        row = run_plan(plan, f"{i}/{len(plans)}", common, runs, nproc, args)
+        result["rows"].append(row.as_dict())
+        result["reference_variant"] = finish_rows(result["rows"], result["peak_tflops_per_gpu"])
+        result["flops_per_token"] = result["flops_per_token"] or row.flops_per_token
+        _write_json(json_path, result)  # after every row: a killed benchmark keeps what it measured
+    result["complete"] = True
+    _write_json(json_path, result)
+    md, png = write_report(result, json_path)
+    print(f"[bench] wrote {json_path}, {md}, {png}", flush=True)
+    return 0
+
+
+def new_result(args, argv: list[str], cfg, common: list[str], nproc: int, num_gpus: int, now) -> dict:
+    """The result file's header: where, what, with which code; rows are appended as they finish."""
+    from moe_tune.bench.report import hardware_name, peak_tflops
+    from moe_tune.env import versions
+    from moe_tune.train import _git_commit
+
     hardware = hardware_name(num_gpus)
     peak = args.peak_tflops or peak_tflops(hardware)
-    plans, skipped = build_plans(args, common)
-    result = {
+    return {
         "hardware": hardware,
         "num_gpus": num_gpus,
         "world_size": nproc,
@@ -255,35 +278,45 @@ def main(argv: list[str] | None = None) -> int:
         "command": "moe-tune-bench " + shlex.join(argv),
         "complete": False,
         "rows": [],
-        "skipped": skipped,
+        "skipped": [],
     }
-    json_path = os.path.join(out, f"bench-{stamp}.json")
-    runs = os.path.join(out, "runs", stamp)
-    for i, plan in enumerate(plans, 1):
-        variant_cfg, error = compose_config(plan.overrides) if plan.kind != "peer" else (cfg, None)
-        row = Row(plan.name, plan.kind, config=row_config(variant_cfg, plan.kind, _experts_arg(plan)))
-        row.config["overrides"] = plan.overrides[len(common) :] if plan.kind == "moe_tune" else []
-        if error is not None:
-            row.status = f"error: {error}"
-            print(f"[bench] {i}/{len(plans)} {plan.name}: not run, {row.status}", flush=True)
-        else:
-            env_extra = {"PYTHONPATH": args.peer_pythonpath} if plan.kind == "peer" and args.peer_pythonpath else {}
-            print(f"[bench] {i}/{len(plans)} {plan.name}: running", flush=True)
-            t0 = time.perf_counter()
-            run_dir = os.path.join(runs, re.sub(r"[^\w.-]+", "_", plan.name))  # no '=' or ',' in a Hydra value
-            run_row(row, plan.module, plan.args, plan.overrides, run_dir, nproc, args.timeout_s, env_extra)
-            print(
-                f"[bench] {i}/{len(plans)} {plan.name}: {row.one_line()} ({time.perf_counter() - t0:.0f} s)", flush=True
-            )
-        result["rows"].append(row.as_dict())
-        result["reference_variant"] = finish_rows(result["rows"], peak)
-        result["flops_per_token"] = result["flops_per_token"] or row.flops_per_token
-        _write_json(json_path, result)  # after every row: a killed benchmark keeps what it measured
-    result["complete"] = True
-    _write_json(json_path, result)
-    md, png = write_report(result, json_path)
-    print(f"[bench] wrote {json_path}, {md}, {png}", flush=True)
+
+
+def run_plan(plan: Plan, progress: str, common: list[str], runs: str, nproc: int, args) -> Row:
+    """Compose the row's config (a bad override is an error row, not run), then run it in its own directory."""
+    variant_cfg, error = compose_config(plan.overrides)
+    row = Row(plan.name, plan.kind, config=row_config(variant_cfg, plan.kind, _experts_arg(plan)))
+    row.config["overrides"] = plan.overrides[len(common) :] if plan.kind == "moe_tune" else []
+    if "--no-fsdp" in plan.args:
+        row.config["fsdp"] = "none"
+    if error is not None:
+        row.status = f"error: {error}"
+        print(f"[bench] {progress} {plan.name}: not run, {row.status}", flush=True)
+        return row
+    env_extra = {"PYTHONPATH": args.peer_pythonpath} if plan.kind == "peer" and args.peer_pythonpath else {}
+    print(f"[bench] {progress} {plan.name}: running", flush=True)
+    t0 = time.perf_counter()
+    run_dir = os.path.join(runs, re.sub(r"[^\w.-]+", "_", plan.name))  # no '=' or ',' in a Hydra value
+    run_row(row, plan.module, plan.args, plan.overrides, run_dir, nproc, args.timeout_s, env_extra)
+    print(f"[bench] {progress} {plan.name}: {row.one_line()} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return row
+
+
+def _print_plans(plans: list[Plan], skipped: list[dict], out: str, nproc: int) -> int:
+    from moe_tune.bench.runner import launch_command
+
+    for plan in plans:
+        args = [*plan.args, *plan.overrides, f"output_dir={out}/runs/<stamp>/{plan.name}"]
+        print(f"{plan.name} ({plan.kind}): {shlex.join(['python', *launch_command(plan.module, args, nproc)[1:]])}")
+    for s in skipped:
+        print(f"{s['variant']} ({s['kind']}): skipped, {s['reason']}")
     return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _experts_arg(plan: Plan) -> str | None:

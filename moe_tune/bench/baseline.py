@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -35,7 +36,6 @@ from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from moe_tune.config import CommConfig, Config, ConfigError, KernelsConfig, validate
@@ -73,34 +73,32 @@ def hf_flops_per_token(model: nn.Module, seq_len: int) -> float:
 
 
 def _balanced_router_forward(self, hidden_states: torch.Tensor):
-    """A softmax top-k router (transformers v5: returns logits, gates, expert ids) with forced balanced
-    routing: token t takes experts t*k .. t*k+k-1 mod E, gated by their softmax scores (fp32 island)."""
-    x_TD = hidden_states.reshape(-1, self.weight.shape[-1])
-    logits_TE = F.linear(x_TD, self.weight)
+    """A softmax top-k router (transformers v5: returns logits, gates, expert ids) with forced balanced routing:
+    token t takes experts t*k .. t*k+k-1 mod E, gated by their softmax scores (fp32 island), renormalised where the
+    family renormalises (``norm_topk_prob``; Mixtral always does), in the dtype the family returns its gates."""
+    logits_TE, gates_TK, _ = self._real_forward(hidden_states)
     scores_TE = torch.softmax(logits_TE, dtype=torch.float32, dim=-1)
-    T, K = x_TD.shape[0], self.top_k
-    ids_TK = (
-        torch.arange(T, device=x_TD.device).unsqueeze(1) * K + torch.arange(K, device=x_TD.device)
-    ) % self.num_experts
+    T, K = logits_TE.shape[0], self.top_k
+    arange = functools.partial(torch.arange, device=logits_TE.device)
+    ids_TK = (arange(T).unsqueeze(1) * K + arange(K)) % self.num_experts
     weights_TK = scores_TE.gather(1, ids_TK)
-    if self.norm_topk_prob:
+    if getattr(self, "norm_topk_prob", True):
         weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
-    return logits_TE, weights_TK.to(logits_TE.dtype), ids_TK
+    return logits_TE, weights_TK.to(gates_TK.dtype), ids_TK
 
 
 def apply_forced_balanced_routing(model: nn.Module) -> int:
-    """Patch every softmax top-k router of ``model``; returns how many. Other routers (sigmoid, biased,
-    grouped) are refused rather than silently left on real routing."""
-    routers = [
-        m for m in model.modules() if type(m).__name__.endswith("TopKRouter") or type(m).__name__.endswith("TopkRouter")
-    ]
+    """Patch every softmax top-k router of ``model``; returns how many. Other routers (sigmoid with a correction
+    bias, biased logits) are refused rather than silently left on real routing."""
+    routers = [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
     for r in routers:
-        plain = all(hasattr(r, a) for a in ("weight", "top_k", "num_experts", "norm_topk_prob"))
+        plain = all(hasattr(r, a) for a in ("weight", "top_k", "num_experts"))
         if not plain or getattr(r, "bias", None) is not None or hasattr(r, "e_score_correction_bias"):
             raise ConfigError(
                 f"train.force_balanced_routing=true: the baseline can force only plain softmax top-k routers, not "
                 f"{type(r).__name__}; run this model with routing real (--routing real)"
             )
+        r._real_forward = r.forward
         r.forward = types.MethodType(_balanced_router_forward, r)
     if not routers:
         raise ConfigError("train.force_balanced_routing=true: no top-k router found in the Hugging Face model")
@@ -108,9 +106,9 @@ def apply_forced_balanced_routing(model: nn.Module) -> int:
 
 
 class Baseline:
-    """Build the Hugging Face model sharded with FSDP2, then train it like ``moe_tune.train.Trainer``."""
+    """Build the Hugging Face model sharded with FSDP2 (or, on one GPU, plain), then train it like ``Trainer``."""
 
-    def __init__(self, cfg: Config, experts_implementation: str = "grouped_mm"):
+    def __init__(self, cfg: Config, experts_implementation: str = "grouped_mm", fsdp: bool = True):
         from moe_tune.data import build_dataset
         from moe_tune.dist.env import init_distributed
         from moe_tune.metrics import MetricsWriter
@@ -123,9 +121,14 @@ class Baseline:
             )
         # The baseline has no expert parallelism, dispatcher or kernel choice: check the rest of the workload.
         validate(replace(cfg, parallel=replace(cfg.parallel, ep=1), comm=CommConfig(), kernels=KernelsConfig()))
-        self.cfg, self.experts_implementation = cfg, experts_implementation
+        self.cfg, self.experts_implementation, self.fsdp = cfg, experts_implementation, fsdp
         self.env = init_distributed()
         self.rank, self.world, self.device = self.env.rank, self.env.world_size, self.env.device
+        if not fsdp and (self.world > 1 or cfg.train.precision == "bf16_fp32_master"):
+            raise ConfigError(
+                f"--no-fsdp (plain model on one GPU) needs 1 process (got {self.world}) and train.precision bf16, fp32 "
+                f"or amp_bf16 (got {cfg.train.precision}): bf16 compute on fp32 parameters is FSDP's MixedPrecisionPolicy"
+            )
         torch.manual_seed(cfg.train.seed)
         _setup_logging(self.rank)
         if self.rank == 0:
@@ -179,9 +182,10 @@ class Baseline:
         )
         mp = mixed_precision_policy(cfg.train.precision)
         reshard = cfg.parallel.reshard_after_forward
-        for layer in model.model.layers:
+        for layer in model.model.layers if self.fsdp else ():
             fully_shard(layer, mesh=mesh["dp_shard"], mp_policy=mp, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh["dp_shard"], mp_policy=mp)
+        if self.fsdp:
+            fully_shard(model, mesh=mesh["dp_shard"], mp_policy=mp)
         if self.device.type == "cpu":  # gloo has no PREMUL_SUM: reduce with SUM and divide separately
             for m in model.modules():
                 if isinstance(m, FSDPModule):
@@ -258,7 +262,7 @@ class Baseline:
         return {
             "experts_implementation": c._experts_implementation,
             "attn_implementation": c._attn_implementation,
-            "bench_config": {"experts": c._experts_implementation},
+            "bench_config": {"experts": c._experts_implementation, "fsdp": "per layer + root" if self.fsdp else "none"},
         }
 
     def fit(self) -> dict:
@@ -323,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m moe_tune.bench.baseline", description=__doc__.splitlines()[0])
     parser.add_argument("--experts", default="grouped_mm", choices=EXPERTS_IMPLEMENTATIONS)
+    parser.add_argument("--no-fsdp", action="store_true", help="the plain model on one GPU, as run without FSDP")
     parser.add_argument(
         "overrides", nargs="*", help="moe_tune Hydra overrides (model=..., train.seq_len=..., output_dir=...)"
     )
@@ -330,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     precheck(args.overrides)  # a bad override: one line, exit 2
     try:
         cfg = to_config(compose(args.overrides))
-        Baseline(cfg, args.experts).fit()
+        Baseline(cfg, args.experts, fsdp=not args.no_fsdp).fit()
     except ConfigError as e:
         print(f"moe-tune-bench baseline: error: {e}", file=sys.stderr)
         return 2

@@ -6,14 +6,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
 
-OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory")
+OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "DefaultCPUAllocator: can't allocate memory")
 # Launcher noise that follows the real error in a torchrun failure: never the reason.
-_NOISE = re.compile(r"ChildFailedError|torch\.distributed\.elastic|^\s*[=\-]+\s*$|^\s*(\[|Traceback|File |raise )")
+_NOISE = re.compile(r"ChildFailedError|torch\.distributed\.elastic|^[=\-\s^~]*$|^(Traceback|File |raise )|it/s\]|\d%\|")
+_RANK_PREFIX = re.compile(r"^(\[rank\d+\]:\s*)+")
 _ERROR_LINE = re.compile(r"(\b\w*(Error|Exception)\b.*:|^moe-tune[\w -]*: error:|^error:)")
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")  # fmt: skip
@@ -100,7 +102,8 @@ def failure_reason(stderr: str, returncode: int) -> str:
     """``oom`` or ``error: <the line that says what went wrong>``."""
     if any(m in stderr for m in OOM_MARKERS):
         return "oom"
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    lines = [_RANK_PREFIX.sub("", ln).strip() for ln in stderr.splitlines()]
+    lines = [ln for ln in lines if ln]
     errors = [ln for ln in lines if _ERROR_LINE.search(ln) and not _NOISE.search(ln)]
     reason = errors[-1] if errors else next((ln for ln in reversed(lines) if not _NOISE.search(ln)), "")
     reason = re.sub(r"^moe-tune[\w -]*: error:\s*", "", reason)
@@ -166,7 +169,7 @@ def run_row(
 
     os.makedirs(run_dir, exist_ok=True)
     cmd = launch_command(module, [*args, *overrides, f"output_dir={run_dir}"], nproc)
-    row.run_dir, row.command = run_dir, " ".join(cmd[1:])
+    row.run_dir, row.command = run_dir, shlex.join(["python", *cmd[1:]])
     t0 = time.perf_counter()
     rc, stderr = _run(cmd, run_dir, child_env(env_extra), timeout_s)
     row.wall_s = time.perf_counter() - t0

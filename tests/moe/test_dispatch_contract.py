@@ -112,8 +112,13 @@ def _build(backend: str, **options):
 
 
 def _release(backend: str) -> None:
+    """Free the backend's shared buffers while every rank is alive (DeepEP's destructor synchronises ranks)."""
     if backend.startswith("symm_mem"):
         from moe_tune.moe.dispatch.symm_mem import release_buffers
+
+        release_buffers()
+    elif backend == "deepep":
+        from moe_tune.moe.dispatch.deepep import release_buffers
 
         release_buffers()
 

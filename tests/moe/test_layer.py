@@ -139,6 +139,7 @@ def test_batched_shape_stats_and_tuple():
     moe = build_moe("out_in", num_experts=4, top_k=2)
     x = torch.randn(2, 5, D)
     moe.train()
+    moe.want_z_loss = True  # off by default: computed only when the model's z-loss coefficient is set
     y = moe(x)
     assert y.shape == x.shape
     assert moe.aux_loss is not None and moe.aux_loss.requires_grad and moe.z_loss is not None

@@ -176,7 +176,9 @@ class DeepEPDispatcher(Dispatcher):
         if num_experts % ep:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the ep group size ({ep})")
         if num_sms <= 0 or num_sms % 2:
-            raise ValueError(f"comm.num_sms must be a positive even number (DeepEP pairs SMs per channel), got {num_sms}")
+            raise ValueError(
+                f"comm.num_sms must be a positive even number (DeepEP pairs SMs per channel), got {num_sms}"
+            )
         self.num_experts, self.top_k, self.ep_group, self.ep = num_experts, top_k, ep_group, ep
         self.num_local_experts = num_experts // ep
         Buffer = self._deep_ep.Buffer

@@ -32,10 +32,11 @@ exchanges later that peer has necessarily passed the next exchange's barrier, so
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -91,12 +92,14 @@ def _all_to_all_vdev(send, recv, in_splits_S, out_splits_offsets_2S, group_name:
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+@functools.cache  # once per (device, group) and process
 def _init_nvshmem(device: torch.device, group_name: str) -> None:
     from torch.distributed import _symmetric_memory as symm
 
     if not symm.is_nvshmem_available():
         raise RuntimeError("comm=symm_mem: NVSHMEM is not available to this torch; pip install nvidia-nvshmem-cu13")
-    if symm.get_backend(device) != "NVSHMEM":
+    get_backend = getattr(symm, "get_backend", None)
+    if get_backend is None or get_backend(device) != "NVSHMEM":
         symm.set_backend("NVSHMEM")  # fails if another symmetric-memory backend already allocated here
     with warnings.catch_warnings():  # deprecated (a no-op) in recent torch, needed by older ones
         warnings.simplefilter("ignore")
@@ -286,9 +289,7 @@ class SymmMemDispatcher(Dispatcher):
             )
         key = (self.ep_group.group_name, D, x_TD.dtype, self.max_tokens, self.rows_per_token)
         if key not in _POOLS:
-            _POOLS[key] = _Pool(
-                self.ep_group, self.max_tokens * self.top_k, self.capacity, D, x_TD.dtype, x_TD.device
-            )
+            _POOLS[key] = _Pool(self.ep_group, self.max_tokens * self.top_k, self.capacity, D, x_TD.dtype, x_TD.device)
         return _POOLS[key]
 
     def _check_overflow(self, pool: _Pool, block: bool) -> None:

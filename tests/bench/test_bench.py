@@ -1,0 +1,179 @@
+"""``moe-tune-bench``: argument parsing, failure classification, the baseline's FLOP count and forced balanced
+routing against moe_tune's, the report, and the whole benchmark end to end on the tiny model (CPU, 1 process)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+from conftest import PY
+from transformers import AutoModelForCausalLM
+
+from moe_tune.bench import parse_variants, split_overrides
+from moe_tune.bench.baseline import apply_forced_balanced_routing, hf_flops_per_token
+from moe_tune.bench.report import markdown
+from moe_tune.bench.runner import failure_reason
+from moe_tune.config import ConfigError
+from moe_tune.metrics import flops_per_token
+from moe_tune.models.model import build_model
+from moe_tune.models.presets import PRESETS, preset_config
+
+ROW_FIELDS = {
+    "variant",
+    "kind",
+    "status",
+    "tokens_per_s_per_gpu",
+    "tflops_per_gpu",
+    "mfu",
+    "peak_mem_gib",
+    "peak_reserved_gib",
+    "final_loss",
+    "max_loss_diff_vs_baseline",
+    "config",
+}
+WORKLOAD_FIELDS = {"model", "num_layers", "seq_len", "global_batch_size", "micro_batch_size", "precision", "routing"}
+
+
+def test_split_overrides_keeps_brackets_and_quotes():
+    assert split_overrides("a=1, b=[1,2],c='x,y'") == ["a=1", "b=[1,2]", "c='x,y'"]
+
+
+def test_parse_variants_names():
+    got = parse_variants("a2a:comm=all_to_all,parallel.ep=2;comm=deepep,parallel.ep=2;comm=deepep,parallel.ep=2")
+    assert got == [
+        ("a2a", ["comm=all_to_all", "parallel.ep=2"]),
+        ("comm=deepep,ep=2", ["comm=deepep", "parallel.ep=2"]),
+        ("comm=deepep,ep=2-2", ["comm=deepep", "parallel.ep=2"]),
+    ]
+    assert parse_variants(None) == [("moe_tune", [])]
+    assert parse_variants("data.path=/a:b") == [("path=/a:b", ["data.path=/a:b"])]  # ':' after '=' is no name
+
+
+def test_failure_reason():
+    assert failure_reason("...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 18.55 GiB", 1) == "oom"
+    torchrun_tail = (
+        "Traceback (most recent call last):\n"
+        '  File "x.py", line 3, in <module>\n'
+        "RuntimeError: deepep: buffer too small\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+        "============================================================\n"
+    )
+    assert failure_reason(torchrun_tail, 1) == "error: RuntimeError: deepep: buffer too small"
+    assert failure_reason("moe-tune: error: parallel.ep (3) must divide 2", 2) == "error: parallel.ep (3) must divide 2"
+    assert failure_reason("", -9) == "error: killed by signal 9"
+    ranked = "[rank0]: Traceback (most recent call last):\n[rank0]: ModuleNotFoundError: No module named 'x'\n"
+    progress = "Writing model shards: 100%|##########| 1/1 [00:00<00:00, 93.80it/s]\n"
+    assert failure_reason(progress + ranked, 1) == "error: ModuleNotFoundError: No module named 'x'"
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_hf_flops_per_token_equals_moe_tune(name):
+    """The baseline's FLOP count (stacked HF experts + router added to the shared formula) equals moe_tune's."""
+    overrides = {
+        "num_hidden_layers": 2,
+        **({"first_k_dense_replace": 1} if "first_k_dense_replace" in PRESETS[name] else {}),
+    }
+    ours = flops_per_token(build_model(preset_config(name, overrides)), 4096)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(preset_config(name, overrides))
+    assert hf_flops_per_token(hf, 4096) == pytest.approx(ours, rel=1e-12)
+
+
+def test_qwen3_30b_8_layers_flops_match_the_documented_figure():
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(preset_config("qwen3_30b_a3b", {"num_hidden_layers": 8}))
+    assert hf_flops_per_token(hf, 4096) == pytest.approx(5.40e9, rel=0.01)  # shared/gpu/README.md
+
+
+def test_forced_balanced_routing_matches_moe_tune_assignment():
+    from moe_tune.moe.router import Router, RouterSpec
+
+    config = preset_config("tiny_qwen3_moe", {"num_hidden_layers": 1})
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    assert apply_forced_balanced_routing(hf) == 1
+    router = hf.model.layers[0].mlp.gate
+    x = torch.randn(10, config.hidden_size)
+    _, weights, ids = router(x)
+    ours = Router(RouterSpec(num_experts=8, top_k=2, score="softmax", norm_topk_prob=True), config.hidden_size)
+    ours.weight.data.copy_(router.weight.data)
+    ours.force_balanced = True
+    w_ref, ids_ref, _, _ = ours(x)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(weights, w_ref.to(weights.dtype))
+
+
+def test_forced_balanced_routing_refuses_biased_routers():
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(
+            preset_config("deepseek_v3", {"num_hidden_layers": 2, "first_k_dense_replace": 1})
+        )
+    with pytest.raises(ConfigError, match="DeepseekV3TopkRouter"):
+        apply_forced_balanced_routing(hf)
+
+
+def test_markdown_states_failures_and_skips():
+    row = dict.fromkeys(ROW_FIELDS)
+    result = {
+        "hardware": "2 x NVIDIA H200",
+        "world_size": 2,
+        "date": "2026-11-30T00:00:00",
+        "commit": "0" * 40,
+        "versions": {"torch": "2.11"},
+        "workload": {**dict.fromkeys(WORKLOAD_FIELDS, 1), "activation_checkpointing": "none", "steps": 20}
+        | {"warmup_steps_excluded": 5, "model": "qwen3_30b_a3b", "num_layers": 8, "published_num_layers": 48},
+        "flops_per_token": 5.4e9,
+        "peak_tflops_per_gpu": 989.0,
+        "peak_source": "datasheet",
+        "reference_variant": None,
+        "command": "moe-tune-bench x",
+        "rows": [{**row, "variant": "deepep", "kind": "moe_tune", "status": "oom", "config": {"comm": "deepep"}}],
+        "skipped": [{"variant": "nemo_automodel", "kind": "peer", "reason": "not importable"}],
+    }
+    text = markdown(result)
+    assert "| deepep | moe_tune | oom | deepep |" in text
+    assert "8 layers (of 48)" in text and "989 TFLOP/s" in text and "nemo_automodel (peer): not importable" in text
+
+
+@pytest.mark.slow
+def test_bench_end_to_end_tiny(tmp_path, cli_env):
+    out = tmp_path / "results"
+    cmd = [PY, "-m", "moe_tune.bench", "model=tiny_qwen3_moe", "train.steps=2", "train.seq_len=64"]
+    cmd += ["train.warmup_steps_excluded=0", "train.precision=fp32", "--baselines", "grouped_mm"]
+    cmd += ["--variants", "a2a:comm=all_to_all", "--nproc", "1", "--peer", "automodel", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (path,) = glob.glob(str(out / "bench-*.json"))
+    result = json.loads(open(path).read())
+    assert {"hardware", "num_gpus", "commit", "versions", "workload", "rows"} <= set(result)
+    assert {"torch", "transformers"} <= set(result["versions"])
+    assert WORKLOAD_FIELDS <= set(result["workload"]) and result["workload"]["routing"] == "real"
+    assert result["complete"] is True
+    rows = {row["variant"]: row for row in result["rows"]}
+    assert [(v, rows[v]["kind"], rows[v]["status"]) for v in rows] == [
+        ("hf_grouped_mm", "baseline", "ok"),
+        ("a2a", "moe_tune", "ok"),
+    ]
+    for row in rows.values():
+        assert ROW_FIELDS <= set(row)
+        assert {"comm", "kernels", "ep"} <= set(row["config"])
+        assert row["tokens_per_s_per_gpu"] > 0 and len(row["losses"]) == 2
+        assert os.path.isfile(os.path.join(row["run_dir"], "metrics.jsonl"))
+    # Same weights, data and loss in fp32: the two stacks agree closely; same FLOP formula for both.
+    assert rows["a2a"]["max_loss_diff_vs_baseline"] < 1e-3
+    assert rows["a2a"]["flops_per_token"] == pytest.approx(rows["hf_grouped_mm"]["flops_per_token"])
+    if importlib_missing("nemo_automodel"):
+        assert result["skipped"][0]["kind"] == "peer" and "not importable" in result["skipped"][0]["reason"]
+    stem = os.path.splitext(path)[0]
+    assert os.path.getsize(stem + ".png") > 0
+    assert "| a2a | moe_tune | ok |" in open(stem + ".md").read()
+
+
+def importlib_missing(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is None
