@@ -166,13 +166,7 @@ class Trainer:
 
     def _micro_batch(self, step: int, micro: int):
         t = self.cfg.train
-        ids, labels, pos = self.data.rows(step, micro, t.micro_batch_size, self.accum, self.rank, self.dp_size)
-        # Rows that hold one sequence each need no position ids; passing them would make transformers look
-        # for packed sequences on the device, a host sync per forward. Decided here, on CPU tensors.
-        if torch.equal(pos, torch.arange(pos.shape[1]).expand_as(pos)):
-            pos = None
-        to = lambda x: None if x is None else x.to(self.device, non_blocking=True)  # noqa: E731
-        return to(ids), to(labels), to(pos)
+        return self.data.micro_batch(step, micro, t.micro_batch_size, self.accum, self.rank, self.dp_size, self.device)
 
     def _update_expert_bias(self) -> None:
         from moe_tune.moe.router import update_expert_bias

@@ -255,11 +255,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def new_result(args, argv: list[str], cfg, common: list[str], nproc: int, num_gpus: int, now) -> dict:
     """The result file's header: where, what, with which code; rows are appended as they finish."""
-    from moe_tune.bench.report import hardware_name, peak_tflops
-    from moe_tune.env import versions
-    from moe_tune.train import _git_commit
+    import torch
 
-    hardware = hardware_name(num_gpus)
+    from moe_tune.bench.report import gpu_name, peak_tflops
+    from moe_tune.env import versions
+    from moe_tune.train import _git_commit, hardware_name
+
+    hardware = f"{num_gpus} x {gpu_name()}" if num_gpus else hardware_name(nproc, torch.device("cpu"))
     peak = args.peak_tflops or peak_tflops(hardware)
     return {
         "hardware": hardware,

@@ -10,7 +10,8 @@ What is the Hugging Face model's own:
   experts and auxiliary loss (``output_router_logits``, when ``train.aux_loss_coef`` > 0, with that coefficient).
 What is mirrored from moe_tune's Trainer, so that only the model code differs:
   - weights: the same random init (``init_random`` draws each tensor by its name) or the same checkpoint;
-  - data: ``build_dataset`` and ``PackedDataset.rows(step, micro, mbs, accum, rank, world)``, position ids included;
+  - data: ``build_dataset`` and ``PackedDataset.rows(step, micro, mbs, accum, rank, world)``; position ids passed
+    only for packed rows, as the Trainer does;
   - loss: label-token sum / global label tokens of the step (``num_items_in_batch``), averaged by FSDP over ranks;
   - FSDP2 ``fully_shard`` per decoder layer and the root over all ranks, moe_tune's MixedPrecisionPolicy for
     ``train.precision`` and ``parallel.reshard_after_forward``;
@@ -140,7 +141,7 @@ class Baseline:
         self.accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.micro_batch_size * self.world)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, t.lr, self.device.type)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
-        self.data = build_dataset(cfg.data, build_tokenizer(source), t.seq_len, t.seed)
+        self.data = build_dataset(cfg.data, build_tokenizer(source), t.seq_len, t.seed, vocab_size=hf_config.vocab_size)
         self.metrics = MetricsWriter(cfg.output_dir, self.rank == 0, t.warmup_steps_excluded)
         self.flops_per_token = self.count_flops(hf_config)
 
@@ -209,13 +210,7 @@ class Baseline:
     def train_step(self, step: int) -> dict:
         """One optimizer step; the loss bookkeeping is the Trainer's, line for line."""
         cfg = self.cfg
-        batches = [
-            [
-                t.to(self.device)
-                for t in self.data.rows(step, m, cfg.train.micro_batch_size, self.accum, self.rank, self.world)
-            ]
-            for m in range(self.accum)
-        ]
+        batches = [self.micro_batch(step, m) for m in range(self.accum)]
         total = sum((labels[:, 1:] != -100).sum() for _, labels, _ in batches).float()
         if dist.is_initialized():
             dist.all_reduce(total)  # all ranks: label tokens of the whole step
@@ -238,6 +233,12 @@ class Baseline:
         if dist.is_initialized():
             dist.all_reduce(ce_sum)  # all ranks: per-rank token-loss sums / (global / world)
         return {"loss": ce_sum / self.world, "grad_norm": grad_norm}
+
+    def micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This rank's rows of a micro-batch, as the Trainer takes them: position ids only for packed rows (plain
+        0..S-1 rows pass None, so transformers does not look for packed sequences on the device, a host sync)."""
+        t = self.cfg.train
+        return self.data.micro_batch(step, micro, t.micro_batch_size, self.accum, self.rank, self.world, self.device)
 
     def forward_backward(self, ids, labels, pos, normalizer: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its detached cross-entropy (sum / normalizer)."""
@@ -300,15 +301,14 @@ class Baseline:
         return self.write_summary()
 
     def write_summary(self) -> dict:
-        from moe_tune.bench.report import hardware_name
         from moe_tune.env import versions
-        from moe_tune.train import _git_commit, _write_json
+        from moe_tune.train import _git_commit, _write_json, hardware_name
 
         cfg = self.cfg
         summary = {
             "config": asdict(cfg),
             "versions": versions(),
-            "hardware": hardware_name(self.world if self.device.type == "cuda" else 0),
+            "hardware": hardware_name(self.world, self.device),
             "num_gpus": self.world if self.device.type == "cuda" else 0,
             "world_size": self.world,
             "commit": _git_commit(),
@@ -346,9 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
-    sys.exit(main())
-
-
 __all__ = ["Baseline", "apply_forced_balanced_routing", "hf_flops_per_token", "main"]
+
+if __name__ == "__main__":
+    sys.exit(main())

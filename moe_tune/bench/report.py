@@ -19,15 +19,25 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0}
 
 
 def gpu_name() -> str | None:
+    """GPU 0's name from nvidia-smi (no CUDA context in the benchmark's own process: that would take memory on
+    GPU 0 from every row), else from torch; None without a GPU."""
+    import shutil
+    import subprocess
+
     import torch
 
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-
-
-def hardware_name(num_gpus: int) -> str:
-    """``"2 x NVIDIA H200"``, or ``"cpu"`` without GPUs."""
-    name = gpu_name()
-    return f"{num_gpus} x {name}" if name and num_gpus > 0 else "cpu"
+    if not torch.cuda.is_available():
+        return None
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+            )
+            if out.returncode == 0 and out.stdout.strip():
+                return out.stdout.splitlines()[0].strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return torch.cuda.get_device_name(0)
 
 
 def hardware_label(num_gpus: int) -> str:

@@ -83,6 +83,16 @@ class PackedDataset:
         idx = [self._row(start + i) for i in range(micro_batch_size)]
         return self.ids[idx], self.labels[idx], self.positions[idx]
 
+    def micro_batch(self, step: int, micro: int, micro_batch_size: int, accum: int, dp_rank: int, dp_size: int, device):
+        """``rows`` on ``device``, with position ids only for packed rows: rows that hold one sequence each
+        pass None, so transformers does not look for packed sequences on the device (a host sync per
+        forward). Decided here, on the CPU tensors."""
+        ids, labels, pos = self.rows(step, micro, micro_batch_size, accum, dp_rank, dp_size)
+        if torch.equal(pos, torch.arange(pos.shape[1]).expand_as(pos)):
+            pos = None
+        to = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
+        return to(ids), to(labels), to(pos)
+
     def _row(self, i: int) -> int:
         epoch, j = divmod(i, len(self))
         if self._perm is None or self._perm[0] != epoch:

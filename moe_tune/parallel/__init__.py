@@ -1,4 +1,4 @@
-"""Parallelism applied to a model in place, in this order: apply_ep -> apply_ac -> apply_fsdp.
+"""Parallelism applied to a model in place, in this order: apply_ep -> apply_ac -> apply_compile -> apply_fsdp.
 
 Typical use (the model on the meta device, then materialised and loaded shard by shard)::
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 from moe_tune.dist.mesh import ParallelMesh
 from moe_tune.parallel.activation_checkpoint import apply_ac
 from moe_tune.parallel.clip import clip_grad_norm_, global_grad_norm
+from moe_tune.parallel.compile import apply_compile
 from moe_tune.parallel.expert_parallel import apply_ep
 from moe_tune.parallel.fsdp import apply_fsdp, mixed_precision_policy
 
@@ -31,6 +32,7 @@ def parallelize(model, mesh: ParallelMesh, cfg) -> None:
     """``cfg``: the run's Config (``comm``, ``parallel`` and ``train.precision`` are read)."""
     apply_ep(model, mesh, cfg.comm.name, **_comm_options(cfg.comm))
     apply_ac(model, cfg.parallel.activation_checkpointing)
+    apply_compile(model, cfg.kernels.compile)
     apply_fsdp(model, mesh, cfg.train.precision, cfg.parallel.reshard_after_forward)
 
 
@@ -58,6 +60,7 @@ def export_hf(model, out_dir: str, mesh: ParallelMesh, dtype=None, max_shard_byt
 
 __all__ = [
     "apply_ac",
+    "apply_compile",
     "apply_ep",
     "apply_fsdp",
     "clip_grad_norm_",
