@@ -17,7 +17,9 @@ differently ordered sums differ by a few 1e-3).
 
 Part B (speed): dispatch + combine forward, no experts (y = x), random top-8 of 128 experts (uniform),
 tokens per rank 512..16384, hidden 2048, 4096, 7168, bf16. Per point: 5 warm-up iterations, then 20, each
-between a barrier and a synchronize, timed with CUDA events; the median per rank, the slower rank reported.
+between a barrier and a synchronize, timed with CUDA events ("isolated": the median per rank, the slower rank
+reported); then 20 back to back, wall time / 20 ("pipelined": as consecutive layers run, where a backend
+without host syncs lets the CPU queue work ahead of the GPU). PROFILE=1 prints profiler tables at 4096 x 2048.
 Effective bandwidth = 2 x T x K x D x 2 bytes / time: the routed rows (every (token, expert) pair, local
 ones included) that a per-pair exchange moves in both directions; DeepEP moves fewer bytes (one copy per
 token and rank), so this is a common yardstick, not bus bandwidth. symm_mem runs with capacity_factor 2
@@ -185,21 +187,32 @@ def time_point(name: str, T: int, D: int, group, rank: int) -> dict:
                 ms = (time.perf_counter() - t0) * 1e3
             if i >= WARMUP:
                 times.append(ms)
-    med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=DEV)
-    # Collective over the ep group: the slower rank's median.
+        # Pipelined: ITERS back to back, as layers follow each other in a step (a backend without host syncs
+        # lets the CPU run ahead, so its launch overhead hides behind the GPU's work).
+        _sync()
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(ITERS):
+            step()
+        _sync()
+        pipelined = (time.perf_counter() - t0) * 1e3 / ITERS
+    med = torch.tensor([statistics.median(times), pipelined], dtype=torch.float64, device=DEV)
+    # Collective over the ep group: the slower rank's numbers.
     dist.all_reduce(med, op=dist.ReduceOp.MAX, group=group)
-    ms = med.item()
-    row = {"backend": name, "tokens": T, "hidden": D, "ms": ms, "gb_per_s": 2 * T * K * D * 2 / (ms * 1e-3) / 1e9}
+    ms, ms_pipe = med.tolist()
+    nbytes = 2 * T * K * D * 2
+    row = {"backend": name, "tokens": T, "hidden": D, "ms": ms, "gb_per_s": nbytes / (ms * 1e-3) / 1e9}
+    row.update(ms_pipelined=ms_pipe, gb_per_s_pipelined=nbytes / (ms_pipe * 1e-3) / 1e9)
     if name == "symm_mem":
-        row["host_syncs"] = count_host_syncs(d, x, ids, w)
+        row["host_syncs"], row["host_sync_sites"] = count_host_syncs(d, x, ids, w)
         release(name)  # buffers are sized for this T; DeepEP's one buffer is kept (largest hidden first)
     return row
 
 
-def count_host_syncs(d, x, ids, w) -> int:
-    """CUDA host syncs in one forward + backward of dispatch + combine (after warm-up)."""
+def count_host_syncs(d, x, ids, w) -> tuple[int, list[str]]:
+    """CUDA host syncs in one forward + backward of dispatch + combine (after warm-up), and where they were."""
     if DEV.type != "cuda":
-        return -1
+        return -1, []
     x = x.detach().requires_grad_()
     _sync()
     with warnings.catch_warnings(record=True) as caught:
@@ -211,7 +224,37 @@ def count_host_syncs(d, x, ids, w) -> int:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     _sync()
-    return sum("synchroniz" in str(c.message) for c in caught)
+    sites = [f"{Path(c.filename).name}:{c.lineno}" for c in caught if "synchroniz" in str(c.message)]
+    return len(sites), sites
+
+
+def profile_point(name: str, T: int, D: int, group, rank: int) -> None:
+    """Profiler tables (rank 0) for 5 pipelined dispatch + combine forwards: where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(10 + rank)
+    ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(DEV)
+    x = torch.randn(T, D, generator=g).to(DEV, torch.bfloat16)
+    w = torch.rand(T, K, generator=g).to(DEV)
+    opts = dict(OPTIONS[name], **({"max_tokens": T} if name == "symm_mem" else {}))
+    d = build_dispatcher(name, E, K, group, **opts)
+    with torch.no_grad():
+        for i in range(8):
+            if i == 3:
+                _sync()
+                prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                prof.__enter__()
+            x_RD, _, ctx = d.dispatch(x, ids)
+            d.combine(x_RD, w, ctx)
+        _sync()
+        prof.__exit__(None, None, None)
+    if rank == 0:
+        avg = prof.key_averages()
+        print(f"== profile {name} T={T} D={D}: 5 iterations ==")
+        print(avg.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+        print(avg.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+    if name == "symm_mem":
+        release(name)
 
 
 def bench(backends: list[str], group, rank: int, save, rows: list[dict]) -> list[dict]:
@@ -270,6 +313,9 @@ def main() -> None:
     part["correctness"] = correctness(backends, group, rank)
     save()
     timed = backends if os.environ.get("SKIP_A2A_BENCH") else ["all_to_all", *backends]
+    if os.environ.get("PROFILE") and DEV.type == "cuda":
+        for name in timed:
+            profile_point(name, 4096, 2048, group, rank)
     part["bench"] = bench(timed, group, rank, save, part["bench"])
     save()
     if rank == 0:
@@ -310,24 +356,34 @@ def markdown(m: dict) -> str:
         mx = f"{d['out']['max_abs']:.1e} | {d['out']['max_rel']:.1e}" if d else " | "
         lines.append(f"| {r['backend']} | {r['routing']} | {r['status'][:60]} | {mx} | " + " | ".join(cells) + " |")
     names = sorted({r["backend"] for r in m["bench"]}, key=lambda n: (n != "all_to_all", n))
-    lines += ["", "## Latency (ms, median) and effective GB/s; speedup vs all_to_all", ""]
-    lines += ["| hidden | tokens | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     by = {(r["backend"], r["tokens"], r["hidden"]): r for r in m["bench"]}
-    for D in sorted({r["hidden"] for r in m["bench"]}):
-        for T in sorted({r["tokens"] for r in m["bench"]}):
-            base = by.get(("all_to_all", T, D), {}).get("ms")
-            cells = []
-            for n in names:
-                r = by.get((n, T, D), {})
-                if "ms" not in r:
-                    cells.append(r.get("status", "")[:30])
-                    continue
-                speed = f", {base / r['ms']:.2f}x" if base and n != "all_to_all" else ""
-                cells.append(f"{r['ms']:.3f} ({r['gb_per_s']:.0f} GB/s{speed})")
-            lines.append(f"| {D} | {T} | " + " | ".join(cells) + " |")
-    syncs = [r.get("host_syncs") for r in m["bench"] if r.get("host_syncs") is not None]
+    titles = {
+        "ms": "Isolated latency (ms, median of iterations each between a barrier and a sync)",
+        "ms_pipelined": "Pipelined (ms per iteration, iterations back to back)",
+    }
+    for key, title in titles.items():
+        lines += ["", f"## {title}; effective GB/s; speedup vs all_to_all", ""]
+        lines += ["| hidden | tokens | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        for D in sorted({r["hidden"] for r in m["bench"]}):
+            for T in sorted({r["tokens"] for r in m["bench"]}):
+                base = by.get(("all_to_all", T, D), {}).get(key)
+                cells = []
+                for n in names:
+                    r = by.get((n, T, D), {})
+                    if key not in r:
+                        cells.append(r.get("status", "")[:30])
+                        continue
+                    speed = f", {base / r[key]:.2f}x" if base and n != "all_to_all" else ""
+                    cells.append(f"{r[key]:.3f} ({2 * T * K * D * 2 / r[key] / 1e6:.0f} GB/s{speed})")
+                lines.append(f"| {D} | {T} | " + " | ".join(cells) + " |")
+    syncs = [r for r in m["bench"] if r.get("host_syncs") is not None]
     if syncs:
-        lines += ["", f"symm_mem host syncs per forward + backward (sync debug mode): max {max(syncs)}"]
+        worst = max(syncs, key=lambda r: r["host_syncs"])
+        sites = ", ".join(sorted(set(worst.get("host_sync_sites", [])))) or "none"
+        lines += [
+            "",
+            f"symm_mem host syncs per forward + backward (sync debug mode): max {worst['host_syncs']} ({sites})",
+        ]
     return "\n".join(lines) + "\n"
 
 

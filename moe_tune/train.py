@@ -182,6 +182,7 @@ class Trainer:
         cfg = self.cfg
         tokens_per_step = cfg.train.seq_len * cfg.train.micro_batch_size * self.accum * self.dp_size
         bar = _progress(self.rank, cfg.train.steps, self.step)
+        profiler = _profiler(self.rank, cfg.output_dir)
         while self.step < cfg.train.steps:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
@@ -191,6 +192,8 @@ class Trainer:
                 torch.cuda.synchronize(self.device)  # host sync: time the whole step
             dt = time.perf_counter() - t0
             self.step += 1
+            if profiler is not None:
+                profiler.step()
             row = self._metrics_row(out, dt, tokens_per_step)
             self.metrics.log(row)
             _report(bar, row, self.rank)
@@ -198,6 +201,8 @@ class Trainer:
                 ckpt.save(self, os.path.join(cfg.output_dir, "checkpoints", f"step_{self.step}"))
         if bar is not None:
             bar.close()
+        if profiler is not None:
+            profiler.stop()
         if cfg.checkpoint.export_hf:
             self.export(os.path.join(cfg.output_dir, "hf"))
         summary = self.write_summary()
@@ -258,9 +263,32 @@ def hardware_name(world: int, device: torch.device) -> str:
     return f"cpu ({os.cpu_count()} cores) x {world} processes"
 
 
+def _profiler(rank: int, output_dir: str):
+    """``MOE_TUNE_PROFILE=1``: torch.profiler over steps 6-8 on rank 0; writes the top kernels by device
+    time to ``profile_rank0.txt`` and a Chrome trace to ``trace_rank0.json`` in the run directory."""
+    if rank != 0 or os.environ.get("MOE_TUNE_PROFILE") != "1":
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    def on_ready(prof):
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=60)
+        with open(os.path.join(output_dir, "profile_rank0.txt"), "w") as f:
+            f.write(table)
+        prof.export_chrome_trace(os.path.join(output_dir, "trace_rank0.json"))
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(
+        activities=activities, schedule=schedule(wait=5, warmup=1, active=3, repeat=1), on_trace_ready=on_ready
+    )
+    prof.start()
+    return prof
+
+
 def _git_commit() -> str:
     import subprocess
 
+    if os.environ.get("MOE_TUNE_COMMIT"):
+        return os.environ["MOE_TUNE_COMMIT"]
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         return (

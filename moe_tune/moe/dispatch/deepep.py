@@ -30,8 +30,9 @@ import torch.distributed as dist
 
 from moe_tune.moe.dispatch.base import Dispatcher
 
-# DeepEP moves rows in 16-byte units: the fp32 gates are padded to a multiple of 4 per token.
-_GATE_ALIGN = 4
+# DeepEP moves rows in 16-byte units, in pairs (its TMA path halves each row): the fp32 gates are padded to
+# 32 bytes per token. Their gradients return as 256 bf16 per token (see _SendGates.backward).
+_GATE_ALIGN, _GRAD_PAYLOAD = 8, 256
 
 
 def _import_deep_ep():
@@ -142,13 +143,16 @@ class _SendGates(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_NK):
         c = ctx.comm
-        # Combine needs a bf16 payload; the gate gradients travel in its fp32 top-k-weights channel, which is
-        # summed over the ranks a token went to (each rank's non-local gates have zero gradient).
-        empty_N8 = torch.zeros(grad_NK.shape[0], 8, dtype=torch.bfloat16, device=grad_NK.device)
-        weights = grad_NK.float().contiguous()
-        # Collective over the ep mesh axis.
-        _, grad_TK, _ = c.buffer.combine(empty_N8, c.handle, topk_weights=weights, config=c.combine_config)
-        return grad_TK, None
+        N, K = grad_NK.shape
+        # The gate gradients go home in a combine's bf16 payload, one 512-byte row per token (the row size
+        # DeepEP's combine is used and tested with; its top-k-weights channel beside a tiny payload gave wrong
+        # sums on H200). Exact: the gates entered the weighted sum in bf16, so their gradients are bf16
+        # numbers, and each is nonzero on one rank only (its expert's), so the sum adds zeros.
+        payload_NP = torch.zeros(N, _GRAD_PAYLOAD, dtype=torch.bfloat16, device=grad_NK.device)
+        payload_NP[:, :K] = grad_NK
+        # Collective over the ep mesh axis: summed over the ranks each token went to.
+        sum_TP, _, _ = c.buffer.combine(payload_NP, c.handle, config=c.combine_config)
+        return sum_TP[:, :K].float(), None
 
 
 # One Buffer per ep group (by group name), shared by every layer's dispatcher and reused across steps; rebuilt
@@ -165,6 +169,7 @@ def release_buffers() -> None:
 class _Route:
     comm: _Comm
     pair_R: torch.Tensor  # expanded row r is the flat (received token, k) pair pair_R[r]
+    num_tokens: int
 
 
 class DeepEPDispatcher(Dispatcher):
@@ -206,22 +211,26 @@ class DeepEPDispatcher(Dispatcher):
         return _BUFFERS[name][0]
 
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor):
-        x_TD = _as_bf16(x_TD)
-        comm = _Comm(
-            self._buffer(x_TD.shape[1] * x_TD.element_size()),
-            self.dispatch_config,
-            self.combine_config,
-            self.num_experts,
-        )
-        recv_ND, recv_ids_NK = _Dispatch.apply(x_TD.contiguous(), ids_TK.to(torch.int64).contiguous(), comm)
+        x_TD, ids_TK = _as_bf16(x_TD), ids_TK.to(torch.int64)
+        T, D = x_TD.shape
+        if D % 16:
+            raise ValueError(f"comm=deepep needs the hidden size to be a multiple of 16 (32-byte bf16 rows); got {D}")
+        if T == 0:  # a rank without tokens sends one token to no expert (-1), so DeepEP's kernels see a token
+            x_TD = torch.cat([x_TD, x_TD.new_zeros(1, D)])
+            ids_TK = torch.cat([ids_TK, ids_TK.new_full((1, self.top_k), -1)])
+        comm = _Comm(self._buffer(D * x_TD.element_size()), self.dispatch_config, self.combine_config, self.num_experts)
+        recv_ND, recv_ids_NK = _Dispatch.apply(x_TD.contiguous(), ids_TK.contiguous(), comm)
         order_P, counts_e = expand_by_local_expert(recv_ids_NK, self.num_local_experts)
         pair_R = order_P[: comm.num_rows]  # the valid pairs come first
-        return recv_ND[pair_R // self.top_k], counts_e, _Route(comm, pair_R)
+        return recv_ND[pair_R // self.top_k], counts_e, _Route(comm, pair_R, T)
 
     def combine(self, y_RD: torch.Tensor, weights_TK: torch.Tensor, ctx: _Route) -> torch.Tensor:
-        gates_NK = _SendGates.apply(weights_TK.float().contiguous(), ctx.comm)
+        gates_TK = weights_TK.float()
+        if ctx.num_tokens == 0:
+            gates_TK = torch.cat([gates_TK, gates_TK.new_zeros(1, self.top_k)])
+        gates_NK = _SendGates.apply(gates_TK.contiguous(), ctx.comm)
         z_ND = weighted_sum_per_token(y_RD, ctx.pair_R, gates_NK)
-        return _Combine.apply(z_ND.to(torch.bfloat16), ctx.comm)
+        return _Combine.apply(z_ND.to(torch.bfloat16), ctx.comm)[: ctx.num_tokens]
 
 
 def _as_bf16(x_TD: torch.Tensor) -> torch.Tensor:

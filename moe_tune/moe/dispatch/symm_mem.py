@@ -124,7 +124,7 @@ class _Pool:
         self.in_splits = [alloc((S,), torch.int64) for _ in range(2)]
         self.out_splits_offsets = [alloc((2, S), torch.int64) for _ in range(2)]
         self.step = 0
-        # Overflow record [overflowed batches, largest rows one rank would have received], read without a sync.
+        # Overflow record [a batch overflowed, largest rows one rank would have received], read without a sync.
         self.overflow_2 = torch.zeros(2, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
         self.overflow_host_2 = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
@@ -142,22 +142,22 @@ class _Pool:
         return recv
 
     def record_overflow(self, overflow: torch.Tensor, worst_rows: torch.Tensor) -> None:
-        self.overflow_2[0] += overflow.to(torch.int64)
-        self.overflow_2[1] = torch.maximum(self.overflow_2[1], worst_rows)
+        now_2 = torch.stack([overflow.to(torch.int64), worst_rows])
+        torch.maximum(self.overflow_2, now_2, out=self.overflow_2)
         self.overflow_host_2.copy_(self.overflow_2, non_blocking=True)
         if self.overflow_event is not None:
             self.overflow_event.record()
 
-    def overflow_seen(self, block: bool) -> tuple[int, int] | None:
-        """(batches, rows) if an overflow has been recorded. Without ``block``, only looks at the last copy once
-        the GPU has finished it (no waiting)."""
+    def overflow_seen(self, block: bool) -> int | None:
+        """The largest row count one rank would have received, if an overflow has been recorded. Without
+        ``block``, only looks at the last copy once the GPU has finished it (no waiting)."""
         if self.overflow_event is not None:
             if block:
                 self.overflow_event.synchronize()  # host sync: debug mode checks every batch at once
             elif not self.overflow_event.query():
                 return None
-        batches, rows = self.overflow_host_2.tolist()  # pinned host memory already written: no device sync
-        return (batches, rows) if batches else None
+        overflowed, rows = self.overflow_host_2.tolist()  # pinned host memory already written: no device sync
+        return rows if overflowed else None
 
 
 # One pool per (ep group, hidden, dtype, max_tokens, rows per token): a per-process cache of buffers keyed by
@@ -293,12 +293,11 @@ class SymmMemDispatcher(Dispatcher):
         return _POOLS[key]
 
     def _check_overflow(self, pool: _Pool, block: bool) -> None:
-        seen = pool.overflow_seen(block)
-        if seen is None:
+        rows = pool.overflow_seen(block)
+        if rows is None:
             return
-        batches, rows = seen
         raise RuntimeError(
-            f"comm=symm_mem: {batches} batch(es) would have sent up to {rows} routed rows to one ep rank, whose "
+            f"comm=symm_mem: a batch would have sent up to {rows} routed rows to one ep rank, whose "
             f"buffer holds {pool.capacity} (capacity_factor {self.capacity_factor} x top_k {self.top_k} x "
             f"{self.max_tokens} tokens); their routed rows were dropped (nothing was written past the buffer). "
             f"Raise comm.capacity_factor (>= ep = {self.ep} never overflows)"
