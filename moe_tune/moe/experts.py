@@ -37,6 +37,19 @@ def grouped_mm(x_RK: torch.Tensor, w_eKN: torch.Tensor, offs_e: torch.Tensor) ->
     return F.grouped_mm(x_RK, w_eKN, offs=offs_e)
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
 class GroupedExperts(nn.Module):
     """The experts held by this rank (all of them without expert parallelism).
 
@@ -60,6 +73,11 @@ class GroupedExperts(nn.Module):
             self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * I))
             self.down_proj_bias = nn.Parameter(torch.empty(e, D))
         self.impl = "grouped_mm"
+        # Set when the experts live outside FSDP2 (each ep rank alone holds them): the dtype the weights
+        # are cast to for the GEMMs (FSDP's mixed precision would do it otherwise), and the data-parallel
+        # size their gradients are averaged over (FSDP's gradient divide factor otherwise).
+        self.compute_dtype: torch.dtype | None = None
+        self.grad_divide = 1.0
 
     def _weights_KN(self) -> tuple[torch.Tensor, torch.Tensor]:
         # grouped_mm wants [e, in, out]; the "out_in" layout is read through a transposed view (no copy).
@@ -78,6 +96,15 @@ class GroupedExperts(nn.Module):
         return (up + 1) * (gate * torch.sigmoid(gate * s.swiglu_alpha))
 
     def forward(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
+        if self.grad_divide != 1.0:
+            # Divide only the weight gradients: scale the output's gradient down and the input's back up.
+            x_RD = _ScaleGrad.apply(x_RD, self.grad_divide)
+            return _ScaleGrad.apply(
+                self._forward(x_RD.to(self.compute_dtype or x_RD.dtype), counts_e), 1.0 / self.grad_divide
+            )
+        return self._forward(x_RD, counts_e)
+
+    def _forward(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
         if self.impl == "loop":
             return self.forward_loop(x_RD, counts_e)
         w1, w2 = self._weights_KN()

@@ -14,12 +14,20 @@ import torch
 from moe_tune.config import ConfigError, OptimConfig
 
 
+def param_groups(params) -> list[dict]:
+    """FSDP2 parameters are DTensors; experts kept outside FSDP2 are plain tensors. A fused/foreach kernel
+    cannot take both in one list, so they go in separate groups (each group gets its own kernel launches)."""
+    params = [p for p in params if p.requires_grad]
+    sharded = [p for p in params if hasattr(p, "to_local")]
+    plain = [p for p in params if not hasattr(p, "to_local")]
+    return [{"params": g} for g in (sharded, plain) if g]
+
+
 def build_optimizer(params, cfg: OptimConfig, lr: float, device_type: str) -> torch.optim.Optimizer:
     if cfg.name != "adamw":
         raise ConfigError(f"optim={cfg.name!r} is not one of adamw")
-    params = [p for p in params if p.requires_grad]
     return torch.optim.AdamW(
-        params,
+        param_groups(params),
         lr=lr,
         betas=tuple(cfg.betas),
         eps=cfg.eps,

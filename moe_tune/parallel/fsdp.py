@@ -61,19 +61,31 @@ def apply_fsdp(
     # 1-D meshes when there is no replication: plain FSDP, no size-1 replicate dimension.
     dense_mesh = mesh["dense_fsdp"] if dims.dp_replicate > 1 else mesh["dp_shard"]
     expert_mesh = mesh["expert_fsdp"] if dims.dp_replicate > 1 else mesh["efsdp"]
+    # Each ep rank alone holding its experts (efsdp = dp_replicate = 1, e.g. EP over all GPUs): nothing to
+    # shard or reduce for them, so they stay plain parameters outside FSDP2 (no all-gather copies, no
+    # reduce-scatter, no resharding); the experts cast their weights to the compute dtype themselves.
+    plain_experts = expert_mesh.size() == 1 and dims.ep > 1
+    ignored: set[nn.Parameter] = set()
     units: list[list[FSDPModule]] = []
     for layer in model.layers:
         unit = []
         moe = _moe_of(layer)
-        if moe is not None:
+        if moe is not None and plain_experts:
+            ignored |= set(moe.experts.parameters())
+            moe.experts.grad_divide = float(dims.dp)
+            if mp.param_dtype is not None:
+                moe.experts.compute_dtype = mp.param_dtype
+        elif moe is not None:
             fully_shard(moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
             # Expert grads summed over ep by the all-to-all backward: average over all dp ranks (dp_replicate x
             # dp_shard), as FSDP does for dense grads, not over the efsdp x dp_replicate ranks that reduce them.
             moe.experts.set_gradient_divide_factor(float(dims.dp))
             unit.append(moe.experts)
-        fully_shard(layer, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            layer, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, ignored_params=ignored
+        )
         units.append([layer, *unit])
-    fully_shard(model, mesh=dense_mesh, mp_policy=mp)
+    fully_shard(model, mesh=dense_mesh, mp_policy=mp, ignored_params=ignored)
     _set_prefetch(units)
     if mesh.device_type == "cpu":
         _gloo_reductions(model, dims.dp, dims.dp_shard, dims.efsdp)
