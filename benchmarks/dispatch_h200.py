@@ -306,6 +306,7 @@ def main() -> None:
     part = {"meta": meta(), "backends": backends, "correctness": [], "bench": []}
 
     def save() -> None:  # after every part, so that a later failure keeps what was measured
+        part["meta"] = meta()  # now that the backends are imported (their versions)
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / f"part_{'_'.join(backends)}.json").write_text(json.dumps(part, indent=1))
@@ -331,6 +332,7 @@ def merge_parts(parts: list[dict]) -> dict:
         "correctness": f"MoE layer E={E} top-{K} hidden {D_MODEL} moe_intermediate {I_MOE}, {T_CHECK} tokens/rank, bf16",
         "bench": f"dispatch+combine forward, E={E} top-{K}, uniform random routing, bf16, median of {ITERS} after {WARMUP}",
         "gb_per_s": "2 * tokens * top_k * hidden * 2 bytes / time (per rank)",
+        "options": OPTIONS,
     }
     seen = set()
     for p in parts:

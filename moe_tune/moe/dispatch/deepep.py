@@ -11,8 +11,10 @@ dispatch: ``get_dispatch_layout`` (tokens per rank and expert) -> ``Buffer.dispa
 combine: the gates go to the experts' ranks with a cached-handle ``dispatch`` (fp32 bytes, same layout as
   the tokens), each received token's rows are weighted and summed there (``weighted_sum_per_token``), and
   ``Buffer.combine`` adds the ranks' partial sums into each token.
-Autograd: the backward of a dispatch is a combine with the same handle and vice versa; the gates' backward
-is a combine whose fp32 top-k-weights channel sums their gradients over ranks.
+Autograd: the backward of a dispatch is a combine with the same handle and vice versa; the gates' gradients
+go home in a combine too (a 256-wide bf16 payload, exact; see ``_SendGates.backward``).
+The gates travel at combine time because the dispatcher contract hands them to ``combine`` only (DeepEP's
+own API would carry them with the tokens); the price is one small extra dispatch and combine per layer.
 
 One host sync per dispatch, inside DeepEP: normal mode waits on the host for the number of tokens this rank
 receives (it sizes the output), as ``all_to_all`` waits for its split sizes. DeepEP moves bf16 activations.
