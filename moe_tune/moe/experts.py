@@ -120,9 +120,13 @@ class GroupedExperts(nn.Module):
 
     @staticmethod
     def _row_experts(counts_e: torch.Tensor, num_rows: int) -> torch.Tensor:
-        ids = torch.arange(counts_e.shape[0], device=counts_e.device)
-        # output_size is given so repeat_interleave needs no host sync.
-        return torch.repeat_interleave(ids, counts_e, output_size=num_rows)
+        """Local expert of each row. Rows past ``counts_e.sum()`` (a dispatcher's fixed-capacity padding, e.g.
+        symm_mem) are given the last expert: their outputs are never combined. output_size is given so
+        repeat_interleave needs no host sync."""
+        e = counts_e.shape[0]
+        ids = torch.arange(e + 1, device=counts_e.device).clamp(max=e - 1)
+        padding = (num_rows - counts_e.sum()).clamp(min=0).reshape(1)
+        return torch.repeat_interleave(ids, torch.cat([counts_e, padding]), output_size=num_rows)
 
     def forward_loop(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
         """Reference: one matmul pair per expert. Used by tests and ``kernels.experts=loop`` only."""

@@ -151,3 +151,15 @@ def test_batched_shape_stats_and_tuple():
     out, weights_TK = tupled.eval()(x)
     torch.testing.assert_close(out, y)
     assert weights_TK.shape == (10, 2)
+
+
+def test_bias_experts_with_capacity_padding_rows():
+    """A fixed-capacity dispatcher (symm_mem) hands the experts padding rows past counts_e.sum(): the biased
+    (GPT-OSS) experts must still give the real rows exactly what they give without padding."""
+    moe = build_moe("in_out", num_experts=4, top_k=2)
+    experts = moe.experts
+    x_RD = torch.randn(10, D)
+    counts_e = torch.tensor([3, 0, 4, 3])
+    ref = experts(x_RD, counts_e)
+    padded = experts(torch.cat([x_RD, torch.randn(6, D)]), counts_e)
+    torch.testing.assert_close(padded[:10], ref, rtol=0, atol=0)

@@ -303,6 +303,9 @@ class SymmMemDispatcher(Dispatcher):
             f"Raise comm.capacity_factor (>= ep = {self.ep} never overflows)"
         )
 
+    # Kept out of torch.compile (kernels.compile=true): the NVSHMEM ops and the overflow event are not
+    # traceable ("expected event to be a torch.Event object" on torch 2.11); the layers around it compile.
+    @torch.compiler.disable
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor):
         S, e, E = self.ep, self.num_local_experts, self.num_experts
         pool = self._pool(x_TD)
@@ -336,6 +339,7 @@ class SymmMemDispatcher(Dispatcher):
         )
         return _ToExperts.apply(x_TD, route), counts_Se.sum(0), route
 
+    @torch.compiler.disable
     def combine(self, y_RD: torch.Tensor, weights_TK: torch.Tensor, ctx: _Route) -> torch.Tensor:
         y_TKD = _ToTokens.apply(y_RD, ctx)
         # The K rows of each token reduced with its gates in one batched matmul (deterministic, no atomics).
