@@ -129,9 +129,7 @@ def load(trainer, path: str) -> None:
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     # Learning rate, betas etc. as they were at the save (the fresh optimizer holds step 0's values).
-    optim_sd["param_groups"] = [
-        {**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["param_groups"]
-    ]
+    optim_sd["param_groups"] = [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["param_groups"]]
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     trainer.scheduler.load_state_dict(meta["scheduler"])
     trainer.step = meta["step"]
