@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from moe_tune import checkpoint as ckpt
-from moe_tune.config import Config, ConfigError, resolve_parallel, validate
+from moe_tune.config import Config, resolve_parallel, validate
 from moe_tune.metrics import MetricsWriter, flops_per_token, peak_memory_gib
 
 log = logging.getLogger("moe_tune")
@@ -141,6 +141,7 @@ class Trainer:
             dist.all_reduce(total)  # mesh: all ranks (every rank is data parallel)
         normalizer = total.clamp(min=1) / self.dp_size
         ce_sum = torch.zeros((), device=self.device)
+        load_LE = None  # rows per expert of every bias-corrected router, summed over the step's micro-batches
         autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
             if cfg.train.precision == "amp_bf16"
@@ -154,12 +155,13 @@ class Trainer:
             extra = (out.loss - out.ce_loss) / self.accum  # balancing losses, averaged over micro-batches
             (out.ce_loss + extra).backward()
             ce_sum += out.ce_loss.detach()
+            load_LE = self._expert_load() if load_LE is None else load_LE + self._expert_load()
         grad_norm = clip_grad_norm_(model, cfg.optim.max_grad_norm, self.mesh)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if cfg.train.bias_update_rate > 0:
-            self._update_expert_bias()
+        if cfg.train.bias_update_rate > 0 and load_LE is not None and load_LE.numel():
+            self._update_expert_bias(load_LE)
         if dist.is_initialized():
             dist.all_reduce(ce_sum)  # mesh: all ranks; per-rank sums of token losses / (global / dp)
         return {"loss": ce_sum / self.dp_size, "grad_norm": grad_norm, "aux_loss": out.aux_loss}
@@ -168,14 +170,22 @@ class Trainer:
         t = self.cfg.train
         return self.data.micro_batch(step, micro, t.micro_batch_size, self.accum, self.rank, self.dp_size, self.device)
 
-    def _update_expert_bias(self) -> None:
+    def _biased_moes(self) -> list:
+        return [m for m in self.model.moe_layers() if m.router.e_score_correction_bias is not None]
+
+    def _expert_load(self) -> torch.Tensor | None:
+        if self.cfg.train.bias_update_rate <= 0:
+            return None
+        moes = self._biased_moes()
+        return torch.stack([m.counts_E for m in moes]) if moes else torch.zeros(0, device=self.device)
+
+    def _update_expert_bias(self, load_LE: torch.Tensor) -> None:
+        """Aux-loss-free balancing, once per optimizer step, from the whole step's loads on every rank."""
         from moe_tune.moe.router import update_expert_bias
 
-        moes = [m for m in self.model.moe_layers() if m.router.e_score_correction_bias is not None]
-        if moes:
-            counts = torch.stack([m.counts_E for m in moes])
-            # mesh: dp (all ranks): every rank applies the same update from everyone's counts
-            update_expert_bias([m.router for m in moes], counts, self.cfg.train.bias_update_rate, self.mesh.group("dp"))
+        # mesh: dp (all ranks): every rank applies the same update from everyone's counts
+        rate = self.cfg.train.bias_update_rate
+        update_expert_bias([m.router for m in self._biased_moes()], load_LE, rate, self.mesh.group("dp"))
 
     # -- the loop ----------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -336,4 +346,4 @@ def _report(bar, row: dict, rank: int) -> None:
         log.info("step %d | %s | grad_norm %.3f | lr %.2e", row["step"], text, row["grad_norm"], row["lr"])
 
 
-__all__ = ["Trainer", "ConfigError"]
+__all__ = ["Trainer"]

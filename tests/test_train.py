@@ -45,6 +45,19 @@ def read_metrics(run_dir):
         return [json.loads(line) for line in f]
 
 
+def read_hf_tensors(d) -> dict:
+    """Every tensor of a Hugging Face directory, single file or sharded with an index."""
+    from safetensors import safe_open
+
+    idx = d / "model.safetensors.index.json"
+    files = set(json.load(open(idx))["weight_map"].values()) if idx.exists() else {"model.safetensors"}
+    out = {}
+    for name in files:
+        with safe_open(d / name, "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
 def hf_logits_equal(hf_dir):
     """transformers loads hf/ and gives the same logits as moe_tune's model loaded from it."""
     from transformers import AutoModelForCausalLM
@@ -103,9 +116,7 @@ def test_resume_is_bitwise(tmp_path, cli_env):
     a = [r["loss"] for r in read_metrics(straight)][3:]
     b = [r["loss"] for r in read_metrics(resumed)]
     assert len(b) == 3 and a == b, (a, b)
-    from safetensors.torch import load_file
-
-    sa, sb = load_file(straight / "hf" / "model.safetensors"), load_file(resumed / "hf" / "model.safetensors")
+    sa, sb = read_hf_tensors(straight / "hf"), read_hf_tensors(resumed / "hf")
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
@@ -122,18 +133,7 @@ def test_export_cli_from_ep2_checkpoint(tmp_path, cli_env):
         timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    from safetensors import safe_open
-
-    def tensors(d):
-        idx = d / "model.safetensors.index.json"
-        files = set(json.load(open(idx))["weight_map"].values()) if idx.exists() else {"model.safetensors"}
-        out = {}
-        for name in files:
-            with safe_open(d / name, "pt") as f:
-                out.update({k: f.get_tensor(k) for k in f.keys()})
-        return out
-
-    a, b = tensors(tmp_path / "hf"), tensors(out)
+    a, b = read_hf_tensors(tmp_path / "hf"), read_hf_tensors(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     hf_logits_equal(str(out))
 
@@ -146,3 +146,26 @@ def test_export_cli_bad_input_exits_2(tmp_path, cli_env):
         env=cli_env,
     )
     assert r.returncode == 2 and "not a complete moe-tune checkpoint" in r.stderr
+
+
+@pytest.mark.dist
+def test_aux_loss_free_bias_update_two_ranks(tmp_path, cli_env):
+    """DeepSeek-V3 style balancing: the selection bias moves every step, from all ranks' loads, identically."""
+    run_cli(
+        [
+            f"output_dir={tmp_path}",
+            "model=tiny_deepseek_v3",
+            "train.steps=3",
+            "train.aux_loss_coef=0",
+            "train.bias_update_rate=0.01",
+            "parallel.ep=2",
+            *FAST,
+        ],
+        cli_env,
+        nproc=2,
+    )
+    biases = {k: v for k, v in read_hf_tensors(tmp_path / "hf").items() if "e_score_correction_bias" in k}
+    assert len(biases) == 2  # the two MoE layers (layer 0 is dense)
+    for b in biases.values():
+        # Each step moves every expert's bias by +-rate (or 0 at the mean load): 3 steps -> multiples of 0.01.
+        assert b.abs().max() > 0 and torch.allclose(b * 100, (b * 100).round(), atol=1e-4)
