@@ -57,12 +57,19 @@ def precheck(argv: list[str]) -> None:
 
 
 def run(dict_cfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
     from moe_tune.config import ConfigError
 
+    cfg = to_config(dict_cfg)
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        # Each job of a sweep (or of a launcher such as submitit_slurm) gets its own run directory.
+        cfg.output_dir = HydraConfig.get().runtime.output_dir
     try:
         from moe_tune.train import Trainer
 
-        trainer = Trainer(to_config(dict_cfg))
+        trainer = Trainer(cfg)
     except ConfigError as e:
         fail(str(e))
     trainer.fit()

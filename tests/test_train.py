@@ -169,3 +169,33 @@ def test_aux_loss_free_bias_update_two_ranks(tmp_path, cli_env):
     for b in biases.values():
         # Each step moves every expert's bias by +-rate (or 0 at the mean load): 3 steps -> multiples of 0.01.
         assert b.abs().max() > 0 and torch.allclose(b * 100, (b * 100).round(), atol=1e-4)
+
+
+def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path, cli_env):
+    """global batch 4 as 2 micro-batches of 2 == one micro-batch of 4 (same rows, same loss normalisation)."""
+    common = ["train.steps=3", "checkpoint.export_hf=false", *FAST[:1], "data.num_samples=256", "train.precision=fp32"]
+    run_cli(
+        [f"output_dir={tmp_path / 'accum'}", "train.micro_batch_size=2", "train.global_batch_size=4", *common], cli_env
+    )
+    run_cli(
+        [f"output_dir={tmp_path / 'big'}", "train.micro_batch_size=4", "train.global_batch_size=4", *common], cli_env
+    )
+    a, b = read_metrics(tmp_path / "accum"), read_metrics(tmp_path / "big")
+    for x, y in zip(a, b):
+        assert (
+            abs(x["loss"] - y["loss"]) <= 1e-5 * abs(y["loss"])
+            and abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * y["grad_norm"]
+        )
+
+
+def test_hydra_multirun_gives_each_job_its_own_run_directory(tmp_path, cli_env):
+    """`moe-tune -m a=1,2`: Hydra's sweep (the same path the submitit_slurm launcher takes) runs both jobs."""
+    r = run_cli(
+        ["-m", f"output_dir={tmp_path}", "train.lr=1e-3,2e-3", "train.steps=2", "checkpoint.export_hf=false", *FAST],
+        cli_env,
+    )
+    for job in ("0", "1"):
+        rows = read_metrics(tmp_path / "multirun" / job)
+        assert [row["step"] for row in rows] == [1, 2], r.stdout
+    lrs = [json.load(open(tmp_path / "multirun" / j / "config.json"))["train"]["lr"] for j in ("0", "1")]
+    assert lrs == [1e-3, 2e-3]
