@@ -61,6 +61,7 @@ def test_default_values():
         (["comm=deepep"], 1, "comm=deepep needs expert parallelism"),
         (["kernels=te"], 1, "TransformerEngine is not installed"),
         (["kernels.fp8=current"], 1, "need kernels=te"),
+        (["kernels=te", "kernels.experts=te"], 1, "kernels.experts=te is not offered"),
         (["train.precision=fp16"], 1, "train.precision='fp16' is not one of"),
         (["parallel.activation_checkpointing=some"], 1, "parallel.activation_checkpointing='some'"),
         (["model.path=/nonexistent"], 1, "model.path='/nonexistent' has no config.json"),
