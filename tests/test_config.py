@@ -60,7 +60,7 @@ def test_default_values():
         (["comm=symm_mem", "parallel.ep=2"], 2, "symm_mem"),
         (["comm=deepep"], 1, "comm=deepep needs expert parallelism"),
         (["kernels=te"], 1, "TransformerEngine is not installed"),
-        (["kernels.fp8=current"], 1, "need kernels=te"),
+        (["kernels.fp8=current"], 1, "kernels.fp8=current needs kernels=te"),
         (["kernels=te", "kernels.experts=te"], 1, "kernels.experts=te is not offered"),
         (["train.precision=fp16"], 1, "train.precision='fp16' is not one of"),
         (["parallel.activation_checkpointing=some"], 1, "parallel.activation_checkpointing='some'"),
