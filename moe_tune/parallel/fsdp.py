@@ -58,6 +58,10 @@ def apply_fsdp(
     """Shard ``model`` in place (call after apply_ep and apply_ac, before materialising meta parameters)."""
     dims = mesh.dims
     mp = mixed_precision_policy(precision)
+    if dims.world_size == 1 and mp.param_dtype is None:
+        # One rank and no casts to do: FSDP2 would only add all-gather/reduce-scatter copies over a group of
+        # one. (bf16_fp32_master keeps FSDP2 on one rank too: its mixed precision is the bf16 compute.)
+        return
     # 1-D meshes when there is no replication: plain FSDP, no size-1 replicate dimension.
     dense_mesh = mesh["dense_fsdp"] if dims.dp_replicate > 1 else mesh["dp_shard"]
     expert_mesh = mesh["expert_fsdp"] if dims.dp_replicate > 1 else mesh["efsdp"]
