@@ -50,6 +50,36 @@ def peak_memory_gib(device: torch.device) -> tuple[float, float]:
     return 0.0, 0.0
 
 
+def step_row(
+    step: int,
+    loss: float,
+    grad_norm: float,
+    lr: float,
+    tokens: int,
+    dt: float,
+    world: int,
+    flops_per_token: float,
+    device: torch.device,
+    **extra,
+) -> dict:
+    """One metrics.jsonl line (the CONTRACT.md fields, then ``extra``)."""
+    alloc, reserved = peak_memory_gib(device)
+    tps = tokens / dt
+    return {
+        "step": step,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "tokens_per_s": tps,
+        "tokens_per_s_per_gpu": tps / world,
+        "tflops_per_gpu": tps / world * flops_per_token / 1e12,
+        "peak_mem_gib": alloc,
+        "peak_reserved_gib": reserved,
+        "step_time_s": dt,
+        **extra,
+    }
+
+
 class MetricsWriter:
     """Rank 0 appends one JSON object per optimizer step; ``summary`` aggregates after warm-up steps."""
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from moe_tune import checkpoint as ckpt
 from moe_tune.config import Config, resolve_parallel, validate
-from moe_tune.metrics import MetricsWriter, flops_per_token, peak_memory_gib
+from moe_tune.metrics import MetricsWriter, flops_per_token, step_row
 
 log = logging.getLogger("moe_tune")
 
@@ -219,26 +219,24 @@ class Trainer:
         return summary
 
     def _metrics_row(self, out: dict, dt: float, tokens: int) -> dict:
-        alloc, reserved = peak_memory_gib(self.device)
         loads = torch.stack([m.counts_E.float() for m in self.model.moe_layers()])
         load_ratio = (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1)).mean()
         # host sync: one .item() batch per logged step for the metrics line
         vals = torch.stack([out["loss"].float(), out["grad_norm"].float().to(self.device), load_ratio.to(self.device)])
         loss, grad_norm, load = vals.tolist()
-        tps = tokens / dt
-        return {
-            "step": self.step,
-            "loss": loss,
-            "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": grad_norm,
-            "tokens_per_s": tps,
-            "tokens_per_s_per_gpu": tps / self.world,
-            "tflops_per_gpu": tps / self.world * self.flops_per_token / 1e12,
-            "peak_mem_gib": alloc,
-            "peak_reserved_gib": reserved,
-            "expert_load_max_over_mean": load,
-            "step_time_s": dt,
-        }
+        lr = self.scheduler.get_last_lr()[0]
+        return step_row(
+            self.step,
+            loss,
+            grad_norm,
+            lr,
+            tokens,
+            dt,
+            self.world,
+            self.flops_per_token,
+            self.device,
+            expert_load_max_over_mean=load,
+        )
 
     def export(self, out_dir: str) -> None:
         from moe_tune.parallel import export_hf

@@ -267,7 +267,7 @@ class Baseline:
         }
 
     def fit(self) -> dict:
-        from moe_tune.metrics import peak_memory_gib
+        from moe_tune.metrics import step_row
 
         t = self.cfg.train
         tokens = t.seq_len * t.micro_batch_size * self.accum * self.world
@@ -279,25 +279,15 @@ class Baseline:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # host sync: time the whole step
             dt = time.perf_counter() - t0
-            alloc, reserved = peak_memory_gib(self.device)
             # host sync: one .tolist() per step for the metrics line
             loss, grad_norm = torch.stack([out["loss"].float(), out["grad_norm"].float().to(self.device)]).tolist()
-            tps = tokens / dt
-            row = {
-                "step": step + 1,
-                "loss": loss,
-                "lr": self.scheduler.get_last_lr()[0],
-                "grad_norm": grad_norm,
-                "tokens_per_s": tps,
-                "tokens_per_s_per_gpu": tps / self.world,
-                "tflops_per_gpu": tps / self.world * self.flops_per_token / 1e12,
-                "peak_mem_gib": alloc,
-                "peak_reserved_gib": reserved,
-                "step_time_s": dt,
-            }
+            lr = self.scheduler.get_last_lr()[0]
+            row = step_row(step + 1, loss, grad_norm, lr, tokens, dt, self.world, self.flops_per_token, self.device)
             self.metrics.log(row)
             if self.rank == 0:
-                log.info(f"step {step + 1} | loss {loss:.4f} | {tps:,.0f} tok/s | {alloc:.1f} GiB")
+                log.info(
+                    f"step {step + 1} | loss {loss:.4f} | {row['tokens_per_s']:,.0f} tok/s | {row['peak_mem_gib']:.1f} GiB"
+                )
         return self.write_summary()
 
     def write_summary(self) -> dict:
