@@ -198,6 +198,12 @@ def validate(cfg: Config, world_size: int | None = None, num_experts: int | None
     _choice(cfg.kernels.fp8, FP8_MODES, "kernels.fp8")
     _choice(cfg.parallel.activation_checkpointing, AC_MODES, "parallel.activation_checkpointing")
     _choice(cfg.model.dtype, ("source", "float32", "bfloat16"), "model.dtype")
+    _choice(cfg.optim.name, ("adamw",), "optim")
+    _choice(cfg.optim.schedule, ("cosine", "constant"), "optim.schedule")
+    if cfg.data.path is None and cfg.data.name not in ("arithmetic", "random"):
+        raise ConfigError(
+            f"data={cfg.data.name!r} is not built in (arithmetic, random); pick one or set data.path=<jsonl|parquet|dir>"
+        )
     _, dp_shard, ep = resolve_parallel(cfg.parallel, world_size)
     if cfg.model.path is not None and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
         raise ConfigError(

@@ -28,7 +28,7 @@ def active_matmul_params(model) -> int:
             s = module.spec
             per_expert = 3 * s.experts.dim * s.experts.hidden
             total += s.router.top_k * per_expert + s.router.num_experts * s.experts.dim
-        elif isinstance(module, torch.nn.Linear):
+        elif isinstance(module, torch.nn.Linear) or type(module).__name__ == "Linear":  # torch or TE Linear
             total += module.weight.shape.numel()
     return total
 

@@ -164,7 +164,7 @@ class Trainer:
             self._update_expert_bias(load_LE)
         if dist.is_initialized():
             dist.all_reduce(ce_sum)  # mesh: all ranks; per-rank sums of token losses / (global / dp)
-        return {"loss": ce_sum / self.dp_size, "grad_norm": grad_norm, "aux_loss": out.aux_loss}
+        return {"loss": ce_sum / self.dp_size, "grad_norm": grad_norm}
 
     def _micro_batch(self, step: int, micro: int):
         t = self.cfg.train
@@ -204,9 +204,10 @@ class Trainer:
             self.step += 1
             if profiler is not None:
                 profiler.step()
-            row = self._metrics_row(out, dt, tokens_per_step)
-            self.metrics.log(row)
-            _report(bar, row, self.rank)
+            if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
+                row = self._metrics_row(out, dt, tokens_per_step)
+                self.metrics.log(row)
+                _report(bar, row, self.rank)
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                 ckpt.save(self, os.path.join(cfg.output_dir, "checkpoints", f"step_{self.step}"))
         if bar is not None:
@@ -339,7 +340,7 @@ def _report(bar, row: dict, rank: int) -> None:
     text = f"loss {row['loss']:.4f} | {row['tokens_per_s']:,.0f} tok/s | {row['peak_mem_gib']:.1f} GiB"
     if bar is not None:
         bar.set_postfix_str(text)
-        bar.update(1)
+        bar.update(row["step"] - bar.n)
     elif rank == 0:
         log.info("step %d | %s | grad_norm %.3f | lr %.2e", row["step"], text, row["grad_norm"], row["lr"])
 

@@ -36,27 +36,34 @@ def _is_rmsnorm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm") and hasattr(module, "weight") and module.weight.dim() == 1
 
 
-def _swap_norms_and_linears(layer: nn.Module, router_ids: set[int]) -> None:
+def _te_module(child: nn.Module, router_ids: set[int]) -> nn.Module | None:
+    """The TE replacement of ``child`` (same parameter names, loaded weights copied), or None to keep it."""
     te = _te()
-    for parent in list(layer.modules()):
+    device = child.weight.device if hasattr(child, "weight") else torch.device("meta")
+    if _is_rmsnorm(child):
+        eps = getattr(child, "variance_epsilon", getattr(child, "eps", 1e-6))
+        new = te.RMSNorm(child.weight.shape[0], eps=eps, params_dtype=child.weight.dtype, device=device)
+    elif isinstance(child, nn.Linear) and id(child) not in router_ids:
+        new = te.Linear(
+            child.in_features,
+            child.out_features,
+            bias=child.bias is not None,
+            params_dtype=child.weight.dtype,
+            device=device,
+        )
+    else:
+        return None
+    if device.type != "meta":
+        new.load_state_dict(child.state_dict())
+    return new
+
+
+def _swap(root: nn.Module, router_ids: set[int]) -> None:
+    for parent in list(root.modules()):
         for name, child in list(parent.named_children()):
-            device = child.weight.device if hasattr(child, "weight") else torch.device("meta")
-            if _is_rmsnorm(child):
-                eps = getattr(child, "variance_epsilon", getattr(child, "eps", 1e-6))
-                new = te.RMSNorm(child.weight.shape[0], eps=eps, params_dtype=child.weight.dtype, device=device)
-            elif isinstance(child, nn.Linear) and id(child) not in router_ids:
-                new = te.Linear(
-                    child.in_features,
-                    child.out_features,
-                    bias=child.bias is not None,
-                    params_dtype=child.weight.dtype,
-                    device=device,
-                )
-            else:
-                continue
-            if device.type != "meta":
-                new.load_state_dict(child.state_dict())
-            setattr(parent, name, new)
+            new = _te_module(child, router_ids)
+            if new is not None:
+                setattr(parent, name, new)
 
 
 def _fallback(reason: str, *args, **kwargs):
@@ -102,8 +109,10 @@ def apply_te(model, fp8: str = "none", experts: str = "grouped_mm") -> None:
 
     router_ids = {id(m.router) for m in model.moe_layers()}
     for layer in model.layers:
-        _swap_norms_and_linears(layer, router_ids)
-    _swap_norms_and_linears_final(model)
+        _swap(layer, router_ids)
+    final_norm = _te_module(model.model.norm, router_ids) if hasattr(model.model, "norm") else None
+    if final_norm is not None:
+        model.model.norm = final_norm
     if model.config._attn_implementation == "sdpa":
         AttentionInterface.register(ATTN_NAME, te_attention_forward)
         model.config._attn_implementation = ATTN_NAME
@@ -111,16 +120,6 @@ def apply_te(model, fp8: str = "none", experts: str = "grouped_mm") -> None:
         log.info("kernels=te: %s attention kept (%s)", model.config._attn_implementation, model.config.model_type)
     if fp8 != "none":
         _wrap_fp8(model, fp8)
-
-
-def _swap_norms_and_linears_final(model) -> None:
-    norm = getattr(model.model, "norm", None)
-    if norm is not None and _is_rmsnorm(norm):
-        te = _te()
-        eps = getattr(norm, "variance_epsilon", 1e-6)
-        model.model.norm = te.RMSNorm(
-            norm.weight.shape[0], eps=eps, params_dtype=norm.weight.dtype, device=norm.weight.device
-        )
 
 
 def _wrap_fp8(model, fp8: str) -> None:

@@ -37,6 +37,10 @@ def grouped_mm(x_RK: torch.Tensor, w_eKN: torch.Tensor, offs_e: torch.Tensor) ->
     return F.grouped_mm(x_RK, w_eKN, offs=offs_e)
 
 
+def _with_zero_row(bias_eN: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat([bias_eN.to(dtype), bias_eN.new_zeros(1, bias_eN.shape[1], dtype=dtype)])
+
+
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; multiplies the gradient by ``scale`` in backward."""
 
@@ -96,12 +100,12 @@ class GroupedExperts(nn.Module):
         return (up + 1) * (gate * torch.sigmoid(gate * s.swiglu_alpha))
 
     def forward(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
+        if self.compute_dtype is not None:
+            x_RD = x_RD.to(self.compute_dtype)
         if self.grad_divide != 1.0:
             # Divide only the weight gradients: scale the output's gradient down and the input's back up.
             x_RD = _ScaleGrad.apply(x_RD, self.grad_divide)
-            return _ScaleGrad.apply(
-                self._forward(x_RD.to(self.compute_dtype or x_RD.dtype), counts_e), 1.0 / self.grad_divide
-            )
+            return _ScaleGrad.apply(self._forward(x_RD, counts_e), 1.0 / self.grad_divide)
         return self._forward(x_RD, counts_e)
 
     def _forward(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
@@ -112,19 +116,19 @@ class GroupedExperts(nn.Module):
         h = grouped_mm(x_RD, w1.to(x_RD.dtype), offs_e)
         if self.spec.bias:
             row_expert_R = self._row_experts(counts_e, x_RD.shape[0])
-            h = h + self.gate_up_proj_bias.to(h.dtype)[row_expert_R]
+            h = h + _with_zero_row(self.gate_up_proj_bias, h.dtype)[row_expert_R]
         y = grouped_mm(self._activation(h), w2.to(x_RD.dtype), offs_e)
         if self.spec.bias:
-            y = y + self.down_proj_bias.to(y.dtype)[row_expert_R]
+            y = y + _with_zero_row(self.down_proj_bias, y.dtype)[row_expert_R]
         return y
 
     @staticmethod
     def _row_experts(counts_e: torch.Tensor, num_rows: int) -> torch.Tensor:
         """Local expert of each row. Rows past ``counts_e.sum()`` (a dispatcher's fixed-capacity padding, e.g.
-        symm_mem) are given the last expert: their outputs are never combined. output_size is given so
-        repeat_interleave needs no host sync."""
+        symm_mem) get index e, a zero bias row that is no parameter: whatever gradient lands on padding rows
+        (stale buffer contents) never reaches the biases. output_size is given so there is no host sync."""
         e = counts_e.shape[0]
-        ids = torch.arange(e + 1, device=counts_e.device).clamp(max=e - 1)
+        ids = torch.arange(e + 1, device=counts_e.device)
         padding = (num_rows - counts_e.sum()).clamp(min=0).reshape(1)
         return torch.repeat_interleave(ids, torch.cat([counts_e, padding]), output_size=num_rows)
 

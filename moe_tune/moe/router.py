@@ -110,18 +110,21 @@ def expert_counts(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def load_balancing_loss(scores_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Switch/GShard auxiliary loss for one layer: ``E/K * sum_i f_i * P_i``, 1.0 when perfectly balanced.
+    """Switch/GShard auxiliary loss for one layer: ``E * sum_i f_i * P_i``, equal to top_k when balanced.
 
-    ``f_i`` is the fraction of routed rows that went to expert i (counts / (T*K)) and ``P_i`` the mean
-    router probability of expert i. ``scores_TE`` are probabilities already (softmax, or sigmoid scores
-    renormalised here): we never apply a softmax to them again. Hugging Face's ``load_balancing_loss_func``
-    takes the router *logits* and applies its own softmax, which is right only for softmax routers; for
-    sigmoid routers it would softmax the logits of a model that never used a softmax.
+    ``f_i`` = rows routed to expert i per token (counts / T, summing to K) and ``P_i`` the mean router
+    probability of expert i. This is Hugging Face's scaling, so a published ``router_aux_loss_coef`` has the
+    same strength here (the coefficient multiplies the mean of this over MoE layers). ``scores_TE`` are
+    probabilities already (softmax, or sigmoid scores renormalised here): we never apply a softmax to them
+    again. Hugging Face's ``load_balancing_loss_func`` takes the router *logits* and applies its own softmax,
+    which is right only for softmax routers: for sigmoid routers it softmaxes logits of a model that never used
+    a softmax, and a caller handing it probabilities gets a second softmax that hides most of the imbalance.
     """
+    del top_k  # f_i sums to K by construction; kept in the signature for the callers' clarity
     E = scores_TE.shape[-1]
     T = scores_TE.shape[0]
-    probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True) if scores_TE.shape[0] else scores_TE
-    f_E = counts_E.float() / max(T * top_k, 1)
+    probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True) if T else scores_TE
+    f_E = counts_E.float() / max(T, 1)
     P_E = probs_TE.mean(dim=0) if T else probs_TE.sum(dim=0)
     return (f_E * P_E).sum() * E
 

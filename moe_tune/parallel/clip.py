@@ -45,6 +45,10 @@ def _local_grads(model, ep: int) -> tuple[list[torch.Tensor], list[torch.Tensor]
     return sharded, ep_local, replicated
 
 
+def _has_plain_experts(model) -> bool:
+    return any(not hasattr(p, "to_local") for m in model.moe_layers() for p in m.experts.parameters())
+
+
 @torch.no_grad()
 def global_grad_norm(model, mesh: ParallelMesh) -> torch.Tensor:
     sharded, ep_local, replicated = _local_grads(model, mesh.dims.ep)
@@ -53,7 +57,8 @@ def global_grad_norm(model, mesh: ParallelMesh) -> torch.Tensor:
     if mesh.dims.dp_shard > 1:
         dist.all_reduce(sharded_sq, group=mesh.group("dp_shard"))  # mesh axis dp_shard (efsdp x ep), SUM
     ep_sq = _sq_norm(ep_local, device)
-    if ep_local:
+    # Decided from the model, not from which grads exist, so every rank of the ep group takes this collective.
+    if mesh.dims.ep > 1 and _has_plain_experts(model):
         dist.all_reduce(ep_sq, group=mesh.group("ep"))  # mesh axis ep, SUM: each ep rank has other experts
     return (sharded_sq + ep_sq + _sq_norm(replicated, device)).sqrt()
 

@@ -163,3 +163,20 @@ def test_bias_experts_with_capacity_padding_rows():
     ref = experts(x_RD, counts_e)
     padded = experts(torch.cat([x_RD, torch.randn(6, D)]), counts_e)
     torch.testing.assert_close(padded[:10], ref, rtol=0, atol=0)
+
+
+def test_bias_grads_ignore_garbage_on_padding_rows():
+    """Stale buffer contents (even NaN) in the gradient of padding rows must not reach the bias gradients."""
+    moe = build_moe("in_out", num_experts=4, top_k=2)
+    experts = moe.experts
+    counts_e = torch.tensor([3, 0, 4, 3])
+    x_RD = torch.randn(10, D)
+    g_RD = torch.randn(10, D)
+    experts(x_RD, counts_e).mul(g_RD).sum().backward()
+    ref = {n: p.grad.clone() for n, p in experts.named_parameters()}
+    experts.zero_grad()
+    y = experts(torch.cat([x_RD, torch.randn(6, D)]), counts_e)
+    garbage = torch.cat([g_RD, torch.full((6, D), float("nan"))])
+    y.backward(garbage)
+    for n, p in experts.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], rtol=1e-6, atol=1e-6, msg=n)

@@ -89,17 +89,17 @@ def test_router_matches_hf(model_type, cls_name, fields, bias_mean):
         assert all(len(set(g.tolist())) <= ours.spec.topk_groups for g in groups_TK)
 
 
-def test_load_balancing_loss_is_one_when_balanced():
+def test_load_balancing_loss_is_top_k_when_balanced():
     counts_E = torch.full((E,), T * K // E)
     uniform_TE = torch.full((T, E), 1.0 / E)
-    assert load_balancing_loss(uniform_TE, counts_E, K).item() == pytest.approx(1.0, abs=1e-6)
-    # Any probabilities whose mean over tokens is uniform give 1 as well.
+    assert load_balancing_loss(uniform_TE, counts_E, K).item() == pytest.approx(K, abs=1e-6)
+    # Any probabilities whose mean over tokens is uniform give K as well.
     probs_TE = torch.eye(E).repeat(T // E, 1)
-    assert load_balancing_loss(probs_TE, counts_E, K).item() == pytest.approx(1.0, abs=1e-6)
-    # Imbalance raises it: everything on expert 0 with all probability there gives E.
+    assert load_balancing_loss(probs_TE, counts_E, K).item() == pytest.approx(K, abs=1e-6)
+    # Imbalance raises it: everything on expert 0 with all probability there gives E * K.
     skewed = torch.zeros(T, E)
     skewed[:, 0] = 1.0
-    assert load_balancing_loss(skewed, torch.tensor([T * K] + [0] * (E - 1)), K).item() == pytest.approx(E)
+    assert load_balancing_loss(skewed, torch.tensor([T * K] + [0] * (E - 1)), K).item() == pytest.approx(E * K)
 
 
 def test_load_balancing_loss_hand_formula():
@@ -107,13 +107,13 @@ def test_load_balancing_loss_hand_formula():
     probs_TE = logits_TE.softmax(-1)
     ids_TK = probs_TE.topk(K, dim=-1).indices
     counts_E = expert_counts(ids_TK, E)
-    expected = sum(E * (counts_E[i] / (T * K)) * probs_TE[:, i].mean() for i in range(E))
+    expected = sum(E * (counts_E[i] / T) * probs_TE[:, i].mean() for i in range(E))
     assert load_balancing_loss(probs_TE, counts_E, K).item() == pytest.approx(expected.item(), rel=1e-6)
 
 
 def test_hf_load_balancing_loss_double_softmax_pitfall():
-    """HF's load_balancing_loss_func softmaxes what it is given. On router logits it is K times ours (it divides
-    counts by T, not T*K). Handed probabilities (as a caller that reuses the router's softmax output does), it
+    """HF's load_balancing_loss_func softmaxes what it is given. On router logits (one layer) it equals ours.
+    Handed probabilities (as a caller that reuses the router's softmax output does), it
     softmaxes them again: softmax of values in [0, 1] is nearly uniform, so the loss sits near its balanced value
     and hides most of the imbalance. Ours takes probabilities and never softmaxes them again."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
@@ -123,10 +123,10 @@ def test_hf_load_balancing_loss_double_softmax_pitfall():
     probs_TE = logits_TE.softmax(-1)
     counts_E = expert_counts(probs_TE.topk(K, dim=-1).indices, E)
     ours = load_balancing_loss(probs_TE, counts_E, K).item()
-    assert load_balancing_loss_func((logits_TE,), E, K).item() / K == pytest.approx(ours, rel=1e-5)
-    double = load_balancing_loss_func((probs_TE,), E, K).item() / K
-    assert ours > 1.5
-    assert double - 1.0 < 0.25 * (ours - 1.0)  # most of the penalty is gone
+    assert load_balancing_loss_func((logits_TE,), E, K).item() == pytest.approx(ours, rel=1e-5)
+    double = load_balancing_loss_func((probs_TE,), E, K).item()
+    assert ours > 1.5 * K
+    assert double - K < 0.25 * (ours - K)  # most of the penalty is gone
 
 
 def test_z_loss():
