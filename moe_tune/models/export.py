@@ -75,8 +75,7 @@ def write_checkpoint(
     ep_sharded = bool(offsets)
     tied = getattr(model.config, "tie_word_embeddings", False)
 
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    writer = _ShardWriter(out_dir, rank, max_shard_bytes)
     dense_index = 0
     for name, t in named_tensors(model):
         if tied and name == "lm_head.weight":
@@ -94,26 +93,9 @@ def write_checkpoint(
         if not mine:
             continue
         for key, piece in to_disk_tensors(family, name, full, first, source_keys=dtypes):
-            piece = piece.to(dtype or dtypes.get(key, piece.dtype)).detach().cpu().contiguous()
-            nbytes = piece.numel() * piece.element_size()
-            if size and size + nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][key] = piece
-            size += nbytes
-    shards = [s for s in shards if s]
-
-    # Name files by rank so writers never collide; the index maps every key to its file.
-    files: dict[str, str] = {}
-    nbytes_total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
-    for i, shard in enumerate(shards):
-        fname = (
-            f"model-rank{rank:05d}-part{i:03d}.safetensors"
-            if world > 1
-            else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        )
-        save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
-        files.update(dict.fromkeys(shard, fname))
+            writer.add(key, piece.to(dtype or dtypes.get(key, piece.dtype)).detach().cpu().contiguous())
+    writer.flush()
+    files, nbytes_total = writer.files, writer.nbytes
     gathered = [(files, nbytes_total)]
     if world > 1:
         gathered = [None] * world
@@ -122,9 +104,16 @@ def write_checkpoint(
         weight_map = {k: v for f, _ in gathered for k, v in f.items()}
         total = sum(n for _, n in gathered)
         fnames = sorted(set(weight_map.values()))
-        if len(fnames) == 1 and world == 1:
-            os.replace(os.path.join(out_dir, fnames[0]), os.path.join(out_dir, "model.safetensors"))
-        else:
+        if world == 1:  # one writer: Hugging Face's own file names
+            names = (
+                ["model.safetensors"]
+                if len(fnames) == 1
+                else [f"model-{i + 1:05d}-of-{len(fnames):05d}.safetensors" for i in range(len(fnames))]
+            )
+            for old, new in zip(fnames, names):
+                os.replace(os.path.join(out_dir, old), os.path.join(out_dir, new))
+            weight_map = {k: names[fnames.index(v)] for k, v in weight_map.items()}
+        if fnames and not (world == 1 and len(fnames) == 1):
             with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
                 json.dump(
                     {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2
@@ -133,6 +122,34 @@ def write_checkpoint(
         copy_side_files(model.source_dir, out_dir)
     if world > 1:
         dist.barrier()
+
+
+class _ShardWriter:
+    """Streams this rank's output: a ``.safetensors`` file is written as soon as it reaches the size limit,
+    so a rank holds at most one shard of output in host memory."""
+
+    def __init__(self, out_dir: str, rank: int, max_bytes: int):
+        self.out_dir, self.rank, self.max_bytes = out_dir, rank, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.size = self.nbytes = 0
+        self.files: dict[str, str] = {}
+
+    def add(self, key: str, t: torch.Tensor) -> None:
+        n = t.numel() * t.element_size()
+        if self.pending and self.size + n > self.max_bytes:
+            self.flush()
+        self.pending[key] = t
+        self.size += n
+        self.nbytes += n
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        part = len(set(self.files.values()))
+        fname = f"model-rank{self.rank:05d}-part{part:03d}.safetensors"
+        save_file(self.pending, os.path.join(self.out_dir, fname), metadata={"format": "pt"})
+        self.files.update(dict.fromkeys(self.pending, fname))
+        self.pending, self.size = {}, 0
 
 
 def _write_config(model, out_dir: str) -> None:
