@@ -64,7 +64,7 @@ class Trainer:
         _setup_logging(self.rank)
         if self.rank == 0 and write_run_files:
             os.makedirs(cfg.output_dir, exist_ok=True)
-            _write_json(os.path.join(cfg.output_dir, "config.json"), asdict(cfg))
+            write_json(os.path.join(cfg.output_dir, "config.json"), asdict(cfg))
         self.source, hf_config = build_source(cfg, self.rank)
         self.tokenizer = build_tokenizer(self.source)
         self.model, self.mesh = self.build_model(hf_config)
@@ -255,13 +255,13 @@ class Trainer:
             "hardware": hardware_name(self.world, self.device),
             "num_gpus": self.world if self.device.type == "cuda" else 0,
             "world_size": self.world,
-            "commit": _git_commit(),
+            "commit": git_commit(),
             "flops_per_token": self.flops_per_token,
             "routing": "forced_balanced" if self.cfg.train.force_balanced_routing else "real",
             **self.metrics.summary(),
         }
         if self.rank == 0:
-            _write_json(os.path.join(self.cfg.output_dir, "summary.json"), summary)
+            write_json(os.path.join(self.cfg.output_dir, "summary.json"), summary)
         return summary
 
 
@@ -293,7 +293,7 @@ def _profiler(rank: int, output_dir: str):
     return prof
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
     import subprocess
 
     if os.environ.get("MOE_TUNE_COMMIT"):
@@ -310,7 +310,7 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def _write_json(path: str, obj) -> None:
+def write_json(path: str, obj) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=2, default=str)

@@ -215,7 +215,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from moe_tune.bench.report import hardware_label, write_report
-    from moe_tune.train import _write_json
+    from moe_tune.train import write_json
 
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -245,9 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         result["rows"].append(row.as_dict())
         result["reference_variant"] = finish_rows(result["rows"], result["peak_tflops_per_gpu"])
         result["flops_per_token"] = result["flops_per_token"] or row.flops_per_token
-        _write_json(json_path, result)  # after every row: a killed benchmark keeps what it measured
+        write_json(json_path, result)  # after every row: a killed benchmark keeps what it measured
     result["complete"] = True
-    _write_json(json_path, result)
+    write_json(json_path, result)
     md, png = write_report(result, json_path)
     print(f"[bench] wrote {json_path}, {md}, {png}", flush=True)
     return 0
@@ -259,7 +259,7 @@ def new_result(args, argv: list[str], cfg, common: list[str], nproc: int, num_gp
 
     from moe_tune.bench.report import gpu_name, peak_tflops
     from moe_tune.env import versions
-    from moe_tune.train import _git_commit, hardware_name
+    from moe_tune.train import git_commit, hardware_name
 
     hardware = f"{num_gpus} x {gpu_name()}" if num_gpus else hardware_name(nproc, torch.device("cpu"))
     peak = args.peak_tflops or peak_tflops(hardware)
@@ -267,7 +267,7 @@ def new_result(args, argv: list[str], cfg, common: list[str], nproc: int, num_gp
         "hardware": hardware,
         "num_gpus": num_gpus,
         "world_size": nproc,
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "dirty": _dirty(),
         "date": now.isoformat(timespec="seconds"),
         "versions": {**versions(), **_peer_version()},

@@ -114,7 +114,7 @@ class Baseline:
         from moe_tune.dist.env import init_distributed
         from moe_tune.metrics import MetricsWriter
         from moe_tune.optim import build_optimizer, build_scheduler
-        from moe_tune.train import _setup_logging, _write_json, build_source, build_tokenizer
+        from moe_tune.train import _setup_logging, build_source, build_tokenizer, write_json
 
         if experts_implementation not in EXPERTS_IMPLEMENTATIONS:
             raise ConfigError(
@@ -134,7 +134,7 @@ class Baseline:
         _setup_logging(self.rank)
         if self.rank == 0:
             os.makedirs(cfg.output_dir, exist_ok=True)
-            _write_json(os.path.join(cfg.output_dir, "config.json"), asdict(cfg))
+            write_json(os.path.join(cfg.output_dir, "config.json"), asdict(cfg))
         source, hf_config = build_source(cfg, self.rank)
         self.model, self.mesh = self.build_model(source, hf_config)
         t = cfg.train
@@ -292,7 +292,7 @@ class Baseline:
 
     def write_summary(self) -> dict:
         from moe_tune.env import versions
-        from moe_tune.train import _git_commit, _write_json, hardware_name
+        from moe_tune.train import git_commit, hardware_name, write_json
 
         cfg = self.cfg
         summary = {
@@ -301,14 +301,14 @@ class Baseline:
             "hardware": hardware_name(self.world, self.device),
             "num_gpus": self.world if self.device.type == "cuda" else 0,
             "world_size": self.world,
-            "commit": _git_commit(),
+            "commit": git_commit(),
             "flops_per_token": self.flops_per_token,
             "routing": "forced_balanced" if cfg.train.force_balanced_routing else "real",
             **self.describe(),
             **self.metrics.summary(),
         }
         if self.rank == 0:
-            _write_json(os.path.join(cfg.output_dir, "summary.json"), summary)
+            write_json(os.path.join(cfg.output_dir, "summary.json"), summary)
         return summary
 
 

@@ -49,7 +49,11 @@ class MoECausalLM(nn.Module):
         return self.model.layers
 
     def moe_layers(self) -> list[MoE]:
-        return [m for m in self.modules() if isinstance(m, MoE)]
+        # Cached: the MoE layers are fixed once built (parallelisms wrap them in place), and the trainer asks
+        # for them on every micro-batch.
+        if getattr(self, "_moe_layers", None) is None:
+            self._moe_layers = [m for m in self.modules() if isinstance(m, MoE)]
+        return self._moe_layers
 
     @property
     def num_experts(self) -> int:

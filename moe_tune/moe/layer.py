@@ -70,7 +70,7 @@ class MoE(nn.Module):
                 self.z_loss = z_loss(logits_TE)
         self.counts_E = counts_E.detach()
 
-        x_RD, counts_e, ctx = self.dispatcher.dispatch(x_TD, ids_TK)
+        x_RD, counts_e, ctx = self.dispatcher.dispatch(x_TD, ids_TK, counts_E)
         y_RD = self.experts(x_RD, counts_e)
         out_TD = self.dispatcher.combine(y_RD, weights_TK, ctx)
 

@@ -71,10 +71,10 @@ class AllToAllDispatcher(Dispatcher):
         self.num_experts, self.top_k, self.ep_group, self.ep = num_experts, top_k, ep_group, ep
         self.num_local_experts = num_experts // ep
 
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor):
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor | None = None):
         S, e = self.ep, self.num_local_experts
         order_R, token_R = sort_by_expert(ids_TK)
-        counts_E = expert_counts(ids_TK, self.num_experts)
+        counts_E = expert_counts(ids_TK, self.num_experts) if counts_E is None else counts_E
         counts_Se = torch.empty_like(counts_E)
         # Collective over the ep mesh axis: e counts to each ep rank, for the experts it owns.
         dist.all_to_all_single(counts_Se, counts_E, group=self.ep_group)
@@ -83,7 +83,8 @@ class AllToAllDispatcher(Dispatcher):
         send_splits, recv_splits = torch.stack([counts_E.view(S, e).sum(1), counts_Se.sum(1)]).tolist()
         routed_RD = all_to_all(x_TD[token_R], recv_splits, send_splits, self.ep_group)
         dest_R = expert_major_positions(counts_Se, sum(recv_splits))
-        x_RD = routed_RD[inverse_permutation(dest_R)]
+        # Scatter into expert-major order (backward: a gather by dest_R, deterministic).
+        x_RD = routed_RD.new_empty(routed_RD.shape).index_copy(0, dest_R, routed_RD)
         route = _Route(inverse_permutation(order_R), dest_R, send_splits, recv_splits)
         return x_RD, counts_Se.sum(0), route
 

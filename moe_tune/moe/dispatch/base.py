@@ -15,7 +15,10 @@ class Dispatcher:
     top_k: int
     num_local_experts: int
 
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def dispatch(
+        self, x_TD: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """``counts_E``: rows per global expert if the caller has them already (the MoE layer does)."""
         raise NotImplementedError
 
     def combine(self, y_RD: torch.Tensor, weights_TK: torch.Tensor, ctx: Any) -> torch.Tensor:

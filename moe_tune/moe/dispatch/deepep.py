@@ -212,7 +212,7 @@ class DeepEPDispatcher(Dispatcher):
             _BUFFERS[name] = (self._deep_ep.Buffer(self.ep_group, num_nvl_bytes=nvl, num_rdma_bytes=rdma), nvl, rdma)
         return _BUFFERS[name][0]
 
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor):
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor | None = None):
         x_TD, ids_TK = _as_bf16(x_TD), ids_TK.to(torch.int64)
         T, D = x_TD.shape
         if D % 16:

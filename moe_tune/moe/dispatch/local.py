@@ -13,9 +13,9 @@ class LocalDispatcher(Dispatcher):
         self.num_experts = self.num_local_experts = num_experts
         self.top_k = top_k
 
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor):
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor | None = None):
         order_R, token_R = sort_by_expert(ids_TK)
-        counts_e = expert_counts(ids_TK, self.num_experts)
+        counts_e = expert_counts(ids_TK, self.num_experts) if counts_E is None else counts_E
         return x_TD[token_R], counts_e, inverse_permutation(order_R)
 
     def combine(self, y_RD: torch.Tensor, weights_TK: torch.Tensor, ctx) -> torch.Tensor:

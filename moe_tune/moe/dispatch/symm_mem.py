@@ -306,12 +306,12 @@ class SymmMemDispatcher(Dispatcher):
     # Kept out of torch.compile (kernels.compile=true): the NVSHMEM ops and the overflow event are not
     # traceable ("expected event to be a torch.Event object" on torch 2.11); the layers around it compile.
     @torch.compiler.disable
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor):
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor | None = None):
         S, e, E = self.ep, self.num_local_experts, self.num_experts
         pool = self._pool(x_TD)
         self._check_overflow(pool, block=False)
         order_R, token_R = sort_by_expert(ids_TK)
-        counts_E = expert_counts(ids_TK, E)
+        counts_E = expert_counts(ids_TK, E) if counts_E is None else counts_E
         counts_SE = counts_E.new_empty(S * E)
         # Collective over the ep mesh axis (all-gather): every rank's rows per global expert, on the device.
         _all_gather(counts_SE, counts_E, group=self.ep_group)
