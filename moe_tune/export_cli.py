@@ -36,20 +36,25 @@ def export(checkpoint: str, out: str) -> None:
     with open(meta_path) as f:
         meta = json.load(f)
     cfg: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), meta["config"]))
-    # One CPU process, no expert parallelism: every layout resumes into this one.
-    cfg.parallel.ep, cfg.parallel.dp_shard, cfg.parallel.dp_replicate = 1, -1, 1
-    cfg.comm.name, cfg.kernels.name, cfg.kernels.fp8 = "all_to_all", "torch", "none"
-    cfg.checkpoint.resume = checkpoint
-    cfg.train.precision = "fp32" if cfg.train.precision != "bf16" else "bf16"
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        os.environ.pop(k, None)
-    from moe_tune.train import Trainer
+    import torch
+    from transformers import AutoConfig
 
-    if meta.get("source") and os.path.isfile(os.path.join(meta["source"], "config.json")):
-        cfg.model.path = meta["source"]
-    cfg.output_dir = os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))
-    trainer = Trainer(cfg, write_run_files=False)
-    trainer.export(out)
+    from moe_tune.checkpoint import load_model_weights
+    from moe_tune.models.export import write_checkpoint
+    from moe_tune.models.model import build_model, materialize
+    from moe_tune.models.presets import preset_config
+
+    # One CPU process, no parallelism: checkpoints store experts one per key, so any layout loads here.
+    # Only the model's weights are read (not the optimizer state), straight into a meta-built model.
+    source = meta.get("source")
+    if source and not os.path.isfile(os.path.join(source, "config.json")):
+        source = None
+    hf_config = AutoConfig.from_pretrained(source) if source else preset_config(cfg.model.name, cfg.model.overrides)
+    model = build_model(hf_config, dtype=torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32)
+    model.source_dir = source
+    materialize(model, "cpu")
+    load_model_weights(model, checkpoint)
+    write_checkpoint(model, out, dtype=None if cfg.model.dtype == "source" else getattr(torch, cfg.model.dtype))
 
 
 if __name__ == "__main__":

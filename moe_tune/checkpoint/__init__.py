@@ -133,3 +133,17 @@ def load(trainer, path: str) -> None:
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     trainer.scheduler.load_state_dict(meta["scheduler"])
     trainer.step = meta["step"]
+
+
+def load_model_weights(model, path: str) -> None:
+    """Only the model's tensors of a checkpoint into ``model`` (any layout: experts are stored one per key)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model_sd = get_model_state_dict(model)
+    flat = {f"model.{k}": v for k, v in _split_experts(model_sd, expert_offsets(model)).items()}
+    dcp.load(flat, checkpoint_id=path)
+    for key, value in flat.items():
+        if "@" not in key:
+            model_sd[key[len("model.") :]] = value
+    set_model_state_dict(model, model_sd)
