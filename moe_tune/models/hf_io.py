@@ -168,8 +168,9 @@ def load_state(model: torch.nn.Module, path: str, family: Family, strict: bool =
                 f"does config.json match the weights?"
             )
         local.copy_(src.to(local.dtype))
-    if strict and offsets == {} and not _is_sharded(model):
-        unused = set(reader.weight_map) - reader.used - ({"lm_head.weight"} if tied else set())
+    if strict:
+        used = _used_by_any_rank(reader.used)
+        unused = set(reader.weight_map) - used - ({"lm_head.weight"} if tied else set())
         # Keys transformers itself skips: DeepSeek-V3's and GLM-4-MoE's multi-token-prediction layer
         # (model.layers.61.* / .92.* / .46.*), which the causal LM never runs.
         patterns = getattr(getattr(model, "_hf_class", None), "_keys_to_ignore_on_load_unexpected", None) or ()
@@ -182,8 +183,16 @@ def load_state(model: torch.nn.Module, path: str, family: Family, strict: bool =
             )
 
 
-def _is_sharded(model: torch.nn.Module) -> bool:
-    return any(hasattr(p, "to_local") for p in model.parameters())
+def _used_by_any_rank(used: set[str]) -> set[str]:
+    """Sharded (FSDP2/EP) loads read a different subset of keys on each rank: a key is used if any rank read
+    it. Every rank gets the same union, so they all raise or none does."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return used
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(used))  # all ranks (the default group)
+    return set().union(*map(set, gathered))
 
 
 def source_dtypes(path: str) -> dict[str, torch.dtype]:

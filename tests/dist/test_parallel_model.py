@@ -197,3 +197,21 @@ def test_world_size_one_same_code_path(tmp_path, monkeypatch):
         _close(norms, ref_norms, 1e-5, "world size 1 vs plain model: grad norms")
     finally:
         destroy_distributed()
+
+
+def _unused_keys_body(rank: int, path: str) -> None:
+    from moe_tune.config import ConfigError
+
+    with pytest.raises(ConfigError, match="tensors the model does not use"):
+        _build(path, ParallelDims(dp_replicate=1, dp_shard=2, ep=2, world_size=2))
+
+
+def test_sharded_load_rejects_leftover_checkpoint_tensors(tmp_path):
+    """Under EP+FSDP each rank reads a different subset of keys; a key no rank reads is still an error."""
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_qwen3_moe(str(tmp_path / "src"))
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(2, 2)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    run_ranks(_unused_keys_body, 2, path)
