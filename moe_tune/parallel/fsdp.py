@@ -85,6 +85,11 @@ def apply_fsdp(
             # dp_shard), as FSDP does for dense grads, not over the efsdp x dp_replicate ranks that reduce them.
             moe.experts.set_gradient_divide_factor(float(dims.dp))
             unit.append(moe.experts)
+        if moe is not None and moe.spec.router.score == "sigmoid" and mp.param_dtype is not None:
+            # fp32 island: DeepSeek-V3/GLM-4-MoE routers select experts from fp32 weights (transformers keeps
+            # them fp32 too); their own unit, so the layer's bf16 all-gather does not round them.
+            fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+            fully_shard(moe.router, mesh=dense_mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
         fully_shard(
             layer, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, ignored_params=ignored
         )
