@@ -115,3 +115,24 @@ def test_cli_bad_input_exits_2_with_one_line(args, message, cli_env, tmp_path):
     assert len(lines) == 1, r.stderr
     assert message in lines[0]
     assert "Traceback" not in r.stderr
+
+
+def test_cli_unsupported_architecture_exits_2(tmp_path, cli_env):
+    """A dense (Llama) checkpoint: one line naming it and the supported families, exit 2."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from moe_tune.models.presets import build_tokenizer
+
+    cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    build_tokenizer(str(tmp_path / "llama"))
+    r = subprocess.run(
+        [PY, "-m", "moe_tune", f"output_dir={tmp_path / 'run'}", "model=hf", f"model.path={tmp_path / 'llama'}"],
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        timeout=120,
+    )
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "model_type 'llama' (LlamaForCausalLM) is not a supported MoE family" in lines[0] and "qwen3_moe" in lines[0]
