@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from moe_tune import checkpoint as ckpt
-from moe_tune.config import Config, resolve_parallel, validate
+from moe_tune.config import Config, ConfigError, resolve_parallel, validate
 from moe_tune.metrics import MetricsWriter, flops_per_token, step_row
 
 log = logging.getLogger("moe_tune")
@@ -91,6 +91,11 @@ class Trainer:
         from moe_tune.parallel import parallelize
 
         cfg = self.cfg
+        if cfg.model.family not in ("auto", hf_config.model_type):
+            raise ConfigError(
+                f"model.family={cfg.model.family} but the checkpoint's model_type is {hf_config.model_type}; "
+                f"set model.family={hf_config.model_type} or model.family=auto"
+            )
         param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
         model = build_model(hf_config, dtype=param_dtype)
         model.source_dir = self.source

@@ -100,6 +100,7 @@ def test_experts_not_divisible_by_ep():
         (["parallel.ep=3"], "parallel.ep (3) must divide"),
         (["model.path=/nonexistent"], "has no config.json"),
         (["kernels=te"], "TransformerEngine is not installed"),
+        (["model.family=mixtral"], "model.family=mixtral but the checkpoint's model_type is qwen3_moe"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(args, message, cli_env, tmp_path):

@@ -251,6 +251,9 @@ def build_tiny_checkpoint(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tmp = out_dir + ".tmp"
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress and log lines only
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, out_dir)
