@@ -252,22 +252,29 @@ class Trainer:
         )
 
     def write_summary(self) -> dict:
-        from moe_tune.env import versions
+        return write_run_summary(self.cfg, self.rank, self.world, self.device, self.flops_per_token, self.metrics)
 
-        summary = {
-            "config": asdict(self.cfg),
-            "versions": versions(),
-            "hardware": hardware_name(self.world, self.device),
-            "num_gpus": self.world if self.device.type == "cuda" else 0,
-            "world_size": self.world,
-            "commit": git_commit(),
-            "flops_per_token": self.flops_per_token,
-            "routing": "forced_balanced" if self.cfg.train.force_balanced_routing else "real",
-            **self.metrics.summary(),
-        }
-        if self.rank == 0:
-            write_json(os.path.join(self.cfg.output_dir, "summary.json"), summary)
-        return summary
+
+def write_run_summary(cfg: Config, rank: int, world: int, device, flops_per_token: float, metrics, **extra) -> dict:
+    """summary.json (CONTRACT.md): resolved config, versions, hardware, commit, then the metrics' aggregates.
+    Shared by the trainer and the benchmark's Transformers baseline, so both report the same fields."""
+    from moe_tune.env import versions
+
+    summary = {
+        "config": asdict(cfg),
+        "versions": versions(),
+        "hardware": hardware_name(world, device),
+        "num_gpus": world if device.type == "cuda" else 0,
+        "world_size": world,
+        "commit": git_commit(),
+        "flops_per_token": flops_per_token,
+        "routing": "forced_balanced" if cfg.train.force_balanced_routing else "real",
+        **extra,
+        **metrics.summary(),
+    }
+    if rank == 0:
+        write_json(os.path.join(cfg.output_dir, "summary.json"), summary)
+    return summary
 
 
 def hardware_name(world: int, device: torch.device) -> str:

@@ -291,25 +291,11 @@ class Baseline:
         return self.write_summary()
 
     def write_summary(self) -> dict:
-        from moe_tune.env import versions
-        from moe_tune.train import git_commit, hardware_name, write_json
+        from moe_tune.train import write_run_summary
 
-        cfg = self.cfg
-        summary = {
-            "config": asdict(cfg),
-            "versions": versions(),
-            "hardware": hardware_name(self.world, self.device),
-            "num_gpus": self.world if self.device.type == "cuda" else 0,
-            "world_size": self.world,
-            "commit": git_commit(),
-            "flops_per_token": self.flops_per_token,
-            "routing": "forced_balanced" if cfg.train.force_balanced_routing else "real",
-            **self.describe(),
-            **self.metrics.summary(),
-        }
-        if self.rank == 0:
-            write_json(os.path.join(cfg.output_dir, "summary.json"), summary)
-        return summary
+        return write_run_summary(
+            self.cfg, self.rank, self.world, self.device, self.flops_per_token, self.metrics, **self.describe()
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,22 +20,9 @@ import torch
 import torch.distributed as dist
 
 from moe_tune.config import ConfigError
-from moe_tune.models.hf_io import EXPERT_PARAM, expert_offsets
+from moe_tune.models.hf_io import EXPERT_PARAM, expert_offsets, local_rows
 
 COMPLETE = "COMPLETE"
-
-
-def _local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(local tensor, global index of its first row) for a plain tensor or an FSDP2 DTensor shard."""
-    if hasattr(t, "to_local"):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        local = t.to_local()
-        if shape[0] and local.shape[0] != shape[0]:
-            local = local[: shape[0]]  # drop FSDP's padding rows
-        return local, offset[0] if shape[0] else 0
-    return t, 0
 
 
 def _split_experts(flat: dict, offsets: dict[str, int], fqn_of=lambda k: k) -> dict:
@@ -44,7 +31,7 @@ def _split_experts(flat: dict, offsets: dict[str, int], fqn_of=lambda k: k) -> d
     for key, value in flat.items():
         fqn = fqn_of(key)
         if EXPERT_PARAM.match(fqn) and isinstance(value, torch.Tensor) and value.dim() >= 2:
-            local, first = _local_rows(value)
+            local, first = local_rows(value)
             for i in range(local.shape[0]):
                 out[f"{key}@{offsets.get(fqn, 0) + first + i}"] = local[i]
         else:

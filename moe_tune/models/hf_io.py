@@ -109,20 +109,18 @@ def read_global_rows(reader: CheckpointReader, family: Family, name: str, start:
     raise ConfigError(f"checkpoint {reader.path} has no tensor for {name} (looked for {key}); is it complete?")
 
 
-def _global_shape_and_rows(t: torch.Tensor, name: str, expert_offsets: dict[str, int]) -> tuple[int, int]:
-    """The global row range that tensor ``t`` (plain, or an FSDP2 DTensor shard) holds."""
-    offset = expert_offsets.get(name, 0)
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        DTensor = ()
-    if isinstance(t, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+def local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(this rank's rows, index of the first in ``t``'s global dim 0) for a plain tensor or an FSDP2 DTensor
+    shard; FSDP's padding rows are dropped. Expert-parallel offsets come on top (``expert_offsets``)."""
+    if not hasattr(t, "to_local"):
+        return t, 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        local_shape, global_offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        start = global_offset[0] if local_shape[0] else 0
-        return offset + start, offset + start + local_shape[0]
-    return offset, offset + t.shape[0]
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    local = t.to_local()
+    if not shape[0]:
+        return local[:0], 0
+    return local[: shape[0]], offset[0]
 
 
 def named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -157,11 +155,11 @@ def load_state(model: torch.nn.Module, path: str, family: Family, strict: bool =
     for name, t in named_tensors(model):
         if tied and name == "lm_head.weight":
             continue
-        local = t.to_local() if hasattr(t, "to_local") else t
+        local, first = local_rows(t)
         if local.numel() == 0:
             continue  # an empty FSDP shard (more ranks than rows): nothing to read
-        start, stop = _global_shape_and_rows(t, name, offsets)
-        src = read_global_rows(reader, family, name, start, stop)
+        start = offsets.get(name, 0) + first
+        src = read_global_rows(reader, family, name, start, start + local.shape[0])
         if tuple(src.shape) != tuple(local.shape):
             raise ConfigError(
                 f"checkpoint tensor for {name} has shape {tuple(src.shape)}, the model expects {tuple(local.shape)}; "
