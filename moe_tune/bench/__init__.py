@@ -170,19 +170,27 @@ def build_plans(args, common: list[str]) -> tuple[list[Plan], list[dict]]:
     return plans, skipped
 
 
-def max_loss_diff(losses: list[float], reference: list[float]) -> float | None:
+def max_loss_diff(losses: list[float], reference: list[float], relative: bool = False) -> float | None:
+    """Largest per-step difference of two loss curves (absolute, or relative to the reference's loss)."""
     pairs = list(zip(losses, reference))
-    return max(abs(a - b) for a, b in pairs) if pairs else None
+    if not pairs:
+        return None
+    return max(abs(a - b) / (abs(b) if relative else 1.0) for a, b in pairs)
 
 
-def finish_rows(rows: list[dict], peak: float | None) -> str | None:
-    """Fill MFU and the loss difference from the reference baseline (the first baseline that ran)."""
-    ref = next((r for r in rows if r["kind"] == "baseline" and r["status"] == "ok"), None)
+def finish_rows(rows: list[dict], peak: float | None, reference: str | None = None) -> str | None:
+    """Fill MFU and each row's loss-curve difference from the reference row: the variant named ``reference``,
+    else the first baseline that ran. Returns the reference's name (None when it did not run)."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    if reference is None:
+        ref = next((r for r in ok if r["kind"] == "baseline"), None)
+    else:
+        ref = next((r for r in ok if r["variant"] == reference), None)
     for r in rows:
         r["mfu"] = r["tflops_per_gpu"] / peak if peak and r["tflops_per_gpu"] is not None else None
-        r["max_loss_diff_vs_baseline"] = (
-            max_loss_diff(r["losses"], ref["losses"]) if ref is not None and r["status"] == "ok" else None
-        )
+        same = ref is not None and r["status"] == "ok"
+        r["max_loss_diff_vs_baseline"] = max_loss_diff(r["losses"], ref["losses"]) if same else None
+        r["max_loss_rel_diff_vs_reference"] = max_loss_diff(r["losses"], ref["losses"], relative=True) if same else None
     return ref["variant"] if ref else None
 
 
@@ -197,6 +205,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="Hydra overrides shared by every row (the workload)")
     p.add_argument("--variants", default=None, help="'name:k=v,k=v;k=v' moe_tune variants (default: one, as given)")
     p.add_argument("--baselines", default="grouped_mm,eager", help="plain Transformers rows: grouped_mm,eager or none")
+    p.add_argument(
+        "--reference", default=None, help="row whose loss curve the others are compared with (default: first baseline)"
+    )
     p.add_argument("--nproc", type=int, default=None, help="ranks per row (default: number of GPUs, 1 on CPU)")
     p.add_argument("--peer", choices=("none", "automodel"), default="none", help="add a NeMo AutoModel row")
     p.add_argument("--peer-dispatcher", default="torch", help="NeMo AutoModel MoE dispatcher: torch or deepep")
@@ -243,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, plan in enumerate(plans, 1):
         row = run_plan(plan, f"{i}/{len(plans)}", common, runs, nproc, args)
         result["rows"].append(row.as_dict())
-        result["reference_variant"] = finish_rows(result["rows"], result["peak_tflops_per_gpu"])
+        result["reference_variant"] = finish_rows(result["rows"], result["peak_tflops_per_gpu"], args.reference)
         result["flops_per_token"] = result["flops_per_token"] or row.flops_per_token
         write_json(json_path, result)  # after every row: a killed benchmark keeps what it measured
     result["complete"] = True

@@ -67,6 +67,20 @@ def _reference(result: dict) -> dict | None:
     return next((r for r in result["rows"] if r["variant"] == ref and r["status"] == "ok"), None)
 
 
+def _kernels(c: dict) -> str:
+    """``te+fp8:current+compile-fused_loss``: the kernel set and what differs from its defaults."""
+    name = str(c.get("kernels", ""))
+    if c.get("fp8") not in (None, "none"):
+        name += f"+fp8:{c['fp8']}"
+    if c.get("experts") not in (None, "grouped_mm"):
+        name += f"+experts:{c['experts']}"
+    if c.get("compile"):
+        name += "+compile"
+    if c.get("fused_loss") is False:
+        name += "-fused_loss"
+    return name
+
+
 def markdown(result: dict) -> str:
     w = result["workload"]
     layers = f"{w['num_layers']} layers" + (
@@ -91,9 +105,12 @@ def markdown(result: dict) -> str:
         if peak
         else "- MFU: no peak known for this hardware.",
         "",
-        "| variant | kind | status | comm | kernels | ep | tokens/s/GPU | vs baseline | TFLOP/s/GPU | MFU | "
-        "peak alloc GiB | peak reserved GiB | final loss | max loss diff vs baseline |",
-        "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"Speed-up and loss differences are against `{result.get('reference_variant')}`; a loss difference is the "
+        "largest over all steps (relative: divided by the reference's loss at that step).",
+        "",
+        "| variant | kind | status | comm | kernels | precision | ep | tokens/s/GPU | speed-up | TFLOP/s/GPU | MFU | "
+        "peak alloc GiB | peak reserved GiB | wall s | final loss | max loss diff (abs) | max loss diff (rel) |",
+        "|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     ref = _reference(result)
     for r in result["rows"]:
@@ -103,11 +120,11 @@ def markdown(result: dict) -> str:
             speedup = f"{r['tokens_per_s_per_gpu'] / ref['tokens_per_s_per_gpu']:.2f}x"
         mfu = "" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
         lines.append(
-            f"| {r['variant']} | {r['kind']} | {r['status']} | {c.get('comm', '')} | {c.get('kernels', '')} | "
-            f"{c.get('ep', '')} | {_num(r['tokens_per_s_per_gpu'], ',.0f')} | {speedup} | "
+            f"| {r['variant']} | {r['kind']} | {r['status']} | {c.get('comm', '')} | {_kernels(c)} | "
+            f"{c.get('precision', '')} | {c.get('ep', '')} | {_num(r['tokens_per_s_per_gpu'], ',.0f')} | {speedup} | "
             f"{_num(r['tflops_per_gpu'], '.1f')} | {mfu} | {_num(r['peak_mem_gib'], '.1f')} | "
-            f"{_num(r['peak_reserved_gib'], '.1f')} | {_num(r['final_loss'], '.4f')} | "
-            f"{_num(r.get('max_loss_diff_vs_baseline'), '.2e')} |"
+            f"{_num(r['peak_reserved_gib'], '.1f')} | {_num(r.get('wall_s'), '.0f')} | {_num(r['final_loss'], '.4f')} | "
+            f"{_num(r.get('max_loss_diff_vs_baseline'), '.2e')} | {_num(r.get('max_loss_rel_diff_vs_reference'), '.2%')} |"
         )
     for s in result.get("skipped", []):
         lines.append(f"\nNot run: {s['variant']} ({s['kind']}): {s['reason']}.")
@@ -120,7 +137,8 @@ def markdown(result: dict) -> str:
 
 # -- chart ---------------------------------------------------------------------------------------------
 def chart(result: dict, path: str) -> None:
-    """Two horizontal bar panels: tokens/s per GPU, and peak allocated (solid) / reserved (outline) GiB."""
+    """Two horizontal bar panels: tokens/s per GPU, and peak allocated (solid) / reserved (outline) GiB; a
+    third with every row's loss curve when the runs are long enough (10 steps or more) to compare them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -130,7 +148,10 @@ def chart(result: dict, path: str) -> None:
     names = [r["variant"] for r in rows]
     colors = {"baseline": "#7f7f7f", "moe_tune": "#1f77b4", "peer": "#ff7f0e"}
     ys = list(range(len(rows)))[::-1]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 1.2 + 0.45 * len(rows)), sharey=True)
+    curves = [r for r in rows if r["status"] == "ok" and len(r.get("losses") or []) >= 10]
+    ncols = 3 if curves else 2
+    fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 1.2 + 0.45 * max(len(rows), 6)))
+    ax1, ax2 = axes[0], axes[1]
     for y, r in zip(ys, rows):
         ok = r["status"] == "ok"
         color = colors.get(r["kind"], "#2ca02c")
@@ -143,6 +164,15 @@ def chart(result: dict, path: str) -> None:
             ax2.barh(y, alloc, color=color)
         ax2.text(alloc if ok else 0, y, f" {alloc:.1f}" if ok else " -", va="center", fontsize=8)
     ax1.set_yticks(ys, names)
+    ax2.set_yticks(ys, [])
+    if curves:
+        for r in curves:
+            axes[2].plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["variant"], linewidth=1)
+        axes[2].set_xlabel("step")
+        axes[2].set_ylabel("loss")
+        axes[2].set_yscale("log")
+        axes[2].legend(fontsize=7)
+        axes[2].grid(alpha=0.3)
     ax1.set_xlabel("tokens/s per GPU (median)")
     ax2.set_xlabel("peak memory per GPU, GiB (solid: allocated, outline: reserved)")
     for ax in (ax1, ax2):

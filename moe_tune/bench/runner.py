@@ -43,7 +43,7 @@ class Row:
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
-        d.update(mfu=None, max_loss_diff_vs_baseline=None)
+        d.update(mfu=None, max_loss_diff_vs_baseline=None, max_loss_rel_diff_vs_reference=None)
         return d
 
     def one_line(self) -> str:

@@ -13,7 +13,7 @@ import torch
 from conftest import PY
 from transformers import AutoModelForCausalLM
 
-from moe_tune.bench import parse_variants, split_overrides
+from moe_tune.bench import finish_rows, parse_variants, split_overrides
 from moe_tune.bench.baseline import apply_forced_balanced_routing, hf_flops_per_token
 from moe_tune.bench.report import markdown
 from moe_tune.bench.runner import failure_reason
@@ -51,6 +51,21 @@ def test_parse_variants_names():
     ]
     assert parse_variants(None) == [("moe_tune", [])]
     assert parse_variants("data.path=/a:b") == [("path=/a:b", ["data.path=/a:b"])]  # ':' after '=' is no name
+
+
+def test_loss_differences_against_a_named_reference():
+    def row(name, kind, losses, status="ok"):
+        return {"variant": name, "kind": kind, "status": status, "losses": losses, "tflops_per_gpu": None}
+
+    rows = [row("hf", "baseline", [2.0, 1.0]), row("a2a", "moe_tune", [2.0, 1.1]), row("dead", "moe_tune", [], "oom")]
+    assert finish_rows(rows, None, reference="a2a") == "a2a"
+    assert rows[0]["max_loss_diff_vs_baseline"] == pytest.approx(0.1)
+    assert rows[0]["max_loss_rel_diff_vs_reference"] == pytest.approx(0.1 / 1.1)
+    assert rows[1]["max_loss_rel_diff_vs_reference"] == 0.0
+    assert rows[2]["max_loss_rel_diff_vs_reference"] is None
+    assert finish_rows(rows, None) == "hf"  # default: the first baseline that ran
+    assert rows[1]["max_loss_rel_diff_vs_reference"] == pytest.approx(0.1)
+    assert finish_rows(rows, None, reference="missing") is None
 
 
 def test_failure_reason():
