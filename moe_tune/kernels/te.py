@@ -36,25 +36,32 @@ def _is_rmsnorm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm") and hasattr(module, "weight") and module.weight.dim() == 1
 
 
+def _fp8_shape_ok(linear: nn.Linear) -> bool:
+    # TE's FP8 GEMMs need both dims to be multiples of 16 (Qwen2-MoE's 1-wide shared_expert_gate is not).
+    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
+
+
 def _te_module(child: nn.Module, router_ids: set[int]) -> nn.Module | None:
     """The TE replacement of ``child`` (same parameter names, loaded weights copied), or None to keep it."""
     te = _te()
     device = child.weight.device if hasattr(child, "weight") else torch.device("meta")
     if _is_rmsnorm(child):
         eps = getattr(child, "variance_epsilon", getattr(child, "eps", 1e-6))
-        new = te.RMSNorm(child.weight.shape[0], eps=eps, params_dtype=child.weight.dtype, device=device)
-    elif isinstance(child, nn.Linear) and id(child) not in router_ids:
+        new = te.RMSNorm(child.weight.shape[0], eps=eps, dtype=child.weight.dtype, device=device)
+    elif isinstance(child, nn.Linear) and id(child) not in router_ids and _fp8_shape_ok(child):
         new = te.Linear(
             child.in_features,
             child.out_features,
             bias=child.bias is not None,
             params_dtype=child.weight.dtype,
-            device=device,
+            device=str(device),  # TE compares with the string "meta" to defer its initialisation
         )
     else:
         return None
     if device.type != "meta":
-        new.load_state_dict(child.state_dict())
+        with torch.no_grad():
+            for name, p in child.named_parameters():
+                getattr(new, name).copy_(p)
     return new
 
 
@@ -66,42 +73,88 @@ def _swap(root: nn.Module, router_ids: set[int]) -> None:
                 setattr(parent, name, new)
 
 
-def _fallback(reason: str, *args, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+def _log_once(reason: str) -> None:
     if reason not in _warned:
         _warned.add(reason)
-        log.info("kernels=te: %s; this call uses SDPA", reason)
-    return sdpa_attention_forward(*args, **kwargs)
+        log.info("kernels=te: %s; those calls use SDPA", reason)
 
 
-def te_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers attention function: q/k/v arrive [B, heads, S, head_dim]; returns ([B, S, heads, head_dim], None)."""
-    if attention_mask is not None:
-        return _fallback(
-            "an explicit attention mask", module, query, key, value, attention_mask, dropout, scaling, **kwargs
-        )
-    if query.shape[-1] != value.shape[-1]:
-        return _fallback(
-            "different q/k and v head sizes", module, query, key, value, attention_mask, dropout, scaling, **kwargs
-        )
-    dpa = getattr(module, "_te_dpa", None)
+def _sdpa(query, key, value, scaling, cu_seqlens=None):
+    """Causal SDPA on [B, heads, S, d] (kv heads repeated), block-diagonal over packed sequences when
+    ``cu_seqlens`` is given: the fallback for what TE's attention cannot take."""
+    B, H, S, _ = query.shape
+    rep = H // key.shape[1]
+    key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    if cu_seqlens is None:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    else:
+        seq = torch.zeros(B * S, dtype=torch.int32, device=query.device)
+        seq[cu_seqlens[1:-1].long()] = 1
+        seq = seq.cumsum(0).view(B, 1, S)
+        causal = torch.ones(S, S, dtype=torch.bool, device=query.device).tril()
+        mask = (seq.unsqueeze(-1) == seq.unsqueeze(-2)) & causal
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2).contiguous()
+
+
+def _dpa(module, query, key, window, scale):
+    """The layer's TE DotProductAttention, made at its first call. Held outside ``_modules``: it has no
+    parameters, and the model's state dict stays Hugging Face's (no ``_extra_state`` keys)."""
+    dpa = module.__dict__.get("_te_dpa")
     if dpa is None:
-        window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
         dpa = _te().DotProductAttention(
             num_attention_heads=query.shape[1],
             kv_channels=query.shape[-1],
             num_gqa_groups=key.shape[1],
-            attention_dropout=dropout,
+            attention_dropout=0.0,
             qkv_format="bshd",
             attn_mask_type="causal",
-            softmax_scale=scaling,
             window_size=(window - 1, 0) if window else None,
+            softmax_scale=scale,  # fixed per layer (transformers' module.scaling)
         )
-        module._te_dpa = dpa  # not a submodule: no parameters, and state dicts stay Hugging Face's
-    q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
-    out = dpa(q, k, v)  # [B, S, heads * head_dim]
-    return out.view(q.shape[0], q.shape[1], q.shape[2], -1), None
+        module.__dict__["_te_dpa"] = dpa
+    return dpa
+
+
+def te_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention function: q/k/v arrive [B, heads, S, head_dim] (kv heads not repeated); returns
+    ([B, S, heads, head_dim], None). Packed rows arrive with ``cu_seq_lens_q`` (MoECausalLM passes it) and
+    run in TE's ``thd`` layout with a per-sequence causal mask."""
+    B, H, S, d = query.shape
+    cu = kwargs.get("cu_seq_lens_q")
+    reason = None
+    if attention_mask is not None:
+        reason = "an explicit attention mask"
+    elif d != value.shape[-1]:
+        reason = "different q/k and v head sizes"
+    elif dropout:
+        reason = "attention dropout"
+    if reason is not None:
+        _log_once(reason)
+        if attention_mask is not None:
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return _sdpa(query, key, value, scaling, cu), None
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    dpa = _dpa(module, query, key, window, scaling if scaling is not None else d**-0.5)
+    if cu is None:
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))  # bshd
+        out = dpa(q, k, v, qkv_format="bshd", attn_mask_type="causal")
+    else:
+        q, k, v = (t.transpose(1, 2).reshape(B * S, t.shape[1], d) for t in (query, key, value))  # thd
+        out = dpa(
+            q,
+            k,
+            v,
+            qkv_format="thd",
+            attn_mask_type="padding_causal",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=S,
+            max_seqlen_kv=S,
+        )
+    return out.reshape(B, S, H, d), None
 
 
 def apply_te(model, fp8: str = "none", experts: str = "grouped_mm") -> None:
@@ -116,26 +169,29 @@ def apply_te(model, fp8: str = "none", experts: str = "grouped_mm") -> None:
     if model.config._attn_implementation == "sdpa":
         AttentionInterface.register(ATTN_NAME, te_attention_forward)
         model.config._attn_implementation = ATTN_NAME
+        model.wants_cu_seqlens = True
     else:
         log.info("kernels=te: %s attention kept (%s)", model.config._attn_implementation, model.config.model_type)
     if fp8 != "none":
         _wrap_fp8(model, fp8)
 
 
-def _wrap_fp8(model, fp8: str) -> None:
-    """Run every decoder layer under TE's fp8 autocast; the router (F.linear), norms and loss are not TE
-    GEMMs, so they stay in bf16/fp32."""
+def fp8_recipe(fp8: str):
     from transformer_engine.common import recipe
 
-    r = recipe.Float8CurrentScaling() if fp8 == "current" else recipe.DelayedScaling()
+    return recipe.Float8CurrentScaling() if fp8 == "current" else recipe.DelayedScaling()
+
+
+def _wrap_fp8(model, fp8: str) -> None:
+    """Run every decoder layer under TE's fp8 autocast: its te.Linear GEMMs run in FP8; the router (F.linear),
+    the experts (grouped_mm), norms' statistics, attention's softmax and the loss stay in bf16/fp32."""
+    r = fp8_recipe(fp8)
     te = _te()
-    autocast = getattr(te, "autocast", None) or te.fp8_autocast
     for layer in model.layers:
         inner = layer.forward
 
         def forward(*args, _inner=inner, **kwargs):
-            kw = {"recipe": r} if autocast is not te.fp8_autocast else {"fp8_recipe": r}
-            with autocast(enabled=True, **kw):
+            with te.autocast(enabled=True, recipe=r):
                 return _inner(*args, **kwargs)
 
         layer.forward = forward

@@ -41,6 +41,9 @@ class MoECausalLM(nn.Module):
         self.aux_loss_coef = float(getattr(self.config, "router_aux_loss_coef", 0.0) or 0.0)
         self.z_loss_coef = 0.0
         self.loss_fn = None  # set by kernels: a (hidden_ND, weight_VD, labels_N) -> sum loss function
+        # Set by kernels=te: its attention needs packed rows' sequence boundaries (transformers builds no mask
+        # for a registered attention function), passed as transformers' cu_seq_lens_q/k keyword arguments.
+        self.wants_cu_seqlens = False
         self._hf_class = type(hf_model)
 
     # -- structure -------------------------------------------------------------------------------
@@ -72,8 +75,11 @@ class MoECausalLM(nn.Module):
     ) -> CausalLMOutput:
         """Like transformers: ``labels`` are aligned with ``input_ids`` and shifted here; -100 is ignored.
         The loss is the token sum divided by ``loss_normalizer`` (default: this batch's label tokens)."""
+        extra = {}
+        if self.wants_cu_seqlens and position_ids is not None and attention_mask is None:
+            extra = packed_sequence_kwargs(position_ids)
         hidden = self.model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False, **extra
         ).last_hidden_state
         out = CausalLMOutput()
         want_logits = labels is None if return_logits is None else return_logits
@@ -117,6 +123,18 @@ class MoECausalLM(nn.Module):
         from moe_tune.models.hf_io import save_pretrained
 
         save_pretrained(self, out_dir)
+
+
+def packed_sequence_kwargs(position_ids: torch.Tensor) -> dict:
+    """transformers' packed-sequence keywords for rows whose positions restart at 0 at every sequence start:
+    ``cu_seq_lens_q/k`` (int32 offsets of each sequence in the flattened batch, every row start included) and
+    ``max_length_q/k`` (the row length, an upper bound, so no host sync for it). One host sync (nonzero)."""
+    B, S = position_ids.shape
+    start = position_ids == 0
+    start[:, 0] = True  # a row always starts a sequence
+    starts = torch.nonzero(start.reshape(-1)).flatten()  # host sync: the number of sequences
+    cu = torch.cat([starts, starts.new_tensor([B * S])]).to(torch.int32)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": S, "max_length_k": S}
 
 
 def build_model(config, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> MoECausalLM:

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Issue 6's precision table on one H200 per workload: fp32 unfused vs bf16 with fused kernels, per kernel set
+# (torch, te, te + FP8), 100 steps of the built-in arithmetic data, real routing, micro-batch 1 x 4096 tokens.
+#   bash benchmarks/precision_h200.sh qwen3 OUT_DIR   Qwen3-30B-A3B shapes, 8 layers
+#   bash benchmarks/precision_h200.sh small OUT_DIR   a small MoE: 4 layers, hidden 1024, 32 experts top-4
+# Needs TransformerEngine for the te rows (they are recorded as errors without it). Loss differences are
+# against bf16_torch (bf16 compute, fp32 master weights, kernels=torch).
+set -euo pipefail
+which=${1:?usage: precision_h200.sh qwen3|small OUT_DIR}; out=${2:?usage: precision_h200.sh qwen3|small OUT_DIR}
+common=(experiment=qwen3_30b_a3b_1gpu data=arithmetic data.num_samples=16384 train.steps=100
+        train.warmup_steps_excluded=10)
+if [ "$which" = small ]; then
+  common+=(model.overrides.num_hidden_layers=4 +model.overrides.hidden_size=1024 +model.overrides.num_experts=32
+           +model.overrides.num_experts_per_tok=4 +model.overrides.moe_intermediate_size=512
+           +model.overrides.intermediate_size=2048 +model.overrides.num_attention_heads=16
+           +model.overrides.num_key_value_heads=4 +model.overrides.head_dim=64 +model.overrides.vocab_size=32768)
+fi
+variants='bf16_torch:kernels=torch;torch_unfused_loss:kernels.fused_loss=false;te:kernels=te'
+variants+=';te_fp8_current:kernels=te,kernels.fp8=current;te_fp8_delayed:kernels=te,kernels.fp8=delayed'
+variants+=';amp_bf16:train.precision=amp_bf16;torch_pure_bf16:train.precision=bf16;te_pure_bf16:kernels=te,train.precision=bf16'
+variants+=';fp32_unfused:train.precision=fp32,kernels.fused_loss=false,kernels.experts=loop'
+exec python3 -m moe_tune.bench "${common[@]}" --nproc 1 --baselines none --reference bf16_torch --timeout-s 180 \
+  --variants "$variants" --out "$out"

@@ -1,0 +1,153 @@
+"""kernels=te.
+
+On CPU (no TransformerEngine): packed rows' sequence boundaries reach a registered attention function as
+transformers' ``cu_seq_lens_q`` and give the same logits as transformers' own packed-sequence mask, for every
+family that uses SDPA; the SDPA fallback of te.py is that reference's equal.
+On an H200 with TransformerEngine installed (skipped otherwise): kernels=te against kernels=torch in bf16 for
+logits, loss and every gradient, packed and unpacked, and FP8 (current and delayed scaling) close to bf16.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+from transformers import AttentionInterface
+
+import moe_tune
+from moe_tune.kernels import apply_kernels
+from moe_tune.kernels.te import _sdpa
+from moe_tune.models.model import packed_sequence_kwargs
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models"))
+from tiny_hf import FAMILIES, VOCAB, build_hf, rel_err  # noqa: E402
+
+
+def _packed_positions(B: int, S: int, lengths: list[int]) -> torch.Tensor:
+    """Each row holds sequences of ``lengths`` (cycled) back to back, positions restarting at 0."""
+    rows = []
+    for b in range(B):
+        row, i = [], b
+        while len(row) < S:
+            row += list(range(lengths[i % len(lengths)]))
+            i += 1
+        rows.append(row[:S])
+    return torch.tensor(rows)
+
+
+def test_packed_sequence_kwargs():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 0, 1, 2, 3]])  # the second row starts mid-sequence
+    kw = packed_sequence_kwargs(pos)
+    assert kw["cu_seq_lens_q"].dtype == torch.int32
+    assert kw["cu_seq_lens_q"].tolist() == [0, 3, 5, 6, 8, 12]
+    assert kw["cu_seq_lens_k"] is kw["cu_seq_lens_q"]
+    assert kw["max_length_q"] == kw["max_length_k"] == 6
+
+
+SDPA_FAMILIES = [f for f in FAMILIES if f != "gpt_oss"]  # GPT-OSS keeps eager attention (its sinks)
+
+
+@pytest.mark.parametrize("family", SDPA_FAMILIES)
+def test_cu_seqlens_reach_attention_and_match_transformers_packed_mask(family, tmp_path):
+    build_hf(family).save_pretrained(tmp_path)
+    model = moe_tune.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert model.config._attn_implementation == "sdpa"
+    B, S = 2, 12
+    ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(0))
+    pos = _packed_positions(B, S, [5, 3, 4])
+    with torch.no_grad():
+        ref = model(input_ids=ids, position_ids=pos, return_logits=True).logits  # transformers' packed mask
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        assert attention_mask is None  # a registered function gets no mask from transformers
+        seen.append(kwargs["cu_seq_lens_q"])
+        return _sdpa(query, key, value, scaling, kwargs["cu_seq_lens_q"]), None
+
+    AttentionInterface.register("moe_tune_test_spy", spy)
+    model.config._attn_implementation = "moe_tune_test_spy"
+    model.wants_cu_seqlens = True
+    with torch.no_grad():
+        out = model(input_ids=ids, position_ids=pos, return_logits=True).logits
+    assert len(seen) == model.config.num_hidden_layers
+    assert seen[0].tolist() == packed_sequence_kwargs(pos)["cu_seq_lens_q"].tolist()
+    assert rel_err(out, ref) < 1e-5
+    # Rows of one sequence each (no position ids): no boundaries are passed.
+    seen.clear()
+    with torch.no_grad(), pytest.raises(KeyError):
+        model(input_ids=ids, return_logits=True)
+
+
+# -- on an H200 with TransformerEngine ----------------------------------------------------------------------
+needs_te = pytest.mark.skipif(
+    importlib.util.find_spec("transformer_engine") is None,
+    reason="TransformerEngine is not installed (pip install 'moe_tune[te]' on a CUDA machine)",
+)
+TE_SHAPES = dict(
+    vocab_size=512,
+    hidden_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_experts=8,
+    moe_intermediate_size=128,
+    intermediate_size=256,
+    max_position_embeddings=512,
+)
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _run(model, ids, pos):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids, position_ids=pos, return_logits=True)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), _grads(model)
+
+
+@pytest.mark.gpu
+@needs_te
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_te_matches_torch_in_bf16(packed, tmp_path):
+    build_hf("qwen3_moe", **TE_SHAPES).save_pretrained(tmp_path)
+    ref_model = moe_tune.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16, device="cuda")
+    te_model = moe_tune.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), dtype=torch.bfloat16, kernels="te", device="cuda"
+    )
+    assert sorted(dict(ref_model.named_parameters())) == sorted(dict(te_model.named_parameters()))
+    assert type(te_model.layers[0].self_attn.q_proj).__module__.startswith("transformer_engine")
+    B, S = 2, 256
+    ids = torch.randint(0, 512, (B, S), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    pos = _packed_positions(B, S, [100, 37, 60]).cuda() if packed else None
+    ref_logits, ref_loss, ref_grads = _run(ref_model, ids, pos)
+    logits, loss, grads = _run(te_model, ids, pos)
+    # bf16 tolerance: different kernels round differently (bf16 has an 8-bit mantissa, ~4e-3 per op).
+    assert rel_err(logits, ref_logits) < 2e-2
+    assert abs(float(loss - ref_loss)) / float(ref_loss) < 5e-3
+    assert sorted(grads) == sorted(ref_grads)
+    bad = {n: rel_err(grads[n], ref_grads[n]) for n in grads if rel_err(grads[n], ref_grads[n]) > 5e-2}
+    assert not bad
+
+
+@pytest.mark.gpu
+@needs_te
+@pytest.mark.parametrize("fp8", ["current", "delayed"])
+def test_fp8_close_to_bf16(fp8, tmp_path):
+    build_hf("qwen3_moe", **TE_SHAPES).save_pretrained(tmp_path)
+    ref_model = moe_tune.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), dtype=torch.bfloat16, kernels="te", device="cuda"
+    )
+    model = moe_tune.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16, device="cuda")
+    apply_kernels(model, "te", fp8=fp8)
+    ids = torch.randint(0, 512, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    ref_logits, ref_loss, _ = _run(ref_model, ids, None)
+    for _ in range(2):  # delayed scaling uses the amax of earlier steps: check a second step too
+        logits, loss, grads = _run(model, ids, None)
+    assert torch.isfinite(logits).all() and all(torch.isfinite(g).all() for g in grads.values())
+    assert rel_err(logits, ref_logits) < 0.1
+    assert abs(float(loss - ref_loss)) / float(ref_loss) < 2e-2
