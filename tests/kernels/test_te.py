@@ -114,27 +114,51 @@ def _run(model, ids, pos):
     return out.logits.detach(), out.loss.detach(), _grads(model)
 
 
+def _checkpoint(tmp_path) -> str:
+    """A tiny Qwen3-MoE checkpoint at a trained model's scale (weights ~0.02, not tiny_hf's 0.2, which makes
+    activations so large that any bf16 rounding moves the logits by percents)."""
+    model = build_hf("qwen3_moe", **TE_SHAPES)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(0.1)
+    model.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def _load(path, dtype, kernels="torch"):
+    return moe_tune.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, kernels=kernels, device="cuda")
+
+
 @pytest.mark.gpu
 @needs_te
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 def test_te_matches_torch_in_bf16(packed, tmp_path):
-    build_hf("qwen3_moe", **TE_SHAPES).save_pretrained(tmp_path)
-    ref_model = moe_tune.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16, device="cuda")
-    te_model = moe_tune.AutoModelForCausalLM.from_pretrained(
-        str(tmp_path), dtype=torch.bfloat16, kernels="te", device="cuda"
+    """bf16 tolerance, stated: against an fp32 reference, kernels=te's bf16 error is at most 1.5x (logits,
+    loss) or 2x (each gradient) kernels=torch's bf16 error, plus a small floor."""
+    path = _checkpoint(tmp_path)
+    fp32, torch_bf16, te_bf16 = (
+        _load(path, torch.float32),
+        _load(path, torch.bfloat16),
+        _load(path, torch.bfloat16, "te"),
     )
-    assert sorted(dict(ref_model.named_parameters())) == sorted(dict(te_model.named_parameters()))
-    assert type(te_model.layers[0].self_attn.q_proj).__module__.startswith("transformer_engine")
+    assert sorted(dict(te_bf16.named_parameters())) == sorted(dict(torch_bf16.named_parameters()))
+    assert type(te_bf16.layers[0].self_attn.q_proj).__module__.startswith("transformer_engine")
     B, S = 2, 256
     ids = torch.randint(0, 512, (B, S), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     pos = _packed_positions(B, S, [100, 37, 60]).cuda() if packed else None
-    ref_logits, ref_loss, ref_grads = _run(ref_model, ids, pos)
-    logits, loss, grads = _run(te_model, ids, pos)
-    # bf16 tolerance: different kernels round differently (bf16 has an 8-bit mantissa, ~4e-3 per op).
-    assert rel_err(logits, ref_logits) < 2e-2
-    assert abs(float(loss - ref_loss)) / float(ref_loss) < 5e-3
-    assert sorted(grads) == sorted(ref_grads)
-    bad = {n: rel_err(grads[n], ref_grads[n]) for n in grads if rel_err(grads[n], ref_grads[n]) > 5e-2}
+    ref_logits, ref_loss, ref_grads = _run(fp32, ids, pos)
+    t_logits, t_loss, t_grads = _run(torch_bf16, ids, pos)
+    e_logits, e_loss, e_grads = _run(te_bf16, ids, pos)
+    torch_err, te_err = rel_err(t_logits, ref_logits), rel_err(e_logits, ref_logits)
+    assert te_err <= 1.5 * torch_err + 2e-3, (te_err, torch_err)
+    assert abs(float(e_loss - ref_loss)) <= 1.5 * abs(float(t_loss - ref_loss)) + 2e-3 * float(ref_loss)
+    assert sorted(e_grads) == sorted(ref_grads)
+    bad = {}
+    for n, g in ref_grads.items():
+        t, e = rel_err(t_grads[n], g), rel_err(e_grads[n], g)
+        if e > 2 * t + 1e-2:
+            bad[n] = (e, t)
     assert not bad
 
 
@@ -142,14 +166,14 @@ def test_te_matches_torch_in_bf16(packed, tmp_path):
 @needs_te
 @pytest.mark.parametrize("fp8", ["current", "delayed"])
 def test_fp8_close_to_bf16(fp8, tmp_path):
-    build_hf("qwen3_moe", **TE_SHAPES).save_pretrained(tmp_path)
-    ref_model = moe_tune.AutoModelForCausalLM.from_pretrained(
-        str(tmp_path), dtype=torch.bfloat16, kernels="te", device="cuda"
-    )
-    model = moe_tune.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16, device="cuda")
+    """FP8 (E4M3 forward, 3 mantissa bits) on the attention GEMMs: finite, logits within 10% and the loss
+    within 2% of the fp32 reference."""
+    path = _checkpoint(tmp_path)
+    fp32 = _load(path, torch.float32)
+    model = _load(path, torch.bfloat16)
     apply_kernels(model, "te", fp8=fp8)
     ids = torch.randint(0, 512, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    ref_logits, ref_loss, _ = _run(ref_model, ids, None)
+    ref_logits, ref_loss, _ = _run(fp32, ids, None)
     for _ in range(2):  # delayed scaling uses the amax of earlier steps: check a second step too
         logits, loss, grads = _run(model, ids, None)
     assert torch.isfinite(logits).all() and all(torch.isfinite(g).all() for g in grads.values())
