@@ -3,7 +3,7 @@
 # (torch, te, te + FP8), 100 steps of the built-in arithmetic data, real routing, micro-batch 1 x 4096 tokens.
 #   bash benchmarks/precision_h200.sh qwen3 OUT_DIR   Qwen3-30B-A3B shapes, 8 layers
 #   bash benchmarks/precision_h200.sh small OUT_DIR   a small MoE: 4 layers, hidden 1024, 32 experts top-4
-# Needs TransformerEngine for the te rows (they are recorded as errors without it). Loss differences are
+# VARIANTS='name:k=v;...' runs those rows instead of the full set. Needs TransformerEngine for the te rows (they are recorded as errors without it). Loss differences are
 # against bf16_torch (bf16 compute, fp32 master weights, kernels=torch).
 set -euo pipefail
 which=${1:?usage: precision_h200.sh qwen3|small OUT_DIR}; out=${2:?usage: precision_h200.sh qwen3|small OUT_DIR}
@@ -19,5 +19,6 @@ variants='bf16_torch:kernels=torch;torch_unfused_loss:kernels.fused_loss=false;t
 variants+=';te_fp8_current:kernels=te,kernels.fp8=current;te_fp8_delayed:kernels=te,kernels.fp8=delayed'
 variants+=';amp_bf16:train.precision=amp_bf16;torch_pure_bf16:train.precision=bf16;te_pure_bf16:kernels=te,train.precision=bf16'
 variants+=';fp32_unfused:train.precision=fp32,kernels.fused_loss=false,kernels.experts=loop'
-exec python3 -m moe_tune.bench "${common[@]}" --nproc 1 --baselines none --reference bf16_torch --timeout-s 180 \
+variants=${VARIANTS:-$variants}
+exec python3 -m moe_tune.bench "${common[@]}" --nproc 1 --baselines none --reference bf16_torch --timeout-s ${ROW_TIMEOUT_S:-180} \
   --variants "$variants" --out "$out"
