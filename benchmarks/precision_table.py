@@ -1,0 +1,173 @@
+"""Issue 6's fp32-versus-AMP table from precision_h200.sh results (moe-tune-bench JSON files).
+
+    python benchmarks/precision_table.py OUT_STEM WORKLOAD=bench.json [WORKLOAD=bench.json ...] [--memory bench.json]
+
+Per workload and row: wall time, tokens/s, speed-up over fp32 unfused and over bf16 `torch`, peak memory, the
+final loss and the mean of the last 10 losses, and their difference from the bf16 `torch` run, checked against
+the issue's bounds (te: 1%, te + FP8: 2%). ``torch_unfused_loss`` differs from bf16 `torch` only in the loss's
+summation order, so its difference is the run-to-run noise floor of a rounding-level change. ``--memory``: a
+fused/unfused-loss pair, shown as peak memory with and without the fused loss. Writes OUT_STEM.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+REFERENCE = "bf16_torch"
+NOISE = "torch_unfused_loss"
+BOUNDS = {"te": 0.01, "te_fp8_current": 0.02, "te_fp8_delayed": 0.02}
+
+
+def _tail_mean(losses: list[float], n: int = 10) -> float:
+    return sum(losses[-n:]) / min(n, len(losses))
+
+
+def summarize(bench: dict) -> list[dict]:
+    rows = {r["variant"]: r for r in bench["rows"]}
+    ref = rows[REFERENCE]
+    fp32 = rows.get("fp32_unfused")
+    fp32_tps = fp32["tokens_per_s_per_gpu"] if fp32 and fp32["status"] == "ok" else None
+    out = []
+    for name, r in rows.items():
+        ok = r["status"] == "ok"
+        row = {"variant": name, "status": r["status"], "precision": r["config"]["precision"]}
+        row["kernels"] = r["config"]["kernels"] + (f"+fp8:{r['config']['fp8']}" if r["config"]["fp8"] != "none" else "")
+        if ok:
+            final, tail = r["losses"][-1], _tail_mean(r["losses"])
+            row.update(
+                wall_s=r["wall_s"],
+                tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"],
+                speedup_vs_fp32=r["tokens_per_s_per_gpu"] / fp32_tps if fp32_tps else None,
+                speedup_vs_bf16_torch=r["tokens_per_s_per_gpu"] / ref["tokens_per_s_per_gpu"],
+                peak_mem_gib=r["peak_mem_gib"],
+                final_loss=final,
+                last10_loss=tail,
+                final_diff=(final - ref["losses"][-1]) / ref["losses"][-1],
+                last10_diff=(tail - _tail_mean(ref["losses"])) / _tail_mean(ref["losses"]),
+            )
+            bound = BOUNDS.get(name)
+            if bound is not None:
+                row["bound"] = bound
+                row["within_bound_final"] = abs(row["final_diff"]) <= bound
+                row["within_bound_last10"] = abs(row["last10_diff"]) <= bound
+        out.append(row)
+    return out
+
+
+def _pct(x) -> str:
+    return "" if x is None else f"{100 * x:+.2f}%"
+
+
+def _f(x, fmt: str) -> str:
+    return "" if x is None else format(x, fmt)
+
+
+def markdown(tables: dict[str, list[dict]], sources: dict[str, dict], memory: dict | None) -> str:
+    lines = ["# fp32 versus bf16 with fused kernels, per kernel set (issue 6)", ""]
+    for workload, rows in tables.items():
+        b = sources[workload]
+        w = b["workload"]
+        lines += [
+            f"## {workload}: {w['model']}, {w['num_layers']} layers, seq {w['seq_len']}, micro-batch "
+            f"{w['micro_batch_size']}, {w['steps']} steps, real routing ({b['hardware']}, commit `{b['commit']}`)",
+            "",
+            "| row | kernels | precision | wall s | tokens/s | vs fp32 unfused | vs bf16 torch | peak GiB | "
+            "final loss | diff | last-10 mean | diff | bound | holds (final / last-10) |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for r in rows:
+            if r["status"] != "ok":
+                lines.append(f"| {r['variant']} | {r['kernels']} | {r['precision']} | {r['status']} |||||||||||")
+                continue
+            holds = ""
+            if "bound" in r:
+                holds = f"{'yes' if r['within_bound_final'] else 'no'} / {'yes' if r['within_bound_last10'] else 'no'}"
+            speed_fp32 = "" if r["speedup_vs_fp32"] is None else f"{r['speedup_vs_fp32']:.2f}x"
+            lines.append(
+                f"| {r['variant']} | {r['kernels']} | {r['precision']} | {r['wall_s']:.0f} | "
+                f"{r['tokens_per_s_per_gpu']:,.0f} | {speed_fp32} | {r['speedup_vs_bf16_torch']:.2f}x | "
+                f"{r['peak_mem_gib']:.1f} | {r['final_loss']:.4f} | {_pct(r['final_diff'])} | {r['last10_loss']:.4f} | "
+                f"{_pct(r['last10_diff'])} | {_pct(r.get('bound')).lstrip('+')} | {holds} |"
+            )
+        noise = next((r for r in rows if r["variant"] == NOISE and r["status"] == "ok"), None)
+        if noise:
+            lines += [
+                "",
+                f"Noise floor: `{NOISE}` computes the same loss with another summation order and ends "
+                f"{_pct(noise['final_diff'])} (last-10 mean {_pct(noise['last10_diff'])}) from bf16 torch.",
+            ]
+        lines.append("")
+    if memory:
+        lines += ["## Peak memory with and without the fused linear cross-entropy", ""]
+        w = memory["workload"]
+        lines.append(
+            f"{w['model']}, {w['num_layers']} layers, seq {w['seq_len']}, micro-batch {w['micro_batch_size']}, "
+            f"precision `{w['precision']}` ({memory['hardware']}, commit `{memory['commit']}`):"
+        )
+        lines += ["", "| row | peak allocated GiB | peak reserved GiB | tokens/s |", "|---|---:|---:|---:|"]
+        for r in memory["rows"]:
+            lines.append(
+                f"| {r['variant']} | {_f(r['peak_mem_gib'], '.1f')} | {_f(r['peak_reserved_gib'], '.1f')} | "
+                f"{_f(r['tokens_per_s_per_gpu'], ',.0f')} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def chart(tables: dict[str, list[dict]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(tables), 2, figsize=(13, 3.2 * len(tables)), squeeze=False)
+    for (workload, rows), (ax1, ax2) in zip(tables.items(), axes):
+        ok = [r for r in rows if r["status"] == "ok"]
+        names = [r["variant"] for r in ok][::-1]
+        ax1.barh(names, [r["tokens_per_s_per_gpu"] for r in ok][::-1], color="#1f77b4")
+        ax1.set_xlabel(f"{workload}: tokens/s per GPU")
+        ax2.barh(names, [100 * r["last10_diff"] for r in ok][::-1], color="#ff7f0e")
+        for bound in (1, 2):
+            ax2.axvline(bound, color="gray", lw=0.7, ls="--")
+            ax2.axvline(-bound, color="gray", lw=0.7, ls="--")
+        ax2.set_xlabel(f"{workload}: last-10 mean loss vs bf16 torch, % (dashed: 1% and 2%)")
+        ax2.set_xlim(-5, 5)
+        for ax in (ax1, ax2):
+            ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_stem")
+    p.add_argument("workloads", nargs="+", help="NAME=bench.json")
+    p.add_argument("--memory", default=None)
+    args = p.parse_args(argv)
+    sources = {}
+    for spec in args.workloads:
+        name, _, path = spec.partition("=")
+        with open(path) as f:
+            sources[name] = json.load(f)
+    memory = None
+    if args.memory:
+        with open(args.memory) as f:
+            memory = json.load(f)
+    tables = {name: summarize(b) for name, b in sources.items()}
+    with open(args.out_stem + ".json", "w") as f:
+        json.dump(
+            {"sources": {n: a.partition("=")[2] for n, a in zip(sources, args.workloads)}, "tables": tables},
+            f,
+            indent=2,
+        )
+    with open(args.out_stem + ".md", "w") as f:
+        f.write(markdown(tables, sources, memory))
+    chart(tables, args.out_stem + ".png")
+    print(f"wrote {args.out_stem}.json, .md, .png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
