@@ -66,13 +66,19 @@ def run(dict_cfg) -> None:
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         # Each job of a sweep (or of a launcher such as submitit_slurm) gets its own run directory.
         cfg.output_dir = HydraConfig.get().runtime.output_dir
-    try:
-        from moe_tune.train import Trainer
+    from moe_tune.dist.env import destroy_distributed
+    from moe_tune.train import Trainer
 
-        trainer = Trainer(cfg)
-    except ConfigError as e:
-        fail(str(e))
-    trainer.fit()
+    # The process group (if the trainer made one) is torn down on every way out: a bad value found once the
+    # model or data is known (exit 2, one line), a finished run, or the next job of a multirun in this process.
+    try:
+        try:
+            trainer = Trainer(cfg)
+        except ConfigError as e:
+            fail(str(e))
+        trainer.fit()
+    finally:
+        destroy_distributed()
 
 
 def main() -> None:

@@ -101,6 +101,22 @@ def test_two_rank_torchrun_gloo(tmp_path, cli_env):
 
 
 @pytest.mark.dist
+def test_bad_value_found_after_the_process_group_exists(tmp_path, cli_env):
+    """model.family disagrees with the checkpoint: known only once the model config is read, after every rank
+    joined the process group. Each rank exits 2 with the one line (torchrun then fails the job) and nothing
+    hangs. (NCCL would also warn if the group were not torn down first; gloo does not, so on CPU that last
+    assertion cannot fail.)"""
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moe_tune"]
+    args = [f"output_dir={tmp_path}", "model.family=mixtral", "train.steps=2", *FAST]
+    r = subprocess.run(cmd + args, capture_output=True, text=True, env=cli_env, timeout=300)
+    assert r.returncode != 0
+    line = "moe-tune: error: model.family=mixtral but the checkpoint's model_type is qwen3_moe"
+    assert r.stderr.count(line) == 2, r.stderr[-3000:]
+    assert "exitcode  : 2" in r.stderr, r.stderr[-3000:]
+    assert "destroy_process_group() was not called" not in r.stderr
+
+
+@pytest.mark.dist
 def test_resume_is_bitwise(tmp_path, cli_env):
     """6 steps straight == 3 steps, stop, resume from checkpoints/step_3 for 3 more (fp32, CPU, rtol=0)."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
