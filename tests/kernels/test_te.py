@@ -47,6 +47,25 @@ def test_packed_sequence_kwargs():
     assert kw["max_length_q"] == kw["max_length_k"] == 6
 
 
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("packed", [False, True])
+def test_sdpa_fallback_masks_equal_an_explicit_loop(packed, window):
+    """te.py's SDPA fallback (GQA, causal, packed sequences, sliding window) against softmax written out."""
+    g = torch.Generator().manual_seed(0)
+    B, H, KV, S, d = 2, 4, 2, 10, 8
+    q, k, v = (torch.randn(B, h, S, d, generator=g) for h in (H, KV, KV))
+    pos = _packed_positions(B, S, [4, 3, 6]) if packed else torch.arange(S).expand(B, S)
+    cu = packed_sequence_kwargs(pos)["cu_seq_lens_q"] if packed else None
+    out = _sdpa(q, k, v, 0.5, cu, window)  # [B, S, H, d]
+    seq = (pos == 0).cumsum(1)  # sequence number of each position in its row
+    for b in range(B):
+        for h in range(H):
+            for i in range(S):
+                ok = [j for j in range(i + 1) if seq[b, j] == seq[b, i] and (window is None or i - j < window)]
+                w = torch.softmax(0.5 * k[b, h // 2, ok] @ q[b, h, i], dim=0)
+                torch.testing.assert_close(out[b, i, h], w @ v[b, h // 2, ok], rtol=1e-5, atol=1e-5)
+
+
 SDPA_FAMILIES = [f for f in FAMILIES if f != "gpt_oss"]  # GPT-OSS keeps eager attention (its sinks)
 
 
