@@ -120,6 +120,9 @@ class CheckpointConfig:
     every: int = 0
     resume: str = "auto"
     export_hf: bool = True
+    # SIGTERM/SIGUSR1 (Slurm's time limit or preemption, torchrun's shutdown): every rank stops after the same
+    # step, a checkpoint of that step is saved, and the process exits 128 + the signal number.
+    save_on_signal: bool = True
 
 
 @dataclass

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import time
 from dataclasses import asdict
 
@@ -198,6 +199,38 @@ class Trainer:
         tokens_per_step = cfg.train.seq_len * cfg.train.micro_batch_size * self.accum * self.dp_size
         bar = _progress(self.rank, cfg.train.steps, self.step)
         profiler = _profiler(self.rank, cfg.output_dir)
+        stop = StopSignal(cfg.checkpoint.save_on_signal)
+        try:
+            self._loop(tokens_per_step, bar, profiler, stop)
+        finally:
+            stop.restore()
+        if bar is not None:
+            bar.close()
+        if profiler is not None:
+            profiler.stop()
+        if stop.stopped_at is not None:
+            self._stop_for_signal(stop.signum)
+        if cfg.checkpoint.export_hf:
+            self.export(os.path.join(cfg.output_dir, "hf"))
+        summary = self.write_summary()
+        return summary
+
+    def _stop_for_signal(self, signum: int) -> None:
+        path = os.path.join(self.cfg.output_dir, "checkpoints", f"step_{self.step}")
+        if not os.path.isfile(os.path.join(path, ckpt.COMPLETE)):
+            ckpt.save(self, path)
+        self.write_summary()
+        log.warning(
+            "stopped by signal %d after step %d of %d; saved %s (checkpoint.resume=auto continues from it)",
+            signum,
+            self.step,
+            self.cfg.train.steps,
+            path,
+        )
+        raise SystemExit(128 + signum)
+
+    def _loop(self, tokens_per_step: int, bar, profiler, stop: StopSignal) -> None:
+        cfg = self.cfg
         while self.step < cfg.train.steps:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
@@ -215,14 +248,9 @@ class Trainer:
                 _report(bar, row, self.rank)
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                 ckpt.save(self, os.path.join(cfg.output_dir, "checkpoints", f"step_{self.step}"))
-        if bar is not None:
-            bar.close()
-        if profiler is not None:
-            profiler.stop()
-        if cfg.checkpoint.export_hf:
-            self.export(os.path.join(cfg.output_dir, "hf"))
-        summary = self.write_summary()
-        return summary
+            if stop.agreed(self.device) and self.step < cfg.train.steps:
+                stop.stopped_at = self.step  # the same step on every rank
+                return
 
     def _metrics_row(self, out: dict, dt: float, tokens: int) -> dict:
         loads = torch.stack([m.counts_E.float() for m in self.model.moe_layers()])
@@ -253,6 +281,41 @@ class Trainer:
 
     def write_summary(self) -> dict:
         return write_run_summary(self.cfg, self.rank, self.world, self.device, self.flops_per_token, self.metrics)
+
+
+class StopSignal:
+    """SIGTERM and SIGUSR1 set a flag instead of killing the process; ``agreed`` tells every rank, after the
+    same step, whether any rank got one (a MAX all-reduce of one int per step, over all ranks)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, enabled: bool):
+        self.signum: int | None = None
+        self.stopped_at: int | None = None  # set by the trainer when every rank agreed to stop early
+        self.enabled = enabled
+        self._previous = {}
+        if enabled:
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signum = signum
+        log.warning("signal %d received: stopping after this step", signum)
+
+    def agreed(self, device) -> bool:
+        if not self.enabled:
+            return False
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([self.signum or 0], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # mesh: all ranks
+            got = int(flag.item())  # host sync: the step already ended with one
+            self.signum = got or None
+        return self.signum is not None
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
 
 def write_run_summary(cfg: Config, rank: int, world: int, device, flops_per_token: float, metrics, **extra) -> dict:

@@ -137,6 +137,41 @@ def test_resume_is_bitwise(tmp_path, cli_env):
 
 
 @pytest.mark.dist
+def test_sigterm_saves_the_step_every_rank_agreed_on_and_resumes(tmp_path, cli_env):
+    """Slurm's time limit or preemption, as torchrun sees it: SIGTERM to the launcher, which passes it to its
+    ranks. Both ranks stop after the same step, save it, exit 128 + 15; the run resumes from it and its losses
+    equal a run that was never stopped (fp32, CPU, bitwise)."""
+    import signal
+    import time
+
+    run = tmp_path / "stopped"
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moe_tune"]
+    args = [f"output_dir={run}", "train.steps=100000", "parallel.ep=2", "checkpoint.export_hf=false", *FAST]
+    p = subprocess.Popen(cmd + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert "stopped by signal 15 after step" in err, err[-3000:]
+    saved = [d.name for d in (run / "checkpoints").iterdir() if (d / "COMPLETE").exists()]
+    assert len(saved) == 1, saved
+    n = int(saved[0].removeprefix("step_"))
+    assert [r["step"] for r in read_metrics(run)][-1] == n  # the saved step is the last one trained
+    # Resume two steps past it, and compare with a run that trained straight through.
+    common = [f"train.steps={n + 2}", "parallel.ep=2", "checkpoint.export_hf=false", *FAST]
+    run_cli([f"output_dir={run}", *common], cli_env, nproc=2)
+    straight = tmp_path / "straight"
+    run_cli([f"output_dir={straight}", *common], cli_env, nproc=2)
+    a, b = read_metrics(straight), read_metrics(run)
+    assert [r["step"] for r in b][-2:] == [n + 1, n + 2]
+    assert [r["loss"] for r in a][-2:] == [r["loss"] for r in b][-2:]
+
+
+@pytest.mark.dist
 def test_export_cli_from_ep2_checkpoint(tmp_path, cli_env):
     """moe-tune-export of an EP=2 checkpoint (2 ranks) equals the run's own hf/ export, bit for bit."""
     run_cli([f"output_dir={tmp_path}", "train.steps=2", "checkpoint.every=2", "parallel.ep=2", *FAST], cli_env, nproc=2)
