@@ -18,27 +18,40 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_ND, w_VD, labels_N, ignore_index: int, chunk_size: int):
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        N = h_ND.shape[0]
         loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)
         grad_h = torch.empty_like(h_ND) if need_grad else None
-        grad_w = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need_grad else None
-        for start in range(0, h_ND.shape[0], chunk_size):
+        one_chunk = N <= chunk_size
+        # Several chunks add their weight gradients in fp32; one chunk writes its GEMM's result directly.
+        grad_w = (
+            None if one_chunk or not need_grad else torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device)
+        )
+        for start in range(0, N, chunk_size):
             h = h_ND[start : start + chunk_size]
             y = labels_N[start : start + chunk_size]
             valid = y != ignore_index
             safe_y = torch.where(valid, y, 0)
-            logits = (h @ w_VD.t()).float()
+            logits = (h @ w_VD.t()).float()  # the chunk's only [rows, V] fp32 buffer: reused in place below
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, safe_y.unsqueeze(1)).squeeze(1)
             loss += torch.where(valid, lse - picked, 0.0).sum()
             if need_grad:
-                # d loss / d logits = softmax - onehot(label) on valid rows, 0 on ignored rows.
-                g = torch.exp(logits - lse.unsqueeze(1))
+                # d loss / d logits = softmax - onehot(label) on valid rows, 0 on ignored rows. Ignored rows are
+                # zeroed in the [rows, D] operands, not the [rows, V] one: V / D times less memory traffic.
+                g = logits.sub_(lse.unsqueeze(1)).exp_()
                 g.scatter_add_(1, safe_y.unsqueeze(1), torch.full_like(picked, -1.0).unsqueeze(1))
-                g.mul_(valid.unsqueeze(1))
                 g_low = g.to(h.dtype)
-                grad_h[start : start + chunk_size] = g_low @ w_VD
-                grad_w += (g_low.t() @ h).float()
+                del g, logits
+                keep = valid.unsqueeze(1).to(h.dtype)
+                torch.mul(g_low @ w_VD, keep, out=grad_h[start : start + chunk_size])
+                gw = g_low.t() @ (h * keep)
+                if one_chunk:
+                    grad_w = gw
+                else:
+                    grad_w += gw.float()
         if need_grad:
+            if grad_w is None:  # no rows at all
+                grad_w = torch.zeros_like(w_VD)
             ctx.save_for_backward(grad_h, grad_w.to(w_VD.dtype))
         return loss
 

@@ -32,6 +32,27 @@ def test_matches_cross_entropy_fp32(chunk_size):
     assert torch.all(h.grad[:10] == 0)  # masked positions get no gradient
 
 
+def test_bf16_chunks_match_one_chunk_and_no_rows_is_zero():
+    """bf16 inputs: several chunks (fp32 weight-gradient accumulation) and one chunk agree to bf16 rounding of
+    the accumulation order; an empty batch gives a zero loss and zero gradients."""
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(40, 16, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(53, 16, generator=g).bfloat16().requires_grad_()
+    labels = torch.randint(0, 53, (40,), generator=g)
+    grads = []
+    for chunk in (40, 8):
+        h.grad = w.grad = None
+        linear_cross_entropy(h, w, labels, chunk_size=chunk).backward()
+        grads.append((h.grad.clone(), w.grad.clone()))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=0, atol=0)  # row gradients do not depend on chunking
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=2e-2, atol=2e-2)
+    empty_h = torch.zeros(0, 16, requires_grad=True)
+    empty_w = torch.randn(53, 16, requires_grad=True)
+    loss = linear_cross_entropy(empty_h, empty_w, torch.zeros(0, dtype=torch.long))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.all(empty_w.grad == 0)
+
+
 def test_all_ignored_is_zero_with_zero_grads():
     h = torch.randn(4, 8, requires_grad=True)
     w = torch.randn(11, 8, requires_grad=True)
