@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -176,6 +177,11 @@ class Trainer:
         t = self.cfg.train
         return self.data.micro_batch(step, micro, t.micro_batch_size, self.accum, self.rank, self.dp_size, self.device)
 
+    @functools.cached_property
+    def _dispatchers(self) -> list:
+        unique = {id(m.dispatcher): m.dispatcher for m in self.model.moe_layers()}
+        return list(unique.values())
+
     def _biased_moes(self) -> list:
         return [m for m in self.model.moe_layers() if m.router.e_score_correction_bias is not None]
 
@@ -239,6 +245,8 @@ class Trainer:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # host sync: time the whole step
             dt = time.perf_counter() - t0
+            for dispatcher in self._dispatchers:
+                dispatcher.check()  # after the sync: every rank sees the same device-side verdicts
             self.step += 1
             if profiler is not None:
                 profiler.step()

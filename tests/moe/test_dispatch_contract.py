@@ -200,6 +200,9 @@ def _contract_body(rank: int, backend: str) -> None:
                 rx, rw = torch.autograd.grad((ref_TD * c_TD).sum(), (x_TD, w_TK))
                 check(_rel_err(gx, rx) < tol, f"{case} T={T} dx rel err {_rel_err(gx, rx):.1e}")
                 check(_rel_err(gw, rw) < tol, f"{case} T={T} dweights rel err {_rel_err(gw, rw):.1e}")
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    d.check()  # no batch overflowed: the trainer's after-step check stays silent
     _release(backend)
     assert not failures, f"rank {rank} ({backend}): " + "; ".join(failures)
 
@@ -232,6 +235,9 @@ def _overflow_body(rank: int, backend: str) -> None:
     assert float(out.abs().sum()) == 0.0
     if dev.type == "cuda":
         torch.cuda.synchronize()
+    # The trainer's check after the step (the same verdict on every rank: it comes from all-gathered counts).
+    with pytest.raises(RuntimeError, match=r"up to 32 routed rows .* buffer holds 8 .*capacity_factor"):
+        lazy.check()
     with pytest.raises(RuntimeError, match=r"up to 32 routed rows .* buffer holds 8 .*capacity_factor"):
         lazy.dispatch(x_TD, ids_TK)
     _release(backend)

@@ -24,6 +24,10 @@ class Dispatcher:
     def combine(self, y_RD: torch.Tensor, weights_TK: torch.Tensor, ctx: Any) -> torch.Tensor:
         raise NotImplementedError
 
+    def check(self) -> None:
+        """Raise if a finished batch went wrong in a way only the device knew (symm_mem's capacity). The
+        trainer calls it after each step, once the step's work is done: every rank raises at the same step."""
+
 
 def sort_by_expert(ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable sort of the T*K routed rows by expert. Returns (order_R, token_of_row_R): row r of the sorted

@@ -21,7 +21,8 @@ rows); the backward of each exchange is the exchange in the other direction.
 Capacity: a rank receives at most ``capacity = max_tokens x ceil(capacity_factor x top_k)`` rows;
 ``capacity_factor >= ep`` can never overflow. If a batch would overflow, every rank sees it in step 2 and
 zeroes its splits: no row is written past a buffer (no corruption), that batch's routed output is zero, and
-a RuntimeError naming the numbers is raised at a later dispatch (the overflow flag is copied to pinned
+a RuntimeError naming the numbers is raised by ``check()``, which the trainer calls on every rank after each
+step (so all ranks stop at the same step), else at a later dispatch (the overflow flag is copied to pinned
 host memory without waiting), or at once with ``debug=True`` (which reads it with a host sync).
 
 Buffers: symmetric tensors are allocated once per (ep group, hidden, dtype, size) and shared by every
@@ -292,6 +293,11 @@ class SymmMemDispatcher(Dispatcher):
             _POOLS[key] = _Pool(self.ep_group, self.max_tokens * self.top_k, self.capacity, D, x_TD.dtype, x_TD.device)
         return _POOLS[key]
 
+    def check(self) -> None:
+        pool = getattr(self, "_last_pool", None)
+        if pool is not None:
+            self._check_overflow(pool, block=True)
+
     def _check_overflow(self, pool: _Pool, block: bool) -> None:
         rows = pool.overflow_seen(block)
         if rows is None:
@@ -309,7 +315,8 @@ class SymmMemDispatcher(Dispatcher):
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor | None = None):
         S, e, E = self.ep, self.num_local_experts, self.num_experts
         pool = self._pool(x_TD)
-        self._check_overflow(pool, block=False)
+        self._last_pool = pool
+        self._check_overflow(pool, block=False)  # without the trainer's check(): ranks may see it at different layers
         order_R, token_R = sort_by_expert(ids_TK)
         counts_E = expert_counts(ids_TK, E) if counts_E is None else counts_E
         counts_SE = counts_E.new_empty(S * E)
