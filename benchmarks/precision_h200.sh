@@ -3,7 +3,8 @@
 # (torch, te, te + FP8), 100 steps of the built-in arithmetic data, real routing, micro-batch 1 x 4096 tokens.
 #   bash benchmarks/precision_h200.sh qwen3 OUT_DIR   Qwen3-30B-A3B shapes, 8 layers
 #   bash benchmarks/precision_h200.sh small OUT_DIR   a small MoE: 4 layers, hidden 1024, 32 experts top-4
-# VARIANTS='name:k=v;...' runs those rows instead of the full set. Needs TransformerEngine for the te rows (they are recorded as errors without it). Loss differences are
+# VARIANTS='name:k=v;...' runs those rows instead of the full set; EXTRA='k=v k=v' adds overrides to every row
+# (e.g. EXTRA='train.lr=3e-5', where rounding alone moves the loss by well under 1%). Needs TransformerEngine for the te rows (they are recorded as errors without it). Loss differences are
 # against bf16_torch (bf16 compute, fp32 master weights, kernels=torch).
 set -euo pipefail
 which=${1:?usage: precision_h200.sh qwen3|small OUT_DIR}; out=${2:?usage: precision_h200.sh qwen3|small OUT_DIR}
@@ -20,5 +21,7 @@ variants+=';te_fp8_current:kernels=te,kernels.fp8=current;te_fp8_delayed:kernels
 variants+=';amp_bf16:train.precision=amp_bf16;torch_pure_bf16:train.precision=bf16;te_pure_bf16:kernels=te,train.precision=bf16'
 variants+=';fp32_unfused:train.precision=fp32,kernels.fused_loss=false,kernels.experts=loop'
 variants=${VARIANTS:-$variants}
+read -r -a extra <<< "${EXTRA:-}"
+common+=("${extra[@]}")
 exec python3 -m moe_tune.bench "${common[@]}" --nproc 1 --baselines none --reference bf16_torch --timeout-s ${ROW_TIMEOUT_S:-180} \
   --variants "$variants" --out "$out"
