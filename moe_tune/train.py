@@ -207,14 +207,14 @@ class Trainer:
         profiler = _profiler(self.rank, cfg.output_dir)
         stop = StopSignal(cfg.checkpoint.save_on_signal)
         try:
-            self._loop(tokens_per_step, bar, profiler, stop)
+            stopped_early = self._loop(tokens_per_step, bar, profiler, stop)
         finally:
             stop.restore()
         if bar is not None:
             bar.close()
         if profiler is not None:
             profiler.stop()
-        if stop.stopped_at is not None:
+        if stopped_early:
             self._stop_for_signal(stop.signum)
         if cfg.checkpoint.export_hf:
             self.export(os.path.join(cfg.output_dir, "hf"))
@@ -235,7 +235,8 @@ class Trainer:
         )
         raise SystemExit(128 + signum)
 
-    def _loop(self, tokens_per_step: int, bar, profiler, stop: StopSignal) -> None:
+    def _loop(self, tokens_per_step: int, bar, profiler, stop: StopSignal) -> bool:
+        """Train to ``train.steps``; True if every rank agreed to stop early on a signal."""
         cfg = self.cfg
         while self.step < cfg.train.steps:
             if self.device.type == "cuda":
@@ -257,8 +258,8 @@ class Trainer:
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                 ckpt.save(self, os.path.join(cfg.output_dir, "checkpoints", f"step_{self.step}"))
             if stop.agreed(self.device) and self.step < cfg.train.steps:
-                stop.stopped_at = self.step  # the same step on every rank
-                return
+                return True  # the same step on every rank
+        return False
 
     def _metrics_row(self, out: dict, dt: float, tokens: int) -> dict:
         loads = torch.stack([m.counts_E.float() for m in self.model.moe_layers()])
@@ -299,7 +300,6 @@ class StopSignal:
 
     def __init__(self, enabled: bool):
         self.signum: int | None = None
-        self.stopped_at: int | None = None  # set by the trainer when every rank agreed to stop early
         self.enabled = enabled
         self._previous = {}
         if enabled:
