@@ -264,6 +264,7 @@ class SymmMemDispatcher(Dispatcher):
         self.num_local_experts = num_experts // ep
         self.ep_rank = dist.get_rank(ep_group)
         self.capacity_factor, self.max_tokens, self.debug = capacity_factor, max_tokens, debug
+        self._last_pool: _Pool | None = None  # the buffers of the last dispatch, for check()
         self.rows_per_token = math.ceil(capacity_factor * top_k)
 
     @property
@@ -294,9 +295,8 @@ class SymmMemDispatcher(Dispatcher):
         return _POOLS[key]
 
     def check(self) -> None:
-        pool = getattr(self, "_last_pool", None)
-        if pool is not None:
-            self._check_overflow(pool, block=True)
+        if self._last_pool is not None:
+            self._check_overflow(self._last_pool, block=True)
 
     def _check_overflow(self, pool: _Pool, block: bool) -> None:
         rows = pool.overflow_seen(block)
