@@ -25,7 +25,11 @@ def _tail_mean(losses: list[float], n: int = 10) -> float:
 
 def summarize(bench: dict) -> list[dict]:
     rows = {r["variant"]: r for r in bench["rows"]}
-    ref = rows[REFERENCE]
+    ref = rows.get(REFERENCE)
+    if ref is None or ref["status"] != "ok":
+        raise SystemExit(
+            f"precision_table: the reference row {REFERENCE!r} is missing or failed; it is what rows compare with"
+        )
     fp32 = rows.get("fp32_unfused")
     fp32_tps = fp32["tokens_per_s_per_gpu"] if fp32 and fp32["status"] == "ok" else None
     out = []

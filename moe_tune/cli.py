@@ -69,16 +69,20 @@ def run(dict_cfg) -> None:
     from moe_tune.dist.env import destroy_distributed
     from moe_tune.train import Trainer
 
-    # The process group (if the trainer made one) is torn down on every way out: a bad value found once the
-    # model or data is known (exit 2, one line), a finished run, or the next job of a multirun in this process.
+    # The process group (if the trainer made one) is torn down where every rank leaves together: a bad value
+    # found once the model or data is known (exit 2, one line), a finished run, a stop on a signal. Not after
+    # an error on one rank, where NCCL could wait for the others: torchrun ends those jobs.
     try:
-        try:
-            trainer = Trainer(cfg)
-        except ConfigError as e:
-            fail(str(e))
-        trainer.fit()
-    finally:
+        trainer = Trainer(cfg)
+    except ConfigError as e:
         destroy_distributed()
+        fail(str(e))
+    try:
+        trainer.fit()
+    except SystemExit:
+        destroy_distributed()
+        raise
+    destroy_distributed()
 
 
 def main() -> None:

@@ -180,6 +180,8 @@ class Trainer:
     @functools.cached_property
     def _dispatchers(self) -> list:
         unique = {id(m.dispatcher): m.dispatcher for m in self.model.moe_layers()}
+        for d in unique.values():
+            d.checked_after_step = True  # check() runs below on every rank: no per-rank check mid-step
         return list(unique.values())
 
     def _biased_moes(self) -> list:
@@ -223,7 +225,8 @@ class Trainer:
 
     def _stop_for_signal(self, signum: int) -> None:
         path = os.path.join(self.cfg.output_dir, "checkpoints", f"step_{self.step}")
-        if not os.path.isfile(os.path.join(path, ckpt.COMPLETE)):
+        every = self.cfg.checkpoint.every
+        if not (every and self.step % every == 0):  # the loop saved this step already; same answer on every rank
             ckpt.save(self, path)
         self.write_summary()
         log.warning(
@@ -299,7 +302,8 @@ class StopSignal:
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self, enabled: bool):
-        self.signum: int | None = None
+        self.signum: int | None = None  # the agreed signal (any rank's), once every rank has seen it
+        self._received = 0  # this rank's, set by the handler and never cleared
         self.enabled = enabled
         self._previous = {}
         if enabled:
@@ -307,18 +311,20 @@ class StopSignal:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
-        self.signum = signum
+        self._received = signum
         log.warning("signal %d received: stopping after this step", signum)
 
     def agreed(self, device) -> bool:
         if not self.enabled:
             return False
+        got = self._received  # a signal landing after this read is counted at the next step, on every rank
         if dist.is_initialized() and dist.get_world_size() > 1:
-            flag = torch.tensor([self.signum or 0], device=device)
+            flag = torch.tensor([got], device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # mesh: all ranks
             got = int(flag.item())  # host sync: the step already ended with one
-            self.signum = got or None
-        return self.signum is not None
+        if got:
+            self.signum = got
+        return bool(got)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

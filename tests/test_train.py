@@ -136,6 +136,33 @@ def test_resume_is_bitwise(tmp_path, cli_env):
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def test_a_signal_during_the_agreement_is_counted_at_the_next_step(monkeypatch):
+    """The handler's flag is never cleared by the all-reduce: a signal that lands while the ranks agree on the
+    previous step's flags stops every rank one step later instead of being lost."""
+    import signal
+
+    import torch.distributed as dist
+
+    from moe_tune.train import StopSignal
+
+    before = signal.getsignal(signal.SIGTERM)
+    stop = StopSignal(enabled=True)
+    assert signal.getsignal(signal.SIGTERM) == stop._on_signal
+    try:
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+
+        def all_reduce(flag, op=None, group=None):
+            stop._on_signal(signal.SIGUSR1, None)  # arrives while the collective runs; the other rank had none
+
+        monkeypatch.setattr(dist, "all_reduce", all_reduce)
+        assert stop.agreed("cpu") is False and stop.signum is None
+        assert stop.agreed("cpu") is True and stop.signum == signal.SIGUSR1
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGTERM) == before  # the previous handlers are back
+
+
 @pytest.mark.dist
 def test_sigterm_saves_the_step_every_rank_agreed_on_and_resumes(tmp_path, cli_env):
     """Slurm's time limit or preemption, as torchrun sees it: SIGTERM to the launcher, which passes it to its

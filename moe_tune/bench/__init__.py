@@ -27,9 +27,14 @@ from dataclasses import dataclass, field
 
 from moe_tune.bench.runner import Row, run_row, split_overrides
 
-# Written out for every row unless the overrides set them: no export or checkpoint writes in a benchmark,
-# and never resume from an earlier run's checkpoint.
-BENCH_DEFAULTS = ("checkpoint.export_hf=false", "checkpoint.every=0", "checkpoint.resume=none")
+# Written out for every row unless the overrides set them: no export or checkpoint writes in a benchmark
+# (not even when a row is stopped at its timeout), and never resume from an earlier run's checkpoint.
+BENCH_DEFAULTS = (
+    "checkpoint.export_hf=false",
+    "checkpoint.every=0",
+    "checkpoint.resume=none",
+    "checkpoint.save_on_signal=false",  # a row stopped at its timeout (SIGTERM) writes no checkpoint
+)
 # Plain Transformers rows: experts_implementation, and "_nofsdp" for the model without FSDP (one process only).
 BASELINES = ("grouped_mm", "eager", "grouped_mm_nofsdp", "eager_nofsdp")
 PEAK_SOURCE = "NVIDIA datasheet dense BF16 tensor-core peak, without sparsity"
@@ -175,7 +180,7 @@ def max_loss_diff(losses: list[float], reference: list[float], relative: bool = 
     pairs = list(zip(losses, reference))
     if not pairs:
         return None
-    return max(abs(a - b) / (abs(b) if relative else 1.0) for a, b in pairs)
+    return max(abs(a - b) / (max(abs(b), 1e-12) if relative else 1.0) for a, b in pairs)
 
 
 def finish_rows(rows: list[dict], peak: float | None, reference: str | None = None) -> str | None:

@@ -5,8 +5,9 @@ What changes (parameter names stay Hugging Face's, so loading and export are unt
   - attention projections and dense/shared MLP linears (``nn.Linear`` inside decoder layers, not the router,
     not ``lm_head``) -> ``te.pytorch.Linear``: these are the GEMMs FP8 applies to;
   - attention -> ``te.pytorch.DotProductAttention`` (causal, GQA, sliding window) registered as a transformers
-    attention function. A call it cannot express (an explicit mask, e.g. packed sequences with a block mask)
-    falls back to SDPA, logged once per reason; GPT-OSS's attention sinks keep eager attention.
+    attention function; packed rows arrive as ``cu_seq_lens_q`` and run in TE's ``thd`` layout. A call it
+    cannot express (v head size unlike q's, attention dropout) falls back to SDPA with the same causal, window
+    and per-sequence masking, logged once per reason; GPT-OSS's attention sinks keep eager attention.
 Experts stay on grouped_mm (TE's GroupedLinear loops over experts: 28 TFLOP/s against 582 for
 ``torch._grouped_mm`` on an H200); the router, the norms' statistics and the loss stay in higher precision.
 
@@ -130,20 +131,15 @@ def te_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     run in TE's ``thd`` layout with a per-sequence causal mask."""
     B, H, S, d = query.shape
     cu = kwargs.get("cu_seq_lens_q")
+    # No mask ever arrives here (transformers builds none for a registered function; MoECausalLM refuses one).
     reason = None
-    if attention_mask is not None:
-        reason = "an explicit attention mask"
-    elif d != value.shape[-1]:
+    if d != value.shape[-1]:
         reason = "different q/k and v head sizes"
     elif dropout:
         reason = "attention dropout"
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     if reason is not None:
         _log_once(reason)
-        if attention_mask is not None:
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
         return _sdpa(query, key, value, scaling, cu, window, dropout), None
     dpa = _dpa(module, query, key, window, scaling if scaling is not None else d**-0.5)
     if cu is None:

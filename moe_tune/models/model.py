@@ -76,8 +76,15 @@ class MoECausalLM(nn.Module):
         """Like transformers: ``labels`` are aligned with ``input_ids`` and shifted here; -100 is ignored.
         The loss is the token sum divided by ``loss_normalizer`` (default: this batch's label tokens)."""
         extra = {}
-        if self.wants_cu_seqlens and position_ids is not None and attention_mask is None:
-            extra = packed_sequence_kwargs(position_ids)
+        if self.wants_cu_seqlens:
+            if attention_mask is not None:
+                # transformers gives a registered attention function no mask at all: refuse, never ignore it.
+                raise ValueError(
+                    "kernels=te takes no attention_mask (transformers passes none to its attention): give rows "
+                    "without padding, or packed rows with position_ids restarting at 0 at each sequence"
+                )
+            if position_ids is not None:
+                extra = packed_sequence_kwargs(position_ids.expand(input_ids.shape))
         hidden = self.model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False, **extra
         ).last_hidden_state

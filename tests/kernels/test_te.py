@@ -94,6 +94,14 @@ def test_cu_seqlens_reach_attention_and_match_transformers_packed_mask(family, t
     assert len(seen) == model.config.num_hidden_layers
     assert seen[0].tolist() == packed_sequence_kwargs(pos)["cu_seq_lens_q"].tolist()
     assert rel_err(out, ref) < 1e-5
+    # One row of positions for the whole batch (broadcast, as transformers allows): boundaries for every row.
+    seen.clear()
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=pos[:1], return_logits=True)
+    assert seen[0].tolist() == packed_sequence_kwargs(pos[:1].expand(B, S))["cu_seq_lens_q"].tolist()
+    # A padding mask is refused, not ignored (transformers would hand the registered function no mask).
+    with torch.no_grad(), pytest.raises(ValueError, match="kernels=te takes no attention_mask"):
+        model(input_ids=ids, attention_mask=torch.ones(B, S, dtype=torch.long))
     # Rows of one sequence each (no position ids): no boundaries are passed.
     seen.clear()
     with torch.no_grad(), pytest.raises(KeyError):

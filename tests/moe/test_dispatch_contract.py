@@ -240,6 +240,10 @@ def _overflow_body(rank: int, backend: str) -> None:
         lazy.check()
     with pytest.raises(RuntimeError, match=r"up to 32 routed rows .* buffer holds 8 .*capacity_factor"):
         lazy.dispatch(x_TD, ids_TK)
+    lazy.checked_after_step = True  # as under the trainer: dispatch leaves the verdict to check()
+    lazy.dispatch(x_TD, ids_TK)
+    with pytest.raises(RuntimeError, match="Raise comm.capacity_factor"):
+        lazy.check()
     _release(backend)
     eager = _build(backend, capacity_factor=0.5, max_tokens=8, debug=True)
     with pytest.raises(RuntimeError, match="Raise comm.capacity_factor"):

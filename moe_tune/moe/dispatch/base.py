@@ -14,6 +14,9 @@ class Dispatcher:
     num_experts: int
     top_k: int
     num_local_experts: int
+    # Set by the trainer, which calls check() on every rank after each step: a dispatcher then leaves its own
+    # per-rank checks out of dispatch (ranks could reach them at different layers).
+    checked_after_step: bool = False
 
     def dispatch(
         self, x_TD: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor | None = None

@@ -316,7 +316,8 @@ class SymmMemDispatcher(Dispatcher):
         S, e, E = self.ep, self.num_local_experts, self.num_experts
         pool = self._pool(x_TD)
         self._last_pool = pool
-        self._check_overflow(pool, block=False)  # without the trainer's check(): ranks may see it at different layers
+        if not self.checked_after_step:  # ranks may see the flag at different layers: the trainer checks after a step
+            self._check_overflow(pool, block=False)
         order_R, token_R = sort_by_expert(ids_TK)
         counts_E = expert_counts(ids_TK, E) if counts_E is None else counts_E
         counts_SE = counts_E.new_empty(S * E)
