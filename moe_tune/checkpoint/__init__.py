@@ -13,6 +13,7 @@ place. This needs each rank to hold whole experts: (experts / ep) divisible by t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 
@@ -23,6 +24,7 @@ from moe_tune.config import ConfigError
 from moe_tune.models.hf_io import EXPERT_PARAM, expert_offsets, local_rows
 
 COMPLETE = "COMPLETE"
+log = logging.getLogger("moe_tune")
 
 
 def _split_experts(flat: dict, offsets: dict[str, int], fqn_of=lambda k: k) -> dict:
@@ -39,12 +41,24 @@ def _split_experts(flat: dict, offsets: dict[str, int], fqn_of=lambda k: k) -> d
     return out
 
 
+def _is_extra_state(key: str) -> bool:
+    return key.endswith("_extra_state")
+
+
+def _extra_state_file(path: str, rank: int) -> str:
+    return os.path.join(path, f"extra_state.rank{rank}.pt")
+
+
 def _flat_state(trainer) -> tuple[dict, dict, dict]:
+    """Everything DCP saves and loads, flat. Modules' extra state (TransformerEngine's FP8 scaling history: a
+    pickled uint8 tensor whose length changes once FP8 has run) is left out: DCP loads into tensors of the
+    current size. It is saved per rank beside the shards instead."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
     offsets = expert_offsets(trainer.model)
-    flat = {f"model.{k}": v for k, v in _split_experts(model_sd, offsets).items()}
+    sharded = {k: v for k, v in model_sd.items() if not _is_extra_state(k)}
+    flat = {f"model.{k}": v for k, v in _split_experts(sharded, offsets).items()}
     for fqn, state in optim_sd["state"].items():
         for name, value in state.items():
             key = f"optim.{fqn}.{name}"
@@ -58,7 +72,11 @@ def _flat_state(trainer) -> tuple[dict, dict, dict]:
 def save(trainer, path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
-    flat, _, optim_sd = _flat_state(trainer)
+    flat, model_sd, optim_sd = _flat_state(trainer)
+    extra = {k: v for k, v in model_sd.items() if _is_extra_state(k)}
+    if extra:  # before dcp.save, whose collectives every rank passes before rank 0 writes COMPLETE
+        os.makedirs(path, exist_ok=True)
+        torch.save(extra, _extra_state_file(path, trainer.rank))
     dcp.save(flat, checkpoint_id=path)
     if trainer.rank == 0:
         from dataclasses import asdict
@@ -113,6 +131,15 @@ def load(trainer, path: str) -> None:
     for key, value in flat.items():
         if key.startswith("model.") and "@" not in key:
             model_sd[key[len("model.") :]] = value
+    extra_keys = [k for k in model_sd if _is_extra_state(k)]
+    if extra_keys:
+        extra_file = _extra_state_file(path, trainer.rank)
+        if os.path.isfile(extra_file):
+            model_sd.update(torch.load(extra_file, weights_only=True))  # uint8 tensors only
+        else:
+            log.warning(
+                "%s has no module extra state for rank %d (FP8 scaling history starts afresh)", path, trainer.rank
+            )
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     # Learning rate, betas etc. as they were at the save (the fresh optimizer holds step 0's values).
@@ -128,7 +155,8 @@ def load_model_weights(model, path: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     model_sd = get_model_state_dict(model)
-    flat = {f"model.{k}": v for k, v in _split_experts(model_sd, expert_offsets(model)).items()}
+    sharded = {k: v for k, v in model_sd.items() if not _is_extra_state(k)}
+    flat = {f"model.{k}": v for k, v in _split_experts(sharded, expert_offsets(model)).items()}
     dcp.load(flat, checkpoint_id=path)
     for key, value in flat.items():
         if "@" not in key:
