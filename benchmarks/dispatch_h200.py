@@ -157,13 +157,18 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def time_point(name: str, T: int, D: int, group, rank: int) -> dict:
+def _point(name: str, T: int, D: int, group, rank: int):
+    """One measurement point's inputs (random routing, bf16 tokens, gates) and its dispatcher."""
     g = torch.Generator().manual_seed(10 + rank)
     ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(DEV)
     x = torch.randn(T, D, generator=g).to(DEV, torch.bfloat16)
     w = torch.rand(T, K, generator=g).to(DEV)
     opts = dict(OPTIONS[name], **({"max_tokens": T} if name == "symm_mem" else {}))
-    d = build_dispatcher(name, E, K, group, **opts)
+    return ids, x, w, build_dispatcher(name, E, K, group, **opts)
+
+
+def time_point(name: str, T: int, D: int, group, rank: int) -> dict:
+    ids, x, w, d = _point(name, T, D, group, rank)
 
     def step():
         x_RD, counts_e, ctx = d.dispatch(x, ids)
@@ -232,12 +237,7 @@ def profile_point(name: str, T: int, D: int, group, rank: int) -> None:
     """Profiler tables (rank 0) for 5 pipelined dispatch + combine forwards: where the time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    g = torch.Generator().manual_seed(10 + rank)
-    ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(DEV)
-    x = torch.randn(T, D, generator=g).to(DEV, torch.bfloat16)
-    w = torch.rand(T, K, generator=g).to(DEV)
-    opts = dict(OPTIONS[name], **({"max_tokens": T} if name == "symm_mem" else {}))
-    d = build_dispatcher(name, E, K, group, **opts)
+    ids, x, w, d = _point(name, T, D, group, rank)
     with torch.no_grad():
         for i in range(8):
             if i == 3:
