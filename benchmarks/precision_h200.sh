@@ -3,7 +3,9 @@
 # (torch, te, te + FP8), 100 steps of the built-in arithmetic data, real routing, micro-batch 1 x 4096 tokens.
 #   bash benchmarks/precision_h200.sh qwen3 OUT_DIR   Qwen3-30B-A3B shapes, 8 layers
 #   bash benchmarks/precision_h200.sh small OUT_DIR   a small MoE: 4 layers, hidden 1024, 32 experts top-4
-# VARIANTS='name:k=v;...' runs those rows instead of the full set; EXTRA='k=v k=v' adds overrides to every row
+# ROWS=fused: every row but the slow fp32 one; ROWS=fp32: the fp32 row, then the reference again (so the two halves
+# can run side by side on two GPUs, CUDA_VISIBLE_DEVICES=0 / 1, and be joined by precision_table.py a.json,b.json).
+# VARIANTS='name:k=v;...' runs those rows instead; EXTRA='k=v k=v' adds overrides to every row
 # (e.g. EXTRA='train.lr=3e-5', where rounding alone moves the loss by well under 1%). Needs TransformerEngine for the te rows (they are recorded as errors without it). Loss differences are
 # against bf16_torch (bf16 compute, fp32 master weights, kernels=torch).
 set -euo pipefail
@@ -16,10 +18,17 @@ if [ "$which" = small ]; then
            +model.overrides.intermediate_size=2048 +model.overrides.num_attention_heads=16
            +model.overrides.num_key_value_heads=4 +model.overrides.head_dim=64 +model.overrides.vocab_size=32768)
 fi
-variants='bf16_torch:kernels=torch;torch_unfused_loss:kernels.fused_loss=false;te:kernels=te'
-variants+=';te_fp8_current:kernels=te,kernels.fp8=current;te_fp8_delayed:kernels=te,kernels.fp8=delayed'
-variants+=';amp_bf16:train.precision=amp_bf16;torch_pure_bf16:train.precision=bf16;te_pure_bf16:kernels=te,train.precision=bf16'
-variants+=';fp32_unfused:train.precision=fp32,kernels.fused_loss=false,kernels.experts=loop'
+reference='bf16_torch:kernels=torch'
+fp32='fp32_unfused:train.precision=fp32,kernels.fused_loss=false,kernels.experts=loop'
+fused="$reference;torch_unfused_loss:kernels.fused_loss=false;te:kernels=te"
+fused+=';te_fp8_current:kernels=te,kernels.fp8=current;te_fp8_delayed:kernels=te,kernels.fp8=delayed'
+fused+=';amp_bf16:train.precision=amp_bf16;torch_pure_bf16:train.precision=bf16;te_pure_bf16:kernels=te,train.precision=bf16'
+case ${ROWS:-all} in
+  all) variants="$fused;$fp32" ;;
+  fused) variants=$fused ;;
+  fp32) variants="$fp32;$reference" ;;
+  *) echo "precision_h200.sh: ROWS=${ROWS} is not one of all, fused, fp32" >&2; exit 2 ;;
+esac
 variants=${VARIANTS:-$variants}
 read -r -a extra <<< "${EXTRA:-}"
 common+=("${extra[@]}")

@@ -1,12 +1,16 @@
 """Issue 6's fp32-versus-AMP table from precision_h200.sh results (moe-tune-bench JSON files).
 
-    python benchmarks/precision_table.py OUT_STEM WORKLOAD=bench.json [WORKLOAD=bench.json ...] [--memory bench.json]
+    python benchmarks/precision_table.py OUT_STEM WORKLOAD=a.json[,b.json ...] [WORKLOAD=...] [--memory bench.json]
 
 Per workload and row: wall time, tokens/s, speed-up over fp32 unfused and over bf16 `torch`, peak memory, the
 final loss and the mean of the last 10 losses, and their difference from the bf16 `torch` run, checked against
 the issue's bounds (te: 1%, te + FP8: 2%). ``torch_unfused_loss`` differs from bf16 `torch` only in the loss's
 summation order, so its difference is the run-to-run noise floor of a rounding-level change. ``--memory``: a
 fused/unfused-loss pair, shown as peak memory with and without the fused loss. Writes OUT_STEM.{json,md,png}.
+
+A workload may come from several runs of the same workload (rows run side by side on two GPUs): their rows are
+joined in order. A row run in more than one file (the reference, so each file's rows can be compared with it)
+is taken from the first that ran it to the end, and whether the reruns' losses were bit-identical is reported.
 """
 
 from __future__ import annotations
@@ -21,6 +25,28 @@ BOUNDS = {"te": 0.01, "te_fp8_current": 0.02, "te_fp8_delayed": 0.02}
 
 def _tail_mean(losses: list[float], n: int = 10) -> float:
     return sum(losses[-n:]) / min(n, len(losses))
+
+
+def merge(benches: list[dict]) -> tuple[dict, dict[str, bool]]:
+    """One bench result from several runs of the same workload; for rows run more than once, whether every
+    rerun's losses equal the first's bit for bit."""
+    first = benches[0]
+    for b in benches[1:]:
+        for key in ("workload", "common_overrides"):
+            if b[key] != first[key]:
+                print(f"precision_table: files of one workload differ in {key}: {first[key]} vs {b[key]}")
+                raise SystemExit(2)
+    rows: dict[str, dict] = {}
+    reruns: dict[str, bool] = {}
+    for b in benches:
+        for r in b["rows"]:
+            name = r["variant"]
+            if name not in rows or (rows[name]["status"] != "ok" and r["status"] == "ok"):
+                rows[name] = r  # a row that failed in one file (e.g. a timeout) and ran in another
+            elif r["status"] == "ok" and rows[name]["status"] == "ok":
+                reruns[name] = reruns.get(name, True) and r["losses"] == rows[name]["losses"]
+    commits = sorted({b["commit"] for b in benches})
+    return {**first, "rows": list(rows.values()), "commit": ", ".join(commits)}, reruns
 
 
 def summarize(bench: dict) -> list[dict]:
@@ -67,14 +93,17 @@ def _f(x, fmt: str) -> str:
     return "" if x is None else format(x, fmt)
 
 
-def markdown(tables: dict[str, list[dict]], sources: dict[str, dict], memory: dict | None) -> str:
+def markdown(
+    tables: dict[str, list[dict]], sources: dict[str, dict], reruns: dict[str, dict], memory: dict | None
+) -> str:
     lines = ["# fp32 versus bf16 with fused kernels, per kernel set (issue 6)", ""]
     for workload, rows in tables.items():
         b = sources[workload]
         w = b["workload"]
         lines += [
             f"## {workload}: {w['model']}, {w['num_layers']} layers, seq {w['seq_len']}, micro-batch "
-            f"{w['micro_batch_size']}, {w['steps']} steps, real routing ({b['hardware']}, commit `{b['commit']}`)",
+            f"{w['micro_batch_size']}, {w['steps']} steps, lr {w['lr']:g}, {w['routing']} routing ({b['hardware']}, "
+            f"commit `{b['commit']}`)",
             "",
             "| row | kernels | precision | wall s | tokens/s | vs fp32 unfused | vs bf16 torch | peak GiB | "
             "final loss | diff | last-10 mean | diff | bound | holds (final / last-10) |",
@@ -100,6 +129,12 @@ def markdown(tables: dict[str, list[dict]], sources: dict[str, dict], memory: di
                 "",
                 f"Noise floor: `{NOISE}` computes the same loss with another summation order and ends "
                 f"{_pct(noise['final_diff'])} (last-10 mean {_pct(noise['last10_diff'])}) from bf16 torch.",
+            ]
+        for name, same in reruns[workload].items():
+            lines += [
+                "",
+                f"`{name}` was run again beside the other file's rows: its {w['steps']} losses were "
+                + ("bit-identical." if same else "not bit-identical (the first run's are shown)."),
             ]
         lines.append("")
     if memory:
@@ -150,11 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("workloads", nargs="+", help="NAME=bench.json")
     p.add_argument("--memory", default=None)
     args = p.parse_args(argv)
-    sources = {}
+    sources, reruns = {}, {}
     for spec in args.workloads:
-        name, _, path = spec.partition("=")
-        with open(path) as f:
-            sources[name] = json.load(f)
+        name, _, paths = spec.partition("=")
+        benches = []
+        for path in paths.split(","):
+            with open(path) as f:
+                benches.append(json.load(f))
+        sources[name], reruns[name] = merge(benches)
     memory = None
     if args.memory:
         with open(args.memory) as f:
@@ -167,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             indent=2,
         )
     with open(args.out_stem + ".md", "w") as f:
-        f.write(markdown(tables, sources, memory))
+        f.write(markdown(tables, sources, reruns, memory))
     chart(tables, args.out_stem + ".png")
     print(f"wrote {args.out_stem}.json, .md, .png")
     return 0

@@ -1,5 +1,6 @@
 """The embedded default run end to end, a 2-rank torchrun on gloo, resume and export."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -122,18 +123,60 @@ def test_resume_is_bitwise(tmp_path, cli_env):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     common = ["train.steps=6", "checkpoint.every=3", *FAST]
     run_cli([f"output_dir={straight}", *common], cli_env)
-    # An interrupted run: copy the step-3 checkpoint and the first 3 metric lines, then resume.
-    import shutil
-
-    os.makedirs(resumed / "checkpoints")
-    shutil.copytree(straight / "checkpoints" / "step_3", resumed / "checkpoints" / "step_3")
-    shutil.copytree(straight / "base_model", resumed / "base_model")
+    _resume_from(straight, resumed, 3)
     run_cli([f"output_dir={resumed}", *common], cli_env)
     a = [r["loss"] for r in read_metrics(straight)][3:]
     b = [r["loss"] for r in read_metrics(resumed)]
     assert len(b) == 3 and a == b, (a, b)
     sa, sb = read_hf_tensors(straight / "hf"), read_hf_tensors(resumed / "hf")
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _resume_from(straight, resumed, step: int, drop_extra_state: bool = False) -> None:
+    """An interrupted run: the straight run's step checkpoint and base model, copied to a fresh output dir."""
+    import shutil
+
+    os.makedirs(resumed / "checkpoints")
+    shutil.copytree(straight / "checkpoints" / f"step_{step}", resumed / "checkpoints" / f"step_{step}")
+    shutil.copytree(straight / "base_model", resumed / "base_model")
+    if drop_extra_state:
+        for f in (resumed / "checkpoints" / f"step_{step}").glob("extra_state.rank*.pt"):
+            f.unlink()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformer_engine") is None,
+    reason="TransformerEngine is not installed (pip install 'moe_tune[te]' on a CUDA machine)",
+)
+def test_te_fp8_delayed_resume_is_bitwise_on_gpu(tmp_path, cli_env):
+    """kernels=te with FP8 delayed scaling on one GPU: 6 steps straight == 3 steps, resume, 3 more, bit for bit.
+    Delayed scaling quantizes with the amax history of earlier steps, which lives in TE's module extra state; a
+    resume from the same checkpoint without that state (control) must give other losses, or the test shows
+    nothing."""
+    env = {**cli_env, "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+    common = [
+        "train.steps=6",
+        "checkpoint.every=3",
+        "kernels=te",
+        "kernels.fp8=delayed",
+        "train.seq_len=256",
+        "train.micro_batch_size=2",
+        "data.num_samples=256",
+    ]
+    straight, resumed, control = tmp_path / "straight", tmp_path / "resumed", tmp_path / "control"
+    run_cli([f"output_dir={straight}", *common], env)
+    assert list((straight / "checkpoints" / "step_3").glob("extra_state.rank0.pt"))
+    _resume_from(straight, resumed, 3)
+    _resume_from(straight, control, 3, drop_extra_state=True)
+    run_cli([f"output_dir={resumed}", *common], env)
+    r = run_cli([f"output_dir={control}", *common], env)
+    assert "no module extra state" in r.stderr
+    a = [m["loss"] for m in read_metrics(straight)][3:]
+    b = [m["loss"] for m in read_metrics(resumed)]
+    c = [m["loss"] for m in read_metrics(control)]
+    assert len(b) == 3 and a == b, (a, b)
+    assert c != a, (a, c)
 
 
 def test_a_signal_during_the_agreement_is_counted_at_the_next_step(monkeypatch):
