@@ -62,6 +62,9 @@ class KernelsConfig:
     name: str = "torch"
     experts: str = "grouped_mm"
     fp8: str = "none"
+    # fp8=delayed only: the scale comes from the amax over this many past steps ("max") or the last ("most_recent").
+    fp8_amax_history_len: int = 1024
+    fp8_amax_compute_algo: str = "max"
     compile: bool = False
     # Chunked linear cross-entropy that never materialises the full logits.
     fused_loss: bool = True
@@ -199,6 +202,12 @@ def validate(cfg: Config, world_size: int | None = None, num_experts: int | None
     _choice(cfg.kernels.name, KERNEL_SETS, "kernels")
     _choice(cfg.kernels.experts, EXPERT_KERNELS, "kernels.experts")
     _choice(cfg.kernels.fp8, FP8_MODES, "kernels.fp8")
+    _choice(cfg.kernels.fp8_amax_compute_algo, ("max", "most_recent"), "kernels.fp8_amax_compute_algo")
+    if cfg.kernels.fp8_amax_history_len < 1:
+        raise ConfigError(
+            f"kernels.fp8_amax_history_len ({cfg.kernels.fp8_amax_history_len}) must be at least 1 (steps of amax "
+            "history for kernels.fp8=delayed)"
+        )
     _choice(cfg.parallel.activation_checkpointing, AC_MODES, "parallel.activation_checkpointing")
     _choice(cfg.model.dtype, ("source", "float32", "bfloat16"), "model.dtype")
     _choice(cfg.optim.name, ("adamw",), "optim")

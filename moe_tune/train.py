@@ -108,7 +108,16 @@ class Trainer:
             moe.router.force_balanced = cfg.train.force_balanced_routing
             moe.want_aux_loss, moe.want_z_loss = cfg.train.aux_loss_coef > 0, cfg.train.z_loss_coef > 0
         k = cfg.kernels
-        apply_kernels(model, k.name, k.experts, k.fused_loss, k.loss_chunk_size, k.fp8)
+        apply_kernels(
+            model,
+            k.name,
+            k.experts,
+            k.fused_loss,
+            k.loss_chunk_size,
+            k.fp8,
+            k.fp8_amax_history_len,
+            k.fp8_amax_compute_algo,
+        )
         dp_replicate, dp_shard, ep = resolve_parallel(cfg.parallel, self.world)
         dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, world_size=self.world)
         mesh = dims.build_mesh(self.device.type)

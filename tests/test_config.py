@@ -62,6 +62,8 @@ def test_default_values():
         (["kernels=te"], 1, "TransformerEngine is not installed"),
         (["kernels.fp8=current"], 1, "kernels.fp8=current needs kernels=te"),
         (["kernels=te", "kernels.experts=te"], 1, "kernels.experts=te is not offered"),
+        (["kernels.fp8_amax_compute_algo=mean"], 1, "kernels.fp8_amax_compute_algo='mean' is not one of max"),
+        (["kernels.fp8_amax_history_len=0"], 1, "kernels.fp8_amax_history_len (0) must be at least 1"),
         (["train.precision=fp16"], 1, "train.precision='fp16' is not one of"),
         (["parallel.activation_checkpointing=some"], 1, "parallel.activation_checkpointing='some'"),
         (["model.path=/nonexistent"], 1, "model.path='/nonexistent' has no config.json"),

@@ -12,6 +12,7 @@ place. This needs each rank to hold whole experts: (experts / ep) divisible by t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -47,6 +48,26 @@ def _is_extra_state(key: str) -> bool:
 
 def _extra_state_file(path: str, rank: int) -> str:
     return os.path.join(path, f"extra_state.rank{rank}.pt")
+
+
+@contextlib.contextmanager
+def _te_pickled_extra_state_allowed(allowed: bool):
+    """TransformerEngine (2.20+) refuses to unpickle its FP8 delayed-scaling state unless
+    NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1, so a kernels.fp8=delayed run could not resume from its own
+    checkpoint. A resume trusts the checkpoint directory already (DCP's ``.metadata`` is a pickle), so the
+    opt-in is set for this load only, and only when the extra state was read from the checkpoint."""
+    key = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+    before = os.environ.get(key)
+    if allowed:
+        os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if allowed:
+            if before is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = before
 
 
 def _flat_state(trainer) -> tuple[dict, dict, dict]:
@@ -132,10 +153,12 @@ def load(trainer, path: str) -> None:
         if key.startswith("model.") and "@" not in key:
             model_sd[key[len("model.") :]] = value
     extra_keys = [k for k in model_sd if _is_extra_state(k)]
+    own_pickles = False
     if extra_keys:
         extra_file = _extra_state_file(path, trainer.rank)
         if os.path.isfile(extra_file):
             model_sd.update(torch.load(extra_file, weights_only=True))  # uint8 tensors only
+            own_pickles = True
         else:
             log.warning(
                 "%s has no module extra state for rank %d (FP8 scaling history starts afresh)", path, trainer.rank
@@ -144,7 +167,8 @@ def load(trainer, path: str) -> None:
         meta = json.load(f)
     # Learning rate, betas etc. as they were at the save (the fresh optimizer holds step 0's values).
     optim_sd["param_groups"] = [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["param_groups"]]
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    with _te_pickled_extra_state_allowed(own_pickles):
+        set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     trainer.scheduler.load_state_dict(meta["scheduler"])
     trainer.step = meta["step"]
 

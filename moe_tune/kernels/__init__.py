@@ -18,6 +18,8 @@ def apply_kernels(
     fused_loss: bool = True,
     loss_chunk_size: int = 4096,
     fp8: str = "none",
+    fp8_amax_history_len: int = 1024,
+    fp8_amax_compute_algo: str = "max",
 ) -> None:
     if name not in ("torch", "te"):
         raise ConfigError(f"kernels={name!r} is not one of torch, te")
@@ -32,4 +34,4 @@ def apply_kernels(
     if name == "te":
         from moe_tune.kernels.te import apply_te
 
-        apply_te(model, fp8=fp8, experts=experts)
+        apply_te(model, fp8, experts, fp8_amax_history_len, fp8_amax_compute_algo)

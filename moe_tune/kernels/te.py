@@ -161,7 +161,13 @@ def te_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     return out.reshape(B, S, H, d), None
 
 
-def apply_te(model, fp8: str = "none", experts: str = "grouped_mm") -> None:
+def apply_te(
+    model,
+    fp8: str = "none",
+    experts: str = "grouped_mm",
+    amax_history_len: int = 1024,
+    amax_compute_algo: str = "max",
+) -> None:
     from transformers import AttentionInterface
 
     router_ids = {id(m.router) for m in model.moe_layers()}
@@ -177,19 +183,21 @@ def apply_te(model, fp8: str = "none", experts: str = "grouped_mm") -> None:
     else:
         log.info("kernels=te: %s attention kept (%s)", model.config._attn_implementation, model.config.model_type)
     if fp8 != "none":
-        _wrap_fp8(model, fp8)
+        _wrap_fp8(model, fp8_recipe(fp8, amax_history_len, amax_compute_algo))
 
 
-def fp8_recipe(fp8: str):
+def fp8_recipe(fp8: str, amax_history_len: int = 1024, amax_compute_algo: str = "max"):
     from transformer_engine.common import recipe
 
-    return recipe.Float8CurrentScaling() if fp8 == "current" else recipe.DelayedScaling()
+    if fp8 == "current":
+        return recipe.Float8CurrentScaling()
+    return recipe.DelayedScaling(amax_history_len=amax_history_len, amax_compute_algo=amax_compute_algo)
 
 
-def _wrap_fp8(model, fp8: str) -> None:
-    """Run every decoder layer under TE's fp8 autocast: its te.Linear GEMMs run in FP8; the router (F.linear),
-    the experts (grouped_mm), norms' statistics, attention's softmax and the loss stay in bf16/fp32."""
-    r = fp8_recipe(fp8)
+def _wrap_fp8(model, r) -> None:
+    """Run every decoder layer under TE's fp8 autocast with recipe ``r``: its te.Linear GEMMs run in FP8; the
+    router (F.linear), the experts (grouped_mm), norms' statistics, attention's softmax and the loss stay in
+    bf16/fp32."""
     te = _te()
     for layer in model.layers:
         inner = layer.forward

@@ -3,6 +3,7 @@ whose length changes once FP8 runs) must not break saving or resuming a checkpoi
 
 from __future__ import annotations
 
+import os
 import types
 
 import torch
@@ -26,6 +27,8 @@ class _ExtraState(torch.nn.Module):
 
     def set_extra_state(self, state) -> None:
         self.loaded = state
+        # TE >= 2.20 unpickles delayed-scaling state only with this opt-in (else resume raises).
+        self.pickle_opt_in = os.environ.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE")
 
 
 def _trainer(seed: int, nbytes: int):
@@ -52,5 +55,9 @@ def test_checkpoint_with_variable_size_extra_state_saves_and_resumes(tmp_path):
     b_state = fresh.optimizer.state_dict()["state"]
     assert all(torch.equal(a_state[k]["exp_avg"], b_state[k]["exp_avg"]) for k in a_state)
     assert fresh.step == 3
-    loaded = fresh.model.model.layers[0].te_like.loaded  # the saved history came back, at its saved size
-    assert torch.equal(loaded, torch.arange(40, dtype=torch.uint8))
+    te_like = fresh.model.model.layers[0].te_like
+    assert torch.equal(te_like.loaded, torch.arange(40, dtype=torch.uint8))  # the saved history, at its size
+    # TE may unpickle it during this load (the checkpoint is trusted already: DCP's metadata is a pickle) ...
+    assert te_like.pickle_opt_in == "1"
+    # ... and only during it.
+    assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE" not in os.environ
