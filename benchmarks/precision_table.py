@@ -8,6 +8,10 @@ the issue's bounds (te: 1%, te + FP8: 2%). ``torch_unfused_loss`` differs from b
 summation order, so its difference is the run-to-run noise floor of a rounding-level change. ``--memory``: a
 fused/unfused-loss pair, shown as peak memory with and without the fused loss. Writes OUT_STEM.{json,md,png}.
 
+Workloads named ``NAME/SUFFIX`` (e.g. ``qwen3_8_layers/seed1``) are repeats of NAME with another seed: each gets
+its own table, and a summary per NAME shows every bounded row's final-loss difference across the repeats and how
+often the bound held, beside the noise-floor row's.
+
 A workload may come from several runs of the same workload (rows run side by side on two GPUs): their rows are
 joined in order. A row run in more than one file (the reference, so each file's rows can be compared with it)
 is taken from the first that ran it to the end, and whether the reruns' losses were bit-identical is reported.
@@ -137,6 +141,7 @@ def markdown(
                 + ("bit-identical." if same else "not bit-identical (the first run's are shown)."),
             ]
         lines.append("")
+    lines += repeats_summary(tables, sources)
     if memory:
         lines += ["## Peak memory with and without the fused linear cross-entropy", ""]
         w = memory["workload"]
@@ -152,6 +157,40 @@ def markdown(
             )
         lines.append("")
     return "\n".join(lines)
+
+
+def repeats_summary(tables: dict[str, list[dict]], sources: dict[str, dict]) -> list[str]:
+    """Per workload run more than once (``NAME``, ``NAME/seed1``, ...): each bounded row's and the noise-floor
+    row's final-loss difference from bf16 torch in every repeat, and how many repeats held the bound."""
+    groups: dict[str, list[str]] = {}
+    for name in tables:
+        groups.setdefault(name.split("/")[0], []).append(name)
+    lines = []
+    for base, names in groups.items():
+        if len(names) < 2:
+            continue
+        labels = [f"seed {sources[n]['workload']['seed']}" for n in names]
+        lines += [
+            f"## {base}: final loss vs bf16 torch across {len(names)} repeats",
+            "",
+            "| row | bound | " + " | ".join(labels) + " | mean abs | held |",
+            "|---|---:|" + "---:|" * len(names) + "---:|---|",
+        ]
+        for variant in [NOISE, *BOUNDS]:
+            diffs = []
+            for n in names:
+                r = next((r for r in tables[n] if r["variant"] == variant and r["status"] == "ok"), None)
+                diffs.append(None if r is None else r["final_diff"])
+            seen = [d for d in diffs if d is not None]
+            if not seen:
+                continue
+            bound = BOUNDS.get(variant)
+            held = "" if bound is None else f"{sum(abs(d) <= bound for d in seen)} of {len(seen)}"
+            cells = " | ".join("" if d is None else _pct(d) for d in diffs)
+            mean_abs = 100 * sum(abs(d) for d in seen) / len(seen)
+            lines.append(f"| {variant} | {_pct(bound).lstrip('+')} | {cells} | {mean_abs:.2f}% | {held} |")
+        lines.append("")
+    return lines
 
 
 def chart(tables: dict[str, list[dict]], path: str) -> None:
@@ -206,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     with open(args.out_stem + ".md", "w") as f:
         f.write(markdown(tables, sources, reruns, memory))
-    chart(tables, args.out_stem + ".png")
+    chart({n: t for n, t in tables.items() if "/" not in n}, args.out_stem + ".png")  # repeats: in the summary
     print(f"wrote {args.out_stem}.json, .md, .png")
     return 0
 
