@@ -4,7 +4,9 @@
 #   bash benchmarks/precision_h200.sh qwen3 OUT_DIR   Qwen3-30B-A3B shapes, 8 layers
 #   bash benchmarks/precision_h200.sh small OUT_DIR   a small MoE: 4 layers, hidden 1024, 32 experts top-4
 # ROWS=fused: every row but the slow fp32 one; ROWS=fp32: the fp32 row, then the reference again (so the two halves
-# can run side by side on two GPUs, CUDA_VISIBLE_DEVICES=0 / 1, and be joined by precision_table.py a.json,b.json).
+# can run side by side on two GPUs, CUDA_VISIBLE_DEVICES=0 / 1, and be joined by precision_table.py a.json,b.json);
+# ROWS=bounds: the reference, the noise-floor row and the rows the issue bounds (te, every FP8 recipe), for repeats
+# with EXTRA='train.lr=3e-5 train.seed=N'.
 # VARIANTS='name:k=v;...' runs those rows instead; EXTRA='k=v k=v' adds overrides to every row
 # (e.g. EXTRA='train.lr=3e-5', where rounding alone moves the loss by well under 1%). Needs TransformerEngine for the te rows (they are recorded as errors without it). Loss differences are
 # against bf16_torch (bf16 compute, fp32 master weights, kernels=torch).
@@ -20,14 +22,17 @@ if [ "$which" = small ]; then
 fi
 reference='bf16_torch:kernels=torch'
 fp32='fp32_unfused:train.precision=fp32,kernels.fused_loss=false,kernels.experts=loop'
-fused="$reference;torch_unfused_loss:kernels.fused_loss=false;te:kernels=te"
-fused+=';te_fp8_current:kernels=te,kernels.fp8=current;te_fp8_delayed:kernels=te,kernels.fp8=delayed'
+fp8='te_fp8_current:kernels=te,kernels.fp8=current;te_fp8_delayed:kernels=te,kernels.fp8=delayed'
+fp8+=';te_fp8_blockwise:kernels=te,kernels.fp8=blockwise'
+fp8+=';te_fp8_current_split:kernels=te,kernels.fp8=current,kernels.fp8_fprop_split_accumulator=true'
+fused="$reference;torch_unfused_loss:kernels.fused_loss=false;te:kernels=te;$fp8"
 fused+=';amp_bf16:train.precision=amp_bf16;torch_pure_bf16:train.precision=bf16;te_pure_bf16:kernels=te,train.precision=bf16'
 case ${ROWS:-all} in
   all) variants="$fused;$fp32" ;;
   fused) variants=$fused ;;
   fp32) variants="$fp32;$reference" ;;
-  *) echo "precision_h200.sh: ROWS=${ROWS} is not one of all, fused, fp32" >&2; exit 2 ;;
+  bounds) variants="$reference;torch_unfused_loss:kernels.fused_loss=false;te:kernels=te;$fp8" ;;
+  *) echo "precision_h200.sh: ROWS=${ROWS} is not one of all, fused, fp32, bounds" >&2; exit 2 ;;
 esac
 variants=${VARIANTS:-$variants}
 read -r -a extra <<< "${EXTRA:-}"

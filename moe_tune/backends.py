@@ -20,6 +20,7 @@ BACKENDS = (
     "transformer_engine",
     "fp8_current",
     "fp8_delayed",
+    "fp8_blockwise",
     "fp8_mxfp8",
 )
 
@@ -33,7 +34,12 @@ DEEPEP_HOWTO = (
 TE_HOWTO = "TransformerEngine is not installed: pip install 'moe_tune[te]' (transformer-engine[pytorch]); or pick kernels=torch"
 # Lowest compute capability per backend, and the fp8 recipe each kernels.fp8 mode maps to.
 _MIN_CC = {"deepep": (9, 0), "symm_mem": (8, 0), "transformer_engine": (8, 0), "grouped_mm": (8, 0)}
-_FP8_MODES = {"fp8_current": "Float8CurrentScaling", "fp8_delayed": "DelayedScaling", "fp8_mxfp8": "MXFP8BlockScaling"}
+_FP8_MODES = {
+    "fp8_current": "Float8CurrentScaling",
+    "fp8_delayed": "DelayedScaling",
+    "fp8_blockwise": "Float8BlockScaling",
+    "fp8_mxfp8": "MXFP8BlockScaling",
+}
 
 
 def _cuda() -> tuple[str, tuple[int, int]] | None:
@@ -100,6 +106,11 @@ def unusable_reason(name: str) -> str | None:
         return (
             f"{key} needs a Blackwell GPU (compute capability 10.x, sm100) for MXFP8 block scaling; this GPU is "
             f"{gpu_name} (sm{cc[0]}{cc[1]}): use kernels.fp8=current or kernels.fp8=delayed"
+        )
+    if name == "fp8_blockwise" and cc < (9, 0):
+        return (
+            f"{key} needs Hopper or newer (compute capability >= 9.0) for block-scaled FP8 GEMMs; this GPU is "
+            f"{gpu_name} (sm{cc[0]}{cc[1]}): use kernels.fp8=current"
         )
     if cc < (8, 9):
         return f"{key} needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell); this GPU is {gpu_name} (sm{cc[0]}{cc[1]})"

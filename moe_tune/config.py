@@ -15,7 +15,7 @@ PRECISIONS = ("fp32", "amp_bf16", "bf16_fp32_master", "bf16")
 COMMS = ("all_to_all", "deepep", "symm_mem")
 KERNEL_SETS = ("torch", "te")
 EXPERT_KERNELS = ("grouped_mm", "te", "loop")
-FP8_MODES = ("none", "current", "delayed", "mxfp8")
+FP8_MODES = ("none", "current", "delayed", "blockwise", "mxfp8")
 AC_MODES = ("none", "full", "selective")
 
 
@@ -65,6 +65,9 @@ class KernelsConfig:
     # fp8=delayed only: the scale comes from the amax over this many past steps ("max") or the last ("most_recent").
     fp8_amax_history_len: int = 1024
     fp8_amax_compute_algo: str = "max"
+    # fp8=current only: accumulate the forward GEMM in fp32 in chunks (TE's default for current is Hopper's fast,
+    # ~14-bit accumulation there; blockwise always splits, delayed offers no choice).
+    fp8_fprop_split_accumulator: bool = False
     compile: bool = False
     # Chunked linear cross-entropy that never materialises the full logits.
     fused_loss: bool = True
@@ -245,6 +248,19 @@ def validate(cfg: Config, world_size: int | None = None, num_experts: int | None
         )
     if cfg.comm.name != "all_to_all" and ep == 1:
         raise ConfigError(f"comm={cfg.comm.name} needs expert parallelism; set parallel.ep>1 or comm=all_to_all")
+    k = cfg.kernels
+    if k.fp8_fprop_split_accumulator and k.fp8 != "current":
+        raise ConfigError(
+            f"kernels.fp8_fprop_split_accumulator=true applies to kernels.fp8=current only (got kernels.fp8={k.fp8}: "
+            "blockwise always splits, delayed has no such setting); set kernels.fp8=current or drop it"
+        )
+    tokens = t.micro_batch_size * t.seq_len
+    if k.fp8 == "blockwise" and tokens % 128:
+        raise ConfigError(
+            f"kernels.fp8=blockwise quantizes in blocks of 128 tokens: train.micro_batch_size x train.seq_len "
+            f"({t.micro_batch_size} x {t.seq_len} = {tokens}) must be a multiple of 128; "
+            f"try train.seq_len={-(-t.seq_len // 128) * 128}"
+        )
     if cfg.kernels.name != "te" and cfg.kernels.fp8 != "none":
         raise ConfigError(f"kernels.fp8={cfg.kernels.fp8} needs kernels=te; add kernels=te or set kernels.fp8=none")
     from moe_tune import backends

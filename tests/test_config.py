@@ -64,6 +64,16 @@ def test_default_values():
         (["kernels=te", "kernels.experts=te"], 1, "kernels.experts=te is not offered"),
         (["kernels.fp8_amax_compute_algo=mean"], 1, "kernels.fp8_amax_compute_algo='mean' is not one of max"),
         (["kernels.fp8_amax_history_len=0"], 1, "kernels.fp8_amax_history_len (0) must be at least 1"),
+        (
+            ["kernels=te", "kernels.fp8=delayed", "kernels.fp8_fprop_split_accumulator=true"],
+            1,
+            "kernels.fp8_fprop_split_accumulator=true applies to kernels.fp8=current only (got kernels.fp8=delayed",
+        ),
+        (
+            ["kernels=te", "kernels.fp8=blockwise", "train.seq_len=100", "train.micro_batch_size=1"],
+            1,
+            "(1 x 100 = 100) must be a multiple of 128; try train.seq_len=128",
+        ),
         (["train.precision=fp16"], 1, "train.precision='fp16' is not one of"),
         (["parallel.activation_checkpointing=some"], 1, "parallel.activation_checkpointing='some'"),
         (["model.path=/nonexistent"], 1, "model.path='/nonexistent' has no config.json"),

@@ -67,7 +67,7 @@ def test_te_missing_has_reason(report):
 
 @pytest.mark.skipif(not NO_GPU, reason="checks the CPU report")
 def test_symm_mem_and_fp8_without_gpu_have_reason(report):
-    for name in ("symm_mem", "fp8_current", "fp8_delayed", "fp8_mxfp8"):
+    for name in ("symm_mem", "fp8_current", "fp8_delayed", "fp8_blockwise", "fp8_mxfp8"):
         row = _row(report, name)
         assert not row["ok"] and "needs a CUDA GPU" in row["detail"], row
 
@@ -77,6 +77,12 @@ def test_mxfp8_refused_on_hopper(monkeypatch):
     reason = backends.unusable_reason("fp8_mxfp8")
     assert reason is not None
     assert "Blackwell" in reason and "NVIDIA H200 (sm90)" in reason and "kernels.fp8=current" in reason
+
+
+def test_blockwise_fp8_refused_before_hopper(monkeypatch):
+    monkeypatch.setattr(backends, "_cuda", lambda: ("NVIDIA L40S", (8, 9)))
+    reason = backends.unusable_reason("fp8_blockwise")
+    assert reason is not None and "9.0" in reason and "NVIDIA L40S (sm89)" in reason and "fp8=current" in reason
 
 
 def test_fp8_refused_before_ada(monkeypatch):

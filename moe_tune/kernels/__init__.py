@@ -20,6 +20,7 @@ def apply_kernels(
     fp8: str = "none",
     fp8_amax_history_len: int = 1024,
     fp8_amax_compute_algo: str = "max",
+    fp8_fprop_split_accumulator: bool = False,
 ) -> None:
     if name not in ("torch", "te"):
         raise ConfigError(f"kernels={name!r} is not one of torch, te")
@@ -34,4 +35,4 @@ def apply_kernels(
     if name == "te":
         from moe_tune.kernels.te import apply_te
 
-        apply_te(model, fp8, experts, fp8_amax_history_len, fp8_amax_compute_algo)
+        apply_te(model, fp8, experts, fp8_amax_history_len, fp8_amax_compute_algo, fp8_fprop_split_accumulator)

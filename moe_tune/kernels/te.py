@@ -11,8 +11,10 @@ What changes (parameter names stay Hugging Face's, so loading and export are unt
 Experts stay on grouped_mm (TE's GroupedLinear loops over experts: 28 TFLOP/s against 582 for
 ``torch._grouped_mm`` on an H200); the router, the norms' statistics and the loss stay in higher precision.
 
-``kernels.fp8``: ``current`` (per-tensor current scaling) or ``delayed`` (amax history) wraps the forward in
-TE's fp8 autocast; ``mxfp8`` needs Blackwell and is refused before this module is reached.
+``kernels.fp8``: ``current`` (per-tensor current scaling), ``delayed`` (amax history) or ``blockwise`` (a scale
+per 128 values of activations and gradients, per 128 x 128 block of weights, E4M3 throughout, as DeepSeek-V3
+trained) wraps the forward in TE's fp8 autocast; ``mxfp8`` needs Blackwell and is refused before this module is
+reached.
 """
 
 from __future__ import annotations
@@ -37,19 +39,20 @@ def _is_rmsnorm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm") and hasattr(module, "weight") and module.weight.dim() == 1
 
 
-def _fp8_shape_ok(linear: nn.Linear) -> bool:
-    # TE's FP8 GEMMs need both dims to be multiples of 16 (Qwen2-MoE's 1-wide shared_expert_gate is not).
-    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
+def _fp8_shape_ok(linear: nn.Linear, multiple: int = 16) -> bool:
+    # TE's FP8 GEMMs need both dims to be multiples of 16 (Qwen2-MoE's 1-wide shared_expert_gate is not); block
+    # scaling, of its block length (128).
+    return linear.in_features % multiple == 0 and linear.out_features % multiple == 0
 
 
-def _te_module(child: nn.Module, router_ids: set[int]) -> nn.Module | None:
+def _te_module(child: nn.Module, router_ids: set[int], multiple: int = 16) -> nn.Module | None:
     """The TE replacement of ``child`` (same parameter names, loaded weights copied), or None to keep it."""
     te = _te()
     device = child.weight.device if hasattr(child, "weight") else torch.device("meta")
     if _is_rmsnorm(child):
         eps = getattr(child, "variance_epsilon", getattr(child, "eps", 1e-6))
         new = te.RMSNorm(child.weight.shape[0], eps=eps, dtype=child.weight.dtype, device=device)
-    elif isinstance(child, nn.Linear) and id(child) not in router_ids and _fp8_shape_ok(child):
+    elif isinstance(child, nn.Linear) and id(child) not in router_ids and _fp8_shape_ok(child, multiple):
         new = te.Linear(
             child.in_features,
             child.out_features,
@@ -66,10 +69,10 @@ def _te_module(child: nn.Module, router_ids: set[int]) -> nn.Module | None:
     return new
 
 
-def _swap(root: nn.Module, router_ids: set[int]) -> None:
+def _swap(root: nn.Module, router_ids: set[int], multiple: int = 16) -> None:
     for parent in list(root.modules()):
         for name, child in list(parent.named_children()):
-            new = _te_module(child, router_ids)
+            new = _te_module(child, router_ids, multiple)
             if new is not None:
                 setattr(parent, name, new)
 
@@ -167,12 +170,14 @@ def apply_te(
     experts: str = "grouped_mm",
     amax_history_len: int = 1024,
     amax_compute_algo: str = "max",
+    fprop_split_accumulator: bool = False,
 ) -> None:
     from transformers import AttentionInterface
 
     router_ids = {id(m.router) for m in model.moe_layers()}
+    multiple = 128 if fp8 == "blockwise" else 16  # a linear TE cannot quantize stays torch, outside FP8
     for layer in model.layers:
-        _swap(layer, router_ids)
+        _swap(layer, router_ids, multiple)
     final_norm = _te_module(model.model.norm, router_ids) if hasattr(model.model, "norm") else None
     if final_norm is not None:
         model.model.norm = final_norm
@@ -183,14 +188,20 @@ def apply_te(
     else:
         log.info("kernels=te: %s attention kept (%s)", model.config._attn_implementation, model.config.model_type)
     if fp8 != "none":
-        _wrap_fp8(model, fp8_recipe(fp8, amax_history_len, amax_compute_algo))
+        _wrap_fp8(model, fp8_recipe(fp8, amax_history_len, amax_compute_algo, fprop_split_accumulator))
 
 
-def fp8_recipe(fp8: str, amax_history_len: int = 1024, amax_compute_algo: str = "max"):
+def fp8_recipe(
+    fp8: str, amax_history_len: int = 1024, amax_compute_algo: str = "max", fprop_split_accumulator: bool = False
+):
     from transformer_engine.common import recipe
 
     if fp8 == "current":
-        return recipe.Float8CurrentScaling()
+        return recipe.Float8CurrentScaling(
+            fp8_gemm_fprop=recipe.MMParams(use_split_accumulator=fprop_split_accumulator)
+        )
+    if fp8 == "blockwise":
+        return recipe.Float8BlockScaling()
     return recipe.DelayedScaling(amax_history_len=amax_history_len, amax_compute_algo=amax_compute_algo)
 
 

@@ -19,7 +19,7 @@ from transformers import AttentionInterface
 
 import moe_tune
 from moe_tune.kernels import apply_kernels
-from moe_tune.kernels.te import _sdpa
+from moe_tune.kernels.te import _fp8_shape_ok, _sdpa
 from moe_tune.models.model import packed_sequence_kwargs
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models"))
@@ -36,6 +36,14 @@ def _packed_positions(B: int, S: int, lengths: list[int]) -> torch.Tensor:
             i += 1
         rows.append(row[:S])
     return torch.tensor(rows)
+
+
+def test_fp8_shape_rule():
+    """A linear TE cannot quantize stays torch (outside FP8): dims multiple of 16, or of 128 for block scaling."""
+    assert _fp8_shape_ok(torch.nn.Linear(256, 48))
+    assert not _fp8_shape_ok(torch.nn.Linear(256, 1))  # Qwen2-MoE's shared_expert_gate
+    assert _fp8_shape_ok(torch.nn.Linear(256, 384), 128)
+    assert not _fp8_shape_ok(torch.nn.Linear(256, 48), 128)
 
 
 def test_packed_sequence_kwargs():
@@ -191,14 +199,18 @@ def test_te_matches_torch_in_bf16(packed, tmp_path):
 
 @pytest.mark.gpu
 @needs_te
-@pytest.mark.parametrize("fp8", ["current", "delayed"])
-def test_fp8_close_to_bf16(fp8, tmp_path):
+@pytest.mark.parametrize(
+    "fp8,options",
+    [("current", {}), ("delayed", {}), ("blockwise", {}), ("current", {"fp8_fprop_split_accumulator": True})],
+    ids=["current", "delayed", "blockwise", "current_split_accumulator"],
+)
+def test_fp8_close_to_bf16(fp8, options, tmp_path):
     """FP8 (E4M3 forward, 3 mantissa bits) on the attention GEMMs: finite, logits within 10% and the loss
     within 2% of the fp32 reference."""
     path = _checkpoint(tmp_path)
     fp32 = _load(path, torch.float32)
     model = _load(path, torch.bfloat16)
-    apply_kernels(model, "te", fp8=fp8)
+    apply_kernels(model, "te", fp8=fp8, **options)
     ids = torch.randint(0, 512, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     ref_logits, ref_loss, _ = _run(fp32, ids, None)
     for _ in range(2):  # delayed scaling uses the amax of earlier steps: check a second step too
