@@ -7,7 +7,7 @@
 # can run side by side on two GPUs, CUDA_VISIBLE_DEVICES=0 / 1, and be joined by precision_table.py a.json,b.json);
 # ROWS=bounds: the reference, the noise-floor row and the rows the issue bounds (te, every FP8 recipe), for repeats
 # with EXTRA='train.lr=3e-5 train.seed=N'.
-# VARIANTS='name:k=v;...' runs those rows instead; EXTRA='k=v k=v' adds overrides to every row
+# ROW_TIMEOUT_S: seconds per row (180; 600 where the fp32 row runs). VARIANTS='name:k=v;...' runs those rows instead; EXTRA='k=v k=v' adds overrides to every row
 # (e.g. EXTRA='train.lr=3e-5', where rounding alone moves the loss by well under 1%). Needs TransformerEngine for the te rows (they are recorded as errors without it). Loss differences are
 # against bf16_torch (bf16 compute, fp32 master weights, kernels=torch).
 set -euo pipefail
@@ -25,17 +25,19 @@ fp32='fp32_unfused:train.precision=fp32,kernels.fused_loss=false,kernels.experts
 fp8='te_fp8_current:kernels=te,kernels.fp8=current;te_fp8_delayed:kernels=te,kernels.fp8=delayed'
 fp8+=';te_fp8_blockwise:kernels=te,kernels.fp8=blockwise'
 fp8+=';te_fp8_current_split:kernels=te,kernels.fp8=current,kernels.fp8_fprop_split_accumulator=true'
-fused="$reference;torch_unfused_loss:kernels.fused_loss=false;te:kernels=te;$fp8"
-fused+=';amp_bf16:train.precision=amp_bf16;torch_pure_bf16:train.precision=bf16;te_pure_bf16:kernels=te,train.precision=bf16'
+bounded="$reference;torch_unfused_loss:kernels.fused_loss=false;te:kernels=te;$fp8"
+fused="$bounded;amp_bf16:train.precision=amp_bf16;torch_pure_bf16:train.precision=bf16"
+fused+=';te_pure_bf16:kernels=te,train.precision=bf16'
+timeout=180  # per row; the Qwen3 fp32 row takes ~6 min
 case ${ROWS:-all} in
-  all) variants="$fused;$fp32" ;;
+  all) variants="$fused;$fp32"; timeout=600 ;;
   fused) variants=$fused ;;
-  fp32) variants="$fp32;$reference" ;;
-  bounds) variants="$reference;torch_unfused_loss:kernels.fused_loss=false;te:kernels=te;$fp8" ;;
+  fp32) variants="$fp32;$reference"; timeout=600 ;;
+  bounds) variants=$bounded ;;
   *) echo "precision_h200.sh: ROWS=${ROWS} is not one of all, fused, fp32, bounds" >&2; exit 2 ;;
 esac
 variants=${VARIANTS:-$variants}
 read -r -a extra <<< "${EXTRA:-}"
 common+=("${extra[@]}")
-exec python3 -m moe_tune.bench "${common[@]}" --nproc 1 --baselines none --reference bf16_torch --timeout-s ${ROW_TIMEOUT_S:-180} \
+exec python3 -m moe_tune.bench "${common[@]}" --nproc 1 --baselines none --reference bf16_torch --timeout-s ${ROW_TIMEOUT_S:-$timeout} \
   --variants "$variants" --out "$out"

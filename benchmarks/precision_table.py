@@ -165,6 +165,11 @@ def markdown(
     return "\n".join(lines)
 
 
+def _without_seed(bench: dict) -> tuple[dict, list[str]]:
+    workload = {k: v for k, v in bench["workload"].items() if k != "seed"}
+    return workload, [o for o in bench["common_overrides"] if not o.startswith("train.seed=")]
+
+
 def repeats_summary(tables: dict[str, list[dict]], sources: dict[str, dict]) -> list[str]:
     """Per workload run more than once (``NAME``, ``NAME/seed1``, ...): each bounded row's and the noise-floor
     row's final-loss difference from bf16 torch in every repeat, and how many repeats held the bound."""
@@ -175,6 +180,13 @@ def repeats_summary(tables: dict[str, list[dict]], sources: dict[str, dict]) -> 
     for base, names in groups.items():
         if len(names) < 2:
             continue
+        settings = {n: _without_seed(sources[n]) for n in names}
+        for n in names[1:]:
+            if settings[n] != settings[names[0]]:
+                print(
+                    f"precision_table: {n} is not {names[0]} with another seed: {settings[n]} vs {settings[names[0]]}"
+                )
+                raise SystemExit(2)
         labels = [f"seed {sources[n]['workload']['seed']}" for n in names]
         lines += [
             f"## {base}: final loss vs bf16 torch across {len(names)} repeats",

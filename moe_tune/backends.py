@@ -32,14 +32,8 @@ DEEPEP_HOWTO = (
     "addition for CUDA 13's CCCL headers is not needed); or pick comm=all_to_all"
 )
 TE_HOWTO = "TransformerEngine is not installed: pip install 'moe_tune[te]' (transformer-engine[pytorch]); or pick kernels=torch"
-# Lowest compute capability per backend, and the fp8 recipe each kernels.fp8 mode maps to.
+# Lowest compute capability per backend.
 _MIN_CC = {"deepep": (9, 0), "symm_mem": (8, 0), "transformer_engine": (8, 0), "grouped_mm": (8, 0)}
-_FP8_MODES = {
-    "fp8_current": "Float8CurrentScaling",
-    "fp8_delayed": "DelayedScaling",
-    "fp8_blockwise": "Float8BlockScaling",
-    "fp8_mxfp8": "MXFP8BlockScaling",
-}
 
 
 def _cuda() -> tuple[str, tuple[int, int]] | None:
@@ -175,8 +169,8 @@ def probe(name: str) -> tuple[bool, str]:
     from moe_tune import probes
 
     try:
-        if name in _FP8_MODES:
-            return probes.run_fp8(_FP8_MODES[name])
+        if name.startswith("fp8_"):
+            return probes.run_fp8(name.removeprefix("fp8_"))
         return getattr(probes, f"run_{name}")()
     except Exception as e:
         return False, f"{name}: the probe call failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

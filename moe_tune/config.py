@@ -73,6 +73,14 @@ class KernelsConfig:
     fused_loss: bool = True
     loss_chunk_size: int = 4096
 
+    def fp8_options(self) -> dict:
+        """The keyword arguments of ``moe_tune.kernels.te.fp8_recipe`` that this config sets."""
+        return {
+            "amax_history_len": self.fp8_amax_history_len,
+            "amax_compute_algo": self.fp8_amax_compute_algo,
+            "fprop_split_accumulator": self.fp8_fprop_split_accumulator,
+        }
+
 
 @dataclass
 class DataConfig:
@@ -209,7 +217,7 @@ def validate(cfg: Config, world_size: int | None = None, num_experts: int | None
     if cfg.kernels.fp8_amax_history_len < 1:
         raise ConfigError(
             f"kernels.fp8_amax_history_len ({cfg.kernels.fp8_amax_history_len}) must be at least 1 (steps of amax "
-            "history for kernels.fp8=delayed)"
+            "history for kernels.fp8=delayed); try kernels.fp8_amax_history_len=1024"
         )
     _choice(cfg.parallel.activation_checkpointing, AC_MODES, "parallel.activation_checkpointing")
     _choice(cfg.model.dtype, ("source", "float32", "bfloat16"), "model.dtype")
@@ -249,6 +257,13 @@ def validate(cfg: Config, world_size: int | None = None, num_experts: int | None
     if cfg.comm.name != "all_to_all" and ep == 1:
         raise ConfigError(f"comm={cfg.comm.name} needs expert parallelism; set parallel.ep>1 or comm=all_to_all")
     k = cfg.kernels
+    default = KernelsConfig()
+    amax = (k.fp8_amax_history_len, k.fp8_amax_compute_algo)
+    if k.fp8 != "delayed" and amax != (default.fp8_amax_history_len, default.fp8_amax_compute_algo):
+        raise ConfigError(
+            f"kernels.fp8_amax_history_len ({amax[0]}) / kernels.fp8_amax_compute_algo ({amax[1]}) apply to "
+            f"kernels.fp8=delayed only (got kernels.fp8={k.fp8}); set kernels.fp8=delayed or drop them"
+        )
     if k.fp8_fprop_split_accumulator and k.fp8 != "current":
         raise ConfigError(
             f"kernels.fp8_fprop_split_accumulator=true applies to kernels.fp8=current only (got kernels.fp8={k.fp8}: "

@@ -88,13 +88,16 @@ def run_transformer_engine() -> tuple[bool, str]:
     return err < 2e-2 and finite, f"{detail} (tol 2e-2), grads finite: {finite}"
 
 
-def run_fp8(recipe_name: str) -> tuple[bool, str]:
-    """A TE Linear under fp8 autocast with ``recipe_name`` (Float8CurrentScaling, DelayedScaling, MXFP8BlockScaling)."""
+def run_fp8(mode: str) -> tuple[bool, str]:
+    """A TE Linear under fp8 autocast with the recipe a run with ``kernels.fp8=mode`` uses (TE's defaults for
+    the options)."""
     import torch
     import transformer_engine.pytorch as te
-    from transformer_engine.common import recipe as te_recipe
 
-    recipe = getattr(te_recipe, recipe_name)()
+    from moe_tune.kernels.te import fp8_recipe
+
+    recipe = fp8_recipe(mode)
+    recipe_name = type(recipe).__name__
     torch.manual_seed(0)
     lin = te.Linear(256, 256, bias=False, params_dtype=torch.bfloat16)
     x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -115,9 +115,7 @@ class Trainer:
             k.fused_loss,
             k.loss_chunk_size,
             fp8=k.fp8,
-            fp8_amax_history_len=k.fp8_amax_history_len,
-            fp8_amax_compute_algo=k.fp8_amax_compute_algo,
-            fp8_fprop_split_accumulator=k.fp8_fprop_split_accumulator,
+            fp8_options=k.fp8_options(),
         )
         dp_replicate, dp_shard, ep = resolve_parallel(cfg.parallel, self.world)
         dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, world_size=self.world)

@@ -65,6 +65,11 @@ def test_default_values():
         (["kernels.fp8_amax_compute_algo=mean"], 1, "kernels.fp8_amax_compute_algo='mean' is not one of max"),
         (["kernels.fp8_amax_history_len=0"], 1, "kernels.fp8_amax_history_len (0) must be at least 1"),
         (
+            ["kernels=te", "kernels.fp8=current", "kernels.fp8_amax_history_len=16"],
+            1,
+            "kernels.fp8_amax_history_len (16) / kernels.fp8_amax_compute_algo (max) apply to kernels.fp8=delayed only",
+        ),
+        (
             ["kernels=te", "kernels.fp8=delayed", "kernels.fp8_fprop_split_accumulator=true"],
             1,
             "kernels.fp8_fprop_split_accumulator=true applies to kernels.fp8=current only (got kernels.fp8=delayed",

@@ -153,12 +153,12 @@ def load(trainer, path: str) -> None:
         if key.startswith("model.") and "@" not in key:
             model_sd[key[len("model.") :]] = value
     extra_keys = [k for k in model_sd if _is_extra_state(k)]
-    own_pickles = False
+    extra_state_loaded = False
     if extra_keys:
         extra_file = _extra_state_file(path, trainer.rank)
         if os.path.isfile(extra_file):
             model_sd.update(torch.load(extra_file, weights_only=True))  # uint8 tensors only
-            own_pickles = True
+            extra_state_loaded = True
         else:
             log.warning(
                 "%s has no module extra state for rank %d (FP8 scaling history starts afresh)", path, trainer.rank
@@ -167,7 +167,7 @@ def load(trainer, path: str) -> None:
         meta = json.load(f)
     # Learning rate, betas etc. as they were at the save (the fresh optimizer holds step 0's values).
     optim_sd["param_groups"] = [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["param_groups"]]
-    with _te_pickled_extra_state_allowed(own_pickles):
+    with _te_pickled_extra_state_allowed(extra_state_loaded):
         set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     trainer.scheduler.load_state_dict(meta["scheduler"])
     trainer.step = meta["step"]

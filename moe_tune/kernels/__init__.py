@@ -18,10 +18,9 @@ def apply_kernels(
     fused_loss: bool = True,
     loss_chunk_size: int = 4096,
     fp8: str = "none",
-    fp8_amax_history_len: int = 1024,
-    fp8_amax_compute_algo: str = "max",
-    fp8_fprop_split_accumulator: bool = False,
+    fp8_options: dict | None = None,
 ) -> None:
+    """``fp8_options``: keyword arguments of ``moe_tune.kernels.te.fp8_recipe`` (amax history, split accumulator)."""
     if name not in ("torch", "te"):
         raise ConfigError(f"kernels={name!r} is not one of torch, te")
     for moe in model.moe_layers():
@@ -35,4 +34,4 @@ def apply_kernels(
     if name == "te":
         from moe_tune.kernels.te import apply_te
 
-        apply_te(model, fp8, experts, fp8_amax_history_len, fp8_amax_compute_algo, fp8_fprop_split_accumulator)
+        apply_te(model, fp8=fp8, experts=experts, fp8_options=fp8_options)

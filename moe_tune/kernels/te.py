@@ -39,20 +39,20 @@ def _is_rmsnorm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm") and hasattr(module, "weight") and module.weight.dim() == 1
 
 
-def _fp8_shape_ok(linear: nn.Linear, multiple: int = 16) -> bool:
+def _fp8_shape_ok(linear: nn.Linear, fp8_dim_multiple: int = 16) -> bool:
     # TE's FP8 GEMMs need both dims to be multiples of 16 (Qwen2-MoE's 1-wide shared_expert_gate is not); block
     # scaling, of its block length (128).
-    return linear.in_features % multiple == 0 and linear.out_features % multiple == 0
+    return linear.in_features % fp8_dim_multiple == 0 and linear.out_features % fp8_dim_multiple == 0
 
 
-def _te_module(child: nn.Module, router_ids: set[int], multiple: int = 16) -> nn.Module | None:
+def _te_module(child: nn.Module, router_ids: set[int], fp8_dim_multiple: int = 16) -> nn.Module | None:
     """The TE replacement of ``child`` (same parameter names, loaded weights copied), or None to keep it."""
     te = _te()
     device = child.weight.device if hasattr(child, "weight") else torch.device("meta")
     if _is_rmsnorm(child):
         eps = getattr(child, "variance_epsilon", getattr(child, "eps", 1e-6))
         new = te.RMSNorm(child.weight.shape[0], eps=eps, dtype=child.weight.dtype, device=device)
-    elif isinstance(child, nn.Linear) and id(child) not in router_ids and _fp8_shape_ok(child, multiple):
+    elif isinstance(child, nn.Linear) and id(child) not in router_ids and _fp8_shape_ok(child, fp8_dim_multiple):
         new = te.Linear(
             child.in_features,
             child.out_features,
@@ -69,10 +69,10 @@ def _te_module(child: nn.Module, router_ids: set[int], multiple: int = 16) -> nn
     return new
 
 
-def _swap(root: nn.Module, router_ids: set[int], multiple: int = 16) -> None:
+def _swap(root: nn.Module, router_ids: set[int], fp8_dim_multiple: int = 16) -> None:
     for parent in list(root.modules()):
         for name, child in list(parent.named_children()):
-            new = _te_module(child, router_ids, multiple)
+            new = _te_module(child, router_ids, fp8_dim_multiple)
             if new is not None:
                 setattr(parent, name, new)
 
@@ -168,16 +168,31 @@ def apply_te(
     model,
     fp8: str = "none",
     experts: str = "grouped_mm",
-    amax_history_len: int = 1024,
-    amax_compute_algo: str = "max",
-    fprop_split_accumulator: bool = False,
+    fp8_options: dict | None = None,
 ) -> None:
+    """Swap in TE modules; with ``fp8`` != none, run each decoder layer under TE's autocast with the recipe
+    ``fp8_recipe(fp8, **fp8_options)``."""
     from transformers import AttentionInterface
 
     router_ids = {id(m.router) for m in model.moe_layers()}
-    multiple = 128 if fp8 == "blockwise" else 16  # a linear TE cannot quantize stays torch, outside FP8
+    fp8_dim_multiple = 128 if fp8 == "blockwise" else 16
     for layer in model.layers:
-        _swap(layer, router_ids, multiple)
+        _swap(layer, router_ids, fp8_dim_multiple)
+    if fp8 != "none":
+        kept = [
+            n
+            for n, m in model.layers.named_modules()
+            if isinstance(m, nn.Linear) and id(m) not in router_ids and not _fp8_shape_ok(m, fp8_dim_multiple)
+        ]
+        if kept:
+            log.info(
+                "kernels.fp8=%s: %d linears stay torch (outside FP8): a dimension is not a multiple of %d (%s%s)",
+                fp8,
+                len(kept),
+                fp8_dim_multiple,
+                ", ".join(kept[:3]),
+                ", ..." if len(kept) > 3 else "",
+            )
     final_norm = _te_module(model.model.norm, router_ids) if hasattr(model.model, "norm") else None
     if final_norm is not None:
         model.model.norm = final_norm
@@ -188,25 +203,31 @@ def apply_te(
     else:
         log.info("kernels=te: %s attention kept (%s)", model.config._attn_implementation, model.config.model_type)
     if fp8 != "none":
-        _wrap_fp8(model, fp8_recipe(fp8, amax_history_len, amax_compute_algo, fprop_split_accumulator))
+        _wrap_fp8(model, fp8_recipe(fp8, **(fp8_options or {})))
 
 
 def fp8_recipe(
     fp8: str, amax_history_len: int = 1024, amax_compute_algo: str = "max", fprop_split_accumulator: bool = False
 ):
+    """TE's recipe for ``kernels.fp8``. The amax options apply to ``delayed`` only, the split accumulator to
+    ``current`` only (config validation refuses them elsewhere)."""
     from transformer_engine.common import recipe
 
     if fp8 == "current":
         return recipe.Float8CurrentScaling(
             fp8_gemm_fprop=recipe.MMParams(use_split_accumulator=fprop_split_accumulator)
         )
+    if fp8 == "delayed":
+        return recipe.DelayedScaling(amax_history_len=amax_history_len, amax_compute_algo=amax_compute_algo)
     if fp8 == "blockwise":
         return recipe.Float8BlockScaling()
-    return recipe.DelayedScaling(amax_history_len=amax_history_len, amax_compute_algo=amax_compute_algo)
+    if fp8 == "mxfp8":
+        return recipe.MXFP8BlockScaling()
+    raise ValueError(f"kernels.fp8={fp8!r} is not one of current, delayed, blockwise, mxfp8")
 
 
-def _wrap_fp8(model, r) -> None:
-    """Run every decoder layer under TE's fp8 autocast with recipe ``r``: its te.Linear GEMMs run in FP8; the
+def _wrap_fp8(model, recipe) -> None:
+    """Run every decoder layer under TE's fp8 autocast with ``recipe``: its te.Linear GEMMs run in FP8; the
     router (F.linear), the experts (grouped_mm), norms' statistics, attention's softmax and the loss stay in
     bf16/fp32."""
     te = _te()
@@ -214,7 +235,7 @@ def _wrap_fp8(model, r) -> None:
         inner = layer.forward
 
         def forward(*args, _inner=inner, **kwargs):
-            with te.autocast(enabled=True, recipe=r):
+            with te.autocast(enabled=True, recipe=recipe):
                 return _inner(*args, **kwargs)
 
         layer.forward = forward

@@ -41,7 +41,8 @@ def _trainer(seed: int, nbytes: int):
     return types.SimpleNamespace(model=model, optimizer=opt, scheduler=sched, step=3, rank=0, source=None, cfg=Config())
 
 
-def test_checkpoint_with_variable_size_extra_state_saves_and_resumes(tmp_path):
+def test_checkpoint_with_variable_size_extra_state_saves_and_resumes(tmp_path, monkeypatch):
+    monkeypatch.setenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "0")  # a user's setting, kept outside the load
     saved = _trainer(seed=0, nbytes=40)  # FP8 has run: 40 bytes of scaling history
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     saved.model(ids, labels=ids).loss.backward()
@@ -60,4 +61,9 @@ def test_checkpoint_with_variable_size_extra_state_saves_and_resumes(tmp_path):
     # TE may unpickle it during this load (the checkpoint is trusted already: DCP's metadata is a pickle) ...
     assert te_like.pickle_opt_in == "1"
     # ... and only during it.
-    assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE" not in os.environ
+    assert os.environ["NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"] == "0"
+    # Without the saved extra state there is nothing of ours to unpickle: no opt-in.
+    os.remove(tmp_path / "step_3" / "extra_state.rank0.pt")
+    again = _trainer(seed=1, nbytes=0)
+    ckpt.load(again, str(tmp_path / "step_3"))
+    assert again.model.model.layers[0].te_like.pickle_opt_in == "0"

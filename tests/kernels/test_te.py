@@ -46,6 +46,44 @@ def test_fp8_shape_rule():
     assert not _fp8_shape_ok(torch.nn.Linear(256, 48), 128)
 
 
+class _Recipe:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+@pytest.fixture
+def stub_te_recipes(monkeypatch):
+    """transformer_engine.common.recipe as classes that keep their arguments (TE is not installed on CPU)."""
+    import types
+
+    names = ("Float8CurrentScaling", "DelayedScaling", "Float8BlockScaling", "MXFP8BlockScaling", "MMParams")
+    recipe = types.ModuleType("transformer_engine.common.recipe")
+    for name in names:
+        setattr(recipe, name, type(name, (_Recipe,), {}))
+    common = types.ModuleType("transformer_engine.common")
+    common.recipe = recipe
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    monkeypatch.setitem(sys.modules, "transformer_engine.common", common)
+    monkeypatch.setitem(sys.modules, "transformer_engine.common.recipe", recipe)
+
+
+def test_fp8_recipe_per_mode_with_the_configs_options(stub_te_recipes):
+    from moe_tune.config import KernelsConfig
+    from moe_tune.kernels.te import fp8_recipe
+
+    delayed = KernelsConfig(fp8="delayed", fp8_amax_history_len=16, fp8_amax_compute_algo="most_recent")
+    r = fp8_recipe("delayed", **delayed.fp8_options())
+    assert type(r).__name__ == "DelayedScaling" and (r.amax_history_len, r.amax_compute_algo) == (16, "most_recent")
+    current = KernelsConfig(fp8="current", fp8_fprop_split_accumulator=True)
+    r = fp8_recipe("current", **current.fp8_options())
+    assert type(r).__name__ == "Float8CurrentScaling" and r.fp8_gemm_fprop.use_split_accumulator is True
+    assert fp8_recipe("current").fp8_gemm_fprop.use_split_accumulator is False
+    assert type(fp8_recipe("blockwise")).__name__ == "Float8BlockScaling"
+    assert type(fp8_recipe("mxfp8")).__name__ == "MXFP8BlockScaling"
+    with pytest.raises(ValueError, match="kernels.fp8='fp4' is not one of"):
+        fp8_recipe("fp4")
+
+
 def test_packed_sequence_kwargs():
     pos = torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 0, 1, 2, 3]])  # the second row starts mid-sequence
     kw = packed_sequence_kwargs(pos)
