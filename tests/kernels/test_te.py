@@ -84,6 +84,61 @@ def test_fp8_recipe_per_mode_with_the_configs_options(stub_te_recipes):
         fp8_recipe("fp4")
 
 
+@pytest.fixture
+def stub_te(monkeypatch, stub_te_recipes):
+    """transformer_engine.pytorch with Linear/RMSNorm of TE's constructor signatures and an autocast that records
+    its recipe: enough to check which modules kernels=te swaps, on CPU."""
+    import contextlib
+    import types
+
+    from torch import nn
+
+    class Linear(nn.Linear):
+        def __init__(self, in_features, out_features, bias=True, params_dtype=None, device=None):
+            super().__init__(in_features, out_features, bias=bias, dtype=params_dtype, device=device)
+
+    class RMSNorm(nn.RMSNorm):
+        def __init__(self, hidden_size, eps=1e-6, dtype=None, device=None):
+            super().__init__(hidden_size, eps=eps, dtype=dtype, device=device)
+
+    recipes = []
+
+    @contextlib.contextmanager
+    def autocast(enabled, recipe):
+        recipes.append(recipe)
+        yield
+
+    te = types.ModuleType("transformer_engine.pytorch")
+    te.Linear, te.RMSNorm, te.autocast = Linear, RMSNorm, autocast
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te)
+    sys.modules["transformer_engine"].pytorch = te
+    return te, recipes
+
+
+@pytest.mark.parametrize("fp8", ["current", "blockwise"])
+def test_te_swaps_the_dense_linears_fp8_can_take(stub_te, fp8, tmp_path, caplog):
+    """q_proj/o_proj (192 wide) and k/v_proj (96) are multiples of 16, not of 128: current scaling takes them,
+    block scaling leaves them torch (logged); norms are TE's, the router and lm_head are never touched, weights
+    are copied, and each decoder layer runs under the recipe's autocast."""
+    te, recipes = stub_te
+    build_hf("qwen3_moe", **{**TE_SHAPES, "head_dim": 48}).save_pretrained(tmp_path)
+    model = moe_tune.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    q_before = model.layers[0].self_attn.q_proj.weight.detach().clone()
+    router_type, head_type = type(model.moe_layers()[0].router), type(model.lm_head)
+    with caplog.at_level("INFO", logger="moe_tune"):
+        apply_kernels(model, "te", fp8=fp8)
+    attn = model.layers[0].self_attn
+    assert isinstance(attn.q_proj, te.Linear) == (fp8 == "current")
+    assert isinstance(attn.k_proj, te.Linear) == (fp8 == "current")
+    assert ("8 linears stay torch" in caplog.text) == (fp8 == "blockwise")  # 4 per layer, 2 layers
+    assert isinstance(model.layers[0].input_layernorm, te.RMSNorm) and isinstance(model.model.norm, te.RMSNorm)
+    assert type(model.moe_layers()[0].router) is router_type and type(model.lm_head) is head_type
+    torch.testing.assert_close(attn.q_proj.weight, q_before, rtol=0, atol=0)
+    # The wrapped forward, with the layer's own forward swapped for a marker (TE attention cannot run here).
+    assert model.layers[1].forward(_inner=lambda: "inner ran") == "inner ran"
+    assert type(recipes[-1]).__name__ == ("Float8CurrentScaling" if fp8 == "current" else "Float8BlockScaling")
+
+
 def test_packed_sequence_kwargs():
     pos = torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 0, 1, 2, 3]])  # the second row starts mid-sequence
     kw = packed_sequence_kwargs(pos)
