@@ -30,6 +30,7 @@ BOUNDS = {
     "te_fp8_delayed": 0.02,
     "te_fp8_blockwise": 0.02,
     "te_fp8_current_split": 0.02,
+    "te_fp8_current_fwd_only": 0.02,
 }
 
 

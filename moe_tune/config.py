@@ -16,6 +16,7 @@ COMMS = ("all_to_all", "deepep", "symm_mem")
 KERNEL_SETS = ("torch", "te")
 EXPERT_KERNELS = ("grouped_mm", "te", "loop")
 FP8_MODES = ("none", "current", "delayed", "blockwise", "mxfp8")
+FP8_BACKWARDS = ("fp8", "high_precision", "dequantized")
 AC_MODES = ("none", "full", "selective")
 
 
@@ -68,6 +69,9 @@ class KernelsConfig:
     # fp8=current only: accumulate the forward GEMM in fp32 in chunks (TE's default for current is Hopper's fast,
     # ~14-bit accumulation there; blockwise always splits, delayed offers no choice).
     fp8_fprop_split_accumulator: bool = False
+    # Backward GEMMs: "fp8" (quantized, TE's default), or FP8 in the forward only: "high_precision" keeps the bf16
+    # operands for the backward, "dequantized" the FP8 ones dequantized (less memory). Not with fp8=delayed.
+    fp8_backward: str = "fp8"
     compile: bool = False
     # Chunked linear cross-entropy that never materialises the full logits.
     fused_loss: bool = True
@@ -79,6 +83,7 @@ class KernelsConfig:
             "amax_history_len": self.fp8_amax_history_len,
             "amax_compute_algo": self.fp8_amax_compute_algo,
             "fprop_split_accumulator": self.fp8_fprop_split_accumulator,
+            "backward": self.fp8_backward,
         }
 
 
@@ -214,6 +219,7 @@ def validate(cfg: Config, world_size: int | None = None, num_experts: int | None
     _choice(cfg.kernels.experts, EXPERT_KERNELS, "kernels.experts")
     _choice(cfg.kernels.fp8, FP8_MODES, "kernels.fp8")
     _choice(cfg.kernels.fp8_amax_compute_algo, ("max", "most_recent"), "kernels.fp8_amax_compute_algo")
+    _choice(cfg.kernels.fp8_backward, FP8_BACKWARDS, "kernels.fp8_backward")
     if cfg.kernels.fp8_amax_history_len < 1:
         raise ConfigError(
             f"kernels.fp8_amax_history_len ({cfg.kernels.fp8_amax_history_len}) must be at least 1 (steps of amax "
@@ -263,6 +269,11 @@ def validate(cfg: Config, world_size: int | None = None, num_experts: int | None
         raise ConfigError(
             f"kernels.fp8_amax_history_len ({amax[0]}) / kernels.fp8_amax_compute_algo ({amax[1]}) apply to "
             f"kernels.fp8=delayed only (got kernels.fp8={k.fp8}); set kernels.fp8=delayed or drop them"
+        )
+    if k.fp8_backward != "fp8" and k.fp8 in ("none", "delayed"):
+        raise ConfigError(
+            f"kernels.fp8_backward={k.fp8_backward} needs kernels.fp8=current, blockwise or mxfp8 (got "
+            f"kernels.fp8={k.fp8}: TE's delayed scaling always runs the backward in FP8); change one of them"
         )
     if k.fp8_fprop_split_accumulator and k.fp8 != "current":
         raise ConfigError(

@@ -70,6 +70,12 @@ def test_default_values():
             "kernels.fp8_amax_history_len (16) / kernels.fp8_amax_compute_algo (max) apply to kernels.fp8=delayed only",
         ),
         (
+            ["kernels=te", "kernels.fp8=delayed", "kernels.fp8_backward=high_precision"],
+            1,
+            "kernels.fp8_backward=high_precision needs kernels.fp8=current, blockwise or mxfp8 (got kernels.fp8=delayed",
+        ),
+        (["kernels.fp8_backward=bf16"], 1, "kernels.fp8_backward='bf16' is not one of fp8, high_precision"),
+        (
             ["kernels=te", "kernels.fp8=delayed", "kernels.fp8_fprop_split_accumulator=true"],
             1,
             "kernels.fp8_fprop_split_accumulator=true applies to kernels.fp8=current only (got kernels.fp8=delayed",

@@ -207,22 +207,27 @@ def apply_te(
 
 
 def fp8_recipe(
-    fp8: str, amax_history_len: int = 1024, amax_compute_algo: str = "max", fprop_split_accumulator: bool = False
+    fp8: str,
+    amax_history_len: int = 1024,
+    amax_compute_algo: str = "max",
+    fprop_split_accumulator: bool = False,
+    backward: str = "fp8",
 ):
     """TE's recipe for ``kernels.fp8``. The amax options apply to ``delayed`` only, the split accumulator to
-    ``current`` only (config validation refuses them elsewhere)."""
+    ``current`` only, ``backward`` to all but ``delayed`` (config validation refuses them elsewhere). With
+    ``backward="fp8"`` TE's own default stands (its NVTE_BACKWARD_OVERRIDE variable included)."""
     from transformer_engine.common import recipe
 
+    override = {} if backward == "fp8" else {"backward_override": backward}
     if fp8 == "current":
-        return recipe.Float8CurrentScaling(
-            fp8_gemm_fprop=recipe.MMParams(use_split_accumulator=fprop_split_accumulator)
-        )
+        split = recipe.MMParams(use_split_accumulator=fprop_split_accumulator)
+        return recipe.Float8CurrentScaling(fp8_gemm_fprop=split, **override)
     if fp8 == "delayed":
         return recipe.DelayedScaling(amax_history_len=amax_history_len, amax_compute_algo=amax_compute_algo)
     if fp8 == "blockwise":
-        return recipe.Float8BlockScaling()
+        return recipe.Float8BlockScaling(**override)
     if fp8 == "mxfp8":
-        return recipe.MXFP8BlockScaling()
+        return recipe.MXFP8BlockScaling(**override)
     raise ValueError(f"kernels.fp8={fp8!r} is not one of current, delayed, blockwise, mxfp8")
 
 

@@ -78,6 +78,10 @@ def test_fp8_recipe_per_mode_with_the_configs_options(stub_te_recipes):
     r = fp8_recipe("current", **current.fp8_options())
     assert type(r).__name__ == "Float8CurrentScaling" and r.fp8_gemm_fprop.use_split_accumulator is True
     assert fp8_recipe("current").fp8_gemm_fprop.use_split_accumulator is False
+    assert not hasattr(fp8_recipe("current"), "backward_override")  # TE's default (and its env variable) stand
+    bf16_backward = KernelsConfig(fp8="blockwise", fp8_backward="high_precision")
+    assert fp8_recipe("blockwise", **bf16_backward.fp8_options()).backward_override == "high_precision"
+    assert fp8_recipe("current", backward="dequantized").backward_override == "dequantized"
     assert type(fp8_recipe("blockwise")).__name__ == "Float8BlockScaling"
     assert type(fp8_recipe("mxfp8")).__name__ == "MXFP8BlockScaling"
     with pytest.raises(ValueError, match="kernels.fp8='fp4' is not one of"):
@@ -294,8 +298,14 @@ def test_te_matches_torch_in_bf16(packed, tmp_path):
 @needs_te
 @pytest.mark.parametrize(
     "fp8,options",
-    [("current", {}), ("delayed", {}), ("blockwise", {}), ("current", {"fprop_split_accumulator": True})],
-    ids=["current", "delayed", "blockwise", "current_split_accumulator"],
+    [
+        ("current", {}),
+        ("delayed", {}),
+        ("blockwise", {}),
+        ("current", {"fprop_split_accumulator": True}),
+        ("current", {"backward": "high_precision"}),
+    ],
+    ids=["current", "delayed", "blockwise", "current_split_accumulator", "current_forward_only"],
 )
 def test_fp8_close_to_bf16(fp8, options, tmp_path):
     """FP8 (E4M3 forward, 3 mantissa bits) on the attention GEMMs: finite, logits within 10% and the loss
