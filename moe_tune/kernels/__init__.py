@@ -20,7 +20,7 @@ def apply_kernels(
     fp8: str = "none",
     fp8_options: dict | None = None,
 ) -> None:
-    """``fp8_options``: keyword arguments of ``moe_tune.kernels.te.fp8_recipe`` (amax history, split accumulator)."""
+    """``fp8_options``: keyword arguments of ``moe_tune.kernels.te.fp8_recipe`` (``KernelsConfig.fp8_options()``)."""
     if name not in ("torch", "te"):
         raise ConfigError(f"kernels={name!r} is not one of torch, te")
     for moe in model.moe_layers():
