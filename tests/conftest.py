@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import sys
 
@@ -29,3 +30,7 @@ def cli_env():
 
 
 PY = sys.executable
+needs_te = pytest.mark.skipif(
+    importlib.util.find_spec("transformer_engine") is None,
+    reason="TransformerEngine is not installed (pip install 'moe_tune[te]' on a CUDA machine)",
+)

@@ -1,13 +1,12 @@
 """The embedded default run end to end, a 2-rank torchrun on gloo, resume and export."""
 
-import importlib.util
 import json
 import os
 import subprocess
 
 import pytest
 import torch
-from conftest import PY
+from conftest import PY, needs_te
 
 CONTRACT_METRICS = {
     "step",
@@ -145,10 +144,7 @@ def _resume_from(straight, resumed, step: int, drop_extra_state: bool = False) -
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    importlib.util.find_spec("transformer_engine") is None,
-    reason="TransformerEngine is not installed (pip install 'moe_tune[te]' on a CUDA machine)",
-)
+@needs_te
 def test_te_fp8_delayed_resume_is_bitwise_on_gpu(tmp_path, cli_env):
     """kernels=te with FP8 delayed scaling on one GPU: 6 steps straight == 3 steps, resume, 3 more, bit for bit.
     Delayed scaling quantizes with the amax history of earlier steps, which lives in TE's module extra state; a

@@ -9,7 +9,6 @@ logits, loss and every gradient, packed and unpacked, and FP8 (current and delay
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
@@ -23,6 +22,7 @@ from moe_tune.kernels.te import _fp8_shape_ok, _sdpa
 from moe_tune.models.model import packed_sequence_kwargs
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models"))
+from conftest import needs_te  # noqa: E402
 from tiny_hf import FAMILIES, VOCAB, build_hf, rel_err  # noqa: E402
 
 
@@ -214,10 +214,6 @@ def test_cu_seqlens_reach_attention_and_match_transformers_packed_mask(family, t
 
 
 # -- on an H200 with TransformerEngine ----------------------------------------------------------------------
-needs_te = pytest.mark.skipif(
-    importlib.util.find_spec("transformer_engine") is None,
-    reason="TransformerEngine is not installed (pip install 'moe_tune[te]' on a CUDA machine)",
-)
 TE_SHAPES = dict(
     vocab_size=512,
     hidden_size=256,
