@@ -26,6 +26,7 @@ fp8='te_fp8_current:kernels=te,kernels.fp8=current;te_fp8_delayed:kernels=te,ker
 fp8+=';te_fp8_blockwise:kernels=te,kernels.fp8=blockwise'
 fp8+=';te_fp8_current_split:kernels=te,kernels.fp8=current,kernels.fp8_fprop_split_accumulator=true'
 fp8+=';te_fp8_current_fwd_only:kernels=te,kernels.fp8=current,kernels.fp8_backward=high_precision'
+fp8+=';te_fp8_current_e4m3:kernels=te,kernels.fp8=current,kernels.fp8_format=e4m3'
 bounded="$reference;torch_unfused_loss:kernels.fused_loss=false;te:kernels=te;$fp8"
 fused="$bounded;amp_bf16:train.precision=amp_bf16;torch_pure_bf16:train.precision=bf16"
 fused+=';te_pure_bf16:kernels=te,train.precision=bf16'

@@ -31,6 +31,7 @@ BOUNDS = {
     "te_fp8_blockwise": 0.02,
     "te_fp8_current_split": 0.02,
     "te_fp8_current_fwd_only": 0.02,
+    "te_fp8_current_e4m3": 0.02,
 }
 
 

@@ -17,6 +17,7 @@ KERNEL_SETS = ("torch", "te")
 EXPERT_KERNELS = ("grouped_mm", "te", "loop")
 FP8_MODES = ("none", "current", "delayed", "blockwise", "mxfp8")
 FP8_BACKWARDS = ("fp8", "high_precision", "dequantized")
+FP8_FORMATS = ("hybrid", "e4m3")
 AC_MODES = ("none", "full", "selective")
 
 
@@ -72,6 +73,9 @@ class KernelsConfig:
     # Backward GEMMs: "fp8" (quantized, TE's default), or FP8 in the forward only: "high_precision" keeps the bf16
     # operands for the backward, "dequantized" the FP8 ones dequantized (less memory). Not with fp8=delayed.
     fp8_backward: str = "fp8"
+    # None: the recipe's own format (current and delayed: "hybrid", E4M3 forward and E5M2 gradients, whose 2
+    # mantissa bits are the suspected cause of FP8's loss bias; blockwise and mxfp8: E4M3). "e4m3": E4M3 throughout.
+    fp8_format: str | None = None
     compile: bool = False
     # Chunked linear cross-entropy that never materialises the full logits.
     fused_loss: bool = True
@@ -84,6 +88,7 @@ class KernelsConfig:
             "amax_compute_algo": self.fp8_amax_compute_algo,
             "fprop_split_accumulator": self.fp8_fprop_split_accumulator,
             "backward": self.fp8_backward,
+            "fp8_format": self.fp8_format,
         }
 
 
@@ -220,6 +225,8 @@ def validate(cfg: Config, world_size: int | None = None, num_experts: int | None
     _choice(cfg.kernels.fp8, FP8_MODES, "kernels.fp8")
     _choice(cfg.kernels.fp8_amax_compute_algo, ("max", "most_recent"), "kernels.fp8_amax_compute_algo")
     _choice(cfg.kernels.fp8_backward, FP8_BACKWARDS, "kernels.fp8_backward")
+    if cfg.kernels.fp8_format is not None:
+        _choice(cfg.kernels.fp8_format, FP8_FORMATS, "kernels.fp8_format")
     if cfg.kernels.fp8_amax_history_len < 1:
         raise ConfigError(
             f"kernels.fp8_amax_history_len ({cfg.kernels.fp8_amax_history_len}) must be at least 1 (steps of amax "
@@ -279,6 +286,11 @@ def validate(cfg: Config, world_size: int | None = None, num_experts: int | None
         raise ConfigError(
             f"kernels.fp8_fprop_split_accumulator=true applies to kernels.fp8=current only (got kernels.fp8={k.fp8}: "
             "blockwise always splits, delayed has no such setting); set kernels.fp8=current or drop it"
+        )
+    if k.fp8_format is not None and k.fp8 == "none":
+        raise ConfigError(
+            f"kernels.fp8_format={k.fp8_format} needs an FP8 recipe (got kernels.fp8=none); "
+            "set kernels.fp8=current or drop kernels.fp8_format"
         )
     tokens = t.micro_batch_size * t.seq_len
     if k.fp8 == "blockwise" and tokens % 128:

@@ -74,6 +74,12 @@ def test_default_values():
             1,
             "kernels.fp8_backward=high_precision needs kernels.fp8=current, blockwise or mxfp8 (got kernels.fp8=delayed",
         ),
+        (["kernels.fp8_format=e5m2"], 1, "kernels.fp8_format='e5m2' is not one of hybrid, e4m3"),
+        (
+            ["kernels=te", "kernels.fp8_format=e4m3"],
+            1,
+            "kernels.fp8_format=e4m3 needs an FP8 recipe (got kernels.fp8=none)",
+        ),
         (["kernels.fp8_backward=bf16"], 1, "kernels.fp8_backward='bf16' is not one of fp8, high_precision"),
         (
             ["kernels=te", "kernels.fp8=delayed", "kernels.fp8_fprop_split_accumulator=true"],

@@ -212,18 +212,22 @@ def fp8_recipe(
     amax_compute_algo: str = "max",
     fprop_split_accumulator: bool = False,
     backward: str = "fp8",
+    fp8_format: str | None = None,
 ):
     """TE's recipe for ``kernels.fp8``. The amax options apply to ``delayed`` only, the split accumulator to
     ``current`` only, ``backward`` to all but ``delayed`` (config validation refuses them elsewhere). With
-    ``backward="fp8"`` TE's own default stands (its NVTE_BACKWARD_OVERRIDE variable included)."""
+    ``backward="fp8"`` TE's own default stands (its NVTE_BACKWARD_OVERRIDE variable included), and with
+    ``fp8_format=None`` the recipe's own format."""
     from transformer_engine.common import recipe
 
     override = {} if backward == "fp8" else {"backward_override": backward}
+    if fp8_format is not None:
+        override["fp8_format"] = getattr(recipe.Format, fp8_format.upper())
     if fp8 == "current":
         split = recipe.MMParams(use_split_accumulator=fprop_split_accumulator)
         return recipe.Float8CurrentScaling(fp8_gemm_fprop=split, **override)
     if fp8 == "delayed":
-        return recipe.DelayedScaling(amax_history_len=amax_history_len, amax_compute_algo=amax_compute_algo)
+        return recipe.DelayedScaling(amax_history_len=amax_history_len, amax_compute_algo=amax_compute_algo, **override)
     if fp8 == "blockwise":
         return recipe.Float8BlockScaling(**override)
     if fp8 == "mxfp8":

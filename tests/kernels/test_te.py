@@ -60,6 +60,7 @@ def stub_te_recipes(monkeypatch):
     recipe = types.ModuleType("transformer_engine.common.recipe")
     for name in names:
         setattr(recipe, name, type(name, (_Recipe,), {}))
+    recipe.Format = types.SimpleNamespace(HYBRID="HYBRID", E4M3="E4M3")
     common = types.ModuleType("transformer_engine.common")
     common.recipe = recipe
     monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
@@ -84,6 +85,10 @@ def test_fp8_recipe_per_mode_with_the_configs_options(stub_te_recipes):
     assert fp8_recipe("current", backward="dequantized").backward_override == "dequantized"
     assert type(fp8_recipe("blockwise")).__name__ == "Float8BlockScaling"
     assert type(fp8_recipe("mxfp8")).__name__ == "MXFP8BlockScaling"
+    assert not hasattr(fp8_recipe("current"), "fp8_format")  # the recipe's own format (HYBRID there)
+    e4m3 = KernelsConfig(fp8="current", fp8_format="e4m3")
+    assert fp8_recipe("current", **e4m3.fp8_options()).fp8_format == "E4M3"
+    assert fp8_recipe("delayed", fp8_format="e4m3").fp8_format == "E4M3"
     with pytest.raises(ValueError, match="kernels.fp8='fp4' is not one of"):
         fp8_recipe("fp4")
 
@@ -300,8 +305,9 @@ def test_te_matches_torch_in_bf16(packed, tmp_path):
         ("blockwise", {}),
         ("current", {"fprop_split_accumulator": True}),
         ("current", {"backward": "high_precision"}),
+        ("current", {"fp8_format": "e4m3"}),
     ],
-    ids=["current", "delayed", "blockwise", "current_split_accumulator", "current_forward_only"],
+    ids=["current", "delayed", "blockwise", "current_split_accumulator", "current_forward_only", "current_e4m3"],
 )
 def test_fp8_close_to_bf16(fp8, options, tmp_path):
     """FP8 (E4M3 forward, 3 mantissa bits) on the attention GEMMs: finite, logits within 10% and the loss
