@@ -44,9 +44,10 @@ def merge(benches: list[dict]) -> tuple[dict, dict[str, bool]]:
     rerun's losses equal the first's bit for bit."""
     first = benches[0]
     for b in benches[1:]:
-        for key in ("workload", "common_overrides"):
-            if b[key] != first[key]:
-                print(f"precision_table: files of one workload differ in {key}: {first[key]} vs {b[key]}")
+        # The resolved seed is in the workload; an explicit train.seed=0 override equals the default 0.
+        for key, get in (("workload", lambda x: x["workload"]), ("common_overrides", lambda x: _without_seed(x)[1])):
+            if get(b) != get(first):
+                print(f"precision_table: files of one workload differ in {key}: {get(first)} vs {get(b)}")
                 raise SystemExit(2)
     rows: dict[str, dict] = {}
     reruns: dict[str, bool] = {}
