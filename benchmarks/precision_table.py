@@ -215,27 +215,43 @@ def repeats_summary(tables: dict[str, list[dict]], sources: dict[str, dict]) -> 
 
 
 def chart(tables: dict[str, list[dict]], path: str) -> None:
+    """Per workload: tokens/s and the last-10 loss difference of its first run, and the final-loss difference of
+    every bounded row (and the noise row) in each repeat, one dot per seed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(tables), 2, figsize=(13, 3.2 * len(tables)), squeeze=False)
-    for (workload, rows), (ax1, ax2) in zip(tables.items(), axes):
-        ok = [r for r in rows if r["status"] == "ok"]
+    bases = [n for n in tables if "/" not in n]
+    fig, axes = plt.subplots(len(bases), 3, figsize=(19, 3.4 * len(bases)), squeeze=False)
+    for base, (ax1, ax2, ax3) in zip(bases, axes):
+        ok = [r for r in tables[base] if r["status"] == "ok"]
         names = [r["variant"] for r in ok][::-1]
         ax1.barh(names, [r["tokens_per_s_per_gpu"] for r in ok][::-1], color="#1f77b4")
-        ax1.set_xlabel(f"{workload}: tokens/s per GPU")
+        ax1.set_xlabel(f"{base}: tokens/s per GPU")
         ax2.barh(names, [100 * r["last10_diff"] for r in ok][::-1], color="#ff7f0e")
-        for bound in (1, 2):
-            ax2.axvline(bound, color="gray", lw=0.7, ls="--")
-            ax2.axvline(-bound, color="gray", lw=0.7, ls="--")
-        ax2.set_xlabel(f"{workload}: last-10 mean loss vs bf16 torch, % (dashed: 1% and 2%)")
-        ax2.set_xlim(-5, 5)
-        for ax in (ax1, ax2):
+        ax2.set_xlabel(f"{base}: last-10 mean loss vs bf16 torch, %")
+        repeats = [n for n in tables if n == base or n.startswith(base + "/")]
+        variants = [NOISE, *BOUNDS][::-1]
+        for y, variant in enumerate(variants):
+            diffs = [
+                100 * r["final_diff"]
+                for n in repeats
+                for r in tables[n]
+                if r["variant"] == variant and r["status"] == "ok"
+            ]
+            ax3.plot(diffs, [y] * len(diffs), "o", color="#2ca02c", alpha=0.7)
+        ax3.set_yticks(range(len(variants)), variants)
+        ax3.set_xlabel(f"{base}: final loss vs bf16 torch, %, {len(repeats)} seeds")
+        for ax in (ax2, ax3):
+            for bound in (1, 2):
+                ax.axvline(bound, color="gray", lw=0.7, ls="--")
+                ax.axvline(-bound, color="gray", lw=0.7, ls="--")
+            ax.set_xlim(-5, 5)
+        for ax in (ax1, ax2, ax3):
             ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -266,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     with open(args.out_stem + ".md", "w") as f:
         f.write(markdown(tables, sources, reruns, memory))
-    chart({n: t for n, t in tables.items() if "/" not in n}, args.out_stem + ".png")  # repeats: in the summary
+    chart(tables, args.out_stem + ".png")
     print(f"wrote {args.out_stem}.json, .md, .png")
     return 0
 

@@ -28,7 +28,16 @@ def _row(variant, final, kernels="torch", fp8="none", status="ok"):
 
 def _bench(rows, seed=0, overrides=("train.lr=3e-5",), commit="abc"):
     return {
-        "workload": {"model": "m", "seq_len": 4096, "seed": seed},
+        "workload": {
+            "model": "m",
+            "num_layers": 2,
+            "seq_len": 4096,
+            "micro_batch_size": 1,
+            "steps": 100,
+            "lr": 3e-5,
+            "routing": "real",
+            "seed": seed,
+        },
         "common_overrides": list(overrides),
         "commit": commit,
         "rows": rows,
@@ -90,3 +99,24 @@ def test_summary_across_seeds_counts_held_bounds_and_refuses_other_settings(caps
     with pytest.raises(SystemExit) as e:
         pt.repeats_summary(tables, sources)
     assert e.value.code == 2 and "is not q with another seed" in capsys.readouterr().out
+
+
+def test_main_writes_json_markdown_and_chart(tmp_path):
+    import json
+
+    files = {}
+    for name, seed, fp8_final in (("a", 0, 1.01), ("b", 1, 1.03)):
+        rows = [
+            _row("bf16_torch", 1.0),
+            _row("torch_unfused_loss", 1.002),
+            _row("te_fp8_current", fp8_final, "te", "current"),
+        ]
+        overrides = ("train.lr=3e-5", f"train.seed={seed}")
+        files[name] = tmp_path / f"{name}.json"
+        files[name].write_text(json.dumps({**_bench(rows, seed, overrides), "hardware": "1 x H200", "num_gpus": 1}))
+    out = tmp_path / "precision"
+    assert pt.main([str(out), f"w={files['a']}", f"w/seed1={files['b']}"]) == 0
+    md = (tmp_path / "precision.md").read_text()
+    assert "| te_fp8_current | 2.00% | +1.00% | +3.00% | 2.00% | 1 of 2 |" in md
+    assert json.loads((tmp_path / "precision.json").read_text())
+    assert (tmp_path / "precision.png").stat().st_size > 10_000
