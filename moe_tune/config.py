@@ -118,6 +118,9 @@ class OptimConfig:
     schedule: str = "cosine"
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 1.0
+    # train.precision=bf16 only: AdamW in fp32 per chunk, rounded stochastically back to the bf16 parameters and
+    # moments (moe_tune/optim/stochastic.py), so updates below bf16's resolution are not lost.
+    stochastic_rounding: bool = False
 
 
 @dataclass
@@ -236,6 +239,11 @@ def validate(cfg: Config, world_size: int | None = None, num_experts: int | None
     _choice(cfg.parallel.activation_checkpointing, AC_MODES, "parallel.activation_checkpointing")
     _choice(cfg.model.dtype, ("source", "float32", "bfloat16"), "model.dtype")
     _choice(cfg.optim.name, ("adamw",), "optim")
+    if cfg.optim.stochastic_rounding and cfg.train.precision != "bf16":
+        raise ConfigError(
+            f"optim.stochastic_rounding=true rounds bf16 parameters (got train.precision={cfg.train.precision}, "
+            "whose master weights are not bf16); set train.precision=bf16 or drop optim.stochastic_rounding"
+        )
     _choice(cfg.optim.schedule, ("cosine", "constant"), "optim.schedule")
     if cfg.data.path is None and cfg.data.name not in ("arithmetic", "random"):
         raise ConfigError(

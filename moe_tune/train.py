@@ -139,7 +139,10 @@ class Trainer:
     def build_optimizer(self):
         from moe_tune.optim import build_optimizer, build_scheduler
 
-        opt = build_optimizer(self.model.parameters(), self.cfg.optim, self.cfg.train.lr, self.device.type)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        opt = build_optimizer(
+            self.model.parameters(), self.cfg.optim, self.cfg.train.lr, self.device.type, self.cfg.train.seed, rank
+        )
         return opt, build_scheduler(opt, self.cfg.optim, self.cfg.train.steps)
 
     # -- one optimizer step ------------------------------------------------------------------------

@@ -74,6 +74,11 @@ def test_default_values():
             1,
             "kernels.fp8_backward=high_precision needs kernels.fp8=current, blockwise or mxfp8 (got kernels.fp8=delayed",
         ),
+        (
+            ["optim.stochastic_rounding=true"],
+            1,
+            "optim.stochastic_rounding=true rounds bf16 parameters (got train.precision=bf16_fp32_master",
+        ),
         (["kernels.fp8_format=e5m2"], 1, "kernels.fp8_format='e5m2' is not one of hybrid, e4m3"),
         (
             ["kernels=te", "kernels.fp8_format=e4m3"],

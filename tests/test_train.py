@@ -131,6 +131,30 @@ def test_resume_is_bitwise(tmp_path, cli_env):
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+@pytest.mark.slow
+@pytest.mark.dist
+def test_bf16_stochastic_rounding_trains_and_resumes_bitwise(tmp_path, cli_env):
+    """bf16 parameters with optim.stochastic_rounding: 4 steps straight == 2, resume, 2 (the random bits are
+    seeded by the step, so none need saving); the bf16 moments are in the checkpoint."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = [
+        "train.steps=4",
+        "checkpoint.every=2",
+        *FAST[:-1],
+        "train.precision=bf16",
+        "optim.stochastic_rounding=true",
+    ]
+    run_cli([f"output_dir={straight}", *common], cli_env)
+    _resume_from(straight, resumed, 2)
+    run_cli([f"output_dir={resumed}", *common], cli_env)
+    a = [r["loss"] for r in read_metrics(straight)]
+    b = [r["loss"] for r in read_metrics(resumed)]
+    assert len(b) == 2 and a[2:] == b, (a, b)
+    assert a[-1] < a[0]
+    sa, sb = read_hf_tensors(straight / "hf"), read_hf_tensors(resumed / "hf")
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
 def _resume_from(straight, resumed, step: int, drop_extra_state: bool = False) -> None:
     """An interrupted run: the straight run's step checkpoint and base model, copied to a fresh output dir."""
     import shutil

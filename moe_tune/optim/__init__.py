@@ -2,7 +2,8 @@
 
 The optimizer is PyTorch's fused AdamW (``torch.optim.AdamW(fused=True)``), the current form of Apex's
 FusedAdam: one kernel updates all parameters of a dtype/device group. Its state is fp32 whenever the
-parameters are (the default ``bf16_fp32_master`` precision keeps fp32 parameters as the master copy).
+parameters are (the default ``bf16_fp32_master`` precision keeps fp32 parameters as the master copy). With bf16
+parameters, ``optim.stochastic_rounding=true`` swaps in ``moe_tune.optim.stochastic.StochasticRoundingAdamW``.
 """
 
 from __future__ import annotations
@@ -23,9 +24,18 @@ def param_groups(params) -> list[dict]:
     return [{"params": g} for g in (sharded, plain) if g]
 
 
-def build_optimizer(params, cfg: OptimConfig, lr: float, device_type: str) -> torch.optim.Optimizer:
+def build_optimizer(
+    params, cfg: OptimConfig, lr: float, device_type: str, seed: int = 0, rank: int = 0
+) -> torch.optim.Optimizer:
+    """``seed`` and ``rank`` seed stochastic rounding's random bits (with the step)."""
     if cfg.name != "adamw":
         raise ConfigError(f"optim={cfg.name!r} is not one of adamw")
+    if cfg.stochastic_rounding:
+        from moe_tune.optim.stochastic import StochasticRoundingAdamW
+
+        return StochasticRoundingAdamW(
+            param_groups(params), lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay, seed=seed, rank=rank
+        )
     return torch.optim.AdamW(
         param_groups(params),
         lr=lr,

@@ -1,0 +1,132 @@
+"""optim.stochastic_rounding: AdamW over bf16 parameters whose fp32 update is rounded stochastically."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_tune.config import OptimConfig
+from moe_tune.optim import build_optimizer
+from moe_tune.optim.stochastic import StochasticRoundingAdamW, round_stochastic_
+
+
+def test_rounding_is_unbiased_and_lands_on_a_neighbour():
+    x = torch.full((100_000,), 1.0 + 2**-10)  # a quarter of the way from 1.0 to the next bf16 value, 1 + 2^-7
+    for sign in (1.0, -1.0):
+        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+        round_stochastic_(out, sign * x, noise)
+        assert set(out.float().abs().unique().tolist()) == {1.0, 1.0 + 2**-7}
+        assert float(out.float().mean()) == pytest.approx(sign * (1.0 + 2**-10), abs=2e-5)  # nearest: 1.0
+
+
+def _params(n=4096, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g), [torch.randn(n, generator=g) for _ in range(5)]
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_each_step_lands_next_to_fp32_adamw_from_the_same_state(weight_decay):
+    """Per step, torch's fp32 AdamW from our parameters and moments (as fp32): every new bf16 value is one of
+    the two bf16 neighbours of its result (closer than one bf16 spacing), and the moments stay bf16."""
+    init, grads = _params()
+    ours = torch.nn.Parameter(init.bfloat16())
+    opt = StochasticRoundingAdamW([ours], lr=1e-2, betas=(0.9, 0.95), weight_decay=weight_decay)
+    for i, g in enumerate(grads[:3]):
+        ref = torch.nn.Parameter(ours.detach().float())
+        ref_opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), weight_decay=weight_decay)
+        if i:
+            st = opt.state[ours]
+            ref_opt.state[ref] = {
+                "step": st["step"].clone(),
+                "exp_avg": st["exp_avg"].float(),
+                "exp_avg_sq": st["exp_avg_sq"].float(),
+            }
+        ours.grad, ref.grad = g.bfloat16(), g.bfloat16().float()
+        opt.step()
+        ref_opt.step()
+        exact = ref.detach()
+        spacing = torch.exp2(torch.floor(torch.log2(exact.abs())) - 7)
+        assert ((ours.detach().float() - exact).abs() < spacing * 1.001).all()
+        assert opt.state[ours]["exp_avg"].dtype == torch.bfloat16 and int(opt.state[ours]["step"]) == i + 1
+
+
+def test_small_updates_accumulate_where_round_to_nearest_loses_them():
+    """lr 1e-4 on weights of 1.0 (bf16 spacing below 1.0: 2^-8 = 0.0039): torch's AdamW on bf16 parameters does
+    not move them in 40 steps; stochastic rounding ends, on average, where fp32 AdamW does (1 - 40 x 1e-4)."""
+    n, steps = 50_000, 40
+    nearest = torch.nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
+    ours = torch.nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
+    fp32 = torch.nn.Parameter(torch.ones(n))
+    opts = [
+        torch.optim.AdamW([nearest], lr=1e-4, weight_decay=0.0),
+        StochasticRoundingAdamW([ours], lr=1e-4),
+        torch.optim.AdamW([fp32], lr=1e-4, weight_decay=0.0),
+    ]
+    for _ in range(steps):
+        for p, opt in zip((nearest, ours, fp32), opts):
+            p.grad = torch.ones_like(p)
+            opt.step()
+    assert torch.equal(nearest.detach(), torch.ones_like(nearest))
+    target = float(fp32.detach().mean())
+    assert target == pytest.approx(1 - steps * 1e-4, abs=1e-6)
+    assert float(ours.detach().float().mean()) == pytest.approx(target, abs=5e-5)
+
+
+def test_same_seed_same_bits_and_a_resumed_optimizer_continues_identically():
+    init, grads = _params(seed=1)
+
+    def run(steps, opt_state=None, p_init=None):
+        p = torch.nn.Parameter((init if p_init is None else p_init).bfloat16().clone())
+        opt = StochasticRoundingAdamW([p], lr=1e-3, seed=7, chunk=1000)  # several chunks per tensor
+        if opt_state is not None:
+            opt.load_state_dict(opt_state)
+        for g in steps:
+            p.grad = g.bfloat16()
+            opt.step()
+        return p.detach().clone(), opt.state_dict()
+
+    straight, _ = run(grads)
+    again, _ = run(grads)
+    assert torch.equal(straight, again)
+    half, state = run(grads[:2])
+    resumed, _ = run(grads[2:], opt_state=state, p_init=half.float())
+    assert torch.equal(resumed, straight)
+    other_seed = torch.nn.Parameter(init.bfloat16())
+    opt = StochasticRoundingAdamW([other_seed], lr=1e-3, seed=8, chunk=1000)
+    for g in grads:
+        other_seed.grad = g.bfloat16()
+        opt.step()
+    assert not torch.equal(other_seed.detach(), straight)
+
+
+def test_build_optimizer_picks_it_and_it_refuses_fp32_parameters():
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    opt = build_optimizer([p], OptimConfig(stochastic_rounding=True), 1e-4, "cpu", seed=3, rank=1)
+    assert isinstance(opt, StochasticRoundingAdamW) and (opt.seed, opt.rank) == (3, 1)
+    assert isinstance(build_optimizer([p], OptimConfig(), 1e-4, "cpu"), torch.optim.AdamW)
+    with pytest.raises(ValueError, match="needs bf16 parameters, got torch.float32"):
+        StochasticRoundingAdamW([torch.nn.Parameter(torch.zeros(4))], lr=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the update is compiled there)")
+def test_compiled_cuda_update_matches_eager_cpu_with_the_same_bits():
+    """The compiled kernel used on CUDA against the eager function on CPU, same inputs and random bits: equal
+    except where fp32 rounding differs at a rounding boundary (at most 0.1% of elements, by one bf16 step)."""
+    from moe_tune.optim.stochastic import adamw_chunk_
+
+    g = torch.Generator().manual_seed(0)
+    n = 1 << 20
+    p, grad, m = (torch.randn(n, generator=g).bfloat16() for _ in range(3))
+    v = torch.rand(n, generator=g).bfloat16()
+    noise = torch.randint(0, 1 << 16, (3, n), dtype=torch.int32, generator=g)
+    hyper = torch.tensor([1e-3, 0.9, 0.95, 1e-8, 0.1, 0.19, 0.0975])
+    cpu = [t.clone() for t in (p, grad, m, v)]
+    cuda = [t.cuda() for t in (p, grad, m, v)]
+    adamw_chunk_(*cpu, noise, hyper)
+    torch.compile(adamw_chunk_, dynamic=True)(*cuda, noise.cuda(), hyper.cuda())
+    for a, b in zip(cpu, cuda):
+        diff = (a.float() - b.float().cpu()).abs()
+        assert (diff > 0).float().mean() < 1e-3
+        assert (diff <= a.float().abs() * 2**-7 + 1e-30).all()
