@@ -140,6 +140,11 @@ class Trainer:
         from moe_tune.optim import build_optimizer, build_scheduler
 
         rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.cfg.train.precision == "bf16" and not self.cfg.optim.stochastic_rounding and rank == 0:
+            log.warning(
+                "train.precision=bf16 rounds every AdamW update to the nearest bf16 value, and updates below half "
+                "a bf16 step are lost (on an H200 the loss stalled at lr 3e-5); add optim.stochastic_rounding=true"
+            )
         opt = build_optimizer(
             self.model.parameters(), self.cfg.optim, self.cfg.train.lr, self.device.type, self.cfg.train.seed, rank
         )

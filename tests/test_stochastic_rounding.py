@@ -113,7 +113,10 @@ def test_build_optimizer_picks_it_and_it_refuses_fp32_parameters():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the update is compiled there)")
 def test_compiled_cuda_update_matches_eager_cpu_with_the_same_bits():
     """The compiled kernel used on CUDA against the eager function on CPU, same inputs and random bits: equal
-    except where fp32 rounding differs at a rounding boundary (at most 0.1% of elements, by one bf16 step)."""
+    except where fp32 arithmetic differs (the GPU fuses multiply-adds): at most 0.1% of elements, each by one bf16
+    step of the value, or by fp32's absolute error (1e-6) where a moment cancels to ~1e-8. (Compiled on CPU the
+    two are bitwise equal; the first GPU run, without the absolute term, passed the parameters and failed on the
+    first moment, as an fp32 emulation of fused multiply-adds does on elements cancelled to ~1e-8.)"""
     from moe_tune.optim.stochastic import adamw_chunk_
 
     g = torch.Generator().manual_seed(0)
@@ -129,4 +132,4 @@ def test_compiled_cuda_update_matches_eager_cpu_with_the_same_bits():
     for a, b in zip(cpu, cuda):
         diff = (a.float() - b.float().cpu()).abs()
         assert (diff > 0).float().mean() < 1e-3
-        assert (diff <= a.float().abs() * 2**-7 + 1e-30).all()
+        assert (diff <= torch.maximum(a.float().abs(), b.float().cpu().abs()) * 2**-7 + 1e-6).all()
