@@ -134,8 +134,9 @@ def test_resume_is_bitwise(tmp_path, cli_env):
 @pytest.mark.slow
 @pytest.mark.dist
 def test_bf16_stochastic_rounding_trains_and_resumes_bitwise(tmp_path, cli_env):
-    """bf16 parameters with optim.stochastic_rounding: 4 steps straight == 2, resume, 2 (the random bits are
-    seeded by the step, so none need saving); the bf16 moments are in the checkpoint."""
+    """bf16 parameters with optim.stochastic_rounding on 2 ranks, EP=2 (FSDP2 DTensor parameters and plain expert
+    shards): 4 steps straight == 2, resume, 2 (the random bits are seeded by the step, so none need saving; the
+    bf16 moments are in the checkpoint)."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     common = [
         "train.steps=4",
@@ -143,10 +144,11 @@ def test_bf16_stochastic_rounding_trains_and_resumes_bitwise(tmp_path, cli_env):
         *FAST[:-1],
         "train.precision=bf16",
         "optim.stochastic_rounding=true",
+        "parallel.ep=2",
     ]
-    run_cli([f"output_dir={straight}", *common], cli_env)
+    run_cli([f"output_dir={straight}", *common], cli_env, nproc=2)
     _resume_from(straight, resumed, 2)
-    run_cli([f"output_dir={resumed}", *common], cli_env)
+    run_cli([f"output_dir={resumed}", *common], cli_env, nproc=2)
     a = [r["loss"] for r in read_metrics(straight)]
     b = [r["loss"] for r in read_metrics(resumed)]
     assert len(b) == 2 and a[2:] == b, (a, b)

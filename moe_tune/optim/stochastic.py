@@ -95,8 +95,10 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                     gen = generators[device] = self._generator(device, step)
                 hyper = hypers.get((device, step))
                 if hyper is None:
-                    values = [lr, beta1, beta2, eps, wd, 1 - beta1**step, 1 - beta2**step]
-                    hyper = hypers[(device, step)] = torch.tensor(values, dtype=torch.float32, device=device)
+                    values = torch.tensor([lr, beta1, beta2, eps, wd, 1 - beta1**step, 1 - beta2**step])
+                    if device.type == "cuda":  # from pinned memory without blocking: no host sync per step
+                        values = values.pin_memory().to(device, non_blocking=True)
+                    hyper = hypers[(device, step)] = values
                 update = self._kernel(device)
                 for start in range(0, views[0].numel(), self.chunk):
                     chunk = [t[start : start + self.chunk] for t in views]
