@@ -145,8 +145,16 @@ class Trainer:
                 "train.precision=bf16 rounds every AdamW update to the nearest bf16 value, and updates below half "
                 "a bf16 step are lost (on an H200 the loss stalled at lr 3e-5); add optim.stochastic_rounding=true"
             )
+        # Ranks are (dp_replicate, dp_shard) row-major: replicas of one shard share rank % dp_shard, and so draw
+        # the same stochastic-rounding bits (their parameters must stay equal).
+        shard_index = rank % resolve_parallel(self.cfg.parallel, self.world)[1]
         opt = build_optimizer(
-            self.model.parameters(), self.cfg.optim, self.cfg.train.lr, self.device.type, self.cfg.train.seed, rank
+            self.model.parameters(),
+            self.cfg.optim,
+            self.cfg.train.lr,
+            self.device.type,
+            self.cfg.train.seed,
+            shard_index,
         )
         return opt, build_scheduler(opt, self.cfg.optim, self.cfg.train.steps)
 

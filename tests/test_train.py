@@ -133,10 +133,12 @@ def test_resume_is_bitwise(tmp_path, cli_env):
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_bf16_stochastic_rounding_trains_and_resumes_bitwise(tmp_path, cli_env):
-    """bf16 parameters with optim.stochastic_rounding on 2 ranks, EP=2 (FSDP2 DTensor parameters and plain expert
-    shards): 4 steps straight == 2, resume, 2 (the random bits are seeded by the step, so none need saving; the
-    bf16 moments are in the checkpoint)."""
+@pytest.mark.parametrize("layout", ["parallel.ep=2", "parallel.dp_replicate=2"])
+def test_bf16_stochastic_rounding_trains_and_resumes_bitwise(tmp_path, cli_env, layout):
+    """bf16 parameters with optim.stochastic_rounding on 2 ranks: 4 steps straight == 2, resume, 2 (the random
+    bits are seeded by the step, so none need saving; the bf16 moments are in the checkpoint). EP=2: FSDP2 DTensor
+    parameters and plain expert shards. HSDP (two replicas): the checkpoint holds one replica's copy, so the
+    resumed run equals the straight one only if both replicas rounded identically."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     common = [
         "train.steps=4",
@@ -144,7 +146,7 @@ def test_bf16_stochastic_rounding_trains_and_resumes_bitwise(tmp_path, cli_env):
         *FAST[:-1],
         "train.precision=bf16",
         "optim.stochastic_rounding=true",
-        "parallel.ep=2",
+        layout,
     ]
     run_cli([f"output_dir={straight}", *common], cli_env, nproc=2)
     _resume_from(straight, resumed, 2)

@@ -25,16 +25,17 @@ def param_groups(params) -> list[dict]:
 
 
 def build_optimizer(
-    params, cfg: OptimConfig, lr: float, device_type: str, seed: int = 0, rank: int = 0
+    params, cfg: OptimConfig, lr: float, device_type: str, seed: int = 0, shard_index: int = 0
 ) -> torch.optim.Optimizer:
-    """``seed`` and ``rank`` seed stochastic rounding's random bits (with the step)."""
+    """``seed`` and ``shard_index`` (this rank's position within its data-parallel replica) seed stochastic
+    rounding's random bits, with each parameter's step and index."""
     if cfg.name != "adamw":
         raise ConfigError(f"optim={cfg.name!r} is not one of adamw")
     if cfg.stochastic_rounding:
         from moe_tune.optim.stochastic import StochasticRoundingAdamW
 
         return StochasticRoundingAdamW(
-            param_groups(params), lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay, seed=seed, rank=rank
+            param_groups(params), lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay, seed=seed, shard_index=shard_index
         )
     return torch.optim.AdamW(
         param_groups(params),

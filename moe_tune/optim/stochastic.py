@@ -7,8 +7,9 @@ Here the update is computed in fp32 and rounded to bf16 up or down with probabil
 so the rounding is unbiased (E[round(x)] = x) and small updates accumulate on average. The two moments are kept in
 bf16 and rounded the same way. State: 4 bytes per parameter, against 12 for fp32 master weights with fp32 moments.
 
-The random bits come from a generator seeded by (``seed``, step, rank), so a run resumed from a checkpoint (which
-holds the step) draws the same bits as one that never stopped. Work is done per chunk of ``chunk`` elements to bound
+The random bits come from a generator seeded per parameter by (``seed``, its step, ``shard_index``, its index),
+so a run resumed from a checkpoint (which holds the steps) draws the same bits as one that never stopped, and
+replicas of one shard (HSDP, ``parallel.dp_replicate > 1``: same shard index) round identically and stay equal. Work is done per chunk of ``chunk`` elements to bound
 the fp32 temporaries; on CUDA the per-chunk arithmetic is one compiled kernel.
 """
 
@@ -20,9 +21,11 @@ _CHUNK = 1 << 25
 
 
 def round_stochastic_(out: torch.Tensor, x: torch.Tensor, noise: torch.Tensor) -> None:
-    """out (bf16) <- x (fp32) rounded to bf16 by adding 16 random low bits, then truncating them."""
+    """out (bf16) <- x (fp32) rounded to bf16 by adding 16 random low bits, then truncating them. NaN stays NaN
+    (CUDA's NaN, 0x7FFFFFFF, would otherwise overflow into -0.0 and silently zero a diverged weight)."""
     bits = x.view(torch.int32) + noise
-    out.copy_((bits & -65536).view(torch.float32))  # low 16 bits zero: the bf16 cast is exact
+    rounded = (bits & -65536).view(torch.float32)  # low 16 bits zero: the bf16 cast is exact
+    out.copy_(torch.where(x.isnan(), x, rounded))
 
 
 def adamw_chunk_(p, g, m, v, noise, hyper):
@@ -46,14 +49,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class StochasticRoundingAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) over bf16 parameters, rounding stochastically."""
 
-    def __init__(self, params, lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, seed=0, rank=0, chunk=_CHUNK):
+    def __init__(self, params, lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, seed=0, shard_index=0, chunk=_CHUNK):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype != torch.bfloat16:
                     raise ValueError(f"stochastic rounding AdamW needs bf16 parameters, got {p.dtype}")
-        self.seed, self.rank, self.chunk = seed, rank, chunk
-        self._generators: dict[torch.device, torch.Generator] = {}  # reseeded every step
+        self.seed, self.shard_index, self.chunk = seed, shard_index, chunk
+        self._generators: dict[torch.device, torch.Generator] = {}  # reseeded per parameter and step
         self._update = None
 
     def _kernel(self, device: torch.device):
@@ -61,11 +64,11 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
             self._update = torch.compile(adamw_chunk_, dynamic=True) if device.type == "cuda" else adamw_chunk_
         return self._update
 
-    def _generator(self, device: torch.device, step: int) -> torch.Generator:
+    def _generator(self, device: torch.device, step: int, index: int) -> torch.Generator:
         gen = self._generators.get(device)
         if gen is None:
             gen = self._generators[device] = torch.Generator(device)
-        gen.manual_seed((self.seed * 1_000_003 + step) * 65_537 + self.rank)
+        gen.manual_seed((((self.seed * 1_000_003 + step) * 65_537 + self.shard_index) * 4_099 + index) % (1 << 63))
         return gen
 
     @torch.no_grad()
@@ -74,11 +77,12 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        generators: dict[torch.device, torch.Generator] = {}
+        index = -1
         for group in self.param_groups:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             hypers: dict[tuple, torch.Tensor] = {}
             for p in group["params"]:
+                index += 1
                 if p.grad is None:
                     continue
                 state = self.state[p]
@@ -90,9 +94,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                 step = int(state["step"])
                 views = [_local(t).view(-1) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
                 device = views[0].device
-                gen = generators.get(device)
-                if gen is None:  # seeded once per device and step: parameters draw in a fixed order
-                    gen = generators[device] = self._generator(device, step)
+                gen = self._generator(device, step, index)
                 hyper = hypers.get((device, step))
                 if hyper is None:
                     values = torch.tensor([lr, beta1, beta2, eps, wd, 1 - beta1**step, 1 - beta2**step])

@@ -20,6 +20,32 @@ def test_rounding_is_unbiased_and_lands_on_a_neighbour():
         assert float(out.float().mean()) == pytest.approx(sign * (1.0 + 2**-10), abs=2e-5)  # nearest: 1.0
 
 
+def test_nan_and_inf_survive_rounding():
+    """CUDA writes NaN as 0x7FFFFFFF; adding noise to it must not wrap into -0.0 (a diverged weight would
+    silently become zero)."""
+    x = torch.tensor([0x7FFFFFFF, 0x7FC00000, 0x7F800000, -8388608], dtype=torch.int32).view(torch.float32)
+    out = torch.empty(4, dtype=torch.bfloat16)
+    round_stochastic_(out, x, torch.full((4,), 0xFFFF, dtype=torch.int32))
+    assert out[:2].isnan().all() and out[2] == float("inf") and out[3] == float("-inf")
+
+
+def test_each_parameter_and_step_gets_its_own_seed(monkeypatch):
+    """Seeds come from each parameter's own step and index: a parameter without a gradient in one step does not
+    make another reuse an earlier step's bits."""
+    a = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
+    b = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
+    opt = StochasticRoundingAdamW([a, b], lr=1e-3, seed=5, shard_index=2)
+    seeds = []
+    generator = opt._generator
+    monkeypatch.setattr(opt, "_generator", lambda d, step, i: seeds.append((step, i)) or generator(d, step, i))
+    for a_has_grad in (True, False, True, True):
+        a.grad = torch.ones(8, dtype=torch.bfloat16) if a_has_grad else None
+        b.grad = torch.ones(8, dtype=torch.bfloat16)
+        opt.step()
+    assert [s for s in seeds if s[1] == 1] == [(1, 1), (2, 1), (3, 1), (4, 1)]
+    assert [s for s in seeds if s[1] == 0] == [(1, 0), (2, 0), (3, 0)]
+
+
 def _params(n=4096, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, generator=g), [torch.randn(n, generator=g) for _ in range(5)]
@@ -102,8 +128,8 @@ def test_same_seed_same_bits_and_a_resumed_optimizer_continues_identically():
 
 def test_build_optimizer_picks_it_and_it_refuses_fp32_parameters():
     p = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
-    opt = build_optimizer([p], OptimConfig(stochastic_rounding=True), 1e-4, "cpu", seed=3, rank=1)
-    assert isinstance(opt, StochasticRoundingAdamW) and (opt.seed, opt.rank) == (3, 1)
+    opt = build_optimizer([p], OptimConfig(stochastic_rounding=True), 1e-4, "cpu", seed=3, shard_index=1)
+    assert isinstance(opt, StochasticRoundingAdamW) and (opt.seed, opt.shard_index) == (3, 1)
     assert isinstance(build_optimizer([p], OptimConfig(), 1e-4, "cpu"), torch.optim.AdamW)
     with pytest.raises(ValueError, match="needs bf16 parameters, got torch.float32"):
         StochasticRoundingAdamW([torch.nn.Parameter(torch.zeros(4))], lr=1e-4)
