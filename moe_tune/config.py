@@ -141,6 +141,9 @@ class TrainConfig:
     force_balanced_routing: bool = False
     log_every: int = 1
     warmup_steps_excluded: int = 3
+    # A step whose global gradient norm is NaN/inf is skipped on the device (weights and optimizer state untouched);
+    # after more than this many such steps in a row the run stops with exit code 1 (diverged, or broken data).
+    max_nonfinite_steps: int = 5
 
 
 @dataclass
@@ -239,6 +242,11 @@ def validate(cfg: Config, world_size: int | None = None, num_experts: int | None
     _choice(cfg.parallel.activation_checkpointing, AC_MODES, "parallel.activation_checkpointing")
     _choice(cfg.model.dtype, ("source", "float32", "bfloat16"), "model.dtype")
     _choice(cfg.optim.name, ("adamw",), "optim")
+    if cfg.train.max_nonfinite_steps < 0:
+        raise ConfigError(
+            f"train.max_nonfinite_steps ({cfg.train.max_nonfinite_steps}) must be >= 0 (0 stops at the first step "
+            "with a non-finite gradient norm); try train.max_nonfinite_steps=5"
+        )
     if cfg.optim.stochastic_rounding and cfg.train.precision != "bf16":
         raise ConfigError(
             f"optim.stochastic_rounding=true rounds bf16 parameters (got train.precision={cfg.train.precision}, "

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -72,6 +73,7 @@ class Trainer:
         self.model, self.mesh = self.build_model(hf_config)
         self.dp_size, self.accum = self._batch_layout()
         self.optimizer, self.scheduler = self.build_optimizer()
+        self.skipped_steps = self.nonfinite_in_a_row = 0  # steps skipped for a non-finite gradient norm
         from moe_tune.data import build_dataset
 
         self.data = build_dataset(
@@ -149,12 +151,7 @@ class Trainer:
         # the same stochastic-rounding bits (their parameters must stay equal).
         shard_index = rank % resolve_parallel(self.cfg.parallel, self.world)[1]
         opt = build_optimizer(
-            self.model.parameters(),
-            self.cfg.optim,
-            self.cfg.train.lr,
-            self.device.type,
-            self.cfg.train.seed,
-            shard_index,
+            self.model.parameters(), self.cfg.optim, self.cfg.train.lr, self.cfg.train.seed, shard_index
         )
         return opt, build_scheduler(opt, self.cfg.optim, self.cfg.train.steps)
 
@@ -188,6 +185,9 @@ class Trainer:
             ce_sum += out.ce_loss.detach()
             load_LE = self._expert_load() if load_LE is None else load_LE + self._expert_load()
         grad_norm = clip_grad_norm_(model, cfg.optim.max_grad_norm, self.mesh)
+        # A NaN/inf gradient anywhere makes the global norm non-finite on every rank (it is all-reduced): the
+        # optimizer then skips the update on the device, without a host sync; _loop counts skipped steps.
+        self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -278,15 +278,52 @@ class Trainer:
             self.step += 1
             if profiler is not None:
                 profiler.step()
-            if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
+            diverged = self._count_nonfinite(out["grad_norm"])
+            if diverged or self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
                 row = self._metrics_row(out, dt, tokens_per_step)
                 self.metrics.log(row)
                 _report(bar, row, self.rank)
+            if diverged:
+                self._stop_diverged()
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                 ckpt.save(self, os.path.join(cfg.output_dir, "checkpoints", f"step_{self.step}"))
             if stop.agreed(self.device) and self.step < cfg.train.steps:
                 return True  # the same step on every rank
         return False
+
+    def _count_nonfinite(self, grad_norm: torch.Tensor) -> bool:
+        """Count a step skipped for a non-finite gradient norm; True once more than train.max_nonfinite_steps
+        were skipped in a row. The same answer on every rank (the norm is global)."""
+        norm = float(grad_norm)  # host sync: one scalar, after the step's own synchronize
+        if math.isfinite(norm):
+            self.nonfinite_in_a_row = 0
+            return False
+        self.nonfinite_in_a_row += 1
+        self.skipped_steps += 1
+        if self.rank == 0:
+            log.warning(
+                "step %d: gradient norm is %s; update skipped, weights unchanged (%d in a row, %d in this run)",
+                self.step,
+                norm,
+                self.nonfinite_in_a_row,
+                self.skipped_steps,
+            )
+        return self.nonfinite_in_a_row > self.cfg.train.max_nonfinite_steps
+
+    def _stop_diverged(self) -> None:
+        first, last = self.step - self.nonfinite_in_a_row + 1, self.step
+        if self.rank == 0:
+            log.error(
+                "stopping: steps %d-%d all had a non-finite gradient norm (train.max_nonfinite_steps=%d); every one "
+                "was skipped, so the weights are those after step %d (as in any checkpoint saved since). "
+                "Lower train.lr or check the data of those steps; resume with checkpoint.resume=auto",
+                first,
+                last,
+                self.cfg.train.max_nonfinite_steps,
+                first - 1,
+            )
+        self.write_summary()
+        raise SystemExit(1)
 
     def _metrics_row(self, out: dict, dt: float, tokens: int) -> dict:
         loads = torch.stack([m.counts_E.float() for m in self.model.moe_layers()])
@@ -306,6 +343,7 @@ class Trainer:
             self.flops_per_token,
             self.device,
             expert_load_max_over_mean=load,
+            skipped_steps=self.skipped_steps,
         )
 
     def export(self, out_dir: str) -> None:

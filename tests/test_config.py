@@ -79,6 +79,7 @@ def test_default_values():
             1,
             "optim.stochastic_rounding=true rounds bf16 parameters (got train.precision=bf16_fp32_master",
         ),
+        (["train.max_nonfinite_steps=-1"], 1, "train.max_nonfinite_steps (-1) must be >= 0"),
         (["kernels.fp8_format=e5m2"], 1, "kernels.fp8_format='e5m2' is not one of hybrid, e4m3"),
         (
             ["kernels=te", "kernels.fp8_format=e4m3"],

@@ -139,7 +139,7 @@ class Baseline:
         self.model, self.mesh = self.build_model(source, hf_config)
         t = cfg.train
         self.accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.micro_batch_size * self.world)
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, t.lr, self.device.type)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, t.lr)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
         self.data = build_dataset(cfg.data, build_tokenizer(source), t.seq_len, t.seed, vocab_size=hf_config.vocab_size)
         self.metrics = MetricsWriter(cfg.output_dir, self.rank == 0, t.warmup_steps_excluded)

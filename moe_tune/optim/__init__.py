@@ -24,9 +24,7 @@ def param_groups(params) -> list[dict]:
     return [{"params": g} for g in (sharded, plain) if g]
 
 
-def build_optimizer(
-    params, cfg: OptimConfig, lr: float, device_type: str, seed: int = 0, shard_index: int = 0
-) -> torch.optim.Optimizer:
+def build_optimizer(params, cfg: OptimConfig, lr: float, seed: int = 0, shard_index: int = 0) -> torch.optim.Optimizer:
     """``seed`` and ``shard_index`` (this rank's position within its data-parallel replica) seed stochastic
     rounding's random bits, with each parameter's step and index."""
     if cfg.name != "adamw":
@@ -43,8 +41,7 @@ def build_optimizer(
         betas=tuple(cfg.betas),
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
-        fused=device_type == "cuda",
-        foreach=None if device_type == "cuda" else True,
+        fused=True,  # CUDA and CPU: one kernel per group, and it can skip a step on device (found_inf)
     )
 
 

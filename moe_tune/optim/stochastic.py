@@ -30,13 +30,20 @@ def round_stochastic_(out: torch.Tensor, x: torch.Tensor, noise: torch.Tensor) -
 
 def adamw_chunk_(p, g, m, v, noise, hyper):
     """One AdamW update of bf16 chunks p, m, v from gradient g, computed in fp32, written back rounded.
-    ``hyper``: fp32 tensor [lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2] (a tensor,
-    so a changing learning rate does not recompile); ``noise``: int32 [3, n] in [0, 2^16)."""
-    lr, beta1, beta2, eps, wd, bc1, bc2 = hyper.unbind()
+    ``hyper``: fp32 tensor [lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2, skip] (a
+    tensor, so a changing learning rate does not recompile, and skip can come from the device); ``noise``: int32
+    [3, n] in [0, 2^16). With skip > 0 every value is written back unchanged (a bf16 value rounds to itself)."""
+    lr, beta1, beta2, eps, wd, bc1, bc2, skip = hyper.unbind()
     g32 = g.float()
     m32 = m.float() * beta1 + g32 * (1 - beta1)
     v32 = v.float() * beta2 + g32 * g32 * (1 - beta2)
     p32 = p.float() * (1 - lr * wd) - (lr / bc1) * m32 / ((v32 / bc2).sqrt() + eps)
+    keep = skip > 0
+    p32, m32, v32 = (
+        torch.where(keep, p.float(), p32),
+        torch.where(keep, m.float(), m32),
+        torch.where(keep, v.float(), v32),
+    )
     round_stochastic_(p, p32, noise[0])
     round_stochastic_(m, m32, noise[1])
     round_stochastic_(v, v32, noise[2])
@@ -47,7 +54,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class StochasticRoundingAdamW(torch.optim.Optimizer):
-    """AdamW (decoupled weight decay, bias correction) over bf16 parameters, rounding stochastically."""
+    """AdamW (decoupled weight decay, bias correction) over bf16 parameters, rounding stochastically.
+
+    Like torch's fused AdamW it honours ``found_inf`` (a 0-dim tensor set on the optimizer before ``step``; 1
+    skips the update on the device, no host sync). A skipped step still counts in the bias correction.
+    """
 
     def __init__(self, params, lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, seed=0, shard_index=0, chunk=_CHUNK):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -77,6 +88,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = getattr(self, "found_inf", None)
         index = -1
         for group in self.param_groups:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
@@ -97,9 +109,11 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                 gen = self._generator(device, step, index)
                 hyper = hypers.get((device, step))
                 if hyper is None:
-                    values = torch.tensor([lr, beta1, beta2, eps, wd, 1 - beta1**step, 1 - beta2**step])
+                    values = torch.tensor([lr, beta1, beta2, eps, wd, 1 - beta1**step, 1 - beta2**step, 0.0])
                     if device.type == "cuda":  # from pinned memory without blocking: no host sync per step
                         values = values.pin_memory().to(device, non_blocking=True)
+                    if found_inf is not None:  # stays on the device
+                        values = torch.cat([values[:-1], found_inf.to(device, torch.float32).reshape(1)])
                     hyper = hypers[(device, step)] = values
                 update = self._kernel(device)
                 for start in range(0, views[0].numel(), self.chunk):

@@ -128,9 +128,9 @@ def test_same_seed_same_bits_and_a_resumed_optimizer_continues_identically():
 
 def test_build_optimizer_picks_it_and_it_refuses_fp32_parameters():
     p = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
-    opt = build_optimizer([p], OptimConfig(stochastic_rounding=True), 1e-4, "cpu", seed=3, shard_index=1)
+    opt = build_optimizer([p], OptimConfig(stochastic_rounding=True), 1e-4, seed=3, shard_index=1)
     assert isinstance(opt, StochasticRoundingAdamW) and (opt.seed, opt.shard_index) == (3, 1)
-    assert isinstance(build_optimizer([p], OptimConfig(), 1e-4, "cpu"), torch.optim.AdamW)
+    assert isinstance(build_optimizer([p], OptimConfig(), 1e-4), torch.optim.AdamW)
     with pytest.raises(ValueError, match="needs bf16 parameters, got torch.float32"):
         StochasticRoundingAdamW([torch.nn.Parameter(torch.zeros(4))], lr=1e-4)
 
@@ -150,7 +150,7 @@ def test_compiled_cuda_update_matches_eager_cpu_with_the_same_bits():
     p, grad, m = (torch.randn(n, generator=g).bfloat16() for _ in range(3))
     v = torch.rand(n, generator=g).bfloat16()
     noise = torch.randint(0, 1 << 16, (3, n), dtype=torch.int32, generator=g)
-    hyper = torch.tensor([1e-3, 0.9, 0.95, 1e-8, 0.1, 0.19, 0.0975])
+    hyper = torch.tensor([1e-3, 0.9, 0.95, 1e-8, 0.1, 0.19, 0.0975, 0.0])
     cpu = [t.clone() for t in (p, grad, m, v)]
     cuda = [t.cuda() for t in (p, grad, m, v)]
     adamw_chunk_(*cpu, noise, hyper)
@@ -159,3 +159,23 @@ def test_compiled_cuda_update_matches_eager_cpu_with_the_same_bits():
         diff = (a.float() - b.float().cpu()).abs()
         assert (diff > 0).float().mean() < 1e-3
         assert (diff <= torch.maximum(a.float().abs(), b.float().cpu().abs()) * 2**-7 + 1e-6).all()
+
+
+def test_found_inf_skips_the_update_bitwise():
+    """found_inf = 1 (set by the trainer when the gradient norm is not finite) leaves parameters and moments
+    bit for bit; found_inf = 0 updates as usual."""
+    init, grads = _params(seed=2)
+    p = torch.nn.Parameter(init.bfloat16())
+    opt = StochasticRoundingAdamW([p], lr=1e-2, weight_decay=0.1)
+    p.grad = grads[0].bfloat16()
+    opt.step()
+    before = [t.clone() for t in (p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])]
+    p.grad = torch.full_like(p, float("nan"))
+    opt.found_inf = torch.tensor(1.0)
+    opt.step()
+    after = (p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    p.grad = grads[1].bfloat16()
+    opt.found_inf = torch.tensor(0.0)
+    opt.step()
+    assert not torch.equal(p.detach(), before[0]) and p.isfinite().all()

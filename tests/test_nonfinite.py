@@ -1,0 +1,70 @@
+"""A step whose gradient norm is not finite is skipped on the device; too many in a row stop the run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moe_tune.cli import compose, to_config
+
+FAST = ["train.seq_len=32", "train.micro_batch_size=2", "data.num_samples=64", "train.precision=fp32"]
+
+
+def _trainer(tmp_path, *overrides):
+    from moe_tune.train import Trainer
+
+    cfg = to_config(compose([f"output_dir={tmp_path}", "checkpoint.export_hf=false", *FAST, *overrides]))
+    return Trainer(cfg)
+
+
+def _poison(trainer):
+    """From now on the first MoE layer's output is NaN (an overflow), and with it the loss and every gradient."""
+    moe = trainer.model.moe_layers()[0]
+    return moe.register_forward_hook(lambda module, args, out: out * float("nan"))
+
+
+@pytest.mark.parametrize("overrides", [[], ["train.precision=bf16", "optim.stochastic_rounding=true"]])
+def test_a_nonfinite_step_leaves_weights_and_optimizer_state_bitwise(tmp_path, overrides):
+    trainer = _trainer(tmp_path, *overrides)
+    trainer.train_step(0)
+
+    def snapshot():
+        state = [t.clone() for s in trainer.optimizer.state.values() for t in s.values()]
+        return [p.detach().clone() for p in trainer.model.parameters()], state
+
+    params, state = snapshot()
+    hook = _poison(trainer)
+    out = trainer.train_step(1)
+    assert not torch.isfinite(out["grad_norm"])
+    after_params, after_state = snapshot()
+    assert all(torch.equal(a, b) for a, b in zip(params, after_params))
+    assert len(state) == len(after_state) and all(torch.equal(a, b) for a, b in zip(state, after_state) if a.ndim)
+    hook.remove()
+    out = trainer.train_step(2)
+    assert torch.isfinite(out["grad_norm"])
+    assert all(p.isfinite().all() for p in trainer.model.parameters())
+    assert not all(torch.equal(a, p) for a, p in zip(params, trainer.model.parameters()))
+
+
+def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path, capfd):
+    trainer = _trainer(tmp_path, "train.steps=10", "train.max_nonfinite_steps=2")
+    original = trainer.train_step
+
+    def step(i):
+        if i == 3:
+            _poison(trainer)  # steps 4, 5, 6 (1-based) are all non-finite
+        return original(i)
+
+    trainer.train_step = step
+    with pytest.raises(SystemExit) as e:
+        trainer.fit()
+    assert e.value.code == 1
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["skipped_steps"] for r in rows] == [0, 0, 0, 1, 2, 3]
+    err = capfd.readouterr().err
+    assert "steps 4-6 all had a non-finite gradient norm" in err
+    assert "weights are those after step 3" in err
+    assert json.load(open(tmp_path / "summary.json"))
