@@ -141,15 +141,14 @@ class Trainer:
     def build_optimizer(self):
         from moe_tune.optim import build_optimizer, build_scheduler
 
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        if self.cfg.train.precision == "bf16" and not self.cfg.optim.stochastic_rounding and rank == 0:
+        if self.cfg.train.precision == "bf16" and not self.cfg.optim.stochastic_rounding and self.rank == 0:
             log.warning(
                 "train.precision=bf16 rounds every AdamW update to the nearest bf16 value, and updates below half "
                 "a bf16 step are lost (on an H200 the loss stalled at lr 3e-5); add optim.stochastic_rounding=true"
             )
         # Ranks are (dp_replicate, dp_shard) row-major: replicas of one shard share rank % dp_shard, and so draw
         # the same stochastic-rounding bits (their parameters must stay equal).
-        shard_index = rank % resolve_parallel(self.cfg.parallel, self.world)[1]
+        shard_index = self.rank % self.mesh.dims.dp_shard
         opt = build_optimizer(
             self.model.parameters(), self.cfg.optim, self.cfg.train.lr, self.cfg.train.seed, shard_index
         )

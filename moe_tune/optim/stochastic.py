@@ -9,8 +9,9 @@ bf16 and rounded the same way. State: 4 bytes per parameter, against 12 for fp32
 
 The random bits come from a generator seeded per parameter by (``seed``, its step, ``shard_index``, its index),
 so a run resumed from a checkpoint (which holds the steps) draws the same bits as one that never stopped, and
-replicas of one shard (HSDP, ``parallel.dp_replicate > 1``: same shard index) round identically and stay equal. Work is done per chunk of ``chunk`` elements to bound
-the fp32 temporaries; on CUDA the per-chunk arithmetic is one compiled kernel.
+replicas of one shard (HSDP, ``parallel.dp_replicate > 1``: same shard index) round identically and stay equal.
+Work is done per chunk of ``chunk`` elements to bound the fp32 temporaries; on CUDA the per-chunk arithmetic is
+one compiled kernel.
 """
 
 from __future__ import annotations
