@@ -10,54 +10,31 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
 from moe_tune import checkpoint as ckpt
-from moe_tune.config import Config, ConfigError, resolve_parallel, validate
-from moe_tune.metrics import MetricsWriter, flops_per_token, step_row
+from moe_tune.build import Built, build_training_model
+from moe_tune.config import Config, validate
+from moe_tune.env import require_backends
+from moe_tune.metrics import MetricsWriter, step_row
 
 log = logging.getLogger("moe_tune")
 
 
-def build_source(cfg: Config, rank: int) -> tuple[str | None, object]:
-    """(checkpoint dir or None for a random-initialised preset, transformers config)."""
-    from transformers import AutoConfig
-
-    from moe_tune.models.presets import build_tiny_checkpoint, preset_config
-
-    if cfg.model.path is not None:
-        return cfg.model.path, AutoConfig.from_pretrained(cfg.model.path)
-    if cfg.model.name.startswith("tiny_"):
-        path = os.path.join(cfg.output_dir, "base_model")
-        if rank == 0:
-            build_tiny_checkpoint(path, cfg.model.name, cfg.model.overrides, seed=cfg.train.seed)
-        _barrier()
-        return path, AutoConfig.from_pretrained(path)
-    return None, preset_config(cfg.model.name, cfg.model.overrides)
-
-
-def build_tokenizer(source: str | None):
-    from moe_tune.models.presets import build_tokenizer as builtin
-
-    if source is not None and os.path.isfile(os.path.join(source, "tokenizer_config.json")):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(source)
-    return builtin()
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 class Trainer:
-    def __init__(self, cfg: Config, write_run_files: bool = True):
+    def __init__(
+        self,
+        cfg: Config,
+        builder: Callable[[Config, object], Built] = build_training_model,
+        write_run_files: bool = True,
+    ):
         self.cfg = cfg
         validate(cfg)  # before any process group exists
+        require_backends(cfg)
         from moe_tune.dist.env import init_distributed
 
         self.env = init_distributed()
@@ -68,9 +45,8 @@ class Trainer:
         if self.rank == 0 and write_run_files:
             os.makedirs(cfg.output_dir, exist_ok=True)
             write_json(os.path.join(cfg.output_dir, "config.json"), asdict(cfg))
-        self.source, hf_config = build_source(cfg, self.rank)
-        self.tokenizer = build_tokenizer(self.source)
-        self.model, self.mesh = self.build_model(hf_config)
+        built = builder(cfg, self.env)
+        self.model, self.mesh, self.source, self.tokenizer = built.model, built.mesh, built.source, built.tokenizer
         self.dp_size, self.accum = self._batch_layout()
         self.optimizer, self.scheduler = self.build_optimizer()
         self.skipped_steps = self.nonfinite_in_a_row = 0  # steps skipped for a non-finite gradient norm
@@ -82,55 +58,10 @@ class Trainer:
         self.metrics = MetricsWriter(
             cfg.output_dir, self.rank == 0 and write_run_files, cfg.train.warmup_steps_excluded
         )
-        self.flops_per_token = flops_per_token(self.model, cfg.train.seq_len)
+        self.flops_per_token = built.flops_per_token
         self.step = ckpt.maybe_resume(self, cfg.checkpoint.resume)
 
     # -- building ----------------------------------------------------------------------------------
-    def build_model(self, hf_config):
-        from moe_tune.dist.mesh import ParallelDims
-        from moe_tune.kernels import apply_kernels
-        from moe_tune.models.hf_io import load_state
-        from moe_tune.models.init import init_random
-        from moe_tune.models.model import build_model, materialize
-        from moe_tune.parallel import parallelize
-
-        cfg = self.cfg
-        if cfg.model.family not in ("auto", hf_config.model_type):
-            raise ConfigError(
-                f"model.family={cfg.model.family} but the checkpoint's model_type is {hf_config.model_type}; "
-                f"set model.family={hf_config.model_type} or model.family=auto"
-            )
-        param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
-        model = build_model(hf_config, dtype=param_dtype)
-        model.source_dir = self.source
-        validate(cfg, world_size=self.world, num_experts=model.num_experts)
-        model.aux_loss_coef = cfg.train.aux_loss_coef
-        model.z_loss_coef = cfg.train.z_loss_coef
-        for moe in model.moe_layers():
-            moe.router.force_balanced = cfg.train.force_balanced_routing
-            moe.want_aux_loss, moe.want_z_loss = cfg.train.aux_loss_coef > 0, cfg.train.z_loss_coef > 0
-        k = cfg.kernels
-        apply_kernels(
-            model,
-            k.name,
-            k.experts,
-            k.fused_loss,
-            k.loss_chunk_size,
-            fp8=k.fp8,
-            fp8_options=k.fp8_options(),
-        )
-        dp_replicate, dp_shard, ep = resolve_parallel(cfg.parallel, self.world)
-        dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, world_size=self.world)
-        mesh = dims.build_mesh(self.device.type)
-        parallelize(model, mesh, cfg)
-        materialize(model, self.device)
-        if self.source is not None:
-            load_state(model, self.source, model.family)
-        else:
-            init_random(model, seed=cfg.train.seed, num_experts=model.num_experts)
-        model.train()
-        return model, mesh
-
     def _batch_layout(self) -> tuple[int, int]:
         t = self.cfg.train
         dp = self.world  # every rank is a data-parallel rank (EP borrows its ranks from dp_shard)
@@ -203,8 +134,6 @@ class Trainer:
     @functools.cached_property
     def _dispatchers(self) -> list:
         unique = {id(m.dispatcher): m.dispatcher for m in self.model.moe_layers()}
-        for d in unique.values():
-            d.checked_after_step = True  # check() runs below on every rank: no per-rank check mid-step
         return list(unique.values())
 
     def _biased_moes(self) -> list:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_tune.config import CommConfig, Config, ConfigError, KernelsConfig, validate
+from moe_tune.env import require_backends
 
 log = logging.getLogger("moe_tune.bench")
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager")
@@ -110,18 +111,21 @@ class Baseline:
     """Build the Hugging Face model sharded with FSDP2 (or, on one GPU, plain), then train it like ``Trainer``."""
 
     def __init__(self, cfg: Config, experts_implementation: str = "grouped_mm", fsdp: bool = True):
+        from moe_tune.build import build_source, build_tokenizer
         from moe_tune.data import build_dataset
         from moe_tune.dist.env import init_distributed
         from moe_tune.metrics import MetricsWriter
         from moe_tune.optim import build_optimizer, build_scheduler
-        from moe_tune.train import _setup_logging, build_source, build_tokenizer, write_json
+        from moe_tune.train import _setup_logging, write_json
 
         if experts_implementation not in EXPERTS_IMPLEMENTATIONS:
             raise ConfigError(
                 f"--experts {experts_implementation!r} is not one of {', '.join(EXPERTS_IMPLEMENTATIONS)}"
             )
         # The baseline has no expert parallelism, dispatcher or kernel choice: check the rest of the workload.
-        validate(replace(cfg, parallel=replace(cfg.parallel, ep=1), comm=CommConfig(), kernels=KernelsConfig()))
+        checked = replace(cfg, parallel=replace(cfg.parallel, ep=1), comm=CommConfig(), kernels=KernelsConfig())
+        validate(checked)
+        require_backends(checked)
         self.cfg, self.experts_implementation, self.fsdp = cfg, experts_implementation, fsdp
         self.env = init_distributed()
         self.rank, self.world, self.device = self.env.rank, self.env.world_size, self.env.device
@@ -149,7 +153,8 @@ class Baseline:
         from torch.distributed.fsdp import FSDPModule, fully_shard
         from transformers import AutoModelForCausalLM
 
-        from moe_tune.dist.mesh import ParallelDims
+        from moe_tune.config import ParallelDims
+        from moe_tune.dist.mesh import build_mesh
         from moe_tune.models.families import get_family
         from moe_tune.models.hf_io import load_state
         from moe_tune.models.init import init_random
@@ -178,8 +183,8 @@ class Baseline:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         elif ac == "selective":
             apply_ac(model.model, "selective")  # transformers has no selective mode: attention only, as moe_tune
-        mesh = ParallelDims(dp_replicate=1, dp_shard=self.world, ep=1, world_size=self.world).build_mesh(
-            self.device.type
+        mesh = build_mesh(
+            ParallelDims(dp_replicate=1, dp_shard=self.world, ep=1, world_size=self.world), self.device.type
         )
         mp = mixed_precision_policy(cfg.train.precision)
         reshard = cfg.parallel.reshard_after_forward

@@ -1,0 +1,187 @@
+"""The one model-building recipe (``assemble``: build on meta -> parallelize -> materialize -> load), used by the
+trainer (``build_training_model``), the Python API (``from_pretrained``), ``moe-tune-export``
+(``from_checkpoint``) and the benchmarks.
+
+``build_training_model(cfg, env) -> Built`` is the default builder the ``Trainer`` is given; the benchmark's
+Transformers baseline gives it another builder (its own Hugging Face model behind the same interface).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moe_tune.config import Config, ConfigError, ParallelDims, validate
+from moe_tune.dist.mesh import ParallelMesh, build_mesh
+from moe_tune.metrics import flops_per_token
+from moe_tune.models.families import num_experts
+from moe_tune.models.hf_io import load_state
+from moe_tune.models.init import init_random
+from moe_tune.models.model import ModelOptions, MoECausalLM, build_model, materialize
+from moe_tune.parallel import ep_dispatchers, experts_options, parallelize
+
+
+@dataclass
+class Built:
+    """What the trainer needs from a build.
+
+    ``model``: forward(input_ids, labels=, position_ids=, loss_normalizer=) -> an output with ``.loss`` (what is
+    minimised) and ``.ce_loss`` (the cross-entropy part, logged); ``.config.vocab_size``; FSDP2 roots also have
+    ``set_requires_gradient_sync``. ``moe_layers``: moe_tune MoE layers (their dispatchers are checked after
+    logging steps, their loads logged and bias-updated); empty for a model that is not moe_tune's.
+    ``checkpointable``: moe_tune's checkpoints and Hugging Face export apply to ``model``.
+    ``clip_grad_norm``: the model's own clipping (returns the global norm); None uses moe_tune's over ``mesh``.
+    ``describe``: extra summary.json fields saying what was built."""
+
+    model: torch.nn.Module
+    mesh: Any
+    source: str | None
+    tokenizer: Any
+    flops_per_token: float
+    moe_layers: list = field(default_factory=list)
+    checkpointable: bool = True
+    clip_grad_norm: Callable[[], torch.Tensor] | None = None
+    describe: dict = field(default_factory=dict)
+
+
+def build_source(cfg: Config, rank: int) -> tuple[str | None, object]:
+    """(checkpoint dir or None for a random-initialised preset, transformers config)."""
+    from transformers import AutoConfig
+
+    from moe_tune.models.presets import build_tiny_checkpoint, preset_config
+
+    if cfg.model.path is not None:
+        return cfg.model.path, AutoConfig.from_pretrained(cfg.model.path)
+    if cfg.model.name.startswith("tiny_"):
+        path = os.path.join(cfg.output_dir, "base_model")
+        if rank == 0:
+            build_tiny_checkpoint(path, cfg.model.name, cfg.model.overrides, seed=cfg.train.seed)
+        if dist.is_initialized():
+            dist.barrier()  # the other ranks read what rank 0 wrote
+        return path, AutoConfig.from_pretrained(path)
+    return None, preset_config(cfg.model.name, cfg.model.overrides)
+
+
+def build_tokenizer(source: str | None):
+    from moe_tune.models.presets import build_tokenizer as builtin
+
+    if source is not None and os.path.isfile(os.path.join(source, "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(source)
+    return builtin()
+
+
+def model_options(cfg: Config, dims: ParallelDims) -> ModelOptions:
+    """The model's construction options for a run: every choice the config makes about the model, in one place."""
+    k, t = cfg.kernels, cfg.train
+    return ModelOptions(
+        dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
+        kernels=k.name,
+        fp8=k.fp8,
+        fp8_options=k.fp8_options(),
+        experts=experts_options(dims, t.precision, k.experts),
+        loss_chunk_size=k.loss_chunk_size if k.fused_loss else None,
+        aux_loss_coef=t.aux_loss_coef,
+        z_loss_coef=t.z_loss_coef,
+        force_balanced_routing=t.force_balanced_routing,
+    )
+
+
+def assemble(
+    hf_config,
+    options: ModelOptions,
+    load: Callable[[MoECausalLM], None],
+    device: torch.device | str = "cpu",
+    source: str | None = None,
+    parallel: tuple[ParallelMesh, Config] | None = None,
+) -> MoECausalLM:
+    """The recipe every entry point uses: build on the meta device (each rank's experts only, under expert
+    parallelism) -> parallelize on the mesh -> materialize on ``device`` -> ``load`` (each rank reads its own
+    shards). ``parallel``: (mesh, run config) for a process group; None for one process without parallelism."""
+    mesh, cfg = parallel if parallel is not None else (None, None)
+    # The trainer runs every dispatcher's check() on all ranks after a step (symm_mem's capacity overflow).
+    make_dispatcher = ep_dispatchers(mesh, cfg.comm, checked_after_step=True) if mesh is not None else None
+    model = build_model(hf_config, options, make_dispatcher, source)
+    if mesh is not None:
+        parallelize(model, mesh, cfg)
+    materialize(model, device)
+    load(model)
+    return model
+
+
+def source_loader(source: str | None, seed: int) -> Callable[[MoECausalLM], None]:
+    """Load the source checkpoint's tensors, or (a preset without one) draw random weights by name."""
+    if source is not None:
+        return lambda model: load_state(model, source, model.family)
+    return lambda model: init_random(model, seed=seed, num_experts=model.num_experts)
+
+
+def build_training_model(cfg: Config, env) -> Built:
+    """moe_tune's model for ``cfg`` on this process group (``env``: ``moe_tune.dist.env``'s rank, world, device)."""
+    source, hf_config = build_source(cfg, env.rank)
+    tokenizer = build_tokenizer(source)
+    if cfg.model.family not in ("auto", hf_config.model_type):
+        raise ConfigError(
+            f"model.family={cfg.model.family} but the checkpoint's model_type is {hf_config.model_type}; "
+            f"set model.family={hf_config.model_type} or model.family=auto"
+        )
+    dims = validate(cfg, world_size=env.world_size, num_experts=num_experts(hf_config))
+    mesh = build_mesh(dims, env.device.type)
+    load = source_loader(source, cfg.train.seed)
+    model = assemble(hf_config, model_options(cfg, dims), load, env.device, source, (mesh, cfg))
+    model.train()
+    return Built(
+        model=model,
+        mesh=mesh,
+        source=source,
+        tokenizer=tokenizer,
+        flops_per_token=flops_per_token(model, cfg.train.seq_len),
+        moe_layers=list(model.moe_layers()),
+    )
+
+
+def from_pretrained(path: str, dtype=torch.float32, kernels: str = "torch", device=None) -> MoECausalLM:
+    """One process, no parallelism: a Hugging Face MoE checkpoint as moe_tune's model (the Python API)."""
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"{path} has no config.json; give a local Hugging Face checkpoint directory")
+    options = ModelOptions(dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype, kernels=kernels)
+    return assemble(AutoConfig.from_pretrained(path), options, source_loader(path, 0), device or "cpu", path)
+
+
+def from_checkpoint(checkpoint: str) -> tuple[MoECausalLM, Config]:
+    """One CPU process: a training checkpoint (``checkpoints/step_<N>``, any parallel layout: experts are stored
+    one per key) as moe_tune's model, with the run's config. Only the model's tensors are read."""
+    from transformers import AutoConfig
+
+    from moe_tune.checkpoint import load_model_weights, read_meta
+    from moe_tune.models.presets import preset_config
+
+    meta, cfg = read_meta(checkpoint)
+    source = meta.get("source")
+    if source and not os.path.isfile(os.path.join(source, "config.json")):
+        source = None
+    hf_config = AutoConfig.from_pretrained(source) if source else preset_config(cfg.model.name, cfg.model.overrides)
+    options = ModelOptions(dtype=torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32)
+    model = assemble(hf_config, options, lambda m: load_model_weights(m, checkpoint), "cpu", source)
+    return model, cfg
+
+
+__all__ = [
+    "Built",
+    "assemble",
+    "build_source",
+    "build_tokenizer",
+    "build_training_model",
+    "from_checkpoint",
+    "from_pretrained",
+    "model_options",
+    "source_loader",
+]
