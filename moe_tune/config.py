@@ -2,7 +2,8 @@
 
 The schema is the single source of truth for every key; ``conf/<group>/<option>.yaml`` only fills values.
 Unknown keys fail at compose time because every group is a structured config.
-This module imports no torch and no backend: ``validate`` probes backends through ``moe_tune.backends``.
+This module imports no torch, no backend and nothing else of moe_tune; whether the backends a config names
+are usable on this machine is ``moe_tune.env.require_backends``'s check, run after ``validate``.
 """
 
 from __future__ import annotations
@@ -318,23 +319,6 @@ def validate(cfg: Config, world_size: int | None = None, num_experts: int | None
         )
     if cfg.kernels.name != "te" and cfg.kernels.fp8 != "none":
         raise ConfigError(f"kernels.fp8={cfg.kernels.fp8} needs kernels=te; add kernels=te or set kernels.fp8=none")
-    from moe_tune import backends
-
-    for name in _backends_needed(cfg):
-        reason = backends.unusable_reason(name)
-        if reason is not None:
-            raise ConfigError(reason)
-
-
-def _backends_needed(cfg: Config) -> list[str]:
-    needed = []
-    if cfg.comm.name in ("deepep", "symm_mem"):
-        needed.append(cfg.comm.name)
-    if cfg.kernels.name == "te":
-        needed.append("transformer_engine")
-    if cfg.kernels.fp8 != "none":
-        needed.append(f"fp8_{cfg.kernels.fp8}")
-    return needed
 
 
 def _largest_divisor(n: int, upper: int) -> int:

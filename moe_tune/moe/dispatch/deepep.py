@@ -35,14 +35,20 @@ from moe_tune.moe.dispatch.base import Dispatcher
 # DeepEP moves rows in 16-byte units, in pairs (its TMA path halves each row): the fp32 gates are padded to
 # 32 bytes per token. Their gradients return as 256 bf16 per token (see _SendGates.backward).
 _GATE_ALIGN, _GRAD_PAYLOAD = 8, 256
+# How to get DeepEP: raised here when `import deep_ep` fails, and by moe_tune.env.require_backends before a run.
+DEEPEP_HOWTO = (
+    "DeepEP is not installed, and it is not on PyPI: build it from upstream source tag v1.2.1: "
+    "`git clone --branch v1.2.1 https://github.com/deepseek-ai/DeepEP && pip install nvidia-nvshmem-cu13 && "
+    "CPATH=/usr/local/cuda/include/cccl:$CPATH pip install --no-build-isolation ./DeepEP` "
+    "(its setup.py finds NVSHMEM in PyTorch's nvidia-nvshmem wheel; use -cu12 on CUDA 12, where the CPATH "
+    "addition for CUDA 13's CCCL headers is not needed); or pick comm=all_to_all"
+)
 
 
 def _import_deep_ep():
     try:
         import deep_ep
     except ImportError as e:
-        from moe_tune.backends import DEEPEP_HOWTO
-
         raise ImportError(f"comm=deepep: {DEEPEP_HOWTO} (import failed: {e})") from e
     return deep_ep
 

@@ -1,9 +1,10 @@
 """Is a backend usable here? Two levels, both cheap enough to run before any process group exists.
 
-``unusable_reason(name)`` is what ``config.validate()`` asks: is the package importable, is there a CUDA GPU,
-is its compute capability high enough. It returns one line naming the problem and the fix, or None.
-``probe(name)`` goes further and *runs* a tiny call of the backend (a grouped GEMM forward and backward, a
-TransformerEngine Linear, a symmetric-memory allocation...) and checks its numbers; ``moe-tune-env`` prints it.
+``unusable_reason(name)`` is what ``require_backends(cfg)`` asks for each backend the config names: is the
+package importable, is there a CUDA GPU, is its compute capability high enough. It returns one line naming the
+problem and the fix, or None. ``probe(name)`` goes further and *runs* a tiny call of the backend (a grouped GEMM
+forward and backward, a TransformerEngine Linear, a symmetric-memory allocation...) and checks its numbers;
+``moe-tune-env`` prints it.
 
 Nothing heavy is imported at module import time: torch and every backend load inside the functions.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+
+from moe_tune.config import Config, ConfigError
 
 BACKENDS = (
     "grouped_mm",
@@ -24,13 +27,6 @@ BACKENDS = (
     "fp8_mxfp8",
 )
 
-DEEPEP_HOWTO = (
-    "DeepEP is not installed, and it is not on PyPI: build it from upstream source tag v1.2.1: "
-    "`git clone --branch v1.2.1 https://github.com/deepseek-ai/DeepEP && pip install nvidia-nvshmem-cu13 && "
-    "CPATH=/usr/local/cuda/include/cccl:$CPATH pip install --no-build-isolation ./DeepEP` "
-    "(its setup.py finds NVSHMEM in PyTorch's nvidia-nvshmem wheel; use -cu12 on CUDA 12, where the CPATH "
-    "addition for CUDA 13's CCCL headers is not needed); or pick comm=all_to_all"
-)
 TE_HOWTO = "TransformerEngine is not installed: pip install 'moe_tune[te]' (transformer-engine[pytorch]); or pick kernels=torch"
 # Lowest compute capability per backend.
 _MIN_CC = {"deepep": (9, 0), "symm_mem": (8, 0), "transformer_engine": (8, 0), "grouped_mm": (8, 0)}
@@ -81,6 +77,8 @@ def unusable_reason(name: str) -> str | None:
     gpu = _cuda()
     if name == "deepep":
         if not _installed("deep_ep"):
+            from moe_tune.moe.dispatch.deepep import DEEPEP_HOWTO  # lazy: that module imports torch
+
             return f"comm=deepep: {DEEPEP_HOWTO}"
         reason = _needs_gpu("DeepEP's kernels (built for Hopper)", "comm=deepep", gpu, _MIN_CC["deepep"])
         if reason:
@@ -157,6 +155,27 @@ def _symm_mem_reason(gpu) -> str | None:
     return None
 
 
+def backends_needed(cfg: Config) -> list[str]:
+    """The backends of ``BACKENDS`` that ``cfg`` asks for (the defaults, all_to_all and torch, need none)."""
+    needed = []
+    if cfg.comm.name in ("deepep", "symm_mem"):
+        needed.append(cfg.comm.name)
+    if cfg.kernels.name == "te":
+        needed.append("transformer_engine")
+    if cfg.kernels.fp8 != "none":
+        needed.append(f"fp8_{cfg.kernels.fp8}")
+    return needed
+
+
+def require_backends(cfg: Config) -> None:
+    """Raise ConfigError (one line: the problem and the fix) for the first backend ``cfg`` needs that is not
+    usable here. Run it after ``config.validate(cfg)``, before any process group exists."""
+    for name in backends_needed(cfg):
+        reason = unusable_reason(name)
+        if reason is not None:
+            raise ConfigError(reason)
+
+
 # -- probes: run the backend ---------------------------------------------------------------------------
 
 
@@ -166,7 +185,7 @@ def probe(name: str) -> tuple[bool, str]:
     reason = unusable_reason(name)
     if reason is not None:
         return False, reason
-    from moe_tune import probes
+    from moe_tune.env import probes
 
     try:
         if name.startswith("fp8_"):

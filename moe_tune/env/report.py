@@ -18,7 +18,7 @@ import subprocess
 import sys
 from importlib import metadata
 
-from moe_tune.backends import BACKENDS, probe
+from moe_tune.env.backends import BACKENDS, probe
 
 _PACKAGES = {
     "transformers": ("transformers",),
@@ -179,7 +179,3 @@ def main(argv: list[str] | None = None) -> int:
         ok, detail = probe(name)
         _print_backend({"backend": name, "ok": ok, "detail": detail})
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

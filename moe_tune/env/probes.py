@@ -1,4 +1,4 @@
-"""Tiny runs of each backend, for ``moe_tune.backends.probe`` and ``moe-tune-env``.
+"""Tiny runs of each backend, for ``moe_tune.env.backends.probe`` and ``moe-tune-env``.
 
 Each ``run_<backend>()`` returns (ok, detail): what ran, on what, and the numbers it checked against a
 reference. They assume ``backends.unusable_reason`` already passed (package importable, GPU present).
@@ -197,7 +197,7 @@ def _spawn(world: int, timeout: float = 120) -> tuple[bool, str]:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
     env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    cmd = [sys.executable, "-m", "moe_tune.probes", "symm_mem_worker"]
+    cmd = [sys.executable, "-m", "moe_tune.env.probes", "symm_mem_worker"]
     procs = [
         subprocess.Popen(
             cmd,

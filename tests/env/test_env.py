@@ -1,4 +1,4 @@
-"""``moe-tune-env`` and ``moe_tune.backends``: truthful on this (CPU) machine, clear reasons when unusable."""
+"""``moe-tune-env`` and ``moe_tune.env.backends``: truthful on this (CPU) machine, clear reasons when unusable."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from moe_tune import backends, env
+from moe_tune.env import backends
+from moe_tune.env import report as env
 
 NO_GPU = not torch.cuda.is_available()
 
@@ -118,6 +119,13 @@ def test_module_runs_and_imports_nothing_heavy():
     p = subprocess.run([sys.executable, "-m", "moe_tune.env", "--json"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["backends"]
-    code = "import sys, moe_tune.backends, moe_tune.env; print(sorted(m for m in ('torch', 'transformer_engine', 'deep_ep') if m in sys.modules))"
+    code = "import sys, moe_tune.env; print(sorted(m for m in ('torch', 'transformer_engine', 'deep_ep') if m in sys.modules))"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
+
+
+def test_package_exports_the_entry_points():
+    import moe_tune.env as pkg
+
+    assert pkg.main is env.main and pkg.versions is env.versions  # pyproject: moe-tune-env = "moe_tune.env:main"
+    assert pkg.require_backends is backends.require_backends

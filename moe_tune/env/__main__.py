@@ -1,0 +1,7 @@
+"""``python -m moe_tune.env``: the same as ``moe-tune-env``."""
+
+import sys
+
+from moe_tune.env import main
+
+sys.exit(main())
