@@ -12,10 +12,11 @@ class AutoModelForCausalLM:
     """``moe_tune.AutoModelForCausalLM.from_pretrained(local_dir, dtype=torch.float32, kernels="torch")``."""
 
     @staticmethod
-    def from_pretrained(path: str, dtype="float32", kernels: str = "torch", device=None):
-        from moe_tune.models.model import MoECausalLM
+    def from_pretrained(path: str, dtype="float32", kernels: str = "torch", device=None, **options):
+        """``options``: ``moe_tune.models.model.ModelOptions`` fields (``aux_loss_coef``, ``loss_chunk_size``...)."""
+        from moe_tune.build import from_pretrained
 
-        return MoECausalLM.from_pretrained(path, dtype=dtype, kernels=kernels, device=device)
+        return from_pretrained(path, dtype=dtype, kernels=kernels, device=device, **options)
 
 
 __all__ = ["AutoModelForCausalLM", "__version__"]

@@ -146,14 +146,16 @@ def build_training_model(cfg: Config, env) -> Built:
     )
 
 
-def from_pretrained(path: str, dtype=torch.float32, kernels: str = "torch", device=None) -> MoECausalLM:
-    """One process, no parallelism: a Hugging Face MoE checkpoint as moe_tune's model (the Python API)."""
+def from_pretrained(path: str, dtype=torch.float32, kernels: str = "torch", device=None, **options) -> MoECausalLM:
+    """One process, no parallelism: a Hugging Face MoE checkpoint as moe_tune's model (the Python API).
+    ``options``: further ``ModelOptions`` fields (e.g. ``aux_loss_coef``, ``loss_chunk_size``)."""
     from transformers import AutoConfig
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"{path} has no config.json; give a local Hugging Face checkpoint directory")
-    options = ModelOptions(dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype, kernels=kernels)
-    return assemble(AutoConfig.from_pretrained(path), options, source_loader(path, 0), device or "cpu", path)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    model_options = ModelOptions(dtype=dtype, kernels=kernels, **options)
+    return assemble(AutoConfig.from_pretrained(path), model_options, source_loader(path, 0), device or "cpu", path)
 
 
 def from_checkpoint(checkpoint: str) -> tuple[MoECausalLM, Config]:

@@ -173,6 +173,24 @@ def load(trainer, path: str) -> None:
     trainer.step = meta["step"]
 
 
+def read_meta(path: str):
+    """(meta.json, the run's ``Config``) of a complete checkpoint; ConfigError naming what is missing."""
+    from omegaconf import OmegaConf
+
+    from moe_tune.config import Config, comm_config
+
+    meta_path = os.path.join(path, "meta.json")
+    if not os.path.isfile(os.path.join(path, COMPLETE)) or not os.path.isfile(meta_path):
+        raise ConfigError(f"{path} is not a complete moe-tune checkpoint (needs meta.json and {COMPLETE})")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    saved = dict(meta["config"])
+    comm = comm_config(saved.pop("comm", {}))
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), saved))
+    cfg.comm = comm
+    return meta, cfg
+
+
 def load_model_weights(model, path: str) -> None:
     """Only the model's tensors of a checkpoint into ``model`` (any layout: experts are stored one per key)."""
     import torch.distributed.checkpoint as dcp

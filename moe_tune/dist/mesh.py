@@ -1,4 +1,4 @@
-"""``ParallelDims`` -> the device meshes every parallelism uses, built the torchtitan way.
+"""``ParallelDims`` (``moe_tune.config``) -> the device meshes every parallelism uses, built the torchtitan way.
 
 Expert parallelism borrows its ranks from the data-parallel shard dimension: world = dp_replicate x dp_shard
 and dp_shard = efsdp x ep. The root mesh is 3-D, ``(dp_replicate, efsdp, ep)``, row-major, so the ``ep``
@@ -21,66 +21,30 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from moe_tune.config import ConfigError, ParallelConfig, resolve_parallel
+from moe_tune.config import ConfigError, ParallelDims
 
 AXES = ("dp_replicate", "efsdp", "ep", "dp_shard", "dp", "dense_fsdp", "expert_fsdp")
 
 
-@dataclass(frozen=True)
-class ParallelDims:
-    dp_replicate: int
-    dp_shard: int
-    ep: int
-    world_size: int
-
-    def __post_init__(self):
-        if min(self.dp_replicate, self.dp_shard, self.ep) < 1:
-            raise ConfigError(f"parallel sizes must be >= 1, got {self}")
-        if self.dp_replicate * self.dp_shard != self.world_size:
-            raise ConfigError(
-                f"parallel.dp_replicate ({self.dp_replicate}) x parallel.dp_shard ({self.dp_shard}) must equal "
-                f"the world size ({self.world_size}); try parallel.dp_shard=-1"
-            )
-        if self.dp_shard % self.ep:
-            raise ConfigError(
-                f"parallel.ep ({self.ep}) must divide parallel.dp_shard ({self.dp_shard}); expert parallelism "
-                f"borrows its ranks from dp_shard: try parallel.ep=1"
-            )
-
-    @classmethod
-    def from_config(cls, parallel: ParallelConfig, world_size: int) -> ParallelDims:
-        dp_replicate, dp_shard, ep = resolve_parallel(parallel, world_size)
-        return cls(dp_replicate, dp_shard, ep, world_size)
-
-    @property
-    def efsdp(self) -> int:
-        return self.dp_shard // self.ep
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    def build_mesh(self, device_type: str) -> ParallelMesh:
-        """Create the root mesh and its views; a collective over the default group (all ranks call it)."""
-        if dist.get_world_size() != self.world_size:
-            raise ConfigError(
-                f"the process group has {dist.get_world_size()} ranks but ParallelDims expects {self.world_size}"
-            )
-        root = init_device_mesh(
-            device_type, (self.dp_replicate, self.efsdp, self.ep), mesh_dim_names=("dp_replicate", "efsdp", "ep")
-        )
-        dp = root._flatten("dp")
-        views = {
-            "dp_replicate": root["dp_replicate"],
-            "efsdp": root["efsdp"],
-            "ep": root["ep"],
-            "dp_shard": root["efsdp", "ep"]._flatten("dp_shard"),
-            "dp": dp,
-            # Same ranks as (dp_replicate, dp_shard), built by unflattening dp so no flattened dim is re-sliced.
-            "dense_fsdp": dp._unflatten(0, (self.dp_replicate, self.dp_shard), ("dp_replicate", "dp_shard")),
-            "expert_fsdp": root["dp_replicate", "efsdp"],
-        }
-        return ParallelMesh(self, root, views)
+def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
+    """Create the root mesh and its views; a collective over the default group (all ranks call it)."""
+    if dist.get_world_size() != dims.world_size:
+        raise ConfigError(f"the process group has {dist.get_world_size()} ranks but the layout expects {dims}")
+    root = init_device_mesh(
+        device_type, (dims.dp_replicate, dims.efsdp, dims.ep), mesh_dim_names=("dp_replicate", "efsdp", "ep")
+    )
+    dp = root._flatten("dp")
+    views = {
+        "dp_replicate": root["dp_replicate"],
+        "efsdp": root["efsdp"],
+        "ep": root["ep"],
+        "dp_shard": root["efsdp", "ep"]._flatten("dp_shard"),
+        "dp": dp,
+        # Same ranks as (dp_replicate, dp_shard), built by unflattening dp so no flattened dim is re-sliced.
+        "dense_fsdp": dp._unflatten(0, (dims.dp_replicate, dims.dp_shard), ("dp_replicate", "dp_shard")),
+        "expert_fsdp": root["dp_replicate", "efsdp"],
+    }
+    return ParallelMesh(dims, root, views)
 
 
 @dataclass

@@ -164,46 +164,47 @@ def te_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     return out.reshape(B, S, H, d), None
 
 
-def apply_te(
-    model,
-    fp8: str = "none",
-    experts: str = "grouped_mm",
-    fp8_options: dict | None = None,
-) -> None:
-    """Swap in TE modules; with ``fp8`` != none, run each decoder layer under TE's autocast with the recipe
-    ``fp8_recipe(fp8, **fp8_options)``."""
+def apply_te(model, keep: set[int], fp8: str = "none", fp8_options: dict | None = None) -> bool:
+    """Swap TE modules into a Hugging Face causal LM (``model.model.layers``, ``model.model.norm``, ``model.config``)
+    in place, leaving the modules whose ids are in ``keep`` (the routers) torch; with ``fp8`` != none, run each
+    decoder layer under TE's autocast with the recipe ``fp8_recipe(fp8, **fp8_options)``. Returns whether TE
+    took the attention (then the model must pass packed rows' boundaries as cu_seq_lens_q/k)."""
     from transformers import AttentionInterface
 
-    router_ids = {id(m.router) for m in model.moe_layers()}
+    decoder = model.model
     fp8_dim_multiple = 128 if fp8 == "blockwise" else 16
-    for layer in model.layers:
-        _swap(layer, router_ids, fp8_dim_multiple)
+    for layer in decoder.layers:
+        _swap(layer, keep, fp8_dim_multiple)
     if fp8 != "none":
-        kept = [
-            n
-            for n, m in model.layers.named_modules()
-            if isinstance(m, nn.Linear) and id(m) not in router_ids and not _fp8_shape_ok(m, fp8_dim_multiple)
-        ]
-        if kept:
-            log.info(
-                "kernels.fp8=%s: %d linears stay torch (outside FP8): a dimension is not a multiple of %d (%s%s)",
-                fp8,
-                len(kept),
-                fp8_dim_multiple,
-                ", ".join(kept[:3]),
-                ", ..." if len(kept) > 3 else "",
-            )
-    final_norm = _te_module(model.model.norm, router_ids) if hasattr(model.model, "norm") else None
+        _log_kept_out_of_fp8(decoder.layers, keep, fp8, fp8_dim_multiple)
+    final_norm = _te_module(decoder.norm, keep) if hasattr(decoder, "norm") else None
     if final_norm is not None:
-        model.model.norm = final_norm
-    if model.config._attn_implementation == "sdpa":
-        AttentionInterface.register(ATTN_NAME, te_attention_forward)
-        model.config._attn_implementation = ATTN_NAME
-        model.wants_cu_seqlens = True
-    else:
-        log.info("kernels=te: %s attention kept (%s)", model.config._attn_implementation, model.config.model_type)
+        decoder.norm = final_norm
     if fp8 != "none":
-        _wrap_fp8(model, fp8_recipe(fp8, **(fp8_options or {})))
+        _wrap_fp8(decoder.layers, fp8_recipe(fp8, **(fp8_options or {})))
+    if model.config._attn_implementation != "sdpa":
+        log.info("kernels=te: %s attention kept (%s)", model.config._attn_implementation, model.config.model_type)
+        return False
+    AttentionInterface.register(ATTN_NAME, te_attention_forward)
+    model.config._attn_implementation = ATTN_NAME
+    return True
+
+
+def _log_kept_out_of_fp8(layers: nn.Module, keep: set[int], fp8: str, multiple: int) -> None:
+    kept = [
+        n
+        for n, m in layers.named_modules()
+        if isinstance(m, nn.Linear) and id(m) not in keep and not _fp8_shape_ok(m, multiple)
+    ]
+    if kept:
+        log.info(
+            "kernels.fp8=%s: %d linears stay torch (outside FP8): a dimension is not a multiple of %d (%s%s)",
+            fp8,
+            len(kept),
+            multiple,
+            ", ".join(kept[:3]),
+            ", ..." if len(kept) > 3 else "",
+        )
 
 
 def fp8_recipe(
@@ -235,12 +236,12 @@ def fp8_recipe(
     raise ValueError(f"kernels.fp8={fp8!r} is not one of current, delayed, blockwise, mxfp8")
 
 
-def _wrap_fp8(model, recipe) -> None:
+def _wrap_fp8(layers: nn.Module, recipe) -> None:
     """Run every decoder layer under TE's fp8 autocast with ``recipe``: its te.Linear GEMMs run in FP8; the
     router (F.linear), the experts (grouped_mm), norms' statistics, attention's softmax and the loss stay in
     bf16/fp32."""
     te = _te()
-    for layer in model.layers:
+    for layer in layers:
         inner = layer.forward
 
         def forward(*args, _inner=inner, **kwargs):

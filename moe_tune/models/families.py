@@ -129,3 +129,9 @@ def get_family(model_type: str, architectures: list[str] | None = None) -> Famil
             f"{', '.join(sorted(FAMILIES))}. Give a checkpoint of one of those"
         )
     return FAMILIES[model_type]
+
+
+def num_experts(config) -> int:
+    """Routed experts per MoE layer of a Hugging Face config (known before any model is built)."""
+    family = get_family(config.model_type, getattr(config, "architectures", None))
+    return family.moe_spec(config).router.num_experts

@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from moe_tune.config import ConfigError
 from moe_tune.models.families import Family
+from moe_tune.moe.experts import GroupedExperts
 
 EXPERT_PARAM = re.compile(
     r"^(?P<prefix>.*\.experts)\.(?P<name>gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$"
@@ -135,13 +136,12 @@ def named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 def expert_offsets(model: torch.nn.Module) -> dict[str, int]:
     """For each stacked expert tensor, the global index of this rank's first expert. Empty without EP; under
-    EP (``apply_ep`` sets ``expert_offset`` on every experts module) it lists every expert tensor, ep rank 0's
-    included, so all ranks agree that the experts are EP-sharded."""
+    EP it lists every expert tensor, ep rank 0's included, so all ranks agree that the experts are EP-sharded."""
     offsets = {}
     for name, module in model.named_modules():
-        if hasattr(module, "gate_up_proj") and hasattr(module, "expert_offset"):
+        if isinstance(module, GroupedExperts) and module.ep_sharded:
             for p in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
-                offsets[f"{name}.{p}"] = module.expert_offset
+                offsets[f"{name}.{p}"] = module.first_expert
     return offsets
 
 
@@ -214,13 +214,6 @@ def to_disk_tensors(
         yield disk_key(family, name), t
 
 
-def save_pretrained(model, out_dir: str, max_shard_bytes: int = 4 << 30) -> None:
-    """Single-process export (no sharding): Hugging Face keys, shapes and dtypes as in the source checkpoint."""
-    from moe_tune.models.export import write_checkpoint
-
-    write_checkpoint(model, out_dir, max_shard_bytes=max_shard_bytes)
-
-
 def copy_side_files(src: str | None, out_dir: str) -> None:
     if not src:
         return
@@ -228,21 +221,3 @@ def copy_side_files(src: str | None, out_dir: str) -> None:
         p = os.path.join(src, name)
         if os.path.isfile(p):
             shutil.copy2(p, os.path.join(out_dir, name))
-
-
-def load_pretrained(path: str, dtype=torch.float32, kernels: str = "torch", device=None):
-    from transformers import AutoConfig
-
-    from moe_tune.models.model import build_model, materialize
-
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"{path} has no config.json; give a local Hugging Face checkpoint directory")
-    config = AutoConfig.from_pretrained(path)
-    model = build_model(config, dtype=dtype)
-    model.source_dir = path
-    materialize(model, device or "cpu")
-    load_state(model, path, model.family)
-    from moe_tune.kernels import apply_kernels
-
-    apply_kernels(model, kernels)
-    return model

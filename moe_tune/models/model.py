@@ -7,13 +7,40 @@ maps onto transformers v5 without renaming.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from moe_tune.models.export import write_checkpoint
 from moe_tune.models.families import Family, get_family
+from moe_tune.moe.dispatch import Dispatcher
+from moe_tune.moe.experts import ExpertsOptions
 from moe_tune.moe.layer import MoE
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How a run builds the model: its options, given at construction (the family's maths is its spec)."""
+
+    dtype: torch.dtype = torch.float32
+    # "torch": transformers' attention (SDPA or eager); "te": TransformerEngine norms, attention and linears.
+    kernels: str = "torch"
+    fp8: str = "none"
+    # Keyword arguments of ``moe_tune.kernels.te.fp8_recipe`` (``KernelsConfig.fp8_options()``).
+    fp8_options: dict = field(default_factory=dict)
+    experts: ExpertsOptions = field(default_factory=ExpertsOptions)
+    # Chunked linear cross-entropy over this many rows at a time (never the full logits); None: full logits.
+    loss_chunk_size: int | None = 4096
+    # Balancing losses' coefficients; None: the checkpoint's router_aux_loss_coef (as transformers).
+    aux_loss_coef: float | None = None
+    z_loss_coef: float = 0.0
+    force_balanced_routing: bool = False
+    # None: the family's (``sdpa``, or ``eager`` where transformers has no SDPA path).
+    attn_implementation: str | None = None
 
 
 @dataclass
@@ -25,26 +52,36 @@ class CausalLMOutput:
     ce_loss: torch.Tensor | None = None
 
 
-def _torch_dtype(dtype) -> torch.dtype:
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
-
-
 class MoECausalLM(nn.Module):
-    def __init__(self, hf_model: nn.Module, family: Family, source_dir: str | None = None):
+    """Built by ``build_model``. ``packed_attention``: the attention takes packed rows' sequence boundaries as
+    transformers' cu_seq_lens_q/k keyword arguments (TransformerEngine's: transformers builds no mask for a
+    registered attention function)."""
+
+    def __init__(
+        self,
+        hf_model: nn.Module,
+        family: Family,
+        options: ModelOptions,
+        source_dir: str | None = None,
+        packed_attention: bool = False,
+    ):
         super().__init__()
         # Hold the Hugging Face submodules directly so state-dict keys stay "model.*" and "lm_head.*".
         self.model = hf_model.model
         self.lm_head = hf_model.lm_head
         self.config = hf_model.config
-        self.family = family
-        self.source_dir = source_dir
-        self.aux_loss_coef = float(getattr(self.config, "router_aux_loss_coef", 0.0) or 0.0)
-        self.z_loss_coef = 0.0
-        self.loss_fn = None  # set by kernels: a (hidden_ND, weight_VD, labels_N) -> sum loss function
-        # Set by kernels=te: its attention needs packed rows' sequence boundaries (transformers builds no mask
-        # for a registered attention function), passed as transformers' cu_seq_lens_q/k keyword arguments.
-        self.wants_cu_seqlens = False
+        self.family, self.options, self.source_dir = family, options, source_dir
+        self.packed_attention = packed_attention
+        aux = options.aux_loss_coef
+        self.aux_loss_coef = float(getattr(self.config, "router_aux_loss_coef", 0.0) or 0.0) if aux is None else aux
+        self.z_loss_coef = options.z_loss_coef
+        self.loss_fn: Callable | None = None  # (hidden_ND, weight_VD, labels_N) -> summed token losses
+        if options.loss_chunk_size is not None:
+            from moe_tune.kernels.loss import linear_cross_entropy
+
+            self.loss_fn = functools.partial(linear_cross_entropy, chunk_size=options.loss_chunk_size)
         self._hf_class = type(hf_model)
+        self._moe_layers = [m for m in self.modules() if isinstance(m, MoE)]
 
     # -- structure -------------------------------------------------------------------------------
     @property
@@ -52,10 +89,7 @@ class MoECausalLM(nn.Module):
         return self.model.layers
 
     def moe_layers(self) -> list[MoE]:
-        # Cached: the MoE layers are fixed once built (parallelisms wrap them in place), and the trainer asks
-        # for them on every micro-batch.
-        if getattr(self, "_moe_layers", None) is None:
-            self._moe_layers = [m for m in self.modules() if isinstance(m, MoE)]
+        # Found once at construction: parallelisms wrap the layers in place, and the trainer asks on every step.
         return self._moe_layers
 
     @property
@@ -76,7 +110,7 @@ class MoECausalLM(nn.Module):
         """Like transformers: ``labels`` are aligned with ``input_ids`` and shifted here; -100 is ignored.
         The loss is the token sum divided by ``loss_normalizer`` (default: this batch's label tokens)."""
         extra = {}
-        if self.wants_cu_seqlens:
+        if self.packed_attention:
             if attention_mask is not None:
                 # transformers gives a registered attention function no mask at all: refuse, never ignore it.
                 raise ValueError(
@@ -119,17 +153,10 @@ class MoECausalLM(nn.Module):
                 out.loss = out.loss + self.z_loss_coef * out.z_loss
         return out
 
-    # -- Hugging Face I/O ------------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, path: str, dtype=torch.float32, kernels: str = "torch", device=None) -> MoECausalLM:
-        from moe_tune.models.hf_io import load_pretrained
-
-        return load_pretrained(path, dtype=_torch_dtype(dtype), kernels=kernels, device=device)
-
-    def save_pretrained(self, out_dir: str) -> None:
-        from moe_tune.models.hf_io import save_pretrained
-
-        save_pretrained(self, out_dir)
+    # -- Hugging Face I/O (loading: ``moe_tune.build.from_pretrained``) -----------------------------
+    def save_pretrained(self, out_dir: str, max_shard_bytes: int = 4 << 30) -> None:
+        """Single-process export (no sharding): Hugging Face keys, shapes and dtypes as in the source checkpoint."""
+        write_checkpoint(self, out_dir, max_shard_bytes=max_shard_bytes)
 
 
 def packed_sequence_kwargs(position_ids: torch.Tensor) -> dict:
@@ -144,31 +171,50 @@ def packed_sequence_kwargs(position_ids: torch.Tensor) -> dict:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": S, "max_length_k": S}
 
 
-def build_model(config, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> MoECausalLM:
-    """The Hugging Face model for ``config`` on the meta device, its sparse blocks replaced by ``MoE``.
-
-    ``attn_implementation``: None takes the family's (``sdpa``, or ``eager`` where transformers has no SDPA path).
-    """
+def build_model(
+    config,
+    options: ModelOptions | None = None,
+    make_dispatcher: Callable[[int, int], Dispatcher] | None = None,
+    source_dir: str | None = None,
+) -> MoECausalLM:
+    """The Hugging Face model for ``config`` on the meta device, its sparse blocks replaced by ``MoE`` and, with
+    ``options.kernels="te"``, TransformerEngine modules swapped in. ``make_dispatcher(num_experts, top_k)`` gives
+    each MoE layer its dispatcher, which decides the experts this rank holds (default: all, locally).
+    ``source_dir``: the checkpoint the weights come from (its dtypes and side files are kept on export)."""
     from transformers import AutoModelForCausalLM
 
+    options = options or ModelOptions()
     family = get_family(config.model_type, getattr(config, "architectures", None))
+    attn = options.attn_implementation or family.attn_implementation
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation=attn_implementation or family.attn_implementation
-        )
+        hf = AutoModelForCausalLM.from_config(config, dtype=options.dtype, attn_implementation=attn)
         for layer in hf.model.layers:
             block = getattr(layer, family.block_attr)
             if not hasattr(block, "experts"):
                 continue  # a dense layer (DeepSeek-V3's first_k_dense_replace, Qwen's mlp_only_layers)
-            spec = family.moe_spec(config)
-            shared = {}
-            for name in (spec.shared_attr, spec.shared_gate_attr):
-                if name is not None:
-                    shared[name] = getattr(block, name)
-            moe = MoE(spec, shared)
-            _match_dtypes(moe, block, dtype)
+            spec = _run_spec(family.moe_spec(config), options, hf)
+            shared = {n: getattr(block, n) for n in (spec.shared_attr, spec.shared_gate_attr) if n is not None}
+            r = spec.router
+            dispatcher = make_dispatcher(r.num_experts, r.top_k) if make_dispatcher else None
+            moe = MoE(spec, shared, dispatcher, options.experts)
+            _match_dtypes(moe, block, options.dtype)
             setattr(layer, family.block_attr, moe)
-    return MoECausalLM(hf, family)
+        packed_attention = False
+        if options.kernels == "te":
+            from moe_tune.kernels.te import apply_te
+
+            routers = {id(m.router) for m in hf.modules() if isinstance(m, MoE)}
+            packed_attention = apply_te(hf, routers, options.fp8, options.fp8_options)
+    return MoECausalLM(hf, family, options, source_dir, packed_attention)
+
+
+def _run_spec(spec, options: ModelOptions, hf: nn.Module):
+    """The family's MoE spec with this run's switches: forced balanced routing, which balancing losses to compute."""
+    aux = options.aux_loss_coef
+    if aux is None:
+        aux = float(getattr(hf.config, "router_aux_loss_coef", 0.0) or 0.0)
+    router = dataclasses.replace(spec.router, force_balanced=options.force_balanced_routing)
+    return dataclasses.replace(spec, router=router, aux_loss=aux > 0, z_loss=options.z_loss_coef > 0)
 
 
 def _match_dtypes(moe: MoE, block: nn.Module, dtype: torch.dtype) -> None:

@@ -32,6 +32,19 @@ class ExpertsSpec:
     swiglu_limit: float = 7.0
 
 
+@dataclass(frozen=True)
+class ExpertsOptions:
+    """How this run computes the experts (not the family's maths, which is ``ExpertsSpec``)."""
+
+    # "grouped_mm": one grouped GEMM per projection; "loop": the per-expert reference.
+    impl: str = "grouped_mm"
+    # Experts outside FSDP2 (each ep rank alone holds them, ``ParallelDims.experts_outside_fsdp``): the dtype the
+    # weights are cast to for the GEMMs (FSDP's mixed precision would do it otherwise), and the data-parallel
+    # size their gradients are averaged over (FSDP's gradient divide factor otherwise).
+    compute_dtype: torch.dtype | None = None
+    grad_divide: float = 1.0
+
+
 def grouped_mm(x_RK: torch.Tensor, w_eKN: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
     """Rows of group j (between offs[j-1] and offs[j]) times w[j]; empty groups are fine."""
     return F.grouped_mm(x_RK, w_eKN, offs=offs_e)
@@ -55,17 +68,24 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class GroupedExperts(nn.Module):
-    """The experts held by this rank (all of them without expert parallelism).
+    """The experts held by this rank: global experts ``[first_expert, first_expert + num_local_experts)``, all
+    of them without expert parallelism.
 
     ``forward(x_RD, counts_e)``: rows sorted by local expert, ``counts_e`` rows per local expert (a device
     tensor: no host sync). Returns ``y_RD`` in the same order.
     """
 
-    def __init__(self, spec: ExpertsSpec, num_local_experts: int | None = None):
+    def __init__(
+        self,
+        spec: ExpertsSpec,
+        options: ExpertsOptions | None = None,
+        first_expert: int = 0,
+        num_local_experts: int | None = None,
+    ):
         super().__init__()
-        self.spec = spec
+        self.spec, self.options = spec, options or ExpertsOptions()
         e = spec.num_experts if num_local_experts is None else num_local_experts
-        self.num_local_experts = e
+        self.first_expert, self.num_local_experts = first_expert, e
         D, I = spec.dim, spec.hidden  # noqa: E741 (I: expert hidden dim, the moe/ legend)
         if spec.layout == "out_in":
             self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * I, D))
@@ -76,12 +96,11 @@ class GroupedExperts(nn.Module):
         if spec.bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * I))
             self.down_proj_bias = nn.Parameter(torch.empty(e, D))
-        self.impl = "grouped_mm"
-        # Set when the experts live outside FSDP2 (each ep rank alone holds them): the dtype the weights
-        # are cast to for the GEMMs (FSDP's mixed precision would do it otherwise), and the data-parallel
-        # size their gradients are averaged over (FSDP's gradient divide factor otherwise).
-        self.compute_dtype: torch.dtype | None = None
-        self.grad_divide = 1.0
+
+    @property
+    def ep_sharded(self) -> bool:
+        """Whether this rank holds a block of the experts only (expert parallelism)."""
+        return self.num_local_experts < self.spec.num_experts
 
     def _weights_KN(self) -> tuple[torch.Tensor, torch.Tensor]:
         # grouped_mm wants [e, in, out]; the "out_in" layout is read through a transposed view (no copy).
@@ -100,16 +119,17 @@ class GroupedExperts(nn.Module):
         return (up + 1) * (gate * torch.sigmoid(gate * s.swiglu_alpha))
 
     def forward(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
-        if self.compute_dtype is not None:
-            x_RD = x_RD.to(self.compute_dtype)
-        if self.grad_divide != 1.0:
+        o = self.options
+        if o.compute_dtype is not None:
+            x_RD = x_RD.to(o.compute_dtype)
+        if o.grad_divide != 1.0:
             # Divide only the weight gradients: scale the output's gradient down and the input's back up.
-            x_RD = _ScaleGrad.apply(x_RD, self.grad_divide)
-            return _ScaleGrad.apply(self._forward(x_RD, counts_e), 1.0 / self.grad_divide)
+            x_RD = _ScaleGrad.apply(x_RD, o.grad_divide)
+            return _ScaleGrad.apply(self._forward(x_RD, counts_e), 1.0 / o.grad_divide)
         return self._forward(x_RD, counts_e)
 
     def _forward(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
-        if self.impl == "loop":
+        if self.options.impl == "loop":
             return self.forward_loop(x_RD, counts_e)
         w1, w2 = self._weights_KN()
         offs_e = torch.cumsum(counts_e, dim=0, dtype=torch.int32)

@@ -10,7 +10,7 @@ from torch import nn
 
 from moe_tune.moe.dispatch import Dispatcher
 from moe_tune.moe.dispatch.local import LocalDispatcher
-from moe_tune.moe.experts import ExpertsSpec, GroupedExperts
+from moe_tune.moe.experts import ExpertsOptions, ExpertsSpec, GroupedExperts
 from moe_tune.moe.router import Router, RouterSpec, expert_counts, load_balancing_loss, z_loss
 
 
@@ -28,32 +28,40 @@ class MoESpec:
     returns_tuple: bool = False
     # Mixtral's router_jitter_noise: in training, the block's input is scaled by U(1 - j, 1 + j) per element.
     input_jitter: float = 0.0
+    # Which balancing losses forward computes (run options: the model adds only those with a coefficient, and
+    # computing an unused one still costs kernels on every layer).
+    aux_loss: bool = True
+    z_loss: bool = False
 
 
 class MoE(nn.Module):
-    def __init__(self, spec: MoESpec, shared: dict[str, nn.Module] | None = None, dispatcher: Dispatcher | None = None):
+    """Router, dispatcher and this rank's experts. The dispatcher decides which experts are local (all of them
+    without expert parallelism); ``shared`` are the Hugging Face block's shared-expert modules, adopted as is."""
+
+    def __init__(
+        self,
+        spec: MoESpec,
+        shared: dict[str, nn.Module] | None = None,
+        dispatcher: Dispatcher | None = None,
+        experts: ExpertsOptions | None = None,
+    ):
         super().__init__()
         self.spec = spec
         setattr(self, spec.router_attr, Router(spec.router, spec.experts.dim))
         self.dispatcher = dispatcher or LocalDispatcher(spec.router.num_experts, spec.router.top_k)
-        self.experts = GroupedExperts(spec.experts, self.dispatcher.num_local_experts)
+        d = self.dispatcher
+        self.experts = GroupedExperts(spec.experts, experts or ExpertsOptions(), d.first_local_expert, d.num_local_experts)
         for name, module in (shared or {}).items():
             setattr(self, name, module)
         # Filled by every forward for the trainer: balancing losses (with graph) and rows per expert (detached).
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
-        # Which balancing losses the model adds (set by MoECausalLM from its coefficients): computing an
-        # unused one still costs kernels on every layer.
-        self.want_aux_loss, self.want_z_loss = True, False
         self.counts_E: torch.Tensor | None = None
 
     @property
     def router(self) -> Router:
         # Read _modules directly: for GPT-OSS the attribute is itself called "router" and getattr would recurse.
         return self._modules[self.spec.router_attr]
-
-    def set_dispatcher(self, dispatcher: Dispatcher) -> None:
-        self.dispatcher = dispatcher
 
     def forward(self, x: torch.Tensor):
         shape = x.shape
@@ -64,9 +72,9 @@ class MoE(nn.Module):
         weights_TK, ids_TK, scores_TE, logits_TE = self.router(x_TD)
         counts_E = expert_counts(ids_TK, self.spec.router.num_experts)
         if self.training:
-            if self.want_aux_loss:
+            if self.spec.aux_loss:
                 self.aux_loss = load_balancing_loss(scores_TE, counts_E, self.spec.router.top_k)
-            if self.want_z_loss:
+            if self.spec.z_loss:
                 self.z_loss = z_loss(logits_TE)
         self.counts_E = counts_E.detach()
 

@@ -25,6 +25,9 @@ class RouterSpec:
     correction_bias: bool = False
     # GPT-OSS: the router is a Linear with a bias.
     bias: bool = False
+    # Forced balanced routing (benchmarks only; a run option, not the family's): token t takes experts
+    # t*k .. t*k+k-1 modulo E, gated by their real scores.
+    force_balanced: bool = False
 
 
 class Router(nn.Module):
@@ -43,7 +46,6 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
-        self.force_balanced = False
 
     def forward(self, x_TD: torch.Tensor):
         s = self.spec
@@ -53,8 +55,8 @@ class Router(nn.Module):
         logits_TE = F.linear(x_TD.to(xd), self.weight.to(xd), bias)
         if s.score == "topk_softmax":
             top_TK, ids_TK = torch.topk(logits_TE, s.top_k, dim=-1)
-            ids_TK = self._maybe_balanced(ids_TK)
-            if self.force_balanced:
+            if s.force_balanced:
+                ids_TK = self._balanced(ids_TK)
                 top_TK = logits_TE.gather(1, ids_TK)
             # GPT-OSS takes the softmax in the logits' dtype; we keep it in fp32 (an fp32 island for the gates).
             weights_TK = torch.softmax(top_TK.float(), dim=-1)
@@ -69,8 +71,8 @@ class Router(nn.Module):
             weights_TK = scores_TE.gather(1, ids_TK)
         else:
             raise ValueError(f"unknown router score {s.score!r}")
-        if self.force_balanced:
-            ids_TK = self._maybe_balanced(ids_TK)
+        if s.force_balanced:
+            ids_TK = self._balanced(ids_TK)
             weights_TK = scores_TE.gather(1, ids_TK)
         if s.norm_topk_prob:
             weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + (1e-20 if s.score == "sigmoid" else 0.0))
@@ -94,10 +96,8 @@ class Router(nn.Module):
             choice_TE = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, -1)
         return torch.topk(choice_TE, k=s.top_k, dim=-1, sorted=False)[1]
 
-    def _maybe_balanced(self, ids_TK: torch.Tensor) -> torch.Tensor:
-        if not self.force_balanced:
-            return ids_TK
-        # Forced balanced routing (benchmarks only): token t takes experts t*k .. t*k+k-1 modulo E.
+    def _balanced(self, ids_TK: torch.Tensor) -> torch.Tensor:
+        """Token t takes experts t*k .. t*k+k-1 modulo E (``RouterSpec.force_balanced``)."""
         T, K = ids_TK.shape
         start = torch.arange(T, device=ids_TK.device).unsqueeze(1) * K
         return (start + torch.arange(K, device=ids_TK.device)) % self.spec.num_experts

@@ -1,14 +1,6 @@
-"""Parallelism applied to a model in place, in this order: apply_ep -> apply_ac -> apply_compile -> apply_fsdp.
-
-Typical use (the model on the meta device, then materialised and loaded shard by shard)::
-
-    env = init_distributed()
-    mesh = ParallelDims.from_config(cfg.parallel, env.world_size).build_mesh(env.device.type)
-    model = build_model(hf_config)             # meta device
-    parallelize(model, mesh, cfg)
-    materialize(model, env.device)
-    load_state(model, path, model.family)      # each rank reads its expert rows and FSDP shards only
-"""
+"""Parallelism: expert parallelism at construction (``ep_dispatchers``), then applied to the model in place in
+this order: apply_ac -> apply_compile -> apply_fsdp. The whole recipe (build on meta, parallelize, materialize,
+load shard by shard) is ``moe_tune.build``'s."""
 
 from __future__ import annotations
 
@@ -16,21 +8,12 @@ from moe_tune.dist.mesh import ParallelMesh
 from moe_tune.parallel.activation_checkpoint import apply_ac
 from moe_tune.parallel.clip import clip_grad_norm_, global_grad_norm
 from moe_tune.parallel.compile import apply_compile
-from moe_tune.parallel.expert_parallel import apply_ep
-from moe_tune.parallel.fsdp import apply_fsdp, mixed_precision_policy
-
-
-def _comm_options(comm) -> dict:
-    if comm.name == "deepep":
-        return {"num_sms": comm.num_sms}
-    if comm.name == "symm_mem":
-        return {"capacity_factor": comm.capacity_factor}
-    return {}
+from moe_tune.parallel.expert_parallel import ep_dispatchers
+from moe_tune.parallel.fsdp import apply_fsdp, experts_options, mixed_precision_policy
 
 
 def parallelize(model, mesh: ParallelMesh, cfg) -> None:
-    """``cfg``: the run's Config (``comm``, ``parallel`` and ``train.precision`` are read)."""
-    apply_ep(model, mesh, cfg.comm.name, **_comm_options(cfg.comm))
+    """``cfg``: the run's Config (``parallel``, ``kernels.compile`` and ``train.precision`` are read)."""
     apply_ac(model, cfg.parallel.activation_checkpointing)
     apply_compile(model, cfg.kernels.compile)
     apply_fsdp(model, mesh, cfg.train.precision, cfg.parallel.reshard_after_forward)
@@ -61,9 +44,10 @@ def export_hf(model, out_dir: str, mesh: ParallelMesh, dtype=None, max_shard_byt
 __all__ = [
     "apply_ac",
     "apply_compile",
-    "apply_ep",
     "apply_fsdp",
     "clip_grad_norm_",
+    "ep_dispatchers",
+    "experts_options",
     "export_hf",
     "global_grad_norm",
     "mixed_precision_policy",

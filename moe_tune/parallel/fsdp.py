@@ -23,8 +23,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from moe_tune.config import PRECISIONS, ConfigError
+from moe_tune.config import PRECISIONS, ConfigError, ParallelDims
 from moe_tune.dist.mesh import ParallelMesh
+from moe_tune.moe.experts import ExpertsOptions
 from moe_tune.moe.layer import MoE
 
 
@@ -36,6 +37,14 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
     if precision in ("fp32", "amp_bf16"):
         return MixedPrecisionPolicy()
     raise ConfigError(f"train.precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+
+
+def experts_options(dims: ParallelDims, precision: str, impl: str = "grouped_mm") -> ExpertsOptions:
+    """What the experts do themselves because FSDP2 does not for them (``dims.experts_outside_fsdp``): cast their
+    weights to the compute dtype, and average their gradients over the data-parallel ranks."""
+    if not dims.experts_outside_fsdp:
+        return ExpertsOptions(impl=impl)
+    return ExpertsOptions(impl=impl, compute_dtype=mixed_precision_policy(precision).param_dtype, grad_divide=float(dims.dp))
 
 
 def _moe_of(layer: nn.Module) -> MoE | None:
@@ -65,10 +74,9 @@ def apply_fsdp(
     # 1-D meshes when there is no replication: plain FSDP, no size-1 replicate dimension.
     dense_mesh = mesh["dense_fsdp"] if dims.dp_replicate > 1 else mesh["dp_shard"]
     expert_mesh = mesh["expert_fsdp"] if dims.dp_replicate > 1 else mesh["efsdp"]
-    # Each ep rank alone holding its experts (efsdp = dp_replicate = 1, e.g. EP over all GPUs): nothing to
-    # shard or reduce for them, so they stay plain parameters outside FSDP2 (no all-gather copies, no
-    # reduce-scatter, no resharding); the experts cast their weights to the compute dtype themselves.
-    plain_experts = expert_mesh.size() == 1 and dims.ep > 1
+    # Each ep rank alone holding its experts: they stay plain parameters outside FSDP2 (no all-gather copies, no
+    # reduce-scatter, no resharding), built with ``experts_options`` to cast and average by themselves.
+    plain_experts = dims.experts_outside_fsdp
     ignored: set[nn.Parameter] = set()
     units: list[list[FSDPModule]] = []
     for layer in model.layers:
@@ -76,9 +84,6 @@ def apply_fsdp(
         moe = _moe_of(layer)
         if moe is not None and plain_experts:
             ignored |= set(moe.experts.parameters())
-            moe.experts.grad_divide = float(dims.dp)
-            if mp.param_dtype is not None:
-                moe.experts.compute_dtype = mp.param_dtype
         elif moe is not None:
             fully_shard(moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
             # Expert grads summed over ep by the all-to-all backward: average over all dp ranks (dp_replicate x

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from dist_harness import rel_err, run_ranks
 
+from moe_tune.config import AllToAllConfig
 from moe_tune.moe.dispatch import build_dispatcher
 from moe_tune.moe.dispatch.all_to_all import AllToAllDispatcher
 from moe_tune.moe.dispatch.base import expert_major_positions
@@ -15,7 +16,6 @@ from moe_tune.moe.dispatch.local import LocalDispatcher
 from moe_tune.moe.experts import ExpertsSpec
 from moe_tune.moe.layer import MoE, MoESpec
 from moe_tune.moe.router import RouterSpec
-from moe_tune.parallel.expert_parallel import shard_experts_
 
 pytestmark = pytest.mark.dist
 E, K, D = 8, 2, 16
@@ -92,6 +92,18 @@ def _moe(seed: int) -> MoE:
     return moe
 
 
+def _ep_moe(d, full: MoE) -> MoE:
+    """The layer built under expert parallelism (this rank's experts only), with ``full``'s weights."""
+    ep = MoE(full.spec, dispatcher=d)
+    assert ep.experts.gate_up_proj.shape[0] == d.num_local_experts < E
+    rows = slice(d.first_local_expert, d.first_local_expert + d.num_local_experts)
+    with torch.no_grad():
+        ep.router.weight.copy_(full.router.weight)
+        for name, p in ep.experts.named_parameters():
+            p.copy_(getattr(full.experts, name)[rows])
+    return ep
+
+
 def _route_to(moe: MoE, live: list[int]) -> None:
     """Make feature 0 decide routing: with x[:, 0] large, only experts in ``live`` can win."""
     with torch.no_grad():
@@ -117,13 +129,11 @@ def _moe_layer_body(rank: int) -> None:
         out_ref = ref(x_ref)
         (out_ref * torch.cat(cs)).sum().backward()
 
-        ep = _moe(seed=0)
+        d = build_dispatcher(AllToAllConfig(), E, K, dist.group.WORLD)
+        ep = _ep_moe(d, full=_moe(seed=0))
         if live is not None:
             _route_to(ep, live)
         ep.train()
-        d = build_dispatcher("all_to_all", E, K, dist.group.WORLD)
-        ep.set_dispatcher(d)
-        shard_experts_(ep.experts, rank * d.num_local_experts, d.num_local_experts)
         x = xs[rank].clone().requires_grad_()
         out = ep(x)
         (out * cs[rank]).sum().backward()
@@ -149,4 +159,4 @@ def test_moe_layer_ep2_matches_single_process():
 
 
 def test_local_dispatcher_is_the_ep1_case():
-    assert isinstance(build_dispatcher("all_to_all", E, K, None), LocalDispatcher)
+    assert isinstance(build_dispatcher(AllToAllConfig(), E, K, None), LocalDispatcher)

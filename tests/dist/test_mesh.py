@@ -6,9 +6,9 @@ import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from moe_tune.config import ConfigError, ParallelConfig
+from moe_tune.config import ConfigError, ParallelConfig, ParallelDims
 from moe_tune.dist.env import dist_env, first_slurm_host
-from moe_tune.dist.mesh import ParallelDims
+from moe_tune.dist.mesh import build_mesh
 
 pytestmark = pytest.mark.dist
 
@@ -27,7 +27,7 @@ def test_mesh_shapes_and_groups(world, dp_replicate, ep, rank):
     assert (dims.dp_shard, dims.efsdp, dims.dp) == (dp_shard, efsdp, world)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        mesh = dims.build_mesh("cpu")
+        mesh = build_mesh(dims, "cpu")
         assert mesh.root.shape == (dp_replicate, efsdp, ep)
         assert mesh.root.mesh_dim_names == ("dp_replicate", "efsdp", "ep")
         assert mesh["dense_fsdp"].shape == (dp_replicate, dp_shard)
@@ -52,7 +52,7 @@ def test_mesh_shapes_and_groups(world, dp_replicate, ep, rank):
     "kwargs,world,message",
     [
         (dict(ep=3), 8, "parallel.ep (3) must divide parallel.dp_shard (8"),
-        (dict(dp_replicate=3), 8, "parallel.dp_replicate (3) must divide the world size (8)"),
+        (dict(dp_replicate=3), 8, "parallel.dp_replicate (3) must be >= 1 and divide the world size (8)"),
         (dict(dp_replicate=2, dp_shard=2), 8, "x parallel.dp_shard (2) must equal the world size (8)"),
     ],
 )

@@ -10,13 +10,13 @@ import torch
 import torch.distributed as dist
 from dist_harness import rel_err, run_ranks, tiny_qwen3_moe
 
-from moe_tune.config import Config
-from moe_tune.dist.mesh import ParallelDims
-from moe_tune.kernels import apply_kernels
-from moe_tune.models.hf_io import CheckpointReader, load_pretrained, load_state
-from moe_tune.models.model import build_model, materialize
+from moe_tune.build import assemble, from_pretrained, model_options, source_loader
+from moe_tune.config import Config, ParallelDims
+from moe_tune.dist.mesh import build_mesh
+from moe_tune.models.hf_io import CheckpointReader
+from moe_tune.moe.experts import GroupedExperts
 from moe_tune.optim import param_groups
-from moe_tune.parallel import clip_grad_norm_, export_hf, parallelize
+from moe_tune.parallel import clip_grad_norm_, export_hf
 
 pytestmark = pytest.mark.dist
 STEPS, BATCH, SEQ, MAX_NORM = 3, 4, 16, 0.5
@@ -27,15 +27,10 @@ def _build(path: str, dims: ParallelDims, ac: str = "none", aux_coef: float = 0.
 
     cfg = Config()
     cfg.train.precision, cfg.parallel.activation_checkpointing = precision, ac
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    model = build_model(AutoConfig.from_pretrained(path), dtype=dtype)
-    model.source_dir = path
-    mesh = dims.build_mesh("cpu")
-    parallelize(model, mesh, cfg)
-    materialize(model, "cpu")
-    load_state(model, path, model.family)
-    apply_kernels(model, "torch")
-    model.aux_loss_coef = aux_coef
+    cfg.train.aux_loss_coef = aux_coef
+    mesh = build_mesh(dims, "cpu")
+    hf_config = AutoConfig.from_pretrained(path)
+    model = assemble(hf_config, model_options(cfg, dims), source_loader(path, 0), "cpu", path, (mesh, cfg))
     model.train()
     return model, mesh
 
@@ -76,7 +71,7 @@ def _close(a: list[float], b: list[float], tol: float, what: str) -> None:
 
 
 def _train_body(rank: int, path: str) -> None:
-    ref = load_pretrained(path)
+    ref = from_pretrained(path)
     ref.aux_loss_coef = 0.0  # the balancing loss is per rank: compared between EP=1 and EP=2 below
     ref_losses, ref_norms = _train(ref)
     ep1 = ParallelDims(dp_replicate=1, dp_shard=2, ep=1, world_size=2)
@@ -108,8 +103,8 @@ def _check_loaded(model, ref_state: dict[str, torch.Tensor]) -> None:
         full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
         want = ref_state[name]
         experts = model.get_submodule(name.rsplit(".", 1)[0])
-        if hasattr(experts, "expert_offset"):
-            want = want[experts.expert_offset : experts.expert_offset + experts.num_local_experts]
+        if isinstance(experts, GroupedExperts):
+            want = want[experts.first_expert : experts.first_expert + experts.num_local_experts]
         assert full.shape == want.shape and torch.equal(full, want), name
 
 
@@ -120,7 +115,7 @@ def _read_all(path: str) -> dict[str, torch.Tensor]:
 
 def _load_export_body(rank: int, path: str, out: str, layouts: list[tuple[int, int, int]]) -> None:
     world = dist.get_world_size()
-    ref_state = {k: v.detach().clone() for k, v in load_pretrained(path).state_dict().items()}
+    ref_state = {k: v.detach().clone() for k, v in from_pretrained(path).state_dict().items()}
     dirs = []
     for dp_replicate, dp_shard, ep in layouts:
         model, mesh = _build(path, ParallelDims(dp_replicate, dp_shard, ep, world))
@@ -149,7 +144,7 @@ def test_load_and_export_under_ep_2_ranks(tmp_path):
 def _four_rank_body(rank: int, path: str, out: str) -> None:
     layouts = [(1, 4, 2), (2, 2, 2), (1, 4, 1)]
     _load_export_body(rank, path, out, layouts)
-    ref = load_pretrained(path)
+    ref = from_pretrained(path)
     ref.aux_loss_coef = 0.0
     ref_losses, ref_norms = _train(ref)
     for layout in layouts[:2]:
@@ -189,7 +184,7 @@ def test_world_size_one_same_code_path(tmp_path, monkeypatch):
     env = init_distributed()
     try:
         assert (env.world_size, env.launcher, dist.get_world_size(), dist.get_backend()) == (1, "single", 1, "gloo")
-        ref = load_pretrained(path)
+        ref = from_pretrained(path)
         ref.aux_loss_coef = 0.0
         ref_losses, ref_norms = _train(ref)
         losses, norms = _train(*_build(path, ParallelDims(1, 1, 1, 1)))

@@ -17,7 +17,6 @@ import torch
 from transformers import AttentionInterface
 
 import moe_tune
-from moe_tune.kernels import apply_kernels
 from moe_tune.kernels.te import _fp8_shape_ok, _sdpa
 from moe_tune.models.model import packed_sequence_kwargs
 
@@ -131,11 +130,11 @@ def test_te_swaps_the_dense_linears_fp8_can_take(stub_te, fp8, tmp_path, caplog)
     are copied, and each decoder layer runs under the recipe's autocast."""
     te, recipes = stub_te
     build_hf("qwen3_moe", **{**TE_SHAPES, "head_dim": 48}).save_pretrained(tmp_path)
-    model = moe_tune.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
-    q_before = model.layers[0].self_attn.q_proj.weight.detach().clone()
-    router_type, head_type = type(model.moe_layers()[0].router), type(model.lm_head)
+    plain = moe_tune.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    q_before = plain.layers[0].self_attn.q_proj.weight.detach().clone()
+    router_type, head_type = type(plain.moe_layers()[0].router), type(plain.lm_head)
     with caplog.at_level("INFO", logger="moe_tune"):
-        apply_kernels(model, "te", fp8=fp8)
+        model = moe_tune.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32, kernels="te", fp8=fp8)
     attn = model.layers[0].self_attn
     assert isinstance(attn.q_proj, te.Linear) == (fp8 == "current")
     assert isinstance(attn.k_proj, te.Linear) == (fp8 == "current")
@@ -198,7 +197,7 @@ def test_cu_seqlens_reach_attention_and_match_transformers_packed_mask(family, t
 
     AttentionInterface.register("moe_tune_test_spy", spy)
     model.config._attn_implementation = "moe_tune_test_spy"
-    model.wants_cu_seqlens = True
+    model.packed_attention = True  # as kernels=te builds it
     with torch.no_grad():
         out = model(input_ids=ids, position_ids=pos, return_logits=True).logits
     assert len(seen) == model.config.num_hidden_layers
@@ -237,10 +236,6 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def _run(model, ids, pos):
-    # Forced balanced routing: both kernel sets send every token to the same experts, so the comparison
-    # measures kernels, not top-k ties flipped by bf16 rounding (which move whole expert outputs).
-    for moe in model.moe_layers():
-        moe.router.force_balanced = True
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, labels=ids, position_ids=pos, return_logits=True)
     out.loss.backward()
@@ -259,8 +254,12 @@ def _checkpoint(tmp_path) -> str:
     return str(tmp_path)
 
 
-def _load(path, dtype, kernels="torch"):
-    return moe_tune.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, kernels=kernels, device="cuda")
+def _load(path, dtype, kernels="torch", **options):
+    # Forced balanced routing: both kernel sets send every token to the same experts, so the comparison
+    # measures kernels, not top-k ties flipped by bf16 rounding (which move whole expert outputs).
+    return moe_tune.AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, kernels=kernels, device="cuda", force_balanced_routing=True, **options
+    )
 
 
 @pytest.mark.gpu
@@ -314,8 +313,7 @@ def test_fp8_close_to_bf16(fp8, options, tmp_path):
     within 2% of the fp32 reference."""
     path = _checkpoint(tmp_path)
     fp32 = _load(path, torch.float32)
-    model = _load(path, torch.bfloat16)
-    apply_kernels(model, "te", fp8=fp8, fp8_options=options)
+    model = _load(path, torch.bfloat16, "te", fp8=fp8, fp8_options=options)
     ids = torch.randint(0, 512, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     ref_logits, ref_loss, _ = _run(fp32, ids, None)
     for _ in range(2):  # delayed scaling uses the amax of earlier steps: check a second step too

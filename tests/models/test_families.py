@@ -60,8 +60,8 @@ def test_logits_and_loss_match_hf(checkpoint):
 
 def _assert_grads_match(checkpoint: str, seed: int) -> None:
     hf = load_hf(checkpoint).train()
-    ours = moe_tune.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).train()
-    ours.aux_loss_coef = 0.0  # HF adds no aux loss unless output_router_logits; ours is tested on its own below
+    # HF adds no aux loss unless output_router_logits; ours is tested on its own below.
+    ours = moe_tune.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, aux_loss_coef=0.0).train()
     ids = _ids(seed)
     ref = hf(ids, labels=ids)
     out = ours(input_ids=ids, labels=ids, return_logits=True)
@@ -135,8 +135,8 @@ def test_aux_loss_matches_hand_formula(checkpoint):
     """Our per-layer Switch/GShard loss ``E/(T*K) * sum_i count_i * mean_t p_ti`` from HF's own routing, with
     ``p`` the family's router probabilities (softmax, or sigmoid scores normalised per token)."""
     hf = load_hf(checkpoint).train()
-    ours = moe_tune.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).train()
-    ours.aux_loss_coef = 0.01  # DeepSeek-V3 and GLM-4-MoE configs have none (they balance by expert bias)
+    # DeepSeek-V3 and GLM-4-MoE configs have no coefficient (they balance by expert bias): give one.
+    ours = moe_tune.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, aux_loss_coef=0.01).train()
     recorded = _router_outputs(hf)
     ids = _ids(2)
     with torch.no_grad():
@@ -279,9 +279,7 @@ def test_sharded_checkpoint_round_trip(tmp_path):
     assert os.path.isfile(os.path.join(src, "model.safetensors.index.json"))
     ours = moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     out = str(tmp_path / "out")
-    from moe_tune.models.hf_io import save_pretrained
-
-    save_pretrained(ours, out, max_shard_bytes=40_000)
+    ours.save_pretrained(out, max_shard_bytes=40_000)
     with open(os.path.join(out, "model.safetensors.index.json")) as f:
         assert len(set(json.load(f)["weight_map"].values())) > 1
     again = moe_tune.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)

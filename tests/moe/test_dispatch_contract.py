@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moe_tune.config import comm_config
 from moe_tune.moe.dispatch import build_dispatcher
 from moe_tune.moe.dispatch.deepep import expand_by_local_expert, weighted_sum_per_token
 from moe_tune.moe.dispatch.symm_mem import padded_expert_major
@@ -105,11 +106,12 @@ def _emulate_symm_mem() -> None:
     sm._all_to_all_vdev = _gloo_vdev
 
 
-def _build(backend: str, **options):
+def _build(backend: str, checked_after_step: bool = False, **options):
     if backend.startswith("symm_mem"):
         options = {"capacity_factor": 2.0, "max_tokens": 16, **options}
         backend = "symm_mem"
-    return build_dispatcher(backend, E, K, dist.group.WORLD, **options)
+    comm = comm_config({"name": backend, **options})
+    return build_dispatcher(comm, E, K, dist.group.WORLD, checked_after_step)
 
 
 def _release(backend: str) -> None:
@@ -240,7 +242,10 @@ def _overflow_body(rank: int, backend: str) -> None:
         lazy.check()
     with pytest.raises(RuntimeError, match=r"up to 32 routed rows .* buffer holds 8 .*capacity_factor"):
         lazy.dispatch(x_TD, ids_TK)
-    lazy.checked_after_step = True  # as under the trainer: dispatch leaves the verdict to check()
+    _release(backend)
+    # As under the trainer, which runs check() after each step: dispatch leaves the verdict to check().
+    lazy = _build(backend, checked_after_step=True, capacity_factor=0.5, max_tokens=8)
+    lazy.dispatch(x_TD, ids_TK)
     lazy.dispatch(x_TD, ids_TK)
     with pytest.raises(RuntimeError, match="Raise comm.capacity_factor"):
         lazy.check()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_tune.moe.experts import ExpertsSpec
+from moe_tune.moe.experts import ExpertsOptions, ExpertsSpec
 from moe_tune.moe.layer import MoE, MoESpec
 from moe_tune.moe.router import RouterSpec
 
@@ -24,11 +24,14 @@ LAYOUTS = {
 }
 
 
-def build_moe(layout: str, num_experts: int, top_k: int, score: str = "softmax", favour=None, seed: int = 0) -> MoE:
+def build_moe(
+    layout: str, num_experts: int, top_k: int, score: str = "softmax", favour=None, seed: int = 0, z_loss=False
+) -> MoE:
     """``favour``: {expert: router bias}; a large bias sends every token to that expert."""
     spec = MoESpec(
         router=RouterSpec(num_experts=num_experts, top_k=top_k, score=score, bias=True, norm_topk_prob=True),
         experts=ExpertsSpec(num_experts=num_experts, dim=D, hidden=HIDDEN, **LAYOUTS[layout]),
+        z_loss=z_loss,
     )
     moe = MoE(spec)
     torch.manual_seed(seed)
@@ -64,7 +67,7 @@ def run(moe: MoE, x_TD: torch.Tensor, g_TD: torch.Tensor, impl: str):
     if impl == "dense":
         y = dense_reference(moe, x)
     else:
-        moe.experts.impl = impl
+        moe.experts.options = ExpertsOptions(impl=impl)  # the same weights through another implementation
         y = moe(x)
     (y * g_TD).sum().backward()
     grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in moe.named_parameters()}
@@ -136,10 +139,10 @@ def test_no_tokens():
 
 def test_batched_shape_stats_and_tuple():
     """[B, S, D] in, same shape out; per-layer statistics and losses for the trainer; GPT-OSS returns a tuple."""
-    moe = build_moe("out_in", num_experts=4, top_k=2)
+    assert not MoESpec(RouterSpec(4, 2), ExpertsSpec(4, D, HIDDEN)).z_loss  # computed only when a run asks
+    moe = build_moe("out_in", num_experts=4, top_k=2, z_loss=True)
     x = torch.randn(2, 5, D)
     moe.train()
-    moe.want_z_loss = True  # off by default: computed only when the model's z-loss coefficient is set
     y = moe(x)
     assert y.shape == x.shape
     assert moe.aux_loss is not None and moe.aux_loss.requires_grad and moe.z_loss is not None

@@ -169,12 +169,11 @@ def test_update_expert_bias_moves_toward_balance():
 
 @pytest.mark.parametrize("score", ["softmax", "topk_softmax", "sigmoid"])
 def test_force_balanced_gives_equal_counts(score):
-    spec = RouterSpec(num_experts=E, top_k=K, score=score, correction_bias=score == "sigmoid")
+    spec = RouterSpec(num_experts=E, top_k=K, score=score, correction_bias=score == "sigmoid", force_balanced=True)
     router = Router(spec, D)
     with torch.no_grad():
         router.weight.normal_()
         router.weight[3] += 5.0
-    router.force_balanced = True
     weights_TK, ids_TK, scores_TE, _ = router(torch.randn(T, D).abs())
     assert torch.equal(expert_counts(ids_TK, E), torch.full((E,), T * K // E))
     assert torch.all(ids_TK[:, 0] != ids_TK[:, 1])

@@ -11,13 +11,13 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dist"))
 from dist_harness import tiny_qwen3_moe  # noqa: E402
 
+from moe_tune.build import from_pretrained  # noqa: E402
 from moe_tune.config import ConfigError  # noqa: E402
-from moe_tune.models.hf_io import load_pretrained  # noqa: E402
 from moe_tune.parallel import apply_ac  # noqa: E402
 
 
 def _run(path: str, mode: str) -> tuple[int, float, dict[str, torch.Tensor], list[str]]:
-    model = load_pretrained(path)
+    model = from_pretrained(path)
     apply_ac(model, mode)
     model.train()
     saved = [0]

@@ -4,9 +4,9 @@ in the activations' dtype as transformers does."""
 import pytest
 import torch
 
-from moe_tune.config import Config
+from moe_tune.config import Config, ParallelDims
 from moe_tune.dist.env import destroy_distributed, init_distributed
-from moe_tune.dist.mesh import ParallelDims
+from moe_tune.dist.mesh import build_mesh
 from moe_tune.models.init import init_random
 from moe_tune.models.model import build_model, materialize
 from moe_tune.models.presets import preset_config
@@ -24,7 +24,7 @@ def test_router_weight_dtype_in_forward(preset, router_dtype, monkeypatch):
         model = build_model(preset_config(preset, {"num_hidden_layers": 2}, vocab_size=64))
         cfg = Config()
         cfg.train.precision = "bf16_fp32_master"
-        parallelize(model, ParallelDims(1, 1, 1, 1).build_mesh("cpu"), cfg)
+        parallelize(model, build_mesh(ParallelDims(1, 1, 1, 1), "cpu"), cfg)
         materialize(model, "cpu")
         init_random(model, num_experts=model.num_experts)
         seen = []

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moe_tune.config import AllToAllConfig
 from moe_tune.moe.dispatch.base import (
     Dispatcher,
     expert_major_positions,
@@ -64,12 +65,19 @@ class _Route:
 
 
 class AllToAllDispatcher(Dispatcher):
-    def __init__(self, num_experts: int, top_k: int, ep_group):
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        ep_group,
+        options: AllToAllConfig | None = None,
+        checked_after_step: bool = False,
+    ):
+        del options, checked_after_step  # no options, and nothing only the device knows to check
         ep = dist.get_world_size(ep_group)
-        if num_experts % ep:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by the ep group size ({ep})")
         self.num_experts, self.top_k, self.ep_group, self.ep = num_experts, top_k, ep_group, ep
         self.num_local_experts = num_experts // ep
+        self.first_local_expert = dist.get_rank(ep_group) * self.num_local_experts
 
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor | None = None):
         S, e = self.ep, self.num_local_experts

@@ -9,14 +9,15 @@ import torch
 
 class Dispatcher:
     """``dispatch`` returns this rank's rows sorted by local expert and ``counts_e``; ``combine`` returns
-    ``out_TD = sum_k weights_TK * y`` for every token of this rank. Both are differentiable."""
+    ``out_TD = sum_k weights_TK * y`` for every token of this rank. Both are differentiable.
+
+    Experts are split over the ep group in contiguous blocks: ep rank s owns global experts [s*e, (s+1)*e),
+    e = E / ep (``ParallelDims.check_experts`` made sure it divides)."""
 
     num_experts: int
     top_k: int
     num_local_experts: int
-    # Set by the trainer, which calls check() on every rank after each step: a dispatcher then leaves its own
-    # per-rank checks out of dispatch (ranks could reach them at different layers).
-    checked_after_step: bool = False
+    first_local_expert: int = 0
 
     def dispatch(
         self, x_TD: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor | None = None

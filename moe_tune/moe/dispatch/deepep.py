@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moe_tune.config import DeepEPConfig
 from moe_tune.moe.dispatch.base import Dispatcher
 
 # DeepEP moves rows in 16-byte units, in pairs (its TMA path halves each row): the fp32 gates are padded to
@@ -181,19 +182,23 @@ class _Route:
 
 
 class DeepEPDispatcher(Dispatcher):
-    """Option ``num_sms``: streaming multiprocessors DeepEP's normal kernels use (even; ``comm.num_sms``)."""
+    """Option ``num_sms``: streaming multiprocessors DeepEP's normal kernels use (``DeepEPConfig``)."""
 
-    def __init__(self, num_experts: int, top_k: int, ep_group, num_sms: int = 24):
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        ep_group,
+        options: DeepEPConfig | None = None,
+        checked_after_step: bool = False,
+    ):
+        del checked_after_step  # nothing only the device knows
         self._deep_ep = _import_deep_ep()
         ep = dist.get_world_size(ep_group)
-        if num_experts % ep:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by the ep group size ({ep})")
-        if num_sms <= 0 or num_sms % 2:
-            raise ValueError(
-                f"comm.num_sms must be a positive even number (DeepEP pairs SMs per channel), got {num_sms}"
-            )
+        num_sms = (options or DeepEPConfig()).num_sms
         self.num_experts, self.top_k, self.ep_group, self.ep = num_experts, top_k, ep_group, ep
         self.num_local_experts = num_experts // ep
+        self.first_local_expert = dist.get_rank(ep_group) * self.num_local_experts
         Buffer = self._deep_ep.Buffer
         Buffer.set_num_sms(num_sms)  # class-wide in DeepEP: the configs below capture it for this dispatcher
         try:

@@ -12,6 +12,7 @@ class LocalDispatcher(Dispatcher):
     def __init__(self, num_experts: int, top_k: int):
         self.num_experts = self.num_local_experts = num_experts
         self.top_k = top_k
+        self.first_local_expert = 0
 
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor | None = None):
         order_R, token_R = sort_by_expert(ids_TK)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moe_tune.config import SymmMemConfig
 from moe_tune.moe.dispatch.base import Dispatcher, inverse_permutation, sort_by_expert
 from moe_tune.moe.router import expert_counts
 
@@ -242,30 +243,30 @@ class _ToTokens(torch.autograd.Function):
 
 
 class SymmMemDispatcher(Dispatcher):
-    """Options: ``capacity_factor`` (rows a rank can receive per token of ``max_tokens``, in units of top_k;
-    ``ep`` never overflows), ``max_tokens`` (tokens per rank the buffers are sized for; default: the largest
-    batch of any rank at the first dispatch), ``debug`` (check overflow after every batch, with a host sync)."""
+    """Options (``SymmMemConfig``): ``capacity_factor`` (rows a rank can receive per token of ``max_tokens``, in
+    units of top_k; ``ep`` never overflows), ``max_tokens`` (tokens per rank the buffers are sized for; default:
+    the largest batch of any rank at the first dispatch), ``debug`` (check overflow after every batch, with a
+    host sync). ``checked_after_step``: the caller runs ``check()`` on every rank after each step, so dispatch
+    does not look at the previous batch's overflow flag itself."""
 
     def __init__(
         self,
         num_experts: int,
         top_k: int,
         ep_group,
-        capacity_factor: float = 2.0,
-        max_tokens: int | None = None,
-        debug: bool = False,
+        options: SymmMemConfig | None = None,
+        checked_after_step: bool = False,
     ):
+        options = options or SymmMemConfig()
         ep = dist.get_world_size(ep_group)
-        if num_experts % ep:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by the ep group size ({ep})")
-        if capacity_factor <= 0:
-            raise ValueError(f"comm.capacity_factor must be > 0, got {capacity_factor}; {ep} (= ep) never overflows")
         self.num_experts, self.top_k, self.ep_group, self.ep = num_experts, top_k, ep_group, ep
         self.num_local_experts = num_experts // ep
         self.ep_rank = dist.get_rank(ep_group)
-        self.capacity_factor, self.max_tokens, self.debug = capacity_factor, max_tokens, debug
+        self.first_local_expert = self.ep_rank * self.num_local_experts
+        self.capacity_factor, self.max_tokens, self.debug = options.capacity_factor, options.max_tokens, options.debug
+        self.checked_after_step = checked_after_step
         self._last_pool: _Pool | None = None  # the buffers of the last dispatch, for check()
-        self.rows_per_token = math.ceil(capacity_factor * top_k)
+        self.rows_per_token = math.ceil(options.capacity_factor * top_k)
 
     @property
     def capacity(self) -> int:
