@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_tune.config import comm_config
 from moe_tune.moe.dispatch import build_dispatcher
 from moe_tune.moe.experts import ExpertsSpec
 from moe_tune.moe.layer import MoE, MoESpec
@@ -59,22 +60,28 @@ ROUTINGS = ("random", "skewed", "zero_token", "one_rank")
 
 
 def build_moe(name: str, group, max_tokens: int) -> MoE:
-    from moe_tune.parallel.expert_parallel import shard_experts_
-
     spec = MoESpec(
         router=RouterSpec(num_experts=E, top_k=K, norm_topk_prob=True),
         experts=ExpertsSpec(num_experts=E, dim=D_MODEL, hidden=I_MOE),
     )
-    moe = MoE(spec)
+    full = MoE(spec)
     g = torch.Generator().manual_seed(0)  # the same weights on every rank and for every backend
     with torch.no_grad():
-        for p in moe.parameters():
+        for p in full.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * (0.02 if p.dim() > 1 else 1.0))
-    opts = dict(OPTIONS[name], **({"max_tokens": max_tokens} if name == "symm_mem" else {}))
-    d = build_dispatcher(name, E, K, group, **opts)
-    moe.set_dispatcher(d)
-    shard_experts_(moe.experts, dist.get_rank(group) * d.num_local_experts, d.num_local_experts)
+    d = dispatcher(name, group, max_tokens)
+    moe = MoE(spec, dispatcher=d)  # this rank's experts only, with the full layer's weights
+    rows = slice(d.first_local_expert, d.first_local_expert + d.num_local_experts)
+    with torch.no_grad():
+        moe.router.weight.copy_(full.router.weight)
+        for n, p in moe.experts.named_parameters():
+            p.copy_(getattr(full.experts, n)[rows])
     return moe.to(DEV, torch.bfloat16).train()
+
+
+def dispatcher(name: str, group, max_tokens: int):
+    opts = dict(OPTIONS[name], **({"max_tokens": max_tokens} if name == "symm_mem" else {}))
+    return build_dispatcher(comm_config({"name": name, **opts}), E, K, group)
 
 
 def routed_inputs(case: str, moe: MoE, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,8 +170,7 @@ def _point(name: str, T: int, D: int, group, rank: int):
     ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(DEV)
     x = torch.randn(T, D, generator=g).to(DEV, torch.bfloat16)
     w = torch.rand(T, K, generator=g).to(DEV)
-    opts = dict(OPTIONS[name], **({"max_tokens": T} if name == "symm_mem" else {}))
-    return ids, x, w, build_dispatcher(name, E, K, group, **opts)
+    return ids, x, w, dispatcher(name, group, T)
 
 
 def time_point(name: str, T: int, D: int, group, rank: int) -> dict:

@@ -102,7 +102,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _experts_case(E: int, D: int, F: int, counts: list[int], seed: int) -> dict:
-    from moe_tune.moe.experts import ExpertsSpec, GroupedExperts
+    from moe_tune.moe.experts import ExpertsOptions, ExpertsSpec, GroupedExperts
 
     g = torch.Generator(device=DEV).manual_seed(seed)
     m = GroupedExperts(ExpertsSpec(num_experts=E, dim=D, hidden=F)).to(DEV)
@@ -120,7 +120,7 @@ def _experts_case(E: int, D: int, F: int, counts: list[int], seed: int) -> dict:
         ("loop", m, torch.bfloat16),
         ("fp64", ref, torch.float64),
     ):
-        mod.impl = "loop" if impl != "grouped_mm" else "grouped_mm"
+        mod.options = ExpertsOptions(impl="loop" if impl != "grouped_mm" else "grouped_mm")  # same weights
         mod.zero_grad(set_to_none=True)
         xi = x.to(dtype).requires_grad_()
         y = mod(xi, counts_e)
@@ -167,7 +167,7 @@ def experts_check() -> None:
     RESULT["experts_check"] = {"tolerance": "rel err < 1e-2 vs fp64 and <= 1.5 x bf16 loop + 1e-3", "cases": cases}
     RESULT["experts_check"]["pass"] = all(c["pass"] for c in cases)
     # Speed of the grouped path alone at the realistic shape (forward + backward = 18 * R * D * I FLOPs).
-    from moe_tune.moe.experts import ExpertsSpec, GroupedExperts
+    from moe_tune.moe.experts import ExpertsOptions, ExpertsSpec, GroupedExperts
 
     m = GroupedExperts(ExpertsSpec(num_experts=E, dim=D, hidden=F)).to(DEV, torch.bfloat16)
     torch.nn.init.normal_(m.gate_up_proj, std=0.02)
@@ -177,7 +177,7 @@ def experts_check() -> None:
     ms = _time_ms(lambda: m(x, counts_e).backward(dy), 3, 20)
     RESULT["experts_check"]["grouped_fwd_bwd_ms"] = ms
     RESULT["experts_check"]["grouped_fwd_bwd_tflops"] = 18 * R * D * F / ms / 1e9
-    m.impl = "loop"  # the per-expert reference, for scale (it syncs with the host once per call)
+    m.options = ExpertsOptions(impl="loop")  # the per-expert reference, for scale (a host sync per call)
     RESULT["experts_check"]["loop_fwd_bwd_ms"] = _time_ms(lambda: m(x, counts_e).backward(dy), 1, 3)
 
 
@@ -329,13 +329,11 @@ def load_moe_tune(hf):
         traceback.print_exc()
         if hf is None:
             raise
-        from moe_tune.kernels import apply_kernels
-        from moe_tune.models.model import build_model, materialize
+        from moe_tune.models.model import ModelOptions, build_model, materialize
 
-        model = build_model(hf.config, dtype=torch.bfloat16)
+        model = build_model(hf.config, ModelOptions(dtype=torch.bfloat16))
         materialize(model, DEV)
         model.load_state_dict(hf.state_dict(), strict=True)
-        apply_kernels(model, "torch")
         how = "fallback: build_model + load_state_dict from the HF model (weights after its benchmark steps)"
     RESULT["workload"]["moe_tune_load_s"] = time.perf_counter() - t0
     RESULT["workload"]["moe_tune_load"] = how
