@@ -23,8 +23,8 @@ E, K, D = 8, 2, 16
 
 def test_expert_major_positions():
     # 2 sources x 3 local experts; received source-major: s0 [e0:2, e1:0, e2:1], s1 [e0:1, e1:2, e2:0].
-    counts_Se = torch.tensor([[2, 0, 1], [1, 2, 0]])
-    dest_R = expert_major_positions(counts_Se, 6)
+    counts_Ge = torch.tensor([[2, 0, 1], [1, 2, 0]])
+    dest_R = expert_major_positions(counts_Ge, 6)
     # expert-major: e0 <- s0 rows 0,1 then s1 row 3; e1 <- s1 rows 4,5; e2 <- s0 row 2.
     assert dest_R.tolist() == [0, 1, 5, 2, 3, 4]
 

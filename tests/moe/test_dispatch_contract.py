@@ -267,8 +267,8 @@ def test_symm_mem_overflow_raises_and_drops(backend):
 
 def test_padded_expert_major():
     # 2 sources x 3 local experts, received source-major: s0 [e0:2, e1:0, e2:1], s1 [e0:1, e1:2, e2:0], then 2 pad.
-    counts_Se = torch.tensor([[2, 0, 1], [1, 2, 0]])
-    src_of_em, em_of_src = padded_expert_major(counts_Se, 8)
+    counts_Ge = torch.tensor([[2, 0, 1], [1, 2, 0]])
+    src_of_em, em_of_src = padded_expert_major(counts_Ge, 8)
     # expert-major: e0 <- s0 rows 0,1 and s1 row 3; e1 <- s1 rows 4,5; e2 <- s0 row 2; padding 6,7 stays.
     assert src_of_em.tolist() == [0, 1, 3, 4, 5, 2, 6, 7]
     assert em_of_src.tolist() == [0, 1, 5, 2, 3, 4, 6, 7]

@@ -3,7 +3,7 @@
 Experts are split in contiguous blocks: ep rank s owns global experts [s*e, (s+1)*e), e = E / ep.
 Dispatch, on each rank of the ep group:
   1. sort the T*K routed rows by global expert; this also groups them by destination rank;
-  2. all-to-all the per-expert row counts (E ints) so every rank learns counts_Se, the rows it will
+  2. all-to-all the per-expert row counts (E ints) so every rank learns counts_Ge, the rows it will
      receive from source s for each of its local experts;
   3. one host sync: all_to_all_single takes its split sizes as Python ints;
   4. all-to-all the rows (uneven and empty splits are fine);
@@ -80,21 +80,21 @@ class AllToAllDispatcher(Dispatcher):
         self.first_local_expert = dist.get_rank(ep_group) * self.num_local_experts
 
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor | None = None):
-        S, e = self.ep, self.num_local_experts
+        G, e = self.ep, self.num_local_experts
         order_R, token_R = sort_by_expert(ids_TK)
         counts_E = expert_counts(ids_TK, self.num_experts) if counts_E is None else counts_E
-        counts_Se = torch.empty_like(counts_E)
+        counts_Ge = torch.empty_like(counts_E)
         # Collective over the ep mesh axis: e counts to each ep rank, for the experts it owns.
-        dist.all_to_all_single(counts_Se, counts_E, group=self.ep_group)
-        counts_Se = counts_Se.view(S, e)
+        dist.all_to_all_single(counts_Ge, counts_E, group=self.ep_group)
+        counts_Ge = counts_Ge.view(G, e)
         # host sync: all_to_all_single needs its split sizes as Python ints (the one sync of this backend).
-        send_splits, recv_splits = torch.stack([counts_E.view(S, e).sum(1), counts_Se.sum(1)]).tolist()
+        send_splits, recv_splits = torch.stack([counts_E.view(G, e).sum(1), counts_Ge.sum(1)]).tolist()
         routed_RD = all_to_all(x_TD[token_R], recv_splits, send_splits, self.ep_group)
-        dest_R = expert_major_positions(counts_Se, sum(recv_splits))
+        dest_R = expert_major_positions(counts_Ge, sum(recv_splits))
         # Scatter into expert-major order (backward: a gather by dest_R, deterministic).
         x_RD = routed_RD.new_empty(routed_RD.shape).index_copy(0, dest_R, routed_RD)
         route = _Route(inverse_permutation(order_R), dest_R, send_splits, recv_splits)
-        return x_RD, counts_Se.sum(0), route
+        return x_RD, counts_Ge.sum(0), route
 
     def combine(self, y_RD: torch.Tensor, weights_TK: torch.Tensor, ctx: _Route) -> torch.Tensor:
         # Back to source-rank-major order, then the reverse all-to-all (ep mesh axis) returns each row home.

@@ -55,16 +55,16 @@ def weighted_sum(y_RD: torch.Tensor, inv_R: torch.Tensor, weights_TK: torch.Tens
     return torch.bmm(weights_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).squeeze(1)
 
 
-def expert_major_positions(counts_Se: torch.Tensor, num_rows: int) -> torch.Tensor:
+def expert_major_positions(counts_Ge: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Rows received from an all-to-all arrive source-rank-major: (source 0: local expert 0..e-1), (source 1:
-    ...). Return ``dest_R``, where row r must go in local-expert-major order (expert 0: sources 0..S-1, ...),
+    ...). Return ``dest_R``, where row r must go in local-expert-major order (expert 0: sources 0..G-1, ...),
     so that ``x_expert_major[dest_R] = x_received``. Device ops only: no host sync, no loop over experts.
-    ``num_rows`` = counts_Se.sum(), passed in because the caller knows it already (it needed the splits)."""
-    S, e = counts_Se.shape
-    counts_R = counts_Se.reshape(-1)
+    ``num_rows`` = counts_Ge.sum(), passed in because the caller knows it already (it needed the splits)."""
+    G, e = counts_Ge.shape
+    counts_R = counts_Ge.reshape(-1)
     src_start = torch.cumsum(counts_R, 0) - counts_R
-    counts_eS = counts_Se.t().reshape(-1)
-    dst_start = (torch.cumsum(counts_eS, 0) - counts_eS).view(e, S).t().reshape(-1)
-    segment_R = torch.repeat_interleave(torch.arange(S * e, device=counts_Se.device), counts_R, output_size=num_rows)
-    row_R = torch.arange(num_rows, device=counts_Se.device)
+    counts_eG = counts_Ge.t().reshape(-1)
+    dst_start = (torch.cumsum(counts_eG, 0) - counts_eG).view(e, G).t().reshape(-1)
+    segment_R = torch.repeat_interleave(torch.arange(G * e, device=counts_Ge.device), counts_R, output_size=num_rows)
+    row_R = torch.arange(num_rows, device=counts_Ge.device)
     return dst_start[segment_R] + row_R - src_start[segment_R]

@@ -211,10 +211,10 @@ class DeepEPDispatcher(Dispatcher):
             ) from e
 
     def _buffer(self, hidden_bytes: int):
-        S = self.ep
+        G = self.ep
         configs = (self.dispatch_config, self.combine_config)
-        nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, S) for c in configs)
-        rdma = max(c.get_rdma_buffer_size_hint(hidden_bytes, S) for c in configs)
+        nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, G) for c in configs)
+        rdma = max(c.get_rdma_buffer_size_hint(hidden_bytes, G) for c in configs)
         name = self.ep_group.group_name
         cached = _BUFFERS.get(name)
         if cached is None or cached[1] < nvl or cached[2] < rdma:

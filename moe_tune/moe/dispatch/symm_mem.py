@@ -51,21 +51,21 @@ from moe_tune.moe.router import expert_counts
 ROW_ALIGN_BYTES = 32
 
 
-def padded_expert_major(counts_Se: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_expert_major(counts_Ge: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Received rows are source-rank-major (source 0: local experts 0..e-1, source 1: ...), followed by padding up
     to ``capacity``. Returns ``(src_of_em_C, em_of_src_C)``: expert-major row j is received row
     ``src_of_em_C[j]``, and received row i goes to expert-major row ``em_of_src_C[i]``; padding rows map to
-    themselves. Device ops only (no host sync, no loop over experts); needs ``counts_Se.sum() <= capacity``."""
-    S, e = counts_Se.shape
-    pad = (capacity - counts_Se.sum()).reshape(1)
-    seg_src = torch.cat([counts_Se.reshape(-1), pad])  # segments (s, j) in source-major order, then padding
-    seg_em = torch.cat([counts_Se.t().reshape(-1), pad])  # the same segments in expert-major order (j, s)
+    themselves. Device ops only (no host sync, no loop over experts); needs ``counts_Ge.sum() <= capacity``."""
+    G, e = counts_Ge.shape
+    pad = (capacity - counts_Ge.sum()).reshape(1)
+    seg_src = torch.cat([counts_Ge.reshape(-1), pad])  # segments (s, j) in source-major order, then padding
+    seg_em = torch.cat([counts_Ge.t().reshape(-1), pad])  # the same segments in expert-major order (j, s)
     start_src = torch.cumsum(seg_src, 0) - seg_src
-    start_em_jS = torch.cumsum(seg_em, 0) - seg_em
-    start_em = torch.cat([start_em_jS[:-1].view(e, S).t().reshape(-1), start_em_jS[-1:]])
-    seg_ids = torch.arange(S * e + 1, device=counts_Se.device)
+    start_em_jG = torch.cumsum(seg_em, 0) - seg_em
+    start_em = torch.cat([start_em_jG[:-1].view(e, G).t().reshape(-1), start_em_jG[-1:]])
+    seg_ids = torch.arange(G * e + 1, device=counts_Ge.device)
     segment_C = torch.repeat_interleave(seg_ids, seg_src, output_size=capacity)
-    row_C = torch.arange(capacity, device=counts_Se.device)
+    row_C = torch.arange(capacity, device=counts_Ge.device)
     em_of_src_C = start_em[segment_C] + row_C - start_src[segment_C]
     src_of_em_C = torch.empty_like(row_C).scatter_(0, em_of_src_C, row_C)
     return src_of_em_C, em_of_src_C
@@ -84,10 +84,10 @@ def _symmetric_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
     return t
 
 
-def _all_to_all_vdev(send, recv, in_splits_S, out_splits_offsets_2S, group_name: str) -> None:
+def _all_to_all_vdev(send, recv, in_splits_G, out_splits_offsets_2G, group_name: str) -> None:
     # Collective over the ep mesh axis: rows [offset_s, offset_s + in_splits[s]) of `send` go to ep rank s; each
     # rank pulls its rows from every peer into `recv`, source-rank-major. Splits are exchanged on the device.
-    torch.ops.symm_mem.all_to_all_vdev(send, recv, in_splits_S, out_splits_offsets_2S, group_name)
+    torch.ops.symm_mem.all_to_all_vdev(send, recv, in_splits_G, out_splits_offsets_2G, group_name)
 
 
 # torch >= 2.12 renames all_gather_into_tensor (kept there, deprecated) to all_gather_single.
@@ -113,7 +113,7 @@ class _Pool:
 
     def __init__(self, group, rows_to_experts: int, rows_to_tokens: int, dim: int, dtype, device):
         self.group_name, self.capacity = group.group_name, rows_to_tokens
-        S = dist.get_world_size(group)
+        G = dist.get_world_size(group)
         if device.type == "cuda":
             _init_nvshmem(device, self.group_name)
 
@@ -123,8 +123,8 @@ class _Pool:
         # "small": the T*K rows a rank sends (dispatch) or gets back (combine); "big": the rows it receives.
         self.small = [alloc((rows_to_experts, dim), dtype) for _ in range(2)]
         self.big = [alloc((rows_to_tokens, dim), dtype) for _ in range(2)]
-        self.in_splits = [alloc((S,), torch.int64) for _ in range(2)]
-        self.out_splits_offsets = [alloc((2, S), torch.int64) for _ in range(2)]
+        self.in_splits = [alloc((G,), torch.int64) for _ in range(2)]
+        self.out_splits_offsets = [alloc((2, G), torch.int64) for _ in range(2)]
         self.step = 0
         # Overflow record [a batch overflowed, largest rows one rank would have received], read without a sync.
         self.overflow_2 = torch.zeros(2, dtype=torch.int64, device=device)
@@ -132,14 +132,14 @@ class _Pool:
         self.overflow_host_2 = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
         self.overflow_event = torch.cuda.Event() if pin else None
 
-    def exchange(self, to_experts: bool, splits_S: torch.Tensor, fill: Callable[[torch.Tensor], None]):
+    def exchange(self, to_experts: bool, splits_G: torch.Tensor, fill: Callable[[torch.Tensor], None]):
         """Fill this slot's send buffer, exchange, return the receive buffer (valid until two exchanges later)."""
         slot = self.step % 2
         self.step += 1
         small, big = self.small[slot], self.big[slot]
         send, recv = (small, big) if to_experts else (big, small)
         fill(send)
-        self.in_splits[slot].copy_(splits_S)
+        self.in_splits[slot].copy_(splits_G)
         _all_to_all_vdev(send, recv, self.in_splits[slot], self.out_splits_offsets[slot], self.group_name)
         return recv
 
@@ -177,8 +177,8 @@ class _Route:
     order_R: torch.Tensor  # this rank's T*K rows sorted by global expert: row r is flat (t, k) index order_R[r]
     token_R: torch.Tensor
     inv_order_R: torch.Tensor
-    send_S: torch.Tensor  # rows to each ep rank (device)
-    recv_S: torch.Tensor  # rows from each ep rank (device)
+    send_G: torch.Tensor  # rows to each ep rank (device)
+    recv_G: torch.Tensor  # rows from each ep rank (device)
     src_of_em_C: torch.Tensor
     em_of_src_C: torch.Tensor
     num_tokens: int
@@ -197,7 +197,7 @@ class _ToExperts(torch.autograd.Function):
         def fill(send):
             torch.index_select(x_TD, 0, route.token_R, out=send[:n])
 
-        recv = route.pool.exchange(True, route.send_S, fill)
+        recv = route.pool.exchange(True, route.send_G, fill)
         return recv.index_select(0, route.src_of_em_C)
 
     @staticmethod
@@ -208,7 +208,7 @@ class _ToExperts(torch.autograd.Function):
         def fill(send):
             torch.index_select(grad_CD.contiguous(), 0, r.em_of_src_C, out=send[:C])
 
-        recv = r.pool.exchange(False, r.recv_S, fill)
+        recv = r.pool.exchange(False, r.recv_G, fill)
         grad_TKD = recv.index_select(0, r.inv_order_R).view(r.num_tokens, r.top_k, recv.shape[1])
         return grad_TKD.sum(1), None
 
@@ -227,7 +227,7 @@ class _ToTokens(torch.autograd.Function):
         def fill(send):
             torch.index_select(y_RD, 0, route.em_of_src_C, out=send[:C])
 
-        recv = route.pool.exchange(False, route.recv_S, fill)
+        recv = route.pool.exchange(False, route.recv_G, fill)
         return recv.index_select(0, route.inv_order_R).view(route.num_tokens, route.top_k, recv.shape[1])
 
     @staticmethod
@@ -238,7 +238,7 @@ class _ToTokens(torch.autograd.Function):
         def fill(send):
             torch.index_select(grad_TKD.reshape(n, send.shape[1]), 0, r.order_R, out=send[:n])
 
-        recv = r.pool.exchange(True, r.send_S, fill)
+        recv = r.pool.exchange(True, r.send_G, fill)
         return recv.index_select(0, r.src_of_em_C[: ctx.num_rows]), None
 
 
@@ -314,39 +314,39 @@ class SymmMemDispatcher(Dispatcher):
     # traceable ("expected event to be a torch.Event object" on torch 2.11); the layers around it compile.
     @torch.compiler.disable
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor | None = None):
-        S, e, E = self.ep, self.num_local_experts, self.num_experts
+        G, e, E = self.ep, self.num_local_experts, self.num_experts
         pool = self._pool(x_TD)
         self._last_pool = pool
         if not self.checked_after_step:  # ranks may see the flag at different layers: the trainer checks after a step
             self._check_overflow(pool, block=False)
         order_R, token_R = sort_by_expert(ids_TK)
         counts_E = expert_counts(ids_TK, E) if counts_E is None else counts_E
-        counts_SE = counts_E.new_empty(S * E)
+        counts_GE = counts_E.new_empty(G * E)
         # Collective over the ep mesh axis (all-gather): every rank's rows per global expert, on the device.
-        _all_gather(counts_SE, counts_E, group=self.ep_group)
-        counts_SSe = counts_SE.view(S, S, e)  # [source, receiving rank, its local expert]
-        recv_rows_S = counts_SSe.sum(dim=(0, 2))
-        overflow = (recv_rows_S > pool.capacity).any()
-        pool.record_overflow(overflow, recv_rows_S.max())
+        _all_gather(counts_GE, counts_E, group=self.ep_group)
+        counts_GGe = counts_GE.view(G, G, e)  # [source, receiving rank, its local expert]
+        recv_rows_G = counts_GGe.sum(dim=(0, 2))
+        overflow = (recv_rows_G > pool.capacity).any()
+        pool.record_overflow(overflow, recv_rows_G.max())
         if self.debug:
             self._check_overflow(pool, block=True)
         keep = (~overflow).to(counts_E.dtype)  # on overflow every rank sends nothing: no write past a buffer
-        counts_Se = counts_SSe[:, self.ep_rank] * keep
-        send_S = counts_E.view(S, e).sum(1) * keep
-        src_of_em_C, em_of_src_C = padded_expert_major(counts_Se, pool.capacity)
+        counts_Ge = counts_GGe[:, self.ep_rank] * keep
+        send_G = counts_E.view(G, e).sum(1) * keep
+        src_of_em_C, em_of_src_C = padded_expert_major(counts_Ge, pool.capacity)
         route = _Route(
             pool=pool,
             order_R=order_R,
             token_R=token_R,
             inv_order_R=inverse_permutation(order_R),
-            send_S=send_S,
-            recv_S=counts_Se.sum(1),
+            send_G=send_G,
+            recv_G=counts_Ge.sum(1),
             src_of_em_C=src_of_em_C,
             em_of_src_C=em_of_src_C,
             num_tokens=x_TD.shape[0],
             top_k=self.top_k,
         )
-        return _ToExperts.apply(x_TD, route), counts_Se.sum(0), route
+        return _ToExperts.apply(x_TD, route), counts_Ge.sum(0), route
 
     @torch.compiler.disable
     def combine(self, y_RD: torch.Tensor, weights_TK: torch.Tensor, ctx: _Route) -> torch.Tensor:
