@@ -7,6 +7,13 @@ N_active: matmul parameters one token passes through: attention projections, the
     embedding, a lookup). d_attn = num_attention_heads * head_dim, S the sequence length, L the layers:
     QK^T and AV cost 2*S*d_attn multiply-adds each per token and layer, halved by the causal mask.
 For Qwen3-30B-A3B shapes with 8 layers at S=4096 this gives about 5.4 GFLOP/token.
+
+Timing is per logging interval (``train.log_every`` steps, fewer for the last): the host synchronizes with the
+device only at the interval's last step, so a row's ``step_time_s`` is the interval's wall time divided by its
+``interval_steps``, and ``tokens_per_s``, ``tokens_per_s_per_gpu`` and ``tflops_per_gpu`` are averages over the
+interval. Checkpoint saves and the logging itself are left out of the wall time. ``peak_mem_gib`` is the peak
+over the interval. ``loss`` and ``grad_norm`` are those of the row's own step. With ``log_every=1`` every row is
+one step, as before.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 
 import torch
 
@@ -62,7 +70,8 @@ def step_row(
     device: torch.device,
     **extra,
 ) -> dict:
-    """One metrics.jsonl line (the CONTRACT.md fields, then ``extra``)."""
+    """One metrics.jsonl line (the CONTRACT.md fields, then ``extra``); ``dt``: seconds per step, averaged over the
+    logging interval the row closes."""
     alloc, reserved = peak_memory_gib(device)
     tps = tokens / dt
     return {
@@ -80,8 +89,43 @@ def step_row(
     }
 
 
+class IntervalTimer:
+    """Wall time of the steps of one logging interval, with one host sync where the interval's timing pauses.
+
+    ``start`` (re)starts the clock, ``tick`` counts a step, ``pause`` waits for the device and adds the time
+    since ``start``; the caller pauses around what is not training (metrics, checkpoint saves) and reads
+    ``seconds_per_step`` at a logging step, then ``new_interval`` clears the counts and the peak memory."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds, self.steps = 0.0, 0
+        self._t0: float | None = None
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def tick(self) -> None:
+        self.steps += 1
+
+    def pause(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # host sync: the interval's queued work ends here
+        if self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+        self._t0 = None
+
+    def seconds_per_step(self) -> float:
+        return self.seconds / max(self.steps, 1)
+
+    def new_interval(self) -> None:
+        self.seconds, self.steps = 0.0, 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+
 class MetricsWriter:
-    """Rank 0 appends one JSON object per optimizer step; ``summary`` aggregates after warm-up steps."""
+    """Rank 0 appends one JSON object per logged step; ``summary`` aggregates the rows whose interval started
+    after the warm-up steps (``interval_steps``, 1 when absent)."""
 
     def __init__(self, output_dir: str, enabled: bool, warmup_steps: int):
         self.enabled, self.warmup = enabled, warmup_steps
@@ -97,7 +141,7 @@ class MetricsWriter:
                 f.write(json.dumps(row) + "\n")
 
     def summary(self) -> dict:
-        timed = [r for r in self.rows if r["step"] > self.warmup] or self.rows
+        timed = [r for r in self.rows if r["step"] - r.get("interval_steps", 1) >= self.warmup] or self.rows
         med = lambda k: statistics.median(r[k] for r in timed) if timed else 0.0  # noqa: E731
         return {
             "final_loss": self.rows[-1]["loss"] if self.rows else None,

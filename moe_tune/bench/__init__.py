@@ -231,7 +231,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from moe_tune.bench.report import hardware_label, write_report
-    from moe_tune.train import write_json
+    from moe_tune.run_record import write_json
 
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -275,7 +275,7 @@ def new_result(args, argv: list[str], cfg, common: list[str], nproc: int, num_gp
 
     from moe_tune.bench.report import gpu_name, peak_tflops
     from moe_tune.env import versions
-    from moe_tune.train import git_commit, hardware_name
+    from moe_tune.run_record import git_commit, hardware_name
 
     hardware = f"{num_gpus} x {gpu_name()}" if num_gpus else hardware_name(nproc, torch.device("cpu"))
     peak = args.peak_tflops or peak_tflops(hardware)

@@ -1,0 +1,82 @@
+"""What a run leaves beside its metrics: the logging setup, the resolved config, and summary.json with the commit,
+versions and hardware it ran on (CONTRACT.md). Shared by the trainer, the benchmark and its baselines."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+from dataclasses import asdict
+
+import torch
+
+from moe_tune.config import Config
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 logs at INFO, the others only warnings; every line names its rank."""
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank{rank}] %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+
+
+def git_commit() -> str:
+    """``MOE_TUNE_COMMIT`` if set (a container without .git), else ``git rev-parse HEAD`` of this checkout."""
+    if os.environ.get("MOE_TUNE_COMMIT"):
+        return os.environ["MOE_TUNE_COMMIT"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        cmd = ["git", "-C", root, "rev-parse", "HEAD"]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def hardware_name(world: int, device: torch.device) -> str:
+    """'2 x NVIDIA H200', or 'cpu (2 cores) x 2 processes'."""
+    if device.type == "cuda":
+        return f"{world} x {torch.cuda.get_device_name(device)}"
+    return f"cpu ({os.cpu_count()} cores) x {world} processes"
+
+
+def write_json(path: str, obj) -> None:
+    """Write through a temporary file and rename: a reader never sees half a file."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+def write_config(cfg: Config) -> None:
+    """The resolved config as config.json in the run directory (rank 0 calls it)."""
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    write_json(os.path.join(cfg.output_dir, "config.json"), asdict(cfg))
+
+
+def write_run_summary(cfg: Config, rank: int, world: int, device, flops_per_token: float, metrics, **extra) -> dict:
+    """summary.json (CONTRACT.md): resolved config, versions, hardware, commit, ``extra``, then the metrics'
+    aggregates. Every rank returns it; rank 0 writes it."""
+    from moe_tune.env import versions
+
+    summary = {
+        "config": asdict(cfg),
+        "versions": versions(),
+        "hardware": hardware_name(world, device),
+        "num_gpus": world if device.type == "cuda" else 0,
+        "world_size": world,
+        "commit": git_commit(),
+        "flops_per_token": flops_per_token,
+        "routing": "forced_balanced" if cfg.train.force_balanced_routing else "real",
+        **extra,
+        **metrics.summary(),
+    }
+    if rank == 0:
+        write_json(os.path.join(cfg.output_dir, "summary.json"), summary)
+    return summary
+
+
+__all__ = ["git_commit", "hardware_name", "setup_logging", "write_config", "write_json", "write_run_summary"]
