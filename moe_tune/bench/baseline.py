@@ -8,39 +8,38 @@ What is the Hugging Face model's own:
   ``AutoModelForCausalLM.from_config(config, attn_implementation=<family's, sdpa>, experts_implementation=
   grouped_mm|eager)``; its forward computes the full logits and cross-entropy (``labels=``); its router,
   experts and auxiliary loss (``output_router_logits``, when ``train.aux_loss_coef`` > 0, with that coefficient).
-What is mirrored from moe_tune's Trainer, so that only the model code differs:
+What is moe_tune's, so that only the model code differs: the ``Trainer`` itself, given ``build_hf_model`` as its
+builder (``HFCausalLM`` adapts the model's forward to the step's call), so the step, loop, metrics.jsonl /
+summary.json fields, timing and FLOP formula are the trainer's; and
   - weights: the same random init (``init_random`` draws each tensor by its name) or the same checkpoint;
-  - data: ``build_dataset`` and ``PackedDataset.rows(step, micro, mbs, accum, rank, world)``; position ids passed
-    only for packed rows, as the Trainer does;
+  - data: ``build_dataset``, the trainer's micro-batches; position ids passed only for packed rows;
   - loss: label-token sum / global label tokens of the step (``num_items_in_batch``), averaged by FSDP over ranks;
   - FSDP2 ``fully_shard`` per decoder layer and the root over all ranks, moe_tune's MixedPrecisionPolicy for
     ``train.precision`` and ``parallel.reshard_after_forward``;
-  - optimizer, schedule and clipping: ``moe_tune.optim`` (PyTorch fused AdamW on CUDA) and ``clip_grad_norm_``;
+  - optimizer, schedule and clipping: ``moe_tune.optim`` (PyTorch fused AdamW) and ``clip_grad_norm_``;
   - activation checkpointing: ``full`` is Hugging Face's ``gradient_checkpointing_enable``; ``selective`` (which
     transformers lacks) wraps each layer's attention with moe_tune's ``apply_ac``;
   - forced balanced routing (``train.force_balanced_routing``): the softmax top-k routers pick experts
-    t*k .. t*k+k-1 mod E for token t, as moe_tune's router does;
-  - metrics: the same metrics.jsonl / summary.json fields, timing and FLOP formula.
+    t*k .. t*k+k-1 mod E for token t, as moe_tune's router does.
+No checkpoints or Hugging Face export (moe_tune's are for its own model).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import logging
-import os
 import sys
-import time
 import types
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from moe_tune.build import Built
 from moe_tune.config import CommConfig, Config, ConfigError, KernelsConfig, validate
 from moe_tune.env import require_backends
+from moe_tune.train import Trainer
 
 log = logging.getLogger("moe_tune.bench")
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager")
@@ -107,200 +106,161 @@ def apply_forced_balanced_routing(model: nn.Module) -> int:
     return len(routers)
 
 
-class Baseline:
-    """Build the Hugging Face model sharded with FSDP2 (or, on one GPU, plain), then train it like ``Trainer``."""
+class HFCausalLM(nn.Module):
+    """A Hugging Face causal LM behind moe_tune's model interface, so that the Trainer's own step trains it.
+
+    ``forward(input_ids, labels=, position_ids=, loss_normalizer=)`` passes the normalizer to transformers as
+    ``num_items_in_batch`` (its loss: label-token sum / that), and returns ``.loss`` (transformers' loss, with
+    ``router_aux_loss_coef`` x its aux loss added when the router logits are output) and ``.ce_loss`` (the
+    cross-entropy alone, logged), as moe_tune's ``CausalLMOutput``."""
+
+    def __init__(self, hf_model: nn.Module, aux_loss_coef: float):
+        super().__init__()
+        self.hf, self.aux_loss_coef = hf_model, aux_loss_coef
+
+    @property
+    def config(self):
+        return self.hf.config
+
+    def forward(self, input_ids, labels=None, position_ids=None, loss_normalizer=None):
+        from moe_tune.models.model import CausalLMOutput
+
+        out = self.hf(input_ids=input_ids, labels=labels, position_ids=position_ids, num_items_in_batch=loss_normalizer)
+        # transformers adds router_aux_loss_coef * aux_loss to its loss; split it off to log the CE alone.
+        aux = getattr(out, "aux_loss", None)
+        ce = out.loss - self.aux_loss_coef * aux if aux is not None else out.loss
+        return CausalLMOutput(loss=out.loss, ce_loss=ce, aux_loss=aux)
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        """An FSDP2 root reduces gradients only on the step's last micro-batch; a plain model has nothing to do."""
+        if hasattr(self.hf, "set_requires_gradient_sync"):
+            self.hf.set_requires_gradient_sync(requires)
+
+
+def build_hf_model(cfg: Config, env, experts_implementation: str = "grouped_mm", fsdp: bool = True) -> Built:
+    """The Trainer's builder for the baseline: the Hugging Face model of ``cfg``'s checkpoint or preset, with
+    moe_tune's weights (the same checkpoint, or ``init_random``'s draw by tensor name), wrapped in ``HFCausalLM``.
+    Not checkpointable (moe_tune's checkpoints and export are for moe_tune's model)."""
+    from moe_tune.build import build_source, build_tokenizer
+    from moe_tune.models.families import get_family
+    from moe_tune.models.hf_io import load_state
+    from moe_tune.models.init import init_random
+    from moe_tune.models.model import materialize
+
+    source, hf_config = build_source(cfg, env.rank)
+    family = get_family(hf_config.model_type, getattr(hf_config, "architectures", None))
+    model, mesh = _sharded_hf_model(cfg, hf_config, family, env, experts_implementation, fsdp)
+    materialize(model, env.device)
+    if source is not None:
+        load_state(model, source, family)
+    else:
+        init_random(model, seed=cfg.train.seed, num_experts=_num_experts(hf_config))
+    model.train()
+    return Built(
+        model=HFCausalLM(model, cfg.train.aux_loss_coef),
+        mesh=mesh,
+        source=source,
+        tokenizer=build_tokenizer(source),
+        flops_per_token=hf_flops_per_token(model, cfg.train.seq_len),
+        checkpointable=False,
+        describe=describe(model, fsdp),
+    )
+
+
+def _sharded_hf_model(cfg: Config, hf_config, family, env, experts_implementation: str, fsdp: bool):
+    """(the model on the meta device, FSDP2-sharded per decoder layer and at the root over all ranks unless
+    ``fsdp`` is False; the mesh)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from moe_tune.config import ParallelDims
+    from moe_tune.dist.mesh import build_mesh
+    from moe_tune.parallel import apply_ac, mixed_precision_policy
+
+    aux = cfg.train.aux_loss_coef
+    if hasattr(hf_config, "output_router_logits"):
+        hf_config.output_router_logits = aux > 0
+        hf_config.router_aux_loss_coef = aux
+    hf_config.use_cache = False
+    param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            hf_config,
+            dtype=param_dtype,
+            attn_implementation=family.attn_implementation,
+            experts_implementation=experts_implementation,
+        )
+    if cfg.train.force_balanced_routing:
+        apply_forced_balanced_routing(model)
+    ac = cfg.parallel.activation_checkpointing
+    if ac == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif ac == "selective":
+        apply_ac(model.model, "selective")  # transformers has no selective mode: attention only, as moe_tune
+    world = env.world_size
+    mesh = build_mesh(ParallelDims(dp_replicate=1, dp_shard=world, ep=1, world_size=world), env.device.type)
+    mp = mixed_precision_policy(cfg.train.precision)
+    reshard = cfg.parallel.reshard_after_forward
+    for layer in model.model.layers if fsdp else ():
+        fully_shard(layer, mesh=mesh["dp_shard"], mp_policy=mp, reshard_after_forward=reshard)
+    if fsdp:
+        fully_shard(model, mesh=mesh["dp_shard"], mp_policy=mp)
+    if env.device.type == "cpu":  # gloo has no PREMUL_SUM: reduce with SUM and divide separately
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+    return model, mesh
+
+
+def _num_experts(hf_config) -> int | None:
+    keys = ("num_experts", "n_routed_experts", "num_local_experts")
+    return next((getattr(hf_config, k) for k in keys if hasattr(hf_config, k)), None)
+
+
+def describe(model: nn.Module, fsdp: bool) -> dict:
+    """What this row actually ran, for summary.json (``bench_config`` updates the row's config)."""
+    c = model.config
+    return {
+        "experts_implementation": c._experts_implementation,
+        "attn_implementation": c._attn_implementation,
+        "bench_config": {"experts": c._experts_implementation, "fsdp": "per layer + root" if fsdp else "none"},
+    }
+
+
+def check_workload(cfg: Config, fsdp: bool = True) -> None:
+    """The baseline's (and the peer's) config check, before any process group exists: they have no moe_tune
+    expert parallelism, dispatcher or kernel choice, so the rest of the workload is checked."""
+    from moe_tune.config import world_size_from_env
+
+    checked = replace(cfg, parallel=replace(cfg.parallel, ep=1), comm=CommConfig(), kernels=KernelsConfig())
+    validate(checked)
+    require_backends(checked)
+    world = world_size_from_env()
+    if not fsdp and (world > 1 or cfg.train.precision == "bf16_fp32_master"):
+        raise ConfigError(
+            f"--no-fsdp (plain model on one GPU) needs 1 process (got {world}) and train.precision bf16, fp32 "
+            f"or amp_bf16 (got {cfg.train.precision}): bf16 compute on fp32 parameters is FSDP's MixedPrecisionPolicy"
+        )
+
+
+class Baseline(Trainer):
+    """moe_tune's Trainer (its step, loop, metrics and summary) on the Hugging Face model (``build_hf_model``),
+    sharded with FSDP2 or, on one GPU, plain."""
 
     def __init__(self, cfg: Config, experts_implementation: str = "grouped_mm", fsdp: bool = True):
-        from moe_tune.build import build_source, build_tokenizer
-        from moe_tune.data import build_dataset
-        from moe_tune.dist.env import init_distributed
-        from moe_tune.metrics import MetricsWriter
-        from moe_tune.optim import build_optimizer, build_scheduler
-        from moe_tune.train import _setup_logging, write_json
-
         if experts_implementation not in EXPERTS_IMPLEMENTATIONS:
             raise ConfigError(
                 f"--experts {experts_implementation!r} is not one of {', '.join(EXPERTS_IMPLEMENTATIONS)}"
             )
-        # The baseline has no expert parallelism, dispatcher or kernel choice: check the rest of the workload.
-        checked = replace(cfg, parallel=replace(cfg.parallel, ep=1), comm=CommConfig(), kernels=KernelsConfig())
-        validate(checked)
-        require_backends(checked)
-        self.cfg, self.experts_implementation, self.fsdp = cfg, experts_implementation, fsdp
-        self.env = init_distributed()
-        self.rank, self.world, self.device = self.env.rank, self.env.world_size, self.env.device
-        if not fsdp and (self.world > 1 or cfg.train.precision == "bf16_fp32_master"):
-            raise ConfigError(
-                f"--no-fsdp (plain model on one GPU) needs 1 process (got {self.world}) and train.precision bf16, fp32 "
-                f"or amp_bf16 (got {cfg.train.precision}): bf16 compute on fp32 parameters is FSDP's MixedPrecisionPolicy"
-            )
-        torch.manual_seed(cfg.train.seed)
-        _setup_logging(self.rank)
-        if self.rank == 0:
-            os.makedirs(cfg.output_dir, exist_ok=True)
-            write_json(os.path.join(cfg.output_dir, "config.json"), asdict(cfg))
-        source, hf_config = build_source(cfg, self.rank)
-        self.model, self.mesh = self.build_model(source, hf_config)
-        t = cfg.train
-        self.accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.micro_batch_size * self.world)
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, t.lr)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
-        self.data = build_dataset(cfg.data, build_tokenizer(source), t.seq_len, t.seed, vocab_size=hf_config.vocab_size)
-        self.metrics = MetricsWriter(cfg.output_dir, self.rank == 0, t.warmup_steps_excluded)
-        self.flops_per_token = self.count_flops(hf_config)
+        self.experts_implementation, self.fsdp = experts_implementation, fsdp
+        builder = functools.partial(build_hf_model, experts_implementation=experts_implementation, fsdp=fsdp)
+        super().__init__(cfg, builder=builder)
 
-    def build_model(self, source: str | None, hf_config) -> tuple[nn.Module, object]:
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-        from transformers import AutoModelForCausalLM
-
-        from moe_tune.config import ParallelDims
-        from moe_tune.dist.mesh import build_mesh
-        from moe_tune.models.families import get_family
-        from moe_tune.models.hf_io import load_state
-        from moe_tune.models.init import init_random
-        from moe_tune.models.model import materialize
-        from moe_tune.parallel import apply_ac, mixed_precision_policy
-
-        cfg = self.cfg
-        family = get_family(hf_config.model_type, getattr(hf_config, "architectures", None))
-        aux = cfg.train.aux_loss_coef
-        if hasattr(hf_config, "output_router_logits"):
-            hf_config.output_router_logits = aux > 0
-            hf_config.router_aux_loss_coef = aux
-        hf_config.use_cache = False
-        param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(
-                hf_config,
-                dtype=param_dtype,
-                attn_implementation=family.attn_implementation,
-                experts_implementation=self.experts_implementation,
-            )
-        if cfg.train.force_balanced_routing:
-            apply_forced_balanced_routing(model)
-        ac = cfg.parallel.activation_checkpointing
-        if ac == "full":
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        elif ac == "selective":
-            apply_ac(model.model, "selective")  # transformers has no selective mode: attention only, as moe_tune
-        mesh = build_mesh(
-            ParallelDims(dp_replicate=1, dp_shard=self.world, ep=1, world_size=self.world), self.device.type
-        )
-        mp = mixed_precision_policy(cfg.train.precision)
-        reshard = cfg.parallel.reshard_after_forward
-        for layer in model.model.layers if self.fsdp else ():
-            fully_shard(layer, mesh=mesh["dp_shard"], mp_policy=mp, reshard_after_forward=reshard)
-        if self.fsdp:
-            fully_shard(model, mesh=mesh["dp_shard"], mp_policy=mp)
-        if self.device.type == "cpu":  # gloo has no PREMUL_SUM: reduce with SUM and divide separately
-            for m in model.modules():
-                if isinstance(m, FSDPModule):
-                    m.set_force_sum_reduction_for_comms(True)
-        materialize(model, self.device)
-        num_experts = next(
-            (
-                getattr(hf_config, k)
-                for k in ("num_experts", "n_routed_experts", "num_local_experts")
-                if hasattr(hf_config, k)
-            ),
-            None,
-        )
-        if source is not None:
-            load_state(model, source, family)
-        else:
-            init_random(model, seed=cfg.train.seed, num_experts=num_experts)
-        model.train()
-        return model, mesh
-
-    def train_step(self, step: int) -> dict:
-        """One optimizer step; the loss bookkeeping is the Trainer's, line for line."""
-        cfg = self.cfg
-        batches = [self.micro_batch(step, m) for m in range(self.accum)]
-        total = sum((labels[:, 1:] != -100).sum() for _, labels, _ in batches).float()
-        if dist.is_initialized():
-            dist.all_reduce(total)  # all ranks: label tokens of the whole step
-        normalizer = total.clamp(min=1) / self.world  # FSDP averages gradients over the world
-        ce_sum = torch.zeros((), device=self.device)
-        autocast = (
-            torch.autocast(self.device.type, dtype=torch.bfloat16)
-            if cfg.train.precision == "amp_bf16"
-            else contextlib.nullcontext()
-        )
-        for m, (ids, labels, pos) in enumerate(batches):
-            if hasattr(self.model, "set_requires_gradient_sync"):  # an FSDP2 root: reduce on the last micro-batch
-                self.model.set_requires_gradient_sync(m == self.accum - 1)
-            with autocast:
-                ce_sum += self.forward_backward(ids, labels, pos, normalizer)
-        grad_norm = self.clip_grad_norm()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if dist.is_initialized():
-            dist.all_reduce(ce_sum)  # all ranks: per-rank token-loss sums / (global / world)
-        return {"loss": ce_sum / self.world, "grad_norm": grad_norm}
-
-    def micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """This rank's rows of a micro-batch, as the Trainer takes them: position ids only for packed rows (plain
-        0..S-1 rows pass None, so transformers does not look for packed sequences on the device, a host sync)."""
-        t = self.cfg.train
-        return self.data.micro_batch(step, micro, t.micro_batch_size, self.accum, self.rank, self.world, self.device)
-
-    def forward_backward(self, ids, labels, pos, normalizer: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one micro-batch; returns its detached cross-entropy (sum / normalizer)."""
-        out = self.model(input_ids=ids, labels=labels, position_ids=pos, num_items_in_batch=normalizer)
-        # transformers adds router_aux_loss_coef * aux_loss to its loss; split it off to log the CE alone.
-        aux = getattr(out, "aux_loss", None)
-        ce = out.loss - self.cfg.train.aux_loss_coef * aux if aux is not None else out.loss
-        (ce + (out.loss - ce) / self.accum).backward()
-        return ce.detach()
-
-    def clip_grad_norm(self) -> torch.Tensor:
-        from moe_tune.parallel import clip_grad_norm_
-
-        return clip_grad_norm_(self.model, self.cfg.optim.max_grad_norm, self.mesh)
-
-    def count_flops(self, hf_config) -> float:
-        return hf_flops_per_token(self.model, self.cfg.train.seq_len)
+    def check_config(self, cfg: Config) -> None:
+        check_workload(cfg, self.fsdp)
 
     def describe(self) -> dict:
-        """What this row actually ran, for summary.json (``bench_config`` updates the row's config)."""
-        c = self.model.config
-        return {
-            "experts_implementation": c._experts_implementation,
-            "attn_implementation": c._attn_implementation,
-            "bench_config": {"experts": c._experts_implementation, "fsdp": "per layer + root" if self.fsdp else "none"},
-        }
-
-    def fit(self) -> dict:
-        from moe_tune.metrics import step_row
-
-        t = self.cfg.train
-        tokens = t.seq_len * t.micro_batch_size * self.accum * self.world
-        for step in range(t.steps):
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
-            t0 = time.perf_counter()
-            out = self.train_step(step)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # host sync: time the whole step
-            dt = time.perf_counter() - t0
-            # host sync: one .tolist() per step for the metrics line
-            loss, grad_norm = torch.stack([out["loss"].float(), out["grad_norm"].float().to(self.device)]).tolist()
-            lr = self.scheduler.get_last_lr()[0]
-            row = step_row(step + 1, loss, grad_norm, lr, tokens, dt, self.world, self.flops_per_token, self.device)
-            self.metrics.log(row)
-            if self.rank == 0:
-                log.info(
-                    f"step {step + 1} | loss {loss:.4f} | {row['tokens_per_s']:,.0f} tok/s | {row['peak_mem_gib']:.1f} GiB"
-                )
-        return self.write_summary()
-
-    def write_summary(self) -> dict:
-        from moe_tune.train import write_run_summary
-
-        return write_run_summary(
-            self.cfg, self.rank, self.world, self.device, self.flops_per_token, self.metrics, **self.describe()
-        )
+        return self.built.describe
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,7 +287,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["Baseline", "apply_forced_balanced_routing", "hf_flops_per_token", "main"]
+__all__ = [
+    "Baseline",
+    "HFCausalLM",
+    "apply_forced_balanced_routing",
+    "build_hf_model",
+    "check_workload",
+    "hf_flops_per_token",
+    "main",
+]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,6 @@
 """The NeMo AutoModel row of ``moe-tune-bench`` (``--peer automodel``): ``NeMoAutoModelForCausalLM`` with expert
-parallelism and FSDP2, trained on moe_tune's workload by the same loop as the Transformers baseline.
+parallelism and FSDP2, trained on moe_tune's workload by moe_tune's Trainer (its step and loop), as the
+Transformers baseline is: ``build_nemo_model`` is the trainer's builder.
 
 Written against nemo_automodel 0.7.0 (its ``recipes/llm/train_ft.py`` step): ``DistributedSetup.build(strategy=
 FSDP2Config(mp_policy), parallelism_sizes=ParallelismSizes(ep_size), moe_parallel_config, activation_checkpointing)``,
@@ -19,13 +20,17 @@ match the baseline's step for step. FLOPs per token are counted on the Hugging F
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from moe_tune.bench.baseline import Baseline, hf_flops_per_token
+from moe_tune.bench.baseline import check_workload, hf_flops_per_token
+from moe_tune.build import Built
 from moe_tune.config import Config, ConfigError
+from moe_tune.train import Trainer
 
 DEFAULT_BACKEND = {"attn": "sdpa", "linear": "torch", "experts": "torch_mm", "rope_fusion": False}
 
@@ -41,113 +46,156 @@ def parse_backend(text: str, dispatcher: str) -> dict:
     return kwargs
 
 
-class Peer(Baseline):
-    def __init__(self, cfg: Config, dispatcher: str = "torch", ep: int | None = None, backend: str = ""):
-        self.backend_kwargs = parse_backend(backend, dispatcher)
-        self.requested_ep = ep
-        super().__init__(cfg)
+class NeMoCausalLM(nn.Module):
+    """NeMo AutoModel's model behind moe_tune's model interface, so that the Trainer's own step trains it: its
+    logits, its ``MaskedCrossEntropy`` (sum) over the labels / ``loss_normalizer``. Its balancing loss is not in
+    ``.loss``: NeMo adds its gradient in backward (``MoEAuxLossAutoScaler``), scaled by 1 / micro-batches."""
 
-    def build_model(self, source: str | None, hf_config):
-        from nemo_automodel import NeMoAutoModelForCausalLM
-        from nemo_automodel.components.distributed import (
-            DistributedSetup,
-            FSDP2Config,
-            MoEParallelizerConfig,
-            ParallelismSizes,
-        )
+    def __init__(self, nemo_model: nn.Module, accum: int):
         from nemo_automodel.components.loss.masked_ce import MaskedCrossEntropy
-        from nemo_automodel.components.models.common.utils import BackendConfig
 
-        from moe_tune.parallel import mixed_precision_policy
+        super().__init__()
+        self.nemo, self.loss_fn = nemo_model, MaskedCrossEntropy(reduction="sum")
+        self.aux_scale = torch.tensor(1.0 / accum)
 
-        cfg = self.cfg
-        num_experts = next(
-            (
-                getattr(hf_config, k)
-                for k in ("num_experts", "n_routed_experts", "num_local_experts")
-                if hasattr(hf_config, k)
-            ),
-            1,
-        )
-        ep = self.requested_ep or (cfg.parallel.ep if cfg.parallel.ep > 1 else self.world)
-        if num_experts % ep or self.world % ep:
-            raise ConfigError(
-                f"--ep {ep} must divide the number of experts ({num_experts}) and the world size ({self.world})"
-            )
-        self.ep = ep
-        mp = mixed_precision_policy(cfg.train.precision)
-        ac = {"none": False, "full": "full", "selective": "selective"}[cfg.parallel.activation_checkpointing]
-        setup = DistributedSetup.build(
-            strategy=FSDP2Config(mp_policy=mp),
-            parallelism_sizes=ParallelismSizes(ep_size=ep),
-            moe_parallel_config=MoEParallelizerConfig(mp_policy=mp) if ep > 1 else None,
-            activation_checkpointing=ac,
-        )
-        self.mesh_context = setup.mesh_context
-        backend = BackendConfig(**self.backend_kwargs, fake_balanced_gate=cfg.train.force_balanced_routing)
-        hf_config.router_aux_loss_coef = cfg.train.aux_loss_coef
-        param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
-        kwargs = dict(dtype=param_dtype, distributed_setup=setup, backend=backend)
-        if source is not None:
-            model = NeMoAutoModelForCausalLM.from_pretrained(source, **kwargs)
-        else:
-            model = NeMoAutoModelForCausalLM.from_config(hf_config, **kwargs)
-        self.loss_fn = MaskedCrossEntropy(reduction="sum")
-        model.train()
-        return model, None
+    @property
+    def config(self):
+        return self.nemo.config
 
-    def train_step(self, step: int) -> dict:
+    def forward(self, input_ids, labels=None, position_ids=None, loss_normalizer=None):
         from nemo_automodel.components.moe.megatron.moe_utils import MoEAuxLossAutoScaler
 
+        from moe_tune.models.model import CausalLMOutput
+
         # Its recipe: balancing-loss gradients averaged over the step's micro-batches.
-        MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0 / self.accum)
-        return super().train_step(step)
-
-    def forward_backward(self, ids, labels, pos, normalizer: torch.Tensor) -> torch.Tensor:
-        logits = self.model(input_ids=ids, position_ids=pos).logits
+        MoEAuxLossAutoScaler.main_loss_backward_scale = self.aux_scale
+        logits = self.nemo(input_ids=input_ids, position_ids=position_ids).logits
         shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]  # labels aligned with input_ids, as for the others
-        ce = self.loss_fn(logits, shifted) / normalizer  # fp32 island: MaskedCrossEntropy upcasts the logits
-        ce.backward()
-        return ce.detach()
+        ce = self.loss_fn(logits, shifted) / loss_normalizer  # fp32 island: MaskedCrossEntropy upcasts the logits
+        return CausalLMOutput(loss=ce, ce_loss=ce)
 
-    def clip_grad_norm(self) -> torch.Tensor:
-        from nemo_automodel.components.training.utils import scale_grads_and_clip_grad_norm
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        if hasattr(self.nemo, "set_requires_gradient_sync"):
+            self.nemo.set_requires_gradient_sync(requires)
 
-        mc = self.mesh_context
-        moe_mesh = mc.moe_mesh
-        norm = scale_grads_and_clip_grad_norm(
-            self.cfg.optim.max_grad_norm,
-            [self.model],
-            norm_type=2.0,
-            device_mesh=mc.device_mesh,
-            moe_mesh=moe_mesh,
-            ep_axis_name="ep" if moe_mesh is not None and "ep" in (moe_mesh.mesh_dim_names or ()) else None,
-            foreach=True,
-            dp_group_size=self.world,
-        )
-        return torch.as_tensor(norm, dtype=torch.float32, device=self.device)
 
-    def count_flops(self, hf_config) -> float:
-        from transformers import AutoModelForCausalLM
+def build_nemo_model(cfg: Config, env, backend_kwargs: dict, requested_ep: int | None = None) -> Built:
+    """The Trainer's builder for the peer: ``NeMoAutoModelForCausalLM`` with its EP and FSDP2 setup, wrapped in
+    ``NeMoCausalLM``, with NeMo's own gradient clipping. Not checkpointable."""
+    from nemo_automodel import NeMoAutoModelForCausalLM
+    from nemo_automodel.components.models.common.utils import BackendConfig
 
-        with torch.device("meta"):
-            reference = AutoModelForCausalLM.from_config(hf_config)
-        return hf_flops_per_token(reference, self.cfg.train.seq_len)
+    from moe_tune.build import build_source, build_tokenizer
 
-    def describe(self) -> dict:
-        from importlib.metadata import version
+    source, hf_config = build_source(cfg, env.rank)
+    ep = requested_ep or (cfg.parallel.ep if cfg.parallel.ep > 1 else env.world_size)
+    setup = _distributed_setup(cfg, hf_config, ep, env.world_size)
+    backend = BackendConfig(**backend_kwargs, fake_balanced_gate=cfg.train.force_balanced_routing)
+    hf_config.router_aux_loss_coef = cfg.train.aux_loss_coef
+    param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    kwargs = dict(dtype=param_dtype, distributed_setup=setup, backend=backend)
+    if source is not None:
+        model = NeMoAutoModelForCausalLM.from_pretrained(source, **kwargs)
+    else:
+        model = NeMoAutoModelForCausalLM.from_config(hf_config, **kwargs)
+    model.train()
+    t = cfg.train
+    accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.micro_batch_size * env.world_size)
+    return Built(
+        model=NeMoCausalLM(model, accum),
+        mesh=None,
+        source=source,
+        tokenizer=build_tokenizer(source),
+        flops_per_token=_reference_flops(hf_config, t.seq_len),
+        checkpointable=False,
+        clip_grad_norm=functools.partial(_clip_grad_norm, model, setup.mesh_context, cfg.optim.max_grad_norm, env),
+        describe=describe(backend_kwargs, cfg.train.force_balanced_routing, ep),
+    )
 
-        b = self.backend_kwargs
-        return {
-            "nemo_automodel": version("nemo_automodel"),
-            "backend": {**b, "fake_balanced_gate": self.cfg.train.force_balanced_routing},
-            "bench_config": {
-                "comm": f"nemo {b['dispatcher']}",
-                "kernels": f"nemo_automodel attn={b['attn']} linear={b['linear']}",
-                "experts": b["experts"],
-                "ep": self.ep,
-            },
-        }
+
+def _distributed_setup(cfg: Config, hf_config, ep: int, world: int):
+    from nemo_automodel.components.distributed import (
+        DistributedSetup,
+        FSDP2Config,
+        MoEParallelizerConfig,
+        ParallelismSizes,
+    )
+
+    from moe_tune.parallel import mixed_precision_policy
+
+    num_experts = next(
+        (
+            getattr(hf_config, k)
+            for k in ("num_experts", "n_routed_experts", "num_local_experts")
+            if hasattr(hf_config, k)
+        ),
+        1,
+    )
+    if num_experts % ep or world % ep:
+        raise ConfigError(f"--ep {ep} must divide the number of experts ({num_experts}) and the world size ({world})")
+    mp = mixed_precision_policy(cfg.train.precision)
+    ac = {"none": False, "full": "full", "selective": "selective"}[cfg.parallel.activation_checkpointing]
+    return DistributedSetup.build(
+        strategy=FSDP2Config(mp_policy=mp),
+        parallelism_sizes=ParallelismSizes(ep_size=ep),
+        moe_parallel_config=MoEParallelizerConfig(mp_policy=mp) if ep > 1 else None,
+        activation_checkpointing=ac,
+    )
+
+
+def _clip_grad_norm(model, mesh_context, max_norm: float, env) -> torch.Tensor:
+    """NeMo's ``scale_grads_and_clip_grad_norm`` (it also rescales expert gradients for EP)."""
+    from nemo_automodel.components.training.utils import scale_grads_and_clip_grad_norm
+
+    moe_mesh = mesh_context.moe_mesh
+    norm = scale_grads_and_clip_grad_norm(
+        max_norm,
+        [model],
+        norm_type=2.0,
+        device_mesh=mesh_context.device_mesh,
+        moe_mesh=moe_mesh,
+        ep_axis_name="ep" if moe_mesh is not None and "ep" in (moe_mesh.mesh_dim_names or ()) else None,
+        foreach=True,
+        dp_group_size=env.world_size,
+    )
+    return torch.as_tensor(norm, dtype=torch.float32, device=env.device)
+
+
+def _reference_flops(hf_config, seq_len: int) -> float:
+    """FLOPs per token of the Hugging Face model of the same config (NeMo's module names differ)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(hf_config)
+    return hf_flops_per_token(reference, seq_len)
+
+
+def describe(backend_kwargs: dict, fake_balanced_gate: bool, ep: int) -> dict:
+    from importlib.metadata import version
+
+    b = backend_kwargs
+    return {
+        "nemo_automodel": version("nemo_automodel"),
+        "backend": {**b, "fake_balanced_gate": fake_balanced_gate},
+        "bench_config": {
+            "comm": f"nemo {b['dispatcher']}",
+            "kernels": f"nemo_automodel attn={b['attn']} linear={b['linear']}",
+            "experts": b["experts"],
+            "ep": ep,
+        },
+    }
+
+
+class Peer(Trainer):
+    """moe_tune's Trainer (its step, loop, metrics and summary) on NeMo AutoModel's model (``build_nemo_model``)."""
+
+    def __init__(self, cfg: Config, dispatcher: str = "torch", ep: int | None = None, backend: str = ""):
+        self.backend_kwargs = parse_backend(backend, dispatcher)
+        builder = functools.partial(build_nemo_model, backend_kwargs=self.backend_kwargs, requested_ep=ep)
+        super().__init__(cfg, builder=builder)
+
+    def check_config(self, cfg: Config) -> None:
+        check_workload(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

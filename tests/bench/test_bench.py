@@ -114,12 +114,45 @@ def test_forced_balanced_routing_matches_moe_tune_assignment():
     router = hf.model.layers[0].mlp.gate
     x = torch.randn(10, config.hidden_size)
     _, weights, ids = router(x)
-    ours = Router(RouterSpec(num_experts=8, top_k=2, score="softmax", norm_topk_prob=True), config.hidden_size)
+    spec = RouterSpec(num_experts=8, top_k=2, score="softmax", norm_topk_prob=True, force_balanced=True)
+    ours = Router(spec, config.hidden_size)
     ours.weight.data.copy_(router.weight.data)
-    ours.force_balanced = True
     w_ref, ids_ref, _, _ = ours(x)
     assert torch.equal(ids, ids_ref)
     torch.testing.assert_close(weights, w_ref.to(weights.dtype))
+
+
+def test_the_baseline_adapter_splits_transformers_loss_for_the_trainers_step():
+    """HFCausalLM: ``.loss`` is transformers' (CE over num_items_in_batch + coef x aux), ``.ce_loss`` the CE alone."""
+    import torch.nn.functional as F
+
+    from moe_tune.bench.baseline import HFCausalLM
+
+    config = preset_config("tiny_qwen3_moe", {"num_hidden_layers": 1})
+    config.output_router_logits, config.router_aux_loss_coef = True, 0.01
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    ids = torch.randint(4, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[:, :5] = -100  # a masked prompt
+    normalizer = torch.tensor(7.0)  # the step's label tokens / dp, as the trainer passes it
+    out = HFCausalLM(hf, aux_loss_coef=0.01)(ids, labels=labels, position_ids=None, loss_normalizer=normalizer)
+    logits = hf(input_ids=ids).logits
+    ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), reduction="sum")
+    torch.testing.assert_close(out.ce_loss, ce / normalizer, rtol=1e-5, atol=1e-6)
+    assert out.aux_loss is not None and out.aux_loss > 0
+    torch.testing.assert_close(out.loss - out.ce_loss, 0.01 * out.aux_loss)
+
+
+def test_the_baseline_keeps_no_copy_of_the_step():
+    """The Transformers baseline and the NeMo peer are the Trainer with another builder."""
+    from moe_tune.bench.baseline import Baseline
+    from moe_tune.bench.peer import Peer  # importable without nemo_automodel: it is imported by its builder
+    from moe_tune.train import Trainer
+
+    for row in (Baseline, Peer):
+        assert issubclass(row, Trainer)
+        assert not {"train_step", "fit", "_loop", "_metrics_row"} & set(vars(row))
 
 
 def test_forced_balanced_routing_refuses_biased_routers():

@@ -1,0 +1,16 @@
+"""Training: ``Trainer`` (trainer.py) and the small objects its loop calls.
+
+trainer.py   Trainer: a model from an injected builder, train_step(), the loop
+cadence.py   Cadence: which steps log, save a checkpoint and synchronize the host
+guard.py     NonFiniteGuard: device-side counts of steps skipped for a non-finite gradient norm
+signals.py   StopSignal: SIGTERM/SIGUSR1, agreed by every rank on the same step
+profile.py   build_profiler: train.profile=true traces steps 6-8 on rank 0
+progress.py  Progress: rank 0's bar or log lines
+"""
+
+from moe_tune.train.cadence import Cadence
+from moe_tune.train.guard import Diverged, NonFiniteGuard
+from moe_tune.train.signals import StopSignal
+from moe_tune.train.trainer import Trainer
+
+__all__ = ["Cadence", "Diverged", "NonFiniteGuard", "StopSignal", "Trainer"]

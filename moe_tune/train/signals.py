@@ -1,0 +1,64 @@
+"""Stopping on SIGTERM / SIGUSR1 (Slurm's time limit or preemption, torchrun's shutdown) at a step every rank
+agrees on."""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("moe_tune")
+
+
+class StopSignal:
+    """SIGTERM and SIGUSR1 set a flag instead of killing the process; ``agreed`` tells every rank whether any
+    rank got one (a MAX all-reduce of one int over all ranks, and a host sync to read it).
+
+    ``agreed`` is a collective: call it on the same steps on every rank (the trainer calls it on its logging and
+    checkpoint steps, a pure function of the step, so a signal stops the run at most ``train.log_every - 1``
+    steps after it landed). The handler's flag is never cleared: a signal landing while the ranks agree is
+    counted at the next call."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, enabled: bool):
+        self.signum: int | None = None  # the agreed signal (any rank's), once every rank has seen it
+        self._received = 0  # this rank's, set by the handler and never cleared
+        self.enabled = enabled
+        self._previous = {}
+        if enabled:
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._received = signum
+        log.warning("signal %d received: stopping at the next step the ranks agree on", signum)
+
+    def agreed(self, device) -> bool:
+        if not self.enabled:
+            return False
+        got = self._received  # a signal landing after this read is counted at the next call, on every rank
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([got], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # mesh: all ranks (the default group)
+            got = int(flag.item())  # host sync: the stop decision; called only on steps that sync anyway
+        if got:
+            self.signum = got
+        return bool(got)
+
+    def restore(self) -> None:
+        """Put the previous handlers back."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def __enter__(self) -> StopSignal:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+
+__all__ = ["StopSignal"]

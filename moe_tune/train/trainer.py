@@ -1,0 +1,312 @@
+"""The trainer: a model from an injected builder, ``train_step`` (one optimizer step), and a loop of a few lines.
+
+Everything else the loop needs is a small object it calls: ``Cadence`` (which steps log, save and synchronize),
+``NonFiniteGuard`` (device-side counts of skipped steps), ``StopSignal`` (SIGTERM/SIGUSR1, agreed by all ranks),
+the profiler, ``IntervalTimer`` and ``MetricsWriter`` (metrics per logging interval), and moe_tune.checkpoint.
+
+Host syncs: only at the cadence's sync steps (every ``train.log_every``-th, every ``checkpoint.every``-th and the
+last): the timer's synchronize, the dispatchers' checks, the guard's counts, the metrics row, the signal
+agreement. Other steps queue their work on the device and go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from moe_tune import checkpoint as ckpt
+from moe_tune.build import Built, build_training_model
+from moe_tune.config import Config, validate
+from moe_tune.env import require_backends
+from moe_tune.metrics import IntervalTimer, MetricsWriter, step_row
+from moe_tune.run_record import setup_logging, write_config, write_run_summary
+from moe_tune.train.cadence import Cadence
+from moe_tune.train.guard import Diverged, NonFiniteGuard
+from moe_tune.train.profile import build_profiler
+from moe_tune.train.progress import Progress
+from moe_tune.train.signals import StopSignal
+
+log = logging.getLogger("moe_tune")
+
+
+class Trainer:
+    """``builder(cfg, env) -> Built`` makes the model on its mesh (default: moe_tune's own); the trainer adds the
+    optimizer, data, metrics and the loop. ``moe_tune.checkpoint`` reads ``model``, ``optimizer``,
+    ``scheduler``, ``step``, ``rank``, ``source`` and ``cfg``."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        builder: Callable[[Config, object], Built] = build_training_model,
+        write_run_files: bool = True,
+    ):
+        from moe_tune.data import build_dataset
+        from moe_tune.dist.env import init_distributed
+
+        self.cfg, t = cfg, cfg.train
+        self.check_config(cfg)  # before any process group exists
+        self.env = init_distributed()
+        self.rank, self.world, self.device = self.env.rank, self.env.world_size, self.env.device
+        torch.manual_seed(t.seed)
+        setup_logging(self.rank)
+        if self.rank == 0 and write_run_files:
+            write_config(cfg)
+        self.built = built = builder(cfg, self.env)
+        self.model, self.mesh, self.source, self.tokenizer = built.model, built.mesh, built.source, built.tokenizer
+        self.moe_layers, self.flops_per_token = built.moe_layers, built.flops_per_token
+        self.dp_size, self.accum = self._batch_layout()
+        self.optimizer, self.scheduler = self.build_optimizer()
+        vocab_size = self.model.config.vocab_size
+        self.data = build_dataset(cfg.data, self.tokenizer, t.seq_len, t.seed, vocab_size=vocab_size)
+        self.metrics = MetricsWriter(cfg.output_dir, self.rank == 0 and write_run_files, t.warmup_steps_excluded)
+        self.cadence = Cadence(t.steps, t.log_every, cfg.checkpoint.every if built.checkpointable else 0)
+        self.guard = NonFiniteGuard(t.max_nonfinite_steps, self.device, warn=self.rank == 0)
+        self.step = ckpt.maybe_resume(self, cfg.checkpoint.resume) if built.checkpointable else 0
+
+    def check_config(self, cfg: Config) -> None:
+        """Cross-group checks and the named backends' availability, before any process group exists."""
+        validate(cfg)
+        require_backends(cfg)
+
+    # -- building ----------------------------------------------------------------------------------
+    def _batch_layout(self) -> tuple[int, int]:
+        t = self.cfg.train
+        dp = self.world  # every rank is a data-parallel rank (EP borrows its ranks from dp_shard)
+        per_micro = t.micro_batch_size * dp
+        accum = 1 if t.global_batch_size == -1 else t.global_batch_size // per_micro
+        return dp, accum
+
+    def build_optimizer(self):
+        from moe_tune.optim import build_optimizer, build_scheduler
+
+        if self.cfg.train.precision == "bf16" and not self.cfg.optim.stochastic_rounding and self.rank == 0:
+            log.warning(
+                "train.precision=bf16 rounds every AdamW update to the nearest bf16 value, and updates below half "
+                "a bf16 step are lost (on an H200 the loss stalled at lr 3e-5); add optim.stochastic_rounding=true"
+            )
+        # Ranks are (dp_replicate, dp_shard) row-major: replicas of one shard share rank % dp_shard, and so draw
+        # the same stochastic-rounding bits (their parameters must stay equal). A build without a moe_tune mesh
+        # (the NeMo peer) shards over every rank.
+        dp_shard = self.mesh.dims.dp_shard if self.mesh is not None else self.world
+        opt = build_optimizer(
+            self.model.parameters(), self.cfg.optim, self.cfg.train.lr, self.cfg.train.seed, self.rank % dp_shard
+        )
+        return opt, build_scheduler(opt, self.cfg.optim, self.cfg.train.steps)
+
+    # -- one optimizer step ------------------------------------------------------------------------
+    def train_step(self, step: int) -> dict:
+        """Every micro-batch of ``step``, then one optimizer update. Returns the step's mean loss over its label
+        tokens and the global gradient norm, as device tensors: nothing here waits for the device."""
+        model = self.model
+        batches = [self._micro_batch(step, m) for m in range(self.accum)]
+        normalizer = self._loss_normalizer(batches)
+        ce_sum = torch.zeros((), device=self.device)
+        load_LE = None  # rows per expert of every bias-corrected router, summed over the step's micro-batches
+        for m, (ids, labels, pos) in enumerate(batches):
+            if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 root: reduce on the last micro-batch
+                model.set_requires_gradient_sync(m == self.accum - 1)
+            with self._autocast():
+                out = model(ids, labels=labels, position_ids=pos, loss_normalizer=normalizer)
+            extra = (out.loss - out.ce_loss) / self.accum  # balancing losses, averaged over micro-batches
+            (out.ce_loss + extra).backward()
+            ce_sum += out.ce_loss.detach()
+            load_LE = self._expert_load() if load_LE is None else load_LE + self._expert_load()
+        grad_norm = self._clip_grad_norm()
+        # A NaN/inf gradient anywhere makes the global norm non-finite on every rank (it is all-reduced): the
+        # optimizer then skips the update on the device; the guard counts skipped steps, also on the device.
+        self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.cfg.train.bias_update_rate > 0 and load_LE is not None and load_LE.numel():
+            self._update_expert_bias(load_LE)
+        if dist.is_initialized():
+            dist.all_reduce(ce_sum)  # mesh: all ranks; per-rank sums of token losses / (global / dp)
+        return {"loss": ce_sum / self.dp_size, "grad_norm": grad_norm}
+
+    def _micro_batch(self, step: int, micro: int):
+        t = self.cfg.train
+        return self.data.micro_batch(step, micro, t.micro_batch_size, self.accum, self.rank, self.dp_size, self.device)
+
+    def _loss_normalizer(self, batches) -> torch.Tensor:
+        """The loss is a mean over every label token of the step on all ranks: count them first. FSDP averages
+        gradients over the dp ranks, so each rank divides its token sum by global / dp."""
+        total = sum((labels[:, 1:] != -100).sum() for _, labels, _ in batches).float()
+        if dist.is_initialized():
+            dist.all_reduce(total)  # mesh: all ranks (every rank is data parallel)
+        return total.clamp(min=1) / self.dp_size
+
+    def _autocast(self):
+        if self.cfg.train.precision == "amp_bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        if self.built.clip_grad_norm is not None:
+            return self.built.clip_grad_norm()
+        from moe_tune.parallel import clip_grad_norm_
+
+        return clip_grad_norm_(self.model, self.cfg.optim.max_grad_norm, self.mesh)
+
+    def _biased_moes(self) -> list:
+        return [m for m in self.moe_layers if m.router.e_score_correction_bias is not None]
+
+    def _expert_load(self) -> torch.Tensor | None:
+        if self.cfg.train.bias_update_rate <= 0:
+            return None
+        moes = self._biased_moes()
+        return torch.stack([m.counts_E for m in moes]) if moes else torch.zeros(0, device=self.device)
+
+    def _update_expert_bias(self, load_LE: torch.Tensor) -> None:
+        """Aux-loss-free balancing, once per optimizer step, from the whole step's loads on every rank."""
+        from moe_tune.moe.router import update_expert_bias
+
+        # mesh: dp (all ranks): every rank applies the same update from everyone's counts
+        rate = self.cfg.train.bias_update_rate
+        update_expert_bias([m.router for m in self._biased_moes()], load_LE, rate, self.mesh.group("dp"))
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        """Train to ``train.steps``, export, write summary.json. After an agreed signal: a checkpoint of that
+        step and exit 128 + signal; after too many non-finite steps in a row: exit 1."""
+        cfg = self.cfg
+        progress = Progress(self.rank, cfg.train.steps, self.step)
+        profiler = build_profiler(cfg.train.profile, self.rank, cfg.output_dir)
+        with StopSignal(cfg.checkpoint.save_on_signal) as stop:
+            try:
+                stopped = self._loop(stop, profiler, progress)
+            finally:
+                progress.close()
+                profiler.stop()
+        if stopped:
+            self._stop_for_signal(stop.signum)
+        if cfg.checkpoint.export_hf and self.built.checkpointable:
+            self.export(os.path.join(cfg.output_dir, "hf"))
+        return self.write_summary()
+
+    def _loop(self, stop: StopSignal, profiler, progress: Progress) -> bool:
+        """Train to ``train.steps``; True if every rank agreed to stop early on a signal."""
+        timer = IntervalTimer(self.device)
+        timer.new_interval()
+        timer.start()
+        while self.step < self.cfg.train.steps:
+            out = self.train_step(self.step)
+            self.step += 1
+            self.guard.record(out["grad_norm"], self.step)  # on the device
+            profiler.step()
+            timer.tick()
+            if not self.cadence.syncs(self.step):
+                continue  # no host sync: the next step queues behind this one
+            timer.pause()  # host sync: the interval's work is done
+            if self._sync_step(out, timer, progress, stop):
+                return True
+            timer.start()
+        return False
+
+    def _sync_step(self, out: dict, timer: IntervalTimer, progress: Progress, stop: StopSignal) -> bool:
+        """Checks, metrics row and checkpoint of a sync step (the same steps on every rank); True to stop early
+        on a signal that any rank got."""
+        for dispatcher in self._dispatchers:
+            dispatcher.check()  # after the sync: every rank sees the same device-side verdicts
+        diverged = self.guard.check(self.step)
+        if diverged or self.cadence.logs(self.step):
+            row = self._metrics_row(out, timer)
+            self.metrics.log(row)
+            progress.report(row)
+            timer.new_interval()
+        if diverged:
+            self._stop_diverged(diverged)  # before any save: no checkpoint after the limit was passed
+        if self.cadence.saves(self.step):
+            self.save()
+        return stop.agreed(self.device) and self.step < self.cfg.train.steps
+
+    @functools.cached_property
+    def _dispatchers(self) -> list:
+        """Each distinct dispatcher once (the build made them with ``checked_after_step``: the loop checks)."""
+        return list({id(m.dispatcher): m.dispatcher for m in self.moe_layers}.values())
+
+    def _metrics_row(self, out: dict, timer: IntervalTimer) -> dict:
+        values = [out["loss"].float(), out["grad_norm"].float().to(self.device)]
+        if self.moe_layers:
+            loads = torch.stack([m.counts_E.float() for m in self.moe_layers])
+            values.append((loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1)).mean().to(self.device))
+        # host sync: one .tolist() per logged step for the metrics line (the device is idle: the timer synced)
+        loss, grad_norm, *load = torch.stack(values).tolist()
+        extra = {"expert_load_max_over_mean": load[0]} if load else {}
+        t = self.cfg.train
+        return step_row(
+            self.step,
+            loss,
+            grad_norm,
+            self.scheduler.get_last_lr()[0],
+            t.seq_len * t.micro_batch_size * self.accum * self.dp_size,
+            timer.seconds_per_step(),
+            self.world,
+            self.flops_per_token,
+            self.device,
+            **extra,
+            skipped_steps=self.guard.skipped,
+            interval_steps=timer.steps,
+        )
+
+    def _stop_diverged(self, diverged: Diverged) -> None:
+        first, last = diverged.first, diverged.last
+        if last == self.step:  # the run of non-finite steps goes on to now: nothing since first - 1 was applied
+            weights = f"so the weights are those after step {first - 1} (as in any checkpoint saved since)"
+        else:
+            weights = f"steps {last + 1}-{self.step} since were finite and applied"
+        if self.rank == 0:
+            log.error(
+                "stopping at step %d: steps %d-%d all had a non-finite gradient norm (train.max_nonfinite_steps=%d); "
+                "every one was skipped, %s. Lower train.lr or check the data of those steps; resume with "
+                "checkpoint.resume=auto",
+                self.step,
+                first,
+                last,
+                self.cfg.train.max_nonfinite_steps,
+                weights,
+            )
+        self.write_summary()
+        raise SystemExit(1)
+
+    def _stop_for_signal(self, signum: int) -> None:
+        path = self._checkpoint_path()
+        if not self.built.checkpointable:
+            saved = "nothing (this model has no moe_tune checkpoint)"
+        else:
+            saved = f"{path} (checkpoint.resume=auto continues from it)"
+            if not self.cadence.saves(self.step):  # else the loop saved this step already; same on every rank
+                self.save()
+        self.write_summary()
+        log.warning(
+            "stopped by signal %d after step %d of %d; saved %s", signum, self.step, self.cfg.train.steps, saved
+        )
+        raise SystemExit(128 + signum)
+
+    # -- outputs -----------------------------------------------------------------------------------
+    def _checkpoint_path(self) -> str:
+        return os.path.join(self.cfg.output_dir, "checkpoints", f"step_{self.step}")
+
+    def save(self) -> None:
+        ckpt.save(self, self._checkpoint_path())
+
+    def export(self, out_dir: str) -> None:
+        from moe_tune.parallel import export_hf
+
+        export_hf(
+            self.model, out_dir, self.mesh, dtype=None if self.cfg.model.dtype == "source" else self.cfg.model.dtype
+        )
+
+    def write_summary(self) -> dict:
+        return write_run_summary(
+            self.cfg, self.rank, self.world, self.device, self.flops_per_token, self.metrics, **self.built.describe
+        )
+
+
+__all__ = ["Trainer"]

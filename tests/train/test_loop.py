@@ -1,0 +1,111 @@
+"""The trainer's loop with train.log_every > 1: the host waits for the device only on logging, checkpoint and
+last steps; metrics rows average their interval; non-finite runs and signals are acted on at those steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from moe_tune.cli import compose, to_config
+
+FAST = ["train.seq_len=32", "train.micro_batch_size=2", "data.num_samples=64", "train.precision=fp32"]
+
+
+@pytest.fixture
+def make_trainer(tmp_path):
+    from moe_tune.dist.env import destroy_distributed
+    from moe_tune.train import Trainer
+
+    def make(*overrides):
+        cfg = to_config(compose([f"output_dir={tmp_path}", "checkpoint.export_hf=false", *FAST, *overrides]))
+        return Trainer(cfg)
+
+    yield make
+    destroy_distributed()
+
+
+def _rows(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+
+
+def _saved(tmp_path) -> list[str]:
+    return sorted(d.name for d in (tmp_path / "checkpoints").iterdir() if (d / "COMPLETE").exists())
+
+
+def test_host_syncs_only_on_logging_checkpoint_and_last_steps(tmp_path, make_trainer, monkeypatch):
+    from moe_tune.metrics import IntervalTimer
+    from moe_tune.train import StopSignal
+
+    trainer = make_trainer("train.steps=7", "train.log_every=3", "checkpoint.every=5")
+    synced = {"timer": [], "guard": [], "signal": []}
+    pause, check, agreed = IntervalTimer.pause, trainer.guard.check, StopSignal.agreed
+
+    def record(key, fn):
+        def wrapped(*args, **kwargs):
+            synced[key].append(trainer.step)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(IntervalTimer, "pause", record("timer", pause))
+    monkeypatch.setattr(trainer.guard, "check", record("guard", check))
+    monkeypatch.setattr(StopSignal, "agreed", record("signal", agreed))
+    trainer.fit()
+    assert synced == {"timer": [3, 5, 6, 7], "guard": [3, 5, 6, 7], "signal": [3, 5, 6, 7]}
+    rows = _rows(tmp_path)
+    assert [(r["step"], r["interval_steps"]) for r in rows] == [(3, 3), (6, 3), (7, 1)]
+    assert all(r["step_time_s"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert _saved(tmp_path) == ["step_5"]
+
+
+def _poison_from(trainer, index: int, snapshots: list):
+    """From step ``index`` (0-based) on, the first MoE layer's output is NaN; the weights before it are kept."""
+    original = trainer.train_step
+
+    def step(i):
+        if i == index:
+            snapshots.append([p.detach().clone() for p in trainer.model.parameters()])
+            trainer.moe_layers[0].register_forward_hook(lambda module, args, out: out * float("nan"))
+        return original(i)
+
+    return step
+
+
+def test_a_divergence_is_found_at_the_next_sync_step_and_never_saved(tmp_path, make_trainer, capfd):
+    """Limit 1, steps 4 on non-finite, logging every 4 and checkpoints every 2: step 4's check sees one (saves),
+    step 6's sees three in a row and stops before saving; the weights are still those after step 3."""
+    trainer = make_trainer("train.steps=12", "train.log_every=4", "checkpoint.every=2", "train.max_nonfinite_steps=1")
+    before = []
+    trainer.train_step = _poison_from(trainer, 3, before)
+    with pytest.raises(SystemExit) as e:
+        trainer.fit()
+    assert e.value.code == 1
+    assert [(r["step"], r["skipped_steps"]) for r in _rows(tmp_path)] == [(4, 1), (6, 3)]
+    assert _saved(tmp_path) == ["step_2", "step_4"]
+    assert all(torch.equal(a, b) for a, b in zip(before[0], trainer.model.parameters()))
+    err = capfd.readouterr().err
+    assert "stopping at step 6: steps 4-6 all had a non-finite gradient norm" in err
+    assert "weights are those after step 3" in err
+    assert json.load(open(tmp_path / "summary.json"))
+
+
+def test_a_signal_stops_at_the_next_logging_step_with_a_checkpoint(tmp_path, make_trainer):
+    trainer = make_trainer("train.steps=20", "train.log_every=4")
+    original = trainer.train_step
+
+    def step(i):
+        if i == 5:  # during step 6
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return original(i)
+
+    trainer.train_step = step
+    with pytest.raises(SystemExit) as e:
+        trainer.fit()
+    assert e.value.code == 128 + signal.SIGUSR1
+    assert [r["step"] for r in _rows(tmp_path)] == [4, 8]
+    assert _saved(tmp_path) == ["step_8"]
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # the handler is restored

@@ -1,0 +1,55 @@
+"""StopSignal: every rank agrees on the same step, whichever rank got the signal and whenever it landed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dist"))
+from dist_harness import run_ranks  # noqa: E402
+
+from moe_tune.train import Cadence, StopSignal  # noqa: E402
+
+
+def _stop_where_agreed(rank: int, out_dir: str, signal_rank: int, signal_step: int) -> None:
+    """A loop of 20 steps that agrees only on the cadence's sync steps (log_every=4, checkpoints every 6);
+    one rank gets SIGUSR1 after ``signal_step``. Each rank writes the step it stopped after and the signal."""
+    cadence = Cadence(steps=20, log_every=4, checkpoint_every=6)
+    stopped = None
+    with StopSignal(enabled=True) as stop:
+        for step in range(1, 21):
+            if rank == signal_rank and step == signal_step:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            if cadence.syncs(step) and stop.agreed(torch.device("cpu")):
+                stopped = step
+                break
+    with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+        f.write(f"{stopped} {stop.signum}")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("signal_rank, signal_step, stop_step", [(1, 5, 6), (0, 9, 12), (1, 12, 12)])
+def test_every_rank_stops_after_the_same_sync_step(tmp_path, signal_rank, signal_step, stop_step):
+    run_ranks(_stop_where_agreed, 2, str(tmp_path), signal_rank, signal_step)
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}").read_text() == f"{stop_step} {int(signal.SIGUSR1)}"
+
+
+def test_disabled_installs_no_handler_and_never_stops():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopSignal(enabled=False) as stop:
+        assert signal.getsignal(signal.SIGTERM) == before
+        assert stop.agreed(torch.device("cpu")) is False
+
+
+def test_one_process_sees_its_own_signal_and_restores_handlers():
+    before = signal.getsignal(signal.SIGUSR1)
+    with StopSignal(enabled=True) as stop:
+        assert stop.agreed(torch.device("cpu")) is False
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.agreed(torch.device("cpu")) is True and stop.signum == signal.SIGUSR1
+    assert signal.getsignal(signal.SIGUSR1) == before
