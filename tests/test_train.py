@@ -100,20 +100,56 @@ def test_two_rank_torchrun_gloo(tmp_path, cli_env):
     hf_logits_equal(str(tmp_path / "ep" / "hf"))
 
 
+BAD_FAMILY = ["model.family=mixtral", "train.steps=2", *FAST]
+BAD_FAMILY_LINE = "moe-tune: error: model.family=mixtral but the checkpoint's model_type is qwen3_moe"
+
+
 @pytest.mark.dist
 def test_bad_value_found_after_the_process_group_exists(tmp_path, cli_env):
     """model.family disagrees with the checkpoint: known only once the model config is read, after every rank
-    joined the process group. Each rank exits 2 with the one line (torchrun then fails the job) and nothing
-    hangs. (NCCL would also warn if the group were not torn down first; gloo does not, so on CPU that last
-    assertion cannot fail.)"""
+    joined the process group. A rank exits 2 with the one line, no traceback; torchrun then fails the job, and
+    nothing hangs. torchrun SIGTERMs the other rank as soon as one exits, so only one rank's line is certain."""
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moe_tune"]
-    args = [f"output_dir={tmp_path}", "model.family=mixtral", "train.steps=2", *FAST]
-    r = subprocess.run(cmd + args, capture_output=True, text=True, env=cli_env, timeout=300)
+    r = subprocess.run(
+        cmd + [f"output_dir={tmp_path}", *BAD_FAMILY], capture_output=True, text=True, env=cli_env, timeout=300
+    )
     assert r.returncode != 0
-    line = "moe-tune: error: model.family=mixtral but the checkpoint's model_type is qwen3_moe"
-    assert r.stderr.count(line) == 2, r.stderr[-3000:]
-    assert "exitcode  : 2" in r.stderr, r.stderr[-3000:]
-    assert "destroy_process_group() was not called" not in r.stderr
+    assert r.stderr.count(BAD_FAMILY_LINE) >= 1, r.stderr[-3000:]
+    # torchrun's root cause (the first rank to exit) is our exit code, not a crash or its own SIGTERM.
+    root_cause = r.stderr.split("Root Cause", 1)[-1]
+    assert "exitcode  : 2 " in root_cause, r.stderr[-3000:]
+    # The message is never an exception rendered by Python: no frame of moe_tune's code, no exception line.
+    frames = [line for line in r.stderr.splitlines() if line.lstrip().startswith('File "') and "moe_tune" in line]
+    assert not frames, r.stderr[-3000:]
+    assert all(line.startswith("moe-tune: error: ") for line in r.stderr.splitlines() if "model.family=mixtral" in line)
+    # Found after the process group existed: rank 0 had built the base model before the ranks' barrier.
+    assert (tmp_path / "base_model" / "config.json").exists()
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_bad_value_after_the_process_group_exists_tears_it_down(tmp_path, monkeypatch, capsys):
+    """In process (one rank): the group was created before the value was found bad, and the CLI destroys it
+    before exiting 2 (with NCCL, an exit without destroy_process_group() warns and can hang)."""
+    import torch.distributed as dist
+
+    from moe_tune.cli import compose, run
+    from moe_tune.dist.env import destroy_distributed
+
+    destroy_distributed()  # a group left over from an earlier in-process test
+    created = []
+    init_process_group = dist.init_process_group
+
+    def spy(*args, **kwargs):
+        created.append(kwargs.get("world_size"))
+        return init_process_group(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", spy)
+    with pytest.raises(SystemExit) as e:
+        run(compose([f"output_dir={tmp_path}", *BAD_FAMILY]))
+    assert e.value.code == 2
+    assert created == [1]  # the group existed when the error was found
+    assert not dist.is_initialized()  # and it is gone
+    assert capsys.readouterr().err.count(BAD_FAMILY_LINE) == 1
 
 
 @pytest.mark.dist
@@ -233,14 +269,16 @@ def test_a_signal_during_the_agreement_is_counted_at_the_next_step(monkeypatch):
 @pytest.mark.dist
 def test_sigterm_saves_the_step_every_rank_agreed_on_and_resumes(tmp_path, cli_env):
     """Slurm's time limit or preemption, as torchrun sees it: SIGTERM to the launcher, which passes it to its
-    ranks. Both ranks stop after the same step, save it, exit 128 + 15; the run resumes from it and its losses
-    equal a run that was never stopped (fp32, CPU, bitwise)."""
+    ranks. Both ranks stop after the same step, save it, exit 128 + 15; the run resumes from it, and its losses
+    and its final weights (the last update included) equal a run that was never stopped (fp32, CPU, bitwise).
+    A constant schedule after warm-up makes the learning rate independent of train.steps, which differs here."""
     import signal
     import time
 
     run = tmp_path / "stopped"
+    fast = [*FAST, "parallel.ep=2", "optim.schedule=constant"]
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moe_tune"]
-    args = [f"output_dir={run}", "train.steps=100000", "parallel.ep=2", "checkpoint.export_hf=false", *FAST]
+    args = [f"output_dir={run}", "train.steps=100000", "checkpoint.export_hf=false", *fast]
     p = subprocess.Popen(cmd + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env)
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 240
@@ -254,15 +292,22 @@ def test_sigterm_saves_the_step_every_rank_agreed_on_and_resumes(tmp_path, cli_e
     saved = [d.name for d in (run / "checkpoints").iterdir() if (d / "COMPLETE").exists()]
     assert len(saved) == 1, saved
     n = int(saved[0].removeprefix("step_"))
-    assert [r["step"] for r in read_metrics(run)][-1] == n  # the saved step is the last one trained
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, n + 1))  # the saved step is the last trained
+    assert not (run / "hf").exists()
     # Resume two steps past it, and compare with a run that trained straight through.
-    common = [f"train.steps={n + 2}", "parallel.ep=2", "checkpoint.export_hf=false", *FAST]
+    common = [f"train.steps={n + 2}", "checkpoint.export_hf=true", *fast]
     run_cli([f"output_dir={run}", *common], cli_env, nproc=2)
     straight = tmp_path / "straight"
     run_cli([f"output_dir={straight}", *common], cli_env, nproc=2)
     a, b = read_metrics(straight), read_metrics(run)
-    assert [r["step"] for r in b][-2:] == [n + 1, n + 2]
-    assert [r["loss"] for r in a][-2:] == [r["loss"] for r in b][-2:]
+    assert [r["step"] for r in b] == [r["step"] for r in a] == list(range(1, n + 3))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
+    # A step's loss is taken before its update: only the weights show the last update (n + 2) was the same.
+    sa, sb = read_hf_tensors(straight / "hf"), read_hf_tensors(run / "hf")
+    assert sa.keys() == sb.keys() and len(sa) > 0
+    differ = [k for k in sa if not torch.equal(sa[k], sb[k])]
+    assert not differ, differ
 
 
 @pytest.mark.dist

@@ -1,0 +1,112 @@
+"""GroupedExperts against GPT-OSS's own experts where its activation clamps: inputs scaled so that gate and up
+pre-activations go well past swiglu_limit (7.0), which a tiny checkpoint's small weights never reach."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_tune.moe.experts import ExpertsOptions, ExpertsSpec, GroupedExperts
+
+E, D, HIDDEN, ALPHA, LIMIT = 4, 16, 8, 1.702, 7.0
+
+
+def gpt_oss_activation(h_RI2: torch.Tensor) -> torch.Tensor:
+    """transformers' GptOssExperts._apply_gate, written out: interleaved gate/up, gate clamped above, up both
+    ways, then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = h_RI2[..., ::2], h_RI2[..., 1::2]
+    gate = gate.clamp(max=LIMIT)
+    up = up.clamp(min=-LIMIT, max=LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * ALPHA))
+
+
+def _experts(impl: str) -> GroupedExperts:
+    spec = ExpertsSpec(
+        num_experts=E,
+        dim=D,
+        hidden=HIDDEN,
+        layout="in_out",
+        bias=True,
+        activation="clamped_swiglu",
+        swiglu_alpha=ALPHA,
+        swiglu_limit=LIMIT,
+    )
+    experts = GroupedExperts(spec, ExpertsOptions(impl=impl))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    return experts
+
+
+def _inputs(counts: list[int], scale: float = 20.0) -> tuple[torch.Tensor, torch.Tensor]:
+    x_RD = scale * torch.randn(sum(counts), D, generator=torch.Generator().manual_seed(1))
+    return x_RD, torch.tensor(counts, dtype=torch.int64)
+
+
+def _reference(experts: GroupedExperts, x_RD: torch.Tensor, counts_e: torch.Tensor):
+    """Expert by expert with the hand-written activation; also returns every pre-activation."""
+    outs, pre, start = [], [], 0
+    for j, n in enumerate(counts_e.tolist()):
+        h = x_RD[start : start + n] @ experts.gate_up_proj[j] + experts.gate_up_proj_bias[j]
+        pre.append(h)
+        outs.append(gpt_oss_activation(h) @ experts.down_proj[j] + experts.down_proj_bias[j])
+        start += n
+    return torch.cat(outs), torch.cat(pre)
+
+
+def _assert_clamp_matters(pre_RI2: torch.Tensor) -> None:
+    gate, up = pre_RI2[..., ::2], pre_RI2[..., 1::2]
+    # Many values on every side of the limit, so that dropping any one clamp changes the output.
+    assert (gate > 2 * LIMIT).sum() >= 20, gate.max()
+    assert (up > 2 * LIMIT).sum() >= 20 and (up < -2 * LIMIT).sum() >= 20, (up.min(), up.max())
+    assert ((gate.abs() < LIMIT) & (up.abs() < LIMIT)).any()  # and some inside it
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "loop"])
+def test_clamped_swiglu_beyond_the_limit_matches_gpt_oss(impl):
+    experts = _experts(impl)
+    x_RD, counts_e = _inputs([9, 0, 13, 10])  # an empty expert included
+    calls = []
+    if impl == "loop":  # the per-expert reference path of kernels.experts=loop is the one that runs
+        experts.forward_loop = lambda *a, f=experts.forward_loop: calls.append(1) or f(*a)
+    with torch.no_grad():
+        y_RD = experts(x_RD, counts_e)
+        ref_RD, pre_RI2 = _reference(experts, x_RD, counts_e)
+    assert calls == ([1] if impl == "loop" else [])
+    _assert_clamp_matters(pre_RI2)
+    torch.testing.assert_close(y_RD, ref_RD, rtol=1e-5, atol=1e-4)
+
+
+def test_clamped_swiglu_matches_transformers_gpt_oss_experts():
+    """The same weights in transformers' GptOssExperts (eager), each token routed to one expert with weight 1."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = GptOssConfig(
+        hidden_size=D, intermediate_size=HIDDEN, num_local_experts=E, swiglu_limit=LIMIT, num_experts_per_tok=1
+    )
+    config._experts_implementation = "eager"
+    hf = GptOssExperts(config)
+    assert hf.limit == LIMIT and hf.alpha == ALPHA
+    ours = _experts("grouped_mm")
+    hf.load_state_dict(ours.state_dict())
+    x_RD, counts_e = _inputs([7, 12, 0, 13])
+    expert_R = torch.repeat_interleave(torch.arange(E), counts_e)
+    with torch.no_grad():
+        ref_RD = hf(x_RD, expert_R[:, None], torch.ones(x_RD.shape[0], 1))
+        y_RD = ours(x_RD, counts_e)
+        _, pre_RI2 = _reference(ours, x_RD, counts_e)
+    _assert_clamp_matters(pre_RI2)
+    torch.testing.assert_close(y_RD, ref_RD, rtol=1e-5, atol=1e-4)
+
+
+def test_clamped_swiglu_gradient_beyond_the_limit():
+    """Backward too: clamped values pass no gradient (GPT-OSS trains with the clamp in place)."""
+    ours, ref = _experts("grouped_mm"), _experts("grouped_mm")
+    x_RD, counts_e = _inputs([8, 8, 8, 8])
+    g_RD = torch.randn(x_RD.shape, generator=torch.Generator().manual_seed(2))
+    (ours(x_RD, counts_e) * g_RD).sum().backward()
+    (_reference(ref, x_RD, counts_e)[0] * g_RD).sum().backward()
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-3, msg=name)

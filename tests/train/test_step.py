@@ -1,0 +1,63 @@
+"""One optimizer step of the real Trainer against plain PyTorch: the loss it returns is the mean cross-entropy
+over the step's label tokens (prompt tokens masked, padding ignored), not over every token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_tune.cli import compose, to_config
+
+FAST = ["train.seq_len=48", "train.micro_batch_size=2", "data.num_samples=64", "train.precision=fp32"]
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    from moe_tune.dist.env import destroy_distributed
+    from moe_tune.train import Trainer
+
+    overrides = ["train.global_batch_size=4", "train.aux_loss_coef=0", "train.z_loss_coef=0"]
+    cfg = to_config(compose([f"output_dir={tmp_path}", "checkpoint.export_hf=false", *FAST, *overrides]))
+    yield Trainer(cfg)
+    destroy_distributed()
+
+
+def step_batches(trainer, step: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """The (ids, labels, position_ids) micro-batches the trainer takes for ``step`` on this rank. The only place
+    this test touches the trainer's data path (its API is being reshaped)."""
+    return [trainer._micro_batch(step, m) for m in range(trainer.accum)]
+
+
+def test_step_loss_is_the_mean_over_label_tokens(trainer):
+    batches = step_batches(trainer, 0)
+    assert len(batches) == 2  # gradient accumulation: the mean is over both micro-batches' label tokens
+    ce_sum, label_tokens, all_tokens = 0.0, 0, 0
+    with torch.no_grad():
+        for ids, labels, pos in batches:
+            logits = trainer.model(ids, position_ids=pos, return_logits=True).logits
+            shifted = labels[:, 1:]
+            ce_sum += F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]).double(),
+                shifted.reshape(-1),
+                ignore_index=-100,
+                reduction="sum",
+            ).item()
+            label_tokens += int((shifted != -100).sum())
+            all_tokens += shifted.numel()
+    # Masked prompts make the two means differ: the test can tell them apart.
+    assert 0 < label_tokens < 0.8 * all_tokens, (label_tokens, all_tokens)
+    per_micro = [int((labels[:, 1:] != -100).sum()) for _, labels, _ in batches]
+    assert per_micro[0] != per_micro[1], per_micro  # a mean of per-micro-batch means would differ too
+    reference = ce_sum / label_tokens
+
+    out = trainer.train_step(0)
+    loss = float(out["loss"])
+    assert abs(loss - reference) <= 1e-5 * reference, (loss, reference, ce_sum / all_tokens)
+
+    # The step updated the weights from that loss: step 1's loss on step 0's batches is lower.
+    with torch.no_grad():
+        after = 0.0
+        for ids, labels, pos in batches:
+            after += trainer.model(ids, labels=labels, position_ids=pos, loss_normalizer=label_tokens).ce_loss.item()
+    assert after < reference, (after, reference)
