@@ -95,33 +95,36 @@ def write_checkpoint(
         for key, piece in to_disk_tensors(family, name, full, first, source_keys=dtypes):
             writer.add(key, piece.to(dtype or dtypes.get(key, piece.dtype)).detach().cpu().contiguous())
     writer.flush()
-    files, nbytes_total = writer.files, writer.nbytes
-    gathered = [(files, nbytes_total)]
+    gathered = [(writer.files, writer.nbytes)]
     if world > 1:
         gathered = [None] * world
-        dist.all_gather_object(gathered, (files, nbytes_total))
+        dist.all_gather_object(gathered, (writer.files, writer.nbytes))
     if rank == 0:
-        weight_map = {k: v for f, _ in gathered for k, v in f.items()}
-        total = sum(n for _, n in gathered)
-        fnames = sorted(set(weight_map.values()))
-        if world == 1:  # one writer: Hugging Face's own file names
-            names = (
-                ["model.safetensors"]
-                if len(fnames) == 1
-                else [f"model-{i + 1:05d}-of-{len(fnames):05d}.safetensors" for i in range(len(fnames))]
-            )
-            for old, new in zip(fnames, names):
-                os.replace(os.path.join(out_dir, old), os.path.join(out_dir, new))
-            weight_map = {k: names[fnames.index(v)] for k, v in weight_map.items()}
-        if fnames and not (world == 1 and len(fnames) == 1):
-            with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-                json.dump(
-                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2
-                )
+        _write_index(out_dir, gathered, world)
         _write_config(model, out_dir)
         copy_side_files(model.source_dir, out_dir)
     if world > 1:
         dist.barrier()
+
+
+def _write_index(out_dir: str, gathered: list[tuple[dict[str, str], int]], world: int) -> None:
+    """Rank 0: the safetensors index over every rank's files (renamed as Hugging Face names them when a
+    single process wrote them all)."""
+    weight_map = {k: v for f, _ in gathered for k, v in f.items()}
+    total = sum(n for _, n in gathered)
+    fnames = sorted(set(weight_map.values()))
+    if world == 1:  # one writer: Hugging Face's own file names
+        names = (
+            ["model.safetensors"]
+            if len(fnames) == 1
+            else [f"model-{i + 1:05d}-of-{len(fnames):05d}.safetensors" for i in range(len(fnames))]
+        )
+        for old, new in zip(fnames, names):
+            os.replace(os.path.join(out_dir, old), os.path.join(out_dir, new))
+        weight_map = {k: names[fnames.index(v)] for k, v in weight_map.items()}
+    if fnames and not (world == 1 and len(fnames) == 1):
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
 
 
 class _ShardWriter:
