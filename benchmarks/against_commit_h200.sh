@@ -16,6 +16,7 @@ OUT=${OUT:?OUT=<results directory>}
 NEW_COMMIT=${NEW_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 REPEATS=${REPEATS:-2}
 TIMEOUT=${TIMEOUT:-150}
+BASELINE=${BASELINE:-grouped_mm}  # the Transformers row run with the first new row; none to skip it
 workload=(experiment=qwen3_30b_a3b_ep2_fast train.precision=bf16 train.micro_batch_size=4 "$@")
 new=$(pwd)
 old=$(cd "$OLD" && pwd)
@@ -28,7 +29,7 @@ bench() {  # bench <tree> <commit> <label> <baselines>
 
 for i in $(seq 1 "$REPEATS"); do
   bench "$old" "$OLD_COMMIT" "old_$i" none
-  bench "$new" "$NEW_COMMIT" "new_$i" "$([ "$i" = 1 ] && echo grouped_mm || echo none)"
+  bench "$new" "$NEW_COMMIT" "new_$i" "$([ "$i" = 1 ] && echo "$BASELINE" || echo none)"
 done
 
 python - "$OUT" <<'PY'
