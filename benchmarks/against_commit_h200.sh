@@ -8,7 +8,7 @@
 #
 # Defaults: Qwen3-30B-A3B shapes with 8 layers, seq 4096, bf16 parameters, micro-batch 4 per GPU, EP=2 with
 # all_to_all and torch.compile (experiment=qwen3_30b_a3b_ep2_fast), real routing, 20 steps, medians of 6-20.
-# Needs hydra/omegaconf importable (PYTHONPATH) and 2 GPUs. Prints one line per row at the end.
+# Needs hydra/omegaconf importable (PYTHONPATH) and NPROC GPUs. Prints one line per row at the end.
 set -euo pipefail
 OLD=${OLD:?OLD=<directory holding the older commit tree>}
 OLD_COMMIT=${OLD_COMMIT:?OLD_COMMIT=<its commit>}
@@ -17,14 +17,16 @@ NEW_COMMIT=${NEW_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknow
 REPEATS=${REPEATS:-2}
 TIMEOUT=${TIMEOUT:-150}
 BASELINE=${BASELINE:-grouped_mm}  # the Transformers row run with the first new row; none to skip it
-workload=(experiment=qwen3_30b_a3b_ep2_fast train.precision=bf16 train.micro_batch_size=4 "$@")
+NPROC=${NPROC:-2}
+EXPERIMENT=${EXPERIMENT:-qwen3_30b_a3b_ep2_fast}  # qwen3_30b_a3b_1gpu with NPROC=1
+workload=(experiment="$EXPERIMENT" train.precision=bf16 train.micro_batch_size=4 "$@")
 new=$(pwd)
 old=$(cd "$OLD" && pwd)
 mkdir -p "$OUT"
 
 bench() {  # bench <tree> <commit> <label> <baselines>
   (cd "$1" && MOE_TUNE_COMMIT=$2 PYTHONPATH="$1:${PYTHONPATH:-}" python -m moe_tune.bench "${workload[@]}" \
-    --nproc 2 --baselines "$4" --variants "$3:kernels.compile=true" --timeout-s "$TIMEOUT" --out "$OUT/$3")
+    --nproc "$NPROC" --baselines "$4" --variants "$3:kernels.compile=true" --timeout-s "$TIMEOUT" --out "$OUT/$3")
 }
 
 for i in $(seq 1 "$REPEATS"); do
