@@ -105,6 +105,7 @@ def test_default_values():
             "train.global_batch_size (6) must be a multiple",
         ),
         (["train.steps=0"], 1, "must be positive"),
+        (["train.log_every=0"], 1, "train.log_every (0) must be >= 1"),
         (["optim.schedule=linear"], 1, "optim.schedule='linear' is not one of cosine, constant"),
         (["data.name=wiki"], 1, "data='wiki' is not built in (arithmetic, random)"),
     ],

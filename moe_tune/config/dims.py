@@ -39,12 +39,12 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig, world_size: int) -> ParallelDims:
-        if parallel.dp_replicate < 1 or world_size % parallel.dp_replicate:
+        if parallel.dp_replicate >= 1 and world_size % parallel.dp_replicate:
             raise ConfigError(
-                f"parallel.dp_replicate ({parallel.dp_replicate}) must be >= 1 and divide the world size "
-                f"({world_size}); try parallel.dp_replicate=1"
+                f"parallel.dp_replicate ({parallel.dp_replicate}) must divide the world size ({world_size}); "
+                "try parallel.dp_replicate=1"
             )
-        dp_shard = world_size // parallel.dp_replicate if parallel.dp_shard == -1 else parallel.dp_shard
+        dp_shard = world_size // max(parallel.dp_replicate, 1) if parallel.dp_shard == -1 else parallel.dp_shard
         return cls(parallel.dp_replicate, dp_shard, parallel.ep, world_size)
 
     @property

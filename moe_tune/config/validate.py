@@ -85,6 +85,11 @@ def _check_train(cfg: Config) -> None:
             f"train.steps ({t.steps}), train.seq_len ({t.seq_len}) and train.micro_batch_size "
             f"({t.micro_batch_size}) must be positive (seq_len >= 2)"
         )
+    if t.log_every < 1:
+        raise ConfigError(
+            f"train.log_every ({t.log_every}) must be >= 1 (steps between logged rows, which are the only steps "
+            "that wait for the GPU); try train.log_every=10"
+        )
     if t.max_nonfinite_steps < 0:
         raise ConfigError(
             f"train.max_nonfinite_steps ({t.max_nonfinite_steps}) must be >= 0 (0 stops at the first step "

@@ -52,7 +52,7 @@ def test_mesh_shapes_and_groups(world, dp_replicate, ep, rank):
     "kwargs,world,message",
     [
         (dict(ep=3), 8, "parallel.ep (3) must divide parallel.dp_shard (8"),
-        (dict(dp_replicate=3), 8, "parallel.dp_replicate (3) must be >= 1 and divide the world size (8)"),
+        (dict(dp_replicate=3), 8, "parallel.dp_replicate (3) must divide the world size (8)"),
         (dict(dp_replicate=2, dp_shard=2), 8, "x parallel.dp_shard (2) must equal the world size (8)"),
     ],
 )
