@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -67,4 +68,8 @@ def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path, capfd):
     err = capfd.readouterr().err
     assert "steps 4-6 all had a non-finite gradient norm" in err
     assert "weights are those after step 3" in err
-    assert json.load(open(tmp_path / "summary.json"))
+    # summary.json is written at the stop and covers the run up to it, the non-finite steps included.
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["config"]["train"]["max_nonfinite_steps"] == 2 and summary["config"]["output_dir"] == str(tmp_path)
+    assert summary["first_loss"] == rows[0]["loss"] and math.isfinite(summary["first_loss"])
+    assert math.isnan(summary["final_loss"]) and math.isnan(rows[-1]["loss"])

@@ -145,8 +145,15 @@ def test_batched_shape_stats_and_tuple():
     moe.train()
     y = moe(x)
     assert y.shape == x.shape
-    assert moe.aux_loss is not None and moe.aux_loss.requires_grad and moe.z_loss is not None
-    assert int(moe.counts_E.sum()) == 2 * 5 * 2
+    # The statistics' values, from the router's own outputs on the same tokens: Switch/GShard's E * sum f_i P_i
+    # (f_i: rows per expert / T, P_i: mean probability) and ST-MoE's mean squared logsumexp.
+    _, ids_TK, scores_TE, logits_TE = moe.router(x.reshape(-1, D))
+    counts_E = torch.bincount(ids_TK.reshape(-1), minlength=4)
+    assert torch.equal(moe.counts_E, counts_E) and int(counts_E.sum()) == 2 * 5 * 2
+    expected_aux = 4 * ((counts_E.float() / 10) * scores_TE.mean(dim=0)).sum()
+    torch.testing.assert_close(moe.aux_loss, expected_aux, rtol=1e-6, atol=0)
+    torch.testing.assert_close(moe.z_loss, torch.logsumexp(logits_TE.float(), -1).square().mean(), rtol=1e-6, atol=0)
+    assert moe.aux_loss.requires_grad and moe.z_loss.requires_grad
     moe.eval()
     torch.testing.assert_close(moe(x), y)
     tupled = MoE(MoESpec(router=moe.spec.router, experts=moe.spec.experts, returns_tuple=True))
