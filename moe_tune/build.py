@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moe_tune.config import Config, ConfigError, ParallelDims, validate
+from moe_tune.config import CheckpointError, Config, ConfigError, ParallelDims, validate
 from moe_tune.dist.mesh import ParallelMesh, build_mesh
 from moe_tune.metrics import flops_per_token
 from moe_tune.models.families import num_experts
@@ -152,7 +152,7 @@ def from_pretrained(path: str, dtype=torch.float32, kernels: str = "torch", devi
     from transformers import AutoConfig
 
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"{path} has no config.json; give a local Hugging Face checkpoint directory")
+        raise CheckpointError(f"{path} has no config.json; give a local Hugging Face checkpoint directory")
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     model_options = ModelOptions(dtype=dtype, kernels=kernels, **options)
     return assemble(AutoConfig.from_pretrained(path), model_options, source_loader(path, 0), device or "cpu", path)

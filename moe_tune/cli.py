@@ -60,7 +60,7 @@ def run(dict_cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from moe_tune.config import ConfigError
+    from moe_tune.config import UserError
 
     cfg = to_config(dict_cfg)
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
@@ -74,7 +74,7 @@ def run(dict_cfg) -> None:
     # an error on one rank, where NCCL could wait for the others: torchrun ends those jobs.
     try:
         trainer = Trainer(cfg)
-    except ConfigError as e:
+    except UserError as e:
         destroy_distributed()
         fail(str(e))
     try:

@@ -12,11 +12,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint", help="a checkpoints/step_<N> directory written by moe-tune")
     parser.add_argument("out", help="output directory for the Hugging Face checkpoint")
     args = parser.parse_args(argv)
-    from moe_tune.config import ConfigError
+    from moe_tune.config import UserError
 
     try:
         export(args.checkpoint, args.out)
-    except ConfigError as e:
+    except UserError as e:
         print(f"moe-tune-export: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     print(f"wrote {args.out}")

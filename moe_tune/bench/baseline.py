@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from moe_tune.build import Built
-from moe_tune.config import CommConfig, Config, ConfigError, KernelsConfig, validate
+from moe_tune.config import CommConfig, Config, ConfigError, KernelsConfig, UserError, validate
 from moe_tune.env import require_backends
 from moe_tune.train import Trainer
 
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = to_config(compose(args.overrides))
         Baseline(cfg, args.experts, fsdp=not args.no_fsdp).fit()
-    except ConfigError as e:
+    except UserError as e:
         print(f"moe-tune-bench baseline: error: {e}", file=sys.stderr)
         return 2
     finally:

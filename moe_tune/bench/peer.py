@@ -29,7 +29,7 @@ from torch import nn
 
 from moe_tune.bench.baseline import check_workload, hf_flops_per_token
 from moe_tune.build import Built
-from moe_tune.config import Config, ConfigError
+from moe_tune.config import Config, ConfigError, UserError
 from moe_tune.train import Trainer
 
 DEFAULT_BACKEND = {"attn": "sdpa", "linear": "torch", "experts": "torch_mm", "rope_fusion": False}
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     precheck(args.overrides)
     try:
         Peer(to_config(compose(args.overrides)), args.dispatcher, args.ep, args.backend).fit()
-    except ConfigError as e:
+    except UserError as e:
         print(f"moe-tune-bench peer: error: {e}", file=sys.stderr)
         return 2
     finally:

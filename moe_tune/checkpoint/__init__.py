@@ -21,7 +21,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from moe_tune.config import ConfigError
+from moe_tune.config import CheckpointError
 from moe_tune.models.hf_io import EXPERT_PARAM, expert_offsets, local_rows
 
 COMPLETE = "COMPLETE"
@@ -137,7 +137,7 @@ def maybe_resume(trainer, resume: str) -> int:
     if path is None:
         return 0
     if not os.path.isfile(os.path.join(path, COMPLETE)):
-        raise ConfigError(f"checkpoint.resume={path} is not a complete checkpoint (no {COMPLETE} file)")
+        raise CheckpointError(f"checkpoint.resume={path} is not a complete checkpoint (no {COMPLETE} file)")
     load(trainer, path)
     return trainer.step
 
@@ -174,14 +174,14 @@ def load(trainer, path: str) -> None:
 
 
 def read_meta(path: str):
-    """(meta.json, the run's ``Config``) of a complete checkpoint; ConfigError naming what is missing."""
+    """(meta.json, the run's ``Config``) of a complete checkpoint; CheckpointError naming what is missing."""
     from omegaconf import OmegaConf
 
     from moe_tune.config import Config, comm_config
 
     meta_path = os.path.join(path, "meta.json")
     if not os.path.isfile(os.path.join(path, COMPLETE)) or not os.path.isfile(meta_path):
-        raise ConfigError(f"{path} is not a complete moe-tune checkpoint (needs meta.json and {COMPLETE})")
+        raise CheckpointError(f"{path} is not a complete moe-tune checkpoint (needs meta.json and {COMPLETE})")
     with open(meta_path) as f:
         meta = json.load(f)
     saved = dict(meta["config"])

@@ -20,8 +20,20 @@ FP8_FORMATS = ("hybrid", "e4m3")
 AC_MODES = ("none", "full", "selective")
 
 
-class ConfigError(ValueError):
-    """A configuration or input the user must fix: reported as one line, exit code 2."""
+class UserError(ValueError):
+    """Something the user must fix: reported as one line naming the values and the fix, exit code 2."""
+
+
+class ConfigError(UserError):
+    """A configuration value (or combination) that cannot run."""
+
+
+class DataError(UserError):
+    """A data file or record that cannot be read as training data."""
+
+
+class CheckpointError(UserError):
+    """A model or training checkpoint directory that is missing, incomplete or does not match the model."""
 
 
 @dataclass

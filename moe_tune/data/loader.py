@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from moe_tune.config import ConfigError, DataConfig
+from moe_tune.config import ConfigError, DataConfig, DataError
 
 
 def read_samples(cfg: DataConfig, seed: int) -> list[dict]:
@@ -24,13 +24,13 @@ def read_samples(cfg: DataConfig, seed: int) -> list[dict]:
             try:
                 import pyarrow.parquet as pq
             except ImportError as e:
-                raise ConfigError(f"data.path={p} is parquet; install pyarrow (pip install pyarrow)") from e
+                raise DataError(f"data.path={p} is parquet; install pyarrow (pip install pyarrow)") from e
             rows.extend(pq.read_table(p).to_pylist())
         else:
             with open(p) as f:
                 rows.extend(json.loads(line) for line in f if line.strip())
     if not rows:
-        raise ConfigError(f"data.path={cfg.path} holds no samples")
+        raise DataError(f"data.path={cfg.path} holds no samples")
     return rows
 
 
@@ -40,9 +40,9 @@ def _data_files(path: str) -> list[str]:
     elif os.path.isfile(path):
         files = [path]
     else:
-        raise ConfigError(f"data.path={path} does not exist; give a .jsonl or .parquet file or a directory of them")
+        raise DataError(f"data.path={path} does not exist; give a .jsonl or .parquet file or a directory of them")
     if not files:
-        raise ConfigError(f"data.path={path} has no .jsonl or .parquet files")
+        raise DataError(f"data.path={path} has no .jsonl or .parquet files")
     return files
 
 
@@ -58,7 +58,7 @@ def tokenize(sample: dict, tokenizer, cfg: DataConfig) -> tuple[list[int], list[
     if cfg.text_key in sample:
         ids = bos + tokenizer(sample[cfg.text_key], add_special_tokens=False).input_ids + eos
         return ids, list(ids)
-    raise ConfigError(
+    raise DataError(
         f"a data sample has neither {cfg.prompt_key!r}/{cfg.response_key!r} nor {cfg.text_key!r} "
         f"(keys: {sorted(sample)}); set data.prompt_key/response_key/text_key"
     )

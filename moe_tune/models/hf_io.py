@@ -17,7 +17,7 @@ from collections.abc import Container, Iterator
 import torch
 from safetensors import safe_open
 
-from moe_tune.config import ConfigError
+from moe_tune.config import CheckpointError
 from moe_tune.models.families import Family
 from moe_tune.moe.experts import GroupedExperts
 
@@ -50,7 +50,7 @@ class CheckpointReader:
         else:
             files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
             if not files:
-                raise ConfigError(f"{path} holds no *.safetensors files; give a Hugging Face checkpoint directory")
+                raise CheckpointError(f"{path} holds no *.safetensors files; give a Hugging Face checkpoint directory")
             weight_map = {}
             for name in files:
                 with safe_open(os.path.join(path, name), "pt") as f:
@@ -102,12 +102,12 @@ def read_global_rows(reader: CheckpointReader, family: Family, name: str, start:
             keys = [f"{prefix}.{j}.{p}" for p in parts]
             missing = [k for k in keys if k not in reader]
             if missing:
-                raise ConfigError(f"checkpoint {reader.path} lacks {missing[0]} (needed for {name}); is it complete?")
+                raise CheckpointError(f"checkpoint {reader.path} lacks {missing[0]} (needed for {name}); is it complete?")
             experts.append(torch.cat([reader.rows(k) for k in keys], dim=0))
         if not experts:
             return torch.empty(0)
         return torch.stack(experts)
-    raise ConfigError(f"checkpoint {reader.path} has no tensor for {name} (looked for {key}); is it complete?")
+    raise CheckpointError(f"checkpoint {reader.path} has no tensor for {name} (looked for {key}); is it complete?")
 
 
 def local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -161,7 +161,7 @@ def load_state(model: torch.nn.Module, path: str, family: Family, strict: bool =
         start = offsets.get(name, 0) + first
         src = read_global_rows(reader, family, name, start, start + local.shape[0])
         if tuple(src.shape) != tuple(local.shape):
-            raise ConfigError(
+            raise CheckpointError(
                 f"checkpoint tensor for {name} has shape {tuple(src.shape)}, the model expects {tuple(local.shape)}; "
                 f"does config.json match the weights?"
             )
@@ -175,7 +175,7 @@ def load_state(model: torch.nn.Module, path: str, family: Family, strict: bool =
         ignore = [re.compile(p) for p in patterns]
         unused = {k for k in unused if not k.endswith("rotary_emb.inv_freq") and not any(p.search(k) for p in ignore)}
         if unused:
-            raise ConfigError(
+            raise CheckpointError(
                 f"checkpoint {path} has {len(unused)} tensors the model does not use (e.g. {sorted(unused)[0]}); "
                 f"does config.json match the weights?"
             )

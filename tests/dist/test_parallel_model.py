@@ -197,12 +197,12 @@ def test_world_size_one_same_code_path(tmp_path, monkeypatch):
 def _unused_keys_body(rank: int, path: str) -> None:
     import gc
 
-    from moe_tune.config import ConfigError
+    from moe_tune.config import CheckpointError
 
     message = ""
     try:
         _build(path, ParallelDims(dp_replicate=1, dp_shard=2, ep=2, world_size=2))
-    except ConfigError as e:
+    except CheckpointError as e:
         message = str(e)
     # Drop the half-built sharded model and line the ranks up before the harness destroys the group
     # (a gloo group torn down under live DTensors can abort the process).

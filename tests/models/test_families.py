@@ -14,7 +14,7 @@ from tiny_hf import FAMILIES, VOCAB, build_hf, load_hf, rel_err
 from transformers import AutoModelForCausalLM
 
 import moe_tune
-from moe_tune.config import ConfigError
+from moe_tune.config import CheckpointError, ConfigError
 
 TOL = 1e-5  # relative (norm of the difference over the norm of the reference), fp32
 
@@ -298,7 +298,7 @@ def test_mtp_layer_ignored_extra_tensors_refused(tmp_path):
     save_file(extra, str(src / "model-mtp.safetensors"))
     moe_tune.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     save_file({"model.extra.weight": torch.zeros(4)}, str(src / "model-extra.safetensors"))
-    with pytest.raises(ConfigError, match="model.extra.weight"):
+    with pytest.raises(CheckpointError, match="model.extra.weight"):
         moe_tune.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
 
 
