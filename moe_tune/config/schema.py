@@ -134,19 +134,60 @@ class KernelsConfig:
         }
 
 
+DATA_FORMATS = ("auto", "chat", "sharegpt", "prompt_completion", "text")
+TRAIN_ON = ("assistant", "all", "last_assistant")
+BAD_RECORD_POLICIES = ("error", "skip")
+LOGGERS = ("none", "tensorboard", "wandb", "mlflow")
+
+
 @dataclass
 class DataConfig:
-    # "arithmetic" is the built-in instruction set; otherwise a jsonl/parquet file or directory in `path`.
+    # "arithmetic" is the built-in instruction set (chat records); "random" uniform tokens (benchmarks). Otherwise
+    # `path`: a jsonl/json/parquet/csv/arrow file or directory, a `datasets` save_to_disk directory, or a hub name.
     name: str = "arithmetic"
     path: str | None = None
     num_samples: int = 4096
+    # Record format, per file: "auto" detects chat (messages), sharegpt (conversations), prompt_completion
+    # (prompt + response or completion), text.
+    format: str = "auto"
+    # A Jinja chat template file that replaces the tokenizer's own (chat and sharegpt records).
+    chat_template: str | None = None
+    # Which tokens carry loss: the assistant turns (prompt_completion: the completion), every token, or only the
+    # last assistant turn.
+    train_on: str = "assistant"
+    # Field names of prompt_completion and text records.
     prompt_key: str = "prompt"
     response_key: str = "response"
     text_key: str = "text"
-    # Mask prompt tokens out of the loss.
-    mask_prompt: bool = True
-    # Pack several samples into one sequence of train.seq_len.
+    # Pack several samples into one sequence of train.seq_len (each attends only to itself).
     packing: bool = True
+    # Read the source lazily (sets larger than memory) instead of loading and tokenizing it up front.
+    streaming: bool = False
+    # Where tokenized sets are cached (reused across runs and ranks); None: <HF_DATASETS_CACHE or ~/.cache>/moe_tune.
+    cache_dir: str | None = None
+    # Processes that tokenize (datasets' num_proc).
+    num_proc: int = 1
+    # Held-out data: a separate source, or this fraction of the training records (not both).
+    val_path: str | None = None
+    val_fraction: float = 0.0
+    # A record that cannot be used (malformed JSON, bad UTF-8, wrong field types, no trainable token): stop with
+    # exit 2 naming the file and line ("error"), or count it in summary.json and go on ("skip").
+    on_bad_record: str = "error"
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment tracking beside metrics.jsonl: the same fields, plus expert load per layer."""
+
+    name: str = "none"
+    # None: <output_dir>/<name> (tensorboard event files, wandb's offline run, mlflow's file store).
+    log_dir: str | None = None
+    project: str = "moe_tune"
+    run_name: str | None = None
+    # wandb: "offline" writes locally (wandb sync uploads it later); "online" needs network and a login.
+    mode: str = "offline"
+    # Every this many steps, an image of expert load per layer (0: never).
+    expert_load_image_every: int = 0
 
 
 @dataclass
@@ -181,6 +222,9 @@ class TrainConfig:
     # Forced balanced routing for benchmarks (token i goes to experts i*k..i*k+k-1 mod E).
     force_balanced_routing: bool = False
     log_every: int = 1
+    # Held-out loss and perplexity every this many steps and at the end (0: at the end only), when data has a
+    # validation set (data.val_path or data.val_fraction).
+    eval_every: int = 0
     # torch.profiler over steps 6-8 on rank 0: profile_rank0.txt (top kernels) and trace_rank0.json in output_dir.
     profile: bool = False
     warmup_steps_excluded: int = 3
@@ -210,6 +254,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     output_dir: str = "outputs/run"
 
 
@@ -220,6 +265,7 @@ GROUPS = {
     "data": DataConfig,
     "optim": OptimConfig,
     "train": TrainConfig,
+    "logger": LoggerConfig,
 }
 
 

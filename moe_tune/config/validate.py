@@ -11,13 +11,17 @@ import os
 from moe_tune.config.dims import ParallelDims
 from moe_tune.config.schema import (
     AC_MODES,
+    BAD_RECORD_POLICIES,
     COMM_CONFIGS,
+    DATA_FORMATS,
     EXPERT_KERNELS,
     FP8_BACKWARDS,
     FP8_FORMATS,
     FP8_MODES,
     KERNEL_SETS,
+    LOGGERS,
     PRECISIONS,
+    TRAIN_ON,
     Config,
     ConfigError,
     KernelsConfig,
@@ -46,6 +50,7 @@ def validate(cfg: Config, world_size: int | None = None, num_experts: int | None
     if cfg.comm.name != "all_to_all" and dims.ep == 1:
         raise ConfigError(f"comm={cfg.comm.name} needs expert parallelism; set parallel.ep>1 or comm=all_to_all")
     _check_kernels(cfg)
+    _check_data(cfg)
     if cfg.data.path is None and cfg.data.name not in ("arithmetic", "random"):
         raise ConfigError(
             f"data={cfg.data.name!r} is not built in (arithmetic, random); pick one or set data.path=<jsonl|parquet|dir>"
@@ -76,6 +81,11 @@ def _check_choices(cfg: Config) -> None:
     _choice(cfg.model.dtype, ("source", "float32", "bfloat16"), "model.dtype")
     _choice(cfg.optim.name, ("adamw",), "optim")
     _choice(cfg.optim.schedule, ("cosine", "constant"), "optim.schedule")
+    _choice(cfg.data.format, DATA_FORMATS, "data.format")
+    _choice(cfg.data.train_on, TRAIN_ON, "data.train_on")
+    _choice(cfg.data.on_bad_record, BAD_RECORD_POLICIES, "data.on_bad_record")
+    _choice(cfg.logger.name, LOGGERS, "logger")
+    _choice(cfg.logger.mode, ("offline", "online"), "logger.mode")
 
 
 def _check_train(cfg: Config) -> None:
@@ -110,6 +120,22 @@ def _check_train(cfg: Config) -> None:
             f"comm.capacity_factor ({comm.capacity_factor}) must be > 0; comm.capacity_factor >= parallel.ep "
             "never overflows"
         )
+
+
+def _check_data(cfg: Config) -> None:
+    d = cfg.data
+    if not 0.0 <= d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction ({d.val_fraction}) must be in [0, 1); try data.val_fraction=0.01")
+    if d.val_fraction > 0 and d.val_path is not None:
+        raise ConfigError(
+            f"data.val_path ({d.val_path}) and data.val_fraction ({d.val_fraction}) both set; keep one of them"
+        )
+    if d.num_proc < 1:
+        raise ConfigError(f"data.num_proc ({d.num_proc}) must be >= 1; try data.num_proc=1")
+    if cfg.train.eval_every < 0:
+        raise ConfigError(f"train.eval_every ({cfg.train.eval_every}) must be >= 0 (0: at the end only)")
+    if d.chat_template is not None and not os.path.isfile(d.chat_template):
+        raise ConfigError(f"data.chat_template={d.chat_template!r} is not a file; give a Jinja chat template file")
 
 
 def _check_batch(cfg: Config, dims: ParallelDims) -> None:

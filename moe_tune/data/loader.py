@@ -53,7 +53,7 @@ def tokenize(sample: dict, tokenizer, cfg: DataConfig) -> tuple[list[int], list[
     if cfg.prompt_key in sample and cfg.response_key in sample:
         prompt = bos + tokenizer(sample[cfg.prompt_key], add_special_tokens=False).input_ids
         response = tokenizer(sample[cfg.response_key], add_special_tokens=False).input_ids + eos
-        prompt_labels = [-100] * len(prompt) if cfg.mask_prompt else list(prompt)
+        prompt_labels = list(prompt) if cfg.train_on == "all" else [-100] * len(prompt)
         return prompt + response, prompt_labels + response
     if cfg.text_key in sample:
         ids = bos + tokenizer(sample[cfg.text_key], add_special_tokens=False).input_ids + eos
