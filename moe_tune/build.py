@@ -90,6 +90,7 @@ def model_options(cfg: Config, dims: ParallelDims) -> ModelOptions:
         aux_loss_coef=t.aux_loss_coef,
         z_loss_coef=t.z_loss_coef,
         force_balanced_routing=t.force_balanced_routing,
+        packed_attention=cfg.data.packing,
     )
 
 

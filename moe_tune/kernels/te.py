@@ -24,6 +24,8 @@ import logging
 import torch
 from torch import nn
 
+from moe_tune.kernels.attention import packed_sdpa
+
 log = logging.getLogger("moe_tune")
 ATTN_NAME = "moe_tune_te"
 _warned: set[str] = set()
@@ -83,32 +85,6 @@ def _log_once(reason: str) -> None:
         log.info("kernels=te: %s; those calls use SDPA", reason)
 
 
-def _sdpa(query, key, value, scaling, cu_seqlens=None, window=None, dropout=0.0):
-    """Causal SDPA on [B, heads, S, d] (kv heads repeated), block-diagonal over packed sequences when
-    ``cu_seqlens`` is given, banded when ``window`` is: the fallback for what TE's attention cannot take."""
-    B, H, S, _ = query.shape
-    rep = H // key.shape[1]
-    key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
-    if cu_seqlens is None and not window:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, dropout_p=dropout, is_causal=True, scale=scaling
-        )
-        return out.transpose(1, 2).contiguous()
-    i = torch.arange(S, device=query.device)
-    mask = (i.unsqueeze(1) >= i.unsqueeze(0)).expand(B, 1, S, S)  # causal
-    if window:
-        mask = mask & (i.unsqueeze(1) - i.unsqueeze(0) < window)
-    if cu_seqlens is not None:
-        seq = torch.zeros(B * S, dtype=torch.int32, device=query.device)
-        seq[cu_seqlens[1:-1].long()] = 1
-        seq = seq.cumsum(0).view(B, 1, S)
-        mask = mask & (seq.unsqueeze(-1) == seq.unsqueeze(-2))
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
-    )
-    return out.transpose(1, 2).contiguous()
-
-
 def _dpa(module, query, key, window, scale):
     """The layer's TE DotProductAttention, made at its first call. Held outside ``_modules``: it has no
     parameters, and the model's state dict stays Hugging Face's (no ``_extra_state`` keys)."""
@@ -143,7 +119,7 @@ def te_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     if reason is not None:
         _log_once(reason)
-        return _sdpa(query, key, value, scaling, cu, window, dropout), None
+        return packed_sdpa(query, key, value, scaling, cu, window, dropout), None
     dpa = _dpa(module, query, key, window, scaling if scaling is not None else d**-0.5)
     if cu is None:
         q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))  # bshd

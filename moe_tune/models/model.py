@@ -41,6 +41,10 @@ class ModelOptions:
     force_balanced_routing: bool = False
     # None: the family's (``sdpa``, or ``eager`` where transformers has no SDPA path).
     attn_implementation: str | None = None
+    # Rows hold several packed sequences (position ids restart at 0): attention runs per sequence through a
+    # variable-length kernel (``moe_tune.kernels.attention``; kernels=te: TE's thd layout) instead of a dense
+    # block mask; the model then takes no attention_mask. Applies where the family's attention is SDPA.
+    packed_attention: bool = False
 
 
 @dataclass
@@ -114,8 +118,9 @@ class MoECausalLM(nn.Module):
             if attention_mask is not None:
                 # transformers gives a registered attention function no mask at all: refuse, never ignore it.
                 raise ValueError(
-                    "kernels=te takes no attention_mask (transformers passes none to its attention): give rows "
-                    "without padding, or packed rows with position_ids restarting at 0 at each sequence"
+                    "this model attends over packed rows (kernels=te, or packed_attention) and takes no "
+                    "attention_mask (transformers passes none to its attention): give rows without padding, or "
+                    "packed rows with position_ids restarting at 0 at each sequence"
                 )
             if position_ids is not None:
                 extra = packed_sequence_kwargs(position_ids.expand(input_ids.shape))
@@ -205,7 +210,19 @@ def build_model(
 
             routers = {id(m.router) for m in hf.modules() if isinstance(m, MoE)}
             packed_attention = apply_te(hf, routers, options.fp8, options.fp8_options)
+        elif options.packed_attention and hf.config._attn_implementation == "sdpa":
+            packed_attention = _use_varlen_attention(hf.config)
     return MoECausalLM(hf, family, options, source_dir, packed_attention)
+
+
+def _use_varlen_attention(config) -> bool:
+    from transformers import AttentionInterface
+
+    from moe_tune.kernels.attention import ATTN_NAME, varlen_attention_forward
+
+    AttentionInterface.register(ATTN_NAME, varlen_attention_forward)
+    config._attn_implementation = ATTN_NAME
+    return True
 
 
 def _run_spec(spec, options: ModelOptions, hf: nn.Module):

@@ -17,7 +17,8 @@ import torch
 from transformers import AttentionInterface
 
 import moe_tune
-from moe_tune.kernels.te import _fp8_shape_ok, _sdpa
+from moe_tune.kernels.attention import packed_sdpa
+from moe_tune.kernels.te import _fp8_shape_ok
 from moe_tune.models.model import packed_sequence_kwargs
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models"))
@@ -165,7 +166,7 @@ def test_sdpa_fallback_masks_equal_an_explicit_loop(packed, window):
     q, k, v = (torch.randn(B, h, S, d, generator=g) for h in (H, KV, KV))
     pos = _packed_positions(B, S, [4, 3, 6]) if packed else torch.arange(S).expand(B, S)
     cu = packed_sequence_kwargs(pos)["cu_seq_lens_q"] if packed else None
-    out = _sdpa(q, k, v, 0.5, cu, window)  # [B, S, H, d]
+    out = packed_sdpa(q, k, v, 0.5, cu, window)  # [B, S, H, d]
     seq = (pos == 0).cumsum(1)  # sequence number of each position in its row
     for b in range(B):
         for h in range(H):
@@ -193,7 +194,7 @@ def test_cu_seqlens_reach_attention_and_match_transformers_packed_mask(family, t
     def spy(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         assert attention_mask is None  # a registered function gets no mask from transformers
         seen.append(kwargs["cu_seq_lens_q"])
-        return _sdpa(query, key, value, scaling, kwargs["cu_seq_lens_q"]), None
+        return packed_sdpa(query, key, value, scaling, kwargs["cu_seq_lens_q"]), None
 
     AttentionInterface.register("moe_tune_test_spy", spy)
     model.config._attn_implementation = "moe_tune_test_spy"
@@ -209,7 +210,7 @@ def test_cu_seqlens_reach_attention_and_match_transformers_packed_mask(family, t
         model(input_ids=ids, position_ids=pos[:1], return_logits=True)
     assert seen[0].tolist() == packed_sequence_kwargs(pos[:1].expand(B, S))["cu_seq_lens_q"].tolist()
     # A padding mask is refused, not ignored (transformers would hand the registered function no mask).
-    with torch.no_grad(), pytest.raises(ValueError, match="kernels=te takes no attention_mask"):
+    with torch.no_grad(), pytest.raises(ValueError, match="takes no attention_mask"):
         model(input_ids=ids, attention_mask=torch.ones(B, S, dtype=torch.long))
     # Rows of one sequence each (no position ids): no boundaries are passed.
     seen.clear()

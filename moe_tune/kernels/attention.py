@@ -1,0 +1,93 @@
+"""Attention over packed rows for ``kernels=torch``: each packed sequence attends only to itself, through
+PyTorch's variable-length flash kernel (``torch.nn.attention.varlen.varlen_attn``) on CUDA.
+
+Without it transformers builds a dense [B, 1, S, S] block-diagonal mask from the position ids, and SDPA with a
+mask cannot take the flash kernel. ``varlen_attention_forward`` is registered as a transformers attention
+function (``ATTN_NAME``); ``MoECausalLM`` passes packed rows' boundaries as transformers' ``cu_seq_lens_q/k``
+keywords. Rows of one sequence each (no boundaries) run SDPA's causal flash path. What the varlen kernel cannot
+take (CPU tensors, attention dropout, v head size unlike q's, a torch without it) runs ``packed_sdpa``: the same
+maths with an explicit mask.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "moe_tune_varlen"
+
+
+def packed_sdpa(query, key, value, scaling, cu_seqlens=None, window=None, dropout=0.0) -> torch.Tensor:
+    """Causal SDPA on [B, heads, S, d] (kv heads repeated), block-diagonal over packed sequences when
+    ``cu_seqlens`` (offsets of every sequence in the flattened B*S tokens) is given, banded when ``window``
+    (tokens seen, the query's own included) is. Returns [B, S, heads, d]."""
+    B, H, S, _ = query.shape
+    gqa = key.shape[1] != H
+    if cu_seqlens is None and not window:
+        out = F.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
+        )
+        return out.transpose(1, 2).contiguous()
+    rep = H // key.shape[1]  # kv heads repeated: the masked kernels do not all take enable_gqa
+    key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    i = torch.arange(S, device=query.device)
+    mask = (i.unsqueeze(1) >= i.unsqueeze(0)).expand(B, 1, S, S)  # causal
+    if window:
+        mask = mask & (i.unsqueeze(1) - i.unsqueeze(0) < window)
+    if cu_seqlens is not None:
+        seq = torch.zeros(B * S, dtype=torch.int32, device=query.device)
+        seq[cu_seqlens[1:-1].long()] = 1
+        seq = seq.cumsum(0).view(B, 1, S)
+        mask = mask & (seq.unsqueeze(-1) == seq.unsqueeze(-2))
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return out.transpose(1, 2).contiguous()
+
+
+@functools.cache
+def _varlen_kernel():
+    """(varlen_attn, how it takes causality and GQA) or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn, "window_size" in params, "enable_gqa" in params
+
+
+def _varlen(query, key, value, cu, scaling, window) -> torch.Tensor | None:
+    """The flash kernel on [B, heads, S, d] q/k/v, or None where it cannot run them."""
+    kernel = _varlen_kernel()
+    if kernel is None or not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    varlen_attn, has_window, has_gqa = kernel
+    B, H, S, d = query.shape
+    if not has_window and window:
+        return None
+    if not has_gqa:
+        rep = H // key.shape[1]
+        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    q, k, v = (t.transpose(1, 2).reshape(B * S, t.shape[1], d) for t in (query, key, value))  # thd
+    options = {"scale": scaling}
+    if has_window:  # (left, right): right 0 is causal; left -1 unbounded, else the tokens before the query
+        options["window_size"] = (window - 1 if window else -1, 0)
+    else:
+        options["is_causal"] = True
+    if has_gqa:
+        options["enable_gqa"] = key.shape[1] != H
+    return varlen_attn(q, k, v, cu, cu, S, S, **options).view(B, S, H, d)
+
+
+def varlen_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention function: q/k/v arrive [B, heads, S, head_dim] (kv heads not repeated); returns
+    ([B, S, heads, head_dim], None). No mask ever arrives (transformers builds none for a registered function,
+    and MoECausalLM refuses one): packed rows come with ``cu_seq_lens_q``."""
+    cu = kwargs.get("cu_seq_lens_q")
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    if cu is not None and not dropout and query.shape[-1] == value.shape[-1]:
+        out = _varlen(query, key, value, cu, scaling, window)
+        if out is not None:
+            return out, None
+    return packed_sdpa(query, key, value, scaling, cu, window, dropout), None

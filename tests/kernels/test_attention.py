@@ -1,0 +1,102 @@
+"""Attention over packed rows for kernels=torch: the model with ``packed_attention`` (a registered varlen
+attention function fed with the rows' sequence boundaries) against transformers' own packed-sequence mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_tune
+from moe_tune.kernels.attention import ATTN_NAME, _varlen, packed_sdpa
+from moe_tune.models.model import packed_sequence_kwargs
+from moe_tune.models.presets import build_tiny_checkpoint
+
+TOL = 1e-5
+
+
+def _positions(B: int, S: int, lengths: list[int]) -> torch.Tensor:
+    """Each row holds sequences of ``lengths`` (cycled) back to back, positions restarting at 0."""
+    rows = []
+    for b in range(B):
+        row, i = [], b
+        while len(row) < S:
+            row += list(range(lengths[i % len(lengths)]))
+            i += 1
+        rows.append(row[:S])
+    return torch.tensor(rows)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny") / "ckpt"), "tiny_qwen3_moe", seed=3)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+def test_packed_attention_equals_transformers_packed_mask(checkpoint):
+    """Logits and gradients of packed rows: the varlen function (its CPU path, the explicit block mask) against
+    transformers' SDPA with the mask it builds from the same position ids; rows of one sequence unchanged."""
+    hf_mask = moe_tune.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    varlen = moe_tune.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, packed_attention=True)
+    assert varlen.packed_attention and varlen.config._attn_implementation == ATTN_NAME
+    assert not hf_mask.packed_attention and hf_mask.config._attn_implementation == "sdpa"
+    B, S = 3, 40
+    ids = torch.randint(0, varlen.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    pos = _positions(B, S, [7, 13, 5, 20])
+    for model in (hf_mask, varlen):
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids, position_ids=pos, return_logits=True)
+        out.loss.backward()
+    ref = hf_mask(input_ids=ids, position_ids=pos, return_logits=True).logits
+    got = varlen(input_ids=ids, position_ids=pos, return_logits=True).logits
+    assert _rel(got, ref) < TOL
+    # A sequence must not see the one packed before it: its logits equal those of the sequence run alone.
+    alone = hf_mask(input_ids=ids[:1, 7:20], return_logits=True).logits
+    assert _rel(got[:1, 7:20], alone) < TOL
+    for (name, p), q in zip(varlen.named_parameters(), hf_mask.parameters()):
+        assert _rel(p.grad, q.grad) < 1e-4, name
+    # Rows of one sequence each (no position ids): plain causal attention, as transformers'.
+    assert (
+        _rel(varlen(input_ids=ids, return_logits=True).logits, hf_mask(input_ids=ids, return_logits=True).logits) < TOL
+    )
+    with pytest.raises(ValueError, match="takes no attention_mask"):
+        varlen(input_ids=ids, attention_mask=torch.ones(B, S, dtype=torch.long))
+
+
+def test_training_config_turns_it_on_for_packed_data_only():
+    from moe_tune.build import model_options
+    from moe_tune.config import Config, ParallelDims
+
+    cfg = Config()
+    dims = ParallelDims(1, 1, 1, 1)
+    assert cfg.data.packing and model_options(cfg, dims).packed_attention
+    cfg.data.packing = False
+    assert not model_options(cfg, dims).packed_attention
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_varlen_kernel_matches_the_masked_reference(window, kv_heads):
+    """bf16 on a GPU: PyTorch's varlen flash kernel against packed_sdpa's explicit mask (computed in fp32 from
+    the same bf16 inputs), forward and backward, GQA and a sliding window included."""
+    B, H, S, d = 2, 4, 64, 32
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(B, h, S, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+        for h in (H, kv_heads, kv_heads)
+    )
+    cu = packed_sequence_kwargs(_positions(B, S, [9, 30, 17]).cuda())["cu_seq_lens_q"]
+    out = _varlen(q, k, v, cu, d**-0.5, window)
+    assert out is not None, "torch.nn.attention.varlen.varlen_attn did not run"
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = packed_sdpa(qr, kr, vr, d**-0.5, cu, window)
+    assert _rel(out.float(), ref) < 1e-2
+    dy = torch.randn_like(ref)
+    out.backward(dy.to(out.dtype))
+    ref.backward(dy)
+    for got, want in ((q, qr), (k, kr), (v, vr)):
+        assert _rel(got.grad.float(), want.grad) < 2e-2
