@@ -1,6 +1,11 @@
-"""Instruction data: built-in generated tasks or a local jsonl/parquet file or directory, tokenized with
-the model's tokenizer, prompt tokens masked from the loss, packed into fixed-length rows."""
+"""Fine-tuning data: the built-in generated tasks, or records from files, ``datasets`` save_to_disk directories or
+hub names (chat, ShareGPT, prompt/completion or plain text; ``data.format=auto`` detects per file), rendered with
+the tokenizer's chat template, loss-masked by ``data.train_on``, packed into rows of ``train.seq_len``.
 
-from moe_tune.data.loader import PackedDataset, build_dataset
+The trainer calls ``build_datasets(cfg.data, tokenizer, seq_len, seed, vocab_size) -> (train, val | None)``;
+see its docstring for the two objects' APIs."""
 
-__all__ = ["PackedDataset", "build_dataset"]
+from moe_tune.data.loader import build_dataset, build_datasets
+from moe_tune.data.packing import PackedDataset, ValDataset
+
+__all__ = ["PackedDataset", "ValDataset", "build_dataset", "build_datasets"]

@@ -8,6 +8,7 @@ import os
 import torch
 
 from moe_tune.config import ConfigError, DataConfig, DataError
+from moe_tune.data.packing import PackedDataset, ValDataset, pack_rows, random_dataset
 
 
 def read_samples(cfg: DataConfig, seed: int) -> list[dict]:
@@ -64,76 +65,40 @@ def tokenize(sample: dict, tokenizer, cfg: DataConfig) -> tuple[list[int], list[
     )
 
 
-class PackedDataset:
-    """Fixed rows of ``seq_len`` tokens. Samples are packed back to back (position ids restart at each
-    sample) or, with ``packing=False``, one per row padded with -100 labels. Row order is shuffled by
-    epoch with a fixed seed, so every rank agrees on the order and resuming at a step is exact."""
+def build_datasets(
+    cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size: int | None = None
+) -> tuple[PackedDataset, ValDataset | None]:
+    """The training set and the validation set (None without data.val_path / data.val_fraction).
 
-    def __init__(self, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor, seed: int):
-        self.ids, self.labels, self.positions, self.seed = ids, labels, positions, seed
-        self._perm: tuple[int, torch.Tensor] | None = None
+    train: ``micro_batch(step, micro, micro_batch_size, accum, dp_rank, dp_size, device)`` -> (ids, labels,
+    position ids or None), the same rows for a step on every run (resume is exact).
+    val: ``ValDataset``: ``batches(micro_batch_size, dp_rank, dp_size, device)`` covers every val row exactly once
+    over the ranks, the same number of batches on every rank (padding rows have labels -100);
+    ``num_batches(micro_batch_size, dp_size)``, ``num_label_tokens``.
+    Both carry ``stats`` (records read/used, skipped per reason, tokens, rows) for summary.json."""
+    if cfg.name == "random" and cfg.path is None:
+        return random_dataset(max(cfg.num_samples, 1), seq_len, vocab_size or len(tokenizer), seed), None
+    records = read_samples(cfg, seed)
+    val_records: list[dict] = []
+    if cfg.val_path is not None:
+        from dataclasses import replace
 
-    def __len__(self) -> int:
-        return self.ids.shape[0]
-
-    def rows(self, step: int, micro: int, micro_batch_size: int, accum: int, dp_rank: int, dp_size: int):
-        """The rows of micro-batch ``micro`` of optimizer step ``step`` for data-parallel rank ``dp_rank``."""
-        per_step = micro_batch_size * accum * dp_size
-        start = step * per_step + (micro * dp_size + dp_rank) * micro_batch_size
-        idx = [self._row(start + i) for i in range(micro_batch_size)]
-        return self.ids[idx], self.labels[idx], self.positions[idx]
-
-    def micro_batch(self, step: int, micro: int, micro_batch_size: int, accum: int, dp_rank: int, dp_size: int, device):
-        """``rows`` on ``device``, with position ids only for packed rows: rows that hold one sequence each
-        pass None, so transformers does not look for packed sequences on the device (a host sync per
-        forward). Decided here, on the CPU tensors."""
-        ids, labels, pos = self.rows(step, micro, micro_batch_size, accum, dp_rank, dp_size)
-        if torch.equal(pos, torch.arange(pos.shape[1]).expand_as(pos)):
-            pos = None
-        to = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
-        return to(ids), to(labels), to(pos)
-
-    def _row(self, i: int) -> int:
-        epoch, j = divmod(i, len(self))
-        if self._perm is None or self._perm[0] != epoch:
-            g = torch.Generator().manual_seed(self.seed + epoch)
-            self._perm = (epoch, torch.randperm(len(self), generator=g))
-        return int(self._perm[1][j])
-
-
-def random_dataset(num_rows: int, seq_len: int, vocab_size: int, seed: int) -> PackedDataset:
-    """Uniform random tokens over the whole vocabulary, every position labelled: the benchmark workload
-    (routing is then decided by the model's weights, not by a small tokenizer's few ids)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab_size, (num_rows, seq_len), generator=g)
-    return PackedDataset(ids, ids.clone(), torch.arange(seq_len).expand(num_rows, seq_len).clone(), seed)
+        val_records = read_samples(replace(cfg, path=cfg.val_path), seed)
+    elif cfg.val_fraction > 0:
+        g = torch.Generator().manual_seed(seed)
+        order = torch.randperm(len(records), generator=g).tolist()
+        num_val = max(1, round(len(records) * cfg.val_fraction))
+        val_idx = set(order[:num_val])
+        val_records = [r for i, r in enumerate(records) if i in val_idx]
+        records = [r for i, r in enumerate(records) if i not in val_idx]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    train = PackedDataset(*pack_rows((tokenize(s, tokenizer, cfg) for s in records), seq_len, pad, cfg.packing), seed)
+    if not val_records:
+        return train, None
+    val = ValDataset(*pack_rows((tokenize(s, tokenizer, cfg) for s in val_records), seq_len, pad, cfg.packing), pad)
+    return train, val
 
 
 def build_dataset(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size: int | None = None) -> PackedDataset:
-    if cfg.name == "random" and cfg.path is None:
-        return random_dataset(max(cfg.num_samples, 1), seq_len, vocab_size or len(tokenizer), seed)
-    samples = [tokenize(s, tokenizer, cfg) for s in read_samples(cfg, seed)]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    rows_ids, rows_labels, rows_pos = [], [], []
-    cur_ids: list[int] = []
-    cur_labels: list[int] = []
-    cur_pos: list[int] = []
-
-    def flush():
-        n = seq_len - len(cur_ids)
-        rows_ids.append(cur_ids + [pad] * n)
-        rows_labels.append(cur_labels + [-100] * n)
-        rows_pos.append(cur_pos + list(range(n)))
-
-    for ids, labels in samples:
-        ids, labels = ids[:seq_len], labels[:seq_len]
-        if cur_ids and (not cfg.packing or len(cur_ids) + len(ids) > seq_len):
-            flush()
-            cur_ids, cur_labels, cur_pos = [], [], []
-        cur_ids += ids
-        cur_labels += labels
-        cur_pos += list(range(len(ids)))
-    if cur_ids:
-        flush()
-    as_t = lambda rows: torch.tensor(rows, dtype=torch.long)  # noqa: E731
-    return PackedDataset(as_t(rows_ids), as_t(rows_labels), as_t(rows_pos), seed)
+    """The training set of ``build_datasets``."""
+    return build_datasets(cfg, tokenizer, seq_len, seed, vocab_size)[0]
