@@ -213,15 +213,26 @@ def fp8_recipe(
 
 
 def _wrap_fp8(layers: nn.Module, recipe) -> None:
-    """Run every decoder layer under TE's fp8 autocast with ``recipe``: its te.Linear GEMMs run in FP8; the
-    router (F.linear), the experts (grouped_mm), norms' statistics, attention's softmax and the loss stay in
-    bf16/fp32."""
-    te = _te()
+    """Run every decoder layer under TE's fp8 autocast with ``recipe`` (entered by a forward pre-hook, left by a
+    forward hook that runs even when the forward raises): its te.Linear GEMMs run in FP8; the router (F.linear),
+    the experts (grouped_mm), norms' statistics, attention's softmax and the loss stay in bf16/fp32."""
+    autocast = _FP8Autocast(_te(), recipe)
     for layer in layers:
-        inner = layer.forward
+        layer.register_forward_pre_hook(autocast.enter)
+        layer.register_forward_hook(autocast.exit, always_call=True)
 
-        def forward(*args, _inner=inner, **kwargs):
-            with te.autocast(enabled=True, recipe=recipe):
-                return _inner(*args, **kwargs)
 
-        layer.forward = forward
+class _FP8Autocast:
+    """TE's autocast context around a module's forward, as hooks; a stack, for forwards that nest (activation
+    checkpointing recomputes a layer's forward inside the backward)."""
+
+    def __init__(self, te, recipe):
+        self.te, self.recipe, self.active = te, recipe, []
+
+    def enter(self, module, args) -> None:
+        context = self.te.autocast(enabled=True, recipe=self.recipe)
+        context.__enter__()
+        self.active.append(context)
+
+    def exit(self, module, args, output) -> None:
+        self.active.pop().__exit__(None, None, None)

@@ -115,10 +115,12 @@ def stub_te(monkeypatch, stub_te_recipes):
     @contextlib.contextmanager
     def autocast(enabled, recipe):
         recipes.append(recipe)
+        te.depth += 1
         yield
+        te.depth -= 1
 
     te = types.ModuleType("transformer_engine.pytorch")
-    te.Linear, te.RMSNorm, te.autocast = Linear, RMSNorm, autocast
+    te.Linear, te.RMSNorm, te.autocast, te.depth = Linear, RMSNorm, autocast, 0
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te)
     sys.modules["transformer_engine"].pytorch = te
     return te, recipes
@@ -143,8 +145,15 @@ def test_te_swaps_the_dense_linears_fp8_can_take(stub_te, fp8, tmp_path, caplog)
     assert isinstance(model.layers[0].input_layernorm, te.RMSNorm) and isinstance(model.model.norm, te.RMSNorm)
     assert type(model.moe_layers()[0].router) is router_type and type(model.lm_head) is head_type
     torch.testing.assert_close(attn.q_proj.weight, q_before, rtol=0, atol=0)
-    # The wrapped forward, with the layer's own forward swapped for a marker (TE attention cannot run here).
-    assert model.layers[1].forward(_inner=lambda: "inner ran") == "inner ran"
+    # A layer's forward runs inside the autocast, left afterwards (the layer's own forward swapped for a marker:
+    # TE attention cannot run here; the hooks stay the layer's).
+    layer = model.layers[1]
+    layer.forward = lambda: te.depth
+    assert layer() == 1 and te.depth == 0
+    layer.forward = lambda: 1 / 0
+    with pytest.raises(ZeroDivisionError):
+        layer()
+    assert te.depth == 0  # left on an error too
     assert type(recipes[-1]).__name__ == ("Float8CurrentScaling" if fp8 == "current" else "Float8BlockScaling")
 
 
