@@ -289,5 +289,3 @@ def comm_config(values: dict) -> CommConfig:
         raise ConfigError(f"comm={values.get('name')!r} is not one of {', '.join(COMM_CONFIGS)}")
     known = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in values.items() if k in known})
-
-

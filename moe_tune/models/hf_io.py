@@ -102,7 +102,9 @@ def read_global_rows(reader: CheckpointReader, family: Family, name: str, start:
             keys = [f"{prefix}.{j}.{p}" for p in parts]
             missing = [k for k in keys if k not in reader]
             if missing:
-                raise CheckpointError(f"checkpoint {reader.path} lacks {missing[0]} (needed for {name}); is it complete?")
+                raise CheckpointError(
+                    f"checkpoint {reader.path} lacks {missing[0]} (needed for {name}); is it complete?"
+                )
             experts.append(torch.cat([reader.rows(k) for k in keys], dim=0))
         if not experts:
             return torch.empty(0)

@@ -50,7 +50,9 @@ class MoE(nn.Module):
         setattr(self, spec.router_attr, Router(spec.router, spec.experts.dim))
         self.dispatcher = dispatcher or LocalDispatcher(spec.router.num_experts, spec.router.top_k)
         d = self.dispatcher
-        self.experts = GroupedExperts(spec.experts, experts or ExpertsOptions(), d.first_local_expert, d.num_local_experts)
+        self.experts = GroupedExperts(
+            spec.experts, experts or ExpertsOptions(), d.first_local_expert, d.num_local_experts
+        )
         for name, module in (shared or {}).items():
             setattr(self, name, module)
         # Filled by every forward for the trainer: balancing losses (with graph) and rows per expert (detached).

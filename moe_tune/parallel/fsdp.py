@@ -44,7 +44,9 @@ def experts_options(dims: ParallelDims, precision: str, impl: str = "grouped_mm"
     weights to the compute dtype, and average their gradients over the data-parallel ranks."""
     if not dims.experts_outside_fsdp:
         return ExpertsOptions(impl=impl)
-    return ExpertsOptions(impl=impl, compute_dtype=mixed_precision_policy(precision).param_dtype, grad_divide=float(dims.dp))
+    return ExpertsOptions(
+        impl=impl, compute_dtype=mixed_precision_policy(precision).param_dtype, grad_divide=float(dims.dp)
+    )
 
 
 def _moe_of(layer: nn.Module) -> MoE | None:
