@@ -10,7 +10,8 @@ Where each backend runs:
   - ``symm_mem_emulated``: symm_mem's own permutation, capacity and autograd code on gloo (CPU), with
     NVSHMEM's ``all_to_all_vdev`` and symmetric allocation replaced by a gloo equivalent.
   - ``symm_mem`` and ``deepep``: NCCL on 2 GPUs, bf16 rows of 256 (``gpu`` marker; skipped with the reason
-    otherwise). All eight cases passed on 2 x H200 (torch 2.11, DeepEP 1.2.1), 2026-11-30.
+    otherwise). On 2 x H200 with torch 2.11 and DeepEP 1.2.1 the three ``gpu`` tests pass:
+    benchmarks/results/2026-11-30-2xH200/dispatch-gpu-tests.log.
 Nothing here imports deep_ep unless the deepep case runs.
 """
 

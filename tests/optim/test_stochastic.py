@@ -140,9 +140,9 @@ def test_build_optimizer_picks_it_and_it_refuses_fp32_parameters():
 def test_compiled_cuda_update_matches_eager_cpu_with_the_same_bits():
     """The compiled kernel used on CUDA against the eager function on CPU, same inputs and random bits: equal
     except where fp32 arithmetic differs (the GPU fuses multiply-adds): at most 0.1% of elements, each by one bf16
-    step of the value, or by fp32's absolute error (1e-6) where a moment cancels to ~1e-8. (Compiled on CPU the
-    two are bitwise equal; the first GPU run, without the absolute term, passed the parameters and failed on the
-    first moment, as an fp32 emulation of fused multiply-adds does on elements cancelled to ~1e-8.)"""
+    step of the value, or by fp32's absolute error (1e-6) where a moment cancels to ~1e-8 (the parameters alone
+    would pass without the absolute term; the first moment needs it, as an fp32 emulation of fused multiply-adds
+    shows on elements cancelled to ~1e-8). Compiled on CPU, the two are bitwise equal."""
     from moe_tune.optim.stochastic import adamw_chunk_
 
     g = torch.Generator().manual_seed(0)

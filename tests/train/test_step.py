@@ -24,8 +24,8 @@ def trainer(tmp_path):
 
 
 def step_batches(trainer, step: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-    """The (ids, labels, position_ids) micro-batches the trainer takes for ``step`` on this rank. The only place
-    this test touches the trainer's data path (its API is being reshaped)."""
+    """The (ids, labels, position_ids) micro-batches the trainer takes for ``step`` on this rank (the one place
+    this test reaches into the trainer's data path)."""
     return [trainer._micro_batch(step, m) for m in range(trainer.accum)]
 
 
