@@ -43,6 +43,7 @@ LAYERS: list[tuple[str, ...]] = [
         "moe_tune.env",
         "moe_tune.run_record",
         "moe_tune.build",
+        "moe_tune.loggers",
     ),
     ("moe_tune.train",),
     ("moe_tune.cli", "moe_tune.bench", "moe_tune.export_cli", "moe_tune.__init__", "moe_tune.__main__"),

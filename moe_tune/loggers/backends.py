@@ -1,0 +1,107 @@
+"""The trackers behind ``moe_tune.loggers.Logger``; each imports its package in its constructor, so choosing one
+never imports another. ``require_logger`` has checked that the package is installed."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from moe_tune.config import LoggerConfig
+from moe_tune.loggers.base import Logger, flatten, scalars
+
+
+def _rgb(image):
+    """An HxWx3 uint8 array from an array or a matplotlib Figure."""
+    if hasattr(image, "canvas"):
+        from moe_tune.loggers.heatmap import figure_to_array
+
+        return figure_to_array(image)
+    return image
+
+
+class TensorBoardLogger(Logger):
+    """Event files in ``log_dir`` (``tensorboard --logdir <log_dir>``); each metrics field is a scalar tag of its
+    own name, the config a text summary."""
+
+    def __init__(self, cfg: LoggerConfig, log_dir: str, config: dict):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=log_dir)
+        lines = "\n".join(f"    {k} = {v!r}" for k, v in flatten(config).items())  # indented: markdown code block
+        self.writer.add_text("config", lines, 0)
+
+    def log(self, step: int, row: dict) -> None:
+        for key, value in scalars(row).items():
+            self.writer.add_scalar(key, value, step)
+
+    def log_image(self, step: int, name: str, image) -> None:
+        self.writer.add_image(name, _rgb(image), step, dataformats="HWC")
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger(Logger):
+    """A W&B run in ``log_dir/wandb``: ``logger.mode=offline`` (the default) writes it locally with no network
+    (``wandb sync <dir>`` uploads it later); ``online`` needs a login."""
+
+    def __init__(self, cfg: LoggerConfig, log_dir: str, config: dict):
+        import wandb
+
+        self.wandb = wandb
+        self.run = wandb.init(
+            project=cfg.project,
+            name=cfg.run_name,
+            dir=log_dir,
+            mode=cfg.mode,
+            config=config,
+            settings=wandb.Settings(console="off", silent=True),  # leave stdout/stderr to moe_tune's own logging
+        )
+
+    def log(self, step: int, row: dict) -> None:
+        self.run.log(scalars(row), step=step)
+
+    def log_image(self, step: int, name: str, image) -> None:
+        self.run.log({name: self.wandb.Image(_rgb(image))}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowLogger(Logger):
+    """An MLflow run in a file store at ``log_dir`` (``MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri
+    <log_dir>``): experiment ``logger.project``, the flattened config as parameters.
+
+    MLflow 3 refuses a file store unless ``MLFLOW_ALLOW_FILE_STORE=true`` (its database stores need SQLAlchemy,
+    which mlflow-skinny lacks); this sets it for this process unless it is set already."""
+
+    def __init__(self, cfg: LoggerConfig, log_dir: str, config: dict):
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(tracking_uri="file:" + os.path.abspath(log_dir))
+        exp = self.client.get_experiment_by_name(cfg.project)
+        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(cfg.project)
+        self.run_id = self.client.create_run(exp_id, run_name=cfg.run_name).info.run_id
+        params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items()]  # MLflow's value length limit
+        for i in range(0, len(params), 100):  # at most 100 parameters per batch
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
+
+    def log(self, step: int, row: dict) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, v, now, step) for k, v in scalars(row).items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def log_image(self, step: int, name: str, image) -> None:
+        self.client.log_image(self.run_id, _rgb(image), key=name, step=step)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+BACKENDS: dict[str, type[Logger]] = {"tensorboard": TensorBoardLogger, "wandb": WandbLogger, "mlflow": MlflowLogger}
+
+__all__ = ["BACKENDS", "MlflowLogger", "TensorBoardLogger", "WandbLogger"]

@@ -1,0 +1,41 @@
+"""Expert load as an image: layers down, experts across, each layer's counts over its mean (1 = even load).
+matplotlib (an optional dependency; ``require_logger`` checks it) draws off-screen, without pyplot."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def normalised_load(counts_LE: np.ndarray) -> np.ndarray:
+    """Each layer's rows per expert over the layer's mean: 1 everywhere is a perfectly balanced layer."""
+    counts_LE = np.asarray(counts_LE, dtype=np.float64)
+    return counts_LE / np.maximum(counts_LE.mean(axis=1, keepdims=True), 1e-12)
+
+
+def figure_to_array(figure) -> np.ndarray:
+    """A matplotlib Figure rendered to an HxWx3 uint8 array."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
+def expert_load_image(counts_LE: np.ndarray, step: int) -> np.ndarray:
+    """The heat map of ``counts_LE`` (layers x experts, rows routed to each expert) as an HxWx3 uint8 array."""
+    from matplotlib.figure import Figure
+
+    load_LE = normalised_load(counts_LE)
+    L, E = load_LE.shape
+    fig = Figure(figsize=(min(2 + 0.25 * E, 16), min(1.5 + 0.3 * L, 12)), dpi=80)
+    ax = fig.add_subplot()
+    im = ax.imshow(load_LE, aspect="auto", cmap="viridis", vmin=0.0, interpolation="nearest")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    ax.set_title(f"expert load / mean, step {step}")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    return figure_to_array(fig)
+
+
+__all__ = ["expert_load_image", "figure_to_array", "normalised_load"]

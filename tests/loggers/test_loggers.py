@@ -1,0 +1,156 @@
+"""Experiment loggers, each read back with its own tracker's reader: TensorBoard's EventAccumulator, the W&B
+offline run file (its records parsed with wandb's own protobuf classes), MLflow's client on the file store.
+Only rank 0 logs; a missing package is one ConfigError line naming the install command."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from moe_tune.config import ConfigError, LoggerConfig
+from moe_tune.loggers import Logger, build_logger, flatten, require_logger, scalars
+
+ROWS = [
+    {"step": 1, "loss": 2.5, "lr": 1e-3, "grad_norm": 4.0, "skipped_steps": 0, "expert_load/layer_0": 1.25},
+    {"step": 2, "loss": 2.0, "lr": 2e-3, "grad_norm": 3.0, "val_loss": 2.25, "val_ppl": float(np.exp(2.25))},
+]
+CONFIG = {"train": {"lr": 0.003, "steps": 2}, "output_dir": "out", "flag": True}
+IMAGE = np.arange(6 * 8 * 3, dtype=np.uint8).reshape(6, 8, 3)
+
+
+def _needs(module: str):
+    return pytest.mark.skipif(
+        importlib.util.find_spec(module) is None, reason=f"{module} is not installed (pip install 'moe_tune[track]')"
+    )
+
+
+def _write(name: str, tmp_path, **cfg) -> str:
+    logger = build_logger(LoggerConfig(name=name, **cfg), str(tmp_path), 0, CONFIG)
+    for row in ROWS:
+        logger.log(row["step"], row)
+    logger.log_image(2, "expert_load", IMAGE)
+    logger.close()
+    return str(tmp_path / name)
+
+
+def test_scalars_are_the_numeric_fields_and_the_config_is_flat():
+    row = {"step": 3, "loss": 1.5, "skipped_steps": 2, "ok": True, "name": "x", "nan": float("nan")}
+    got = scalars(row)
+    assert set(got) == {"loss", "skipped_steps", "nan"} and got["skipped_steps"] == 2.0
+    assert flatten(CONFIG) == {"train.lr": 0.003, "train.steps": 2, "output_dir": "out", "flag": True}
+
+
+def test_none_and_other_ranks_get_the_logger_that_does_nothing(tmp_path):
+    for cfg, rank in ((LoggerConfig(name="none"), 0), (LoggerConfig(name="tensorboard"), 1)):
+        logger = build_logger(cfg, str(tmp_path), rank, CONFIG)
+        assert type(logger) is Logger
+        logger.log(1, ROWS[0])
+        logger.log_image(1, "x", IMAGE)
+        logger.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name, package", [("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow")])
+def test_a_missing_package_is_one_line_with_the_install_command(monkeypatch, name, package):
+    monkeypatch.setitem(sys.modules, package, None)  # find_spec sees it as not installed
+    with pytest.raises(ConfigError) as e:
+        require_logger(LoggerConfig(name=name))
+    assert str(e.value) == f"logger={name} needs the {package} package: pip install 'moe_tune[track]'; or logger=none"
+
+
+def test_the_expert_load_image_needs_matplotlib(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    require_logger(LoggerConfig(name="none", expert_load_image_every=5))  # no logger: nothing is drawn
+    with pytest.raises(ConfigError, match=r"logger.expert_load_image_every=5 draws with matplotlib.*pip install"):
+        require_logger(LoggerConfig(name="tensorboard", expert_load_image_every=5))
+
+
+@_needs("matplotlib")
+def test_the_heat_map_is_the_load_over_each_layers_mean():
+    from moe_tune.loggers.heatmap import expert_load_image, normalised_load
+
+    counts = np.array([[1, 1, 1, 1], [4, 0, 0, 0], [0, 0, 0, 0]])
+    assert normalised_load(counts).tolist() == [[1, 1, 1, 1], [4, 0, 0, 0], [0, 0, 0, 0]]
+    image = expert_load_image(counts, step=7)
+    assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3 and image.std() > 0
+
+
+@_needs("tensorboard")
+def test_tensorboard_scalars_and_image_read_back(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(_write("tensorboard", tmp_path), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    for key in ("loss", "lr", "grad_norm", "skipped_steps", "expert_load/layer_0", "val_loss", "val_ppl"):
+        expected = [(r["step"], np.float32(r[key])) for r in ROWS if key in r]
+        assert [(e.step, np.float32(e.value)) for e in acc.Scalars(key)] == expected, key
+    assert "step" not in acc.Tags()["scalars"]
+    (image,) = acc.Images("expert_load")
+    assert (image.step, image.width, image.height) == (2, 8, 6)
+
+
+def _wandb_records(path: str) -> list:
+    """The records of a W&B run file: wandb's LevelDB-style log (a 7-byte header, then chunks in 32 KiB blocks,
+    each with a 7-byte header: CRC, little-endian length, type 1 full / 2 first / 3 middle / 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B"
+    block, pos, pending, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+@_needs("wandb")
+def test_wandb_offline_run_holds_the_logged_rows(tmp_path, monkeypatch):
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb_home"))
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    log_dir = _write("wandb", tmp_path, run_name="tiny")
+    (run_file,) = glob.glob(f"{log_dir}/wandb/offline-run-*/run-*.wandb")
+    records = _wandb_records(run_file)
+    history = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+    assert [h["_step"] for h in history] == [1, 2]
+    for h, row in zip(history, ROWS, strict=True):
+        assert {k: h[k] for k in scalars(row)} == scalars(row)
+    assert history[1]["expert_load/_type"] == "image-file"
+    assert glob.glob(f"{log_dir}/wandb/offline-run-*/files/{history[1]['expert_load/path']}")
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert run.display_name == "tiny" and config["train"] == CONFIG["train"], config
+
+
+@_needs("mlflow")
+def test_mlflow_file_store_holds_the_logged_rows(tmp_path):
+    from mlflow import MlflowClient
+
+    log_dir = _write("mlflow", tmp_path, project="proj")
+    client = MlflowClient(tracking_uri=f"file:{log_dir}")
+    (run,) = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
+    assert run.info.status == "FINISHED"
+    for key in ("loss", "lr", "grad_norm", "expert_load/layer_0", "val_loss", "val_ppl"):
+        history = client.get_metric_history(run.info.run_id, key)
+        assert [(m.step, m.value) for m in history] == [(r["step"], r[key]) for r in ROWS if key in r], key
+    assert run.data.params == {k: str(v) for k, v in flatten(CONFIG).items()}
+    images = [a.path for a in client.list_artifacts(run.info.run_id, "images")]
+    assert any(p.startswith("images/expert_load+step+2+") and p.endswith(".png") for p in images)
