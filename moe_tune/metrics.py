@@ -13,12 +13,15 @@ device only at the interval's last step, so a row's ``step_time_s`` is the inter
 ``interval_steps``, and ``tokens_per_s``, ``tokens_per_s_per_gpu`` and ``tflops_per_gpu`` are averages over the
 interval. Checkpoint saves and the logging itself are left out of the wall time. ``peak_mem_gib`` is the peak
 over the interval. ``loss`` and ``grad_norm`` are those of the row's own step. With ``log_every=1`` every row is
-one step, as before.
+one step, as before. A row of an evaluation step also has ``val_loss`` (mean cross-entropy over every validation
+label token of all ranks) and ``val_ppl`` (its exp); the evaluation is left out of the row's wall time, not of
+its ``peak_mem_gib`` (no_grad forwards: below a training step's peak).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -152,4 +155,20 @@ class MetricsWriter:
             "peak_mem_gib": max((r["peak_mem_gib"] for r in self.rows), default=0.0),
             "peak_reserved_gib": max((r.get("peak_reserved_gib", 0.0) for r in self.rows), default=0.0),
             "steps_timed": len(timed),
+            **self.validation_summary(),
+        }
+
+    def validation_summary(self) -> dict:
+        """``final_val_loss``/``final_val_ppl`` (the last evaluation) and ``best_val_loss``/``best_val_step`` (the
+        lowest, the earliest of equals); empty when no row was evaluated."""
+        evaluated = [r for r in self.rows if "val_loss" in r]
+        if not evaluated:
+            return {}
+        best = min(evaluated, key=lambda r: (math.isnan(r["val_loss"]), r["val_loss"]))
+        last = evaluated[-1]
+        return {
+            "final_val_loss": last["val_loss"],
+            "final_val_ppl": last["val_ppl"],
+            "best_val_loss": best["val_loss"],
+            "best_val_step": best["step"],
         }

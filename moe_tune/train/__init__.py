@@ -1,7 +1,8 @@
 """Training: ``Trainer`` (trainer.py) and the small objects its loop calls.
 
 trainer.py   Trainer: a model from an injected builder, train_step(), the loop
-cadence.py   Cadence: which steps log, save a checkpoint and synchronize the host
+cadence.py   Cadence: which steps log, evaluate, draw, save a checkpoint and synchronize the host
+evaluate.py  evaluate: the held-out loss over every validation token of all ranks (eval mode, no_grad)
 guard.py     NonFiniteGuard: device-side counts of steps skipped for a non-finite gradient norm
 signals.py   StopSignal: SIGTERM/SIGUSR1, agreed by every rank on the same step
 profile.py   build_profiler: train.profile=true traces steps 6-8 on rank 0

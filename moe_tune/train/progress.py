@@ -19,6 +19,8 @@ class Progress:
 
     def report(self, row: dict) -> None:
         text = f"loss {row['loss']:.4f} | {row['tokens_per_s']:,.0f} tok/s | {row['peak_mem_gib']:.1f} GiB"
+        if "val_loss" in row:
+            text += f" | val_loss {row['val_loss']:.4f} | val_ppl {row['val_ppl']:.2f}"
         if self.bar is not None:
             self.bar.set_postfix_str(text)
             self.bar.update(row["step"] - self.bar.n)

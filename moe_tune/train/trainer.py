@@ -1,12 +1,14 @@
 """The trainer: a model from an injected builder, ``train_step`` (one optimizer step), and a loop of a few lines.
 
-Everything else the loop needs is a small object it calls: ``Cadence`` (which steps log, save and synchronize),
-``NonFiniteGuard`` (device-side counts of skipped steps), ``StopSignal`` (SIGTERM/SIGUSR1, agreed by all ranks),
-the profiler, ``IntervalTimer`` and ``MetricsWriter`` (metrics per logging interval), and moe_tune.checkpoint.
+Everything else the loop needs is a small object it calls: ``Cadence`` (which steps log, evaluate, draw, save
+and synchronize), ``NonFiniteGuard`` (device-side counts of skipped steps), ``StopSignal`` (SIGTERM/SIGUSR1,
+agreed by all ranks), the profiler, ``IntervalTimer`` and ``MetricsWriter`` (metrics per logging interval),
+``evaluate`` (held-out loss), the experiment ``Logger`` (moe_tune.loggers), and moe_tune.checkpoint.
 
-Host syncs: only at the cadence's sync steps (every ``train.log_every``-th, every ``checkpoint.every``-th and the
-last): the timer's synchronize, the dispatchers' checks, the guard's counts, the metrics row, the signal
-agreement. Other steps queue their work on the device and go on.
+Host syncs: only at the cadence's sync steps (every ``train.log_every``-th, every ``train.eval_every``-th when
+there is a validation set, every ``logger.expert_load_image_every``-th, every ``checkpoint.every``-th and the
+last): the timer's synchronize, the dispatchers' checks, the guard's counts, the metrics row (with the validation
+loss), the expert-load image, the signal agreement. Other steps queue their work on the device and go on.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -24,9 +27,11 @@ from moe_tune import checkpoint as ckpt
 from moe_tune.build import Built, build_training_model
 from moe_tune.config import Config, validate
 from moe_tune.env import require_backends
+from moe_tune.loggers import build_logger, require_logger
 from moe_tune.metrics import IntervalTimer, MetricsWriter, step_row
 from moe_tune.run_record import setup_logging, write_config, write_run_summary
 from moe_tune.train.cadence import Cadence
+from moe_tune.train.evaluate import evaluate, perplexity
 from moe_tune.train.guard import Diverged, NonFiniteGuard
 from moe_tune.train.profile import build_profiler
 from moe_tune.train.progress import Progress
@@ -46,7 +51,7 @@ class Trainer:
         builder: Callable[[Config, object], Built] = build_training_model,
         write_run_files: bool = True,
     ):
-        from moe_tune.data import build_dataset
+        from moe_tune.data import build_datasets
         from moe_tune.dist.env import init_distributed
 
         self.cfg, t = cfg, cfg.train
@@ -63,16 +68,25 @@ class Trainer:
         self.dp_size, self.accum = self._batch_layout()
         self.optimizer, self.scheduler = self.build_optimizer()
         vocab_size = self.model.config.vocab_size
-        self.data = build_dataset(cfg.data, self.tokenizer, t.seq_len, t.seed, vocab_size=vocab_size)
+        self.data, self.val_data = build_datasets(cfg.data, self.tokenizer, t.seq_len, t.seed, vocab_size=vocab_size)
         self.metrics = MetricsWriter(cfg.output_dir, self.rank == 0 and write_run_files, t.warmup_steps_excluded)
-        self.cadence = Cadence(t.steps, t.log_every, cfg.checkpoint.every if built.checkpointable else 0)
+        self.cadence = Cadence(
+            t.steps,
+            t.log_every,
+            cfg.checkpoint.every if built.checkpointable else 0,
+            eval_every=None if self.val_data is None else t.eval_every,
+            image_every=cfg.logger.expert_load_image_every if self.moe_layers and cfg.logger.name != "none" else 0,
+        )
         self.guard = NonFiniteGuard(t.max_nonfinite_steps, self.device, warn=self.rank == 0)
         self.step = ckpt.maybe_resume(self, cfg.checkpoint.resume) if built.checkpointable else 0
+        # Last: a tracker's run starts only once everything else could be built.
+        self.logger = build_logger(cfg.logger, cfg.output_dir, self.rank if write_run_files else -1, asdict(cfg))
 
     def check_config(self, cfg: Config) -> None:
         """Cross-group checks and the named backends' availability, before any process group exists."""
         validate(cfg)
         require_backends(cfg)
+        require_logger(cfg.logger)
 
     # -- building ----------------------------------------------------------------------------------
     def _batch_layout(self) -> tuple[int, int]:
@@ -184,6 +198,7 @@ class Trainer:
             finally:
                 progress.close()
                 profiler.stop()
+                self.logger.close()
         if stopped:
             self._stop_for_signal(stop.signum)
         if cfg.checkpoint.export_hf and self.built.checkpointable:
@@ -215,10 +230,16 @@ class Trainer:
         for dispatcher in self._dispatchers:
             dispatcher.check()  # after the sync: every rank sees the same device-side verdicts
         diverged = self.guard.check(self.step)
+        # The training step's loads (its last micro-batch), kept before an evaluation's forwards replace them.
+        counts_LE = torch.stack([m.counts_E for m in self.moe_layers]) if self.moe_layers else None
+        if self.cadence.draws(self.step):
+            self._draw_expert_load(counts_LE)
         if diverged or self.cadence.logs(self.step):
-            row = self._metrics_row(out, timer)
+            val_loss = self._evaluate() if self.cadence.evals(self.step) else None
+            row, layers = self._metrics_row(out, timer, counts_LE, val_loss)
             self.metrics.log(row)
             progress.report(row)
+            self.logger.log(self.step, {**row, **layers})
             timer.new_interval()
         if diverged:
             self._stop_diverged(diverged)  # before any save: no checkpoint after the limit was passed
@@ -231,14 +252,44 @@ class Trainer:
         """Each distinct dispatcher once (the build made them with ``checked_after_step``: the loop checks)."""
         return list({id(m.dispatcher): m.dispatcher for m in self.moe_layers}.values())
 
-    def _metrics_row(self, out: dict, timer: IntervalTimer) -> dict:
+    def _evaluate(self) -> torch.Tensor:
+        """The held-out loss over the whole validation set of every rank (a device tensor: no host sync)."""
+        t = self.cfg.train
+        batches = self.val_data.batches(t.micro_batch_size, self.rank, self.dp_size, self.device)
+        return evaluate(self.model, batches, self.device, self._autocast)
+
+    def _draw_expert_load(self, counts_LE: torch.Tensor | None) -> None:
+        if self.rank != 0 or counts_LE is None:
+            return
+        from moe_tune.loggers.heatmap import expert_load_image
+
+        # host sync: the counts for the image, on image steps only (a sync step: the device is idle)
+        image = expert_load_image(counts_LE.cpu().numpy(), self.step)
+        self.logger.log_image(self.step, "expert_load", image)
+
+    def _metrics_row(
+        self, out: dict, timer: IntervalTimer, counts_LE: torch.Tensor | None, val_loss: torch.Tensor | None
+    ) -> tuple[dict, dict]:
+        """The metrics.jsonl row, and the per-layer expert load (max over mean, ``expert_load/layer_<i>`` for
+        the i-th MoE layer) for the experiment logger."""
         values = [out["loss"].float(), out["grad_norm"].float().to(self.device)]
-        if self.moe_layers:
-            loads = torch.stack([m.counts_E.float() for m in self.moe_layers])
-            values.append((loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1)).mean().to(self.device))
+        if val_loss is not None:
+            values.append(val_loss.float())
+        num_layers = 0
+        if counts_LE is not None:
+            loads = counts_LE.float()
+            ratio_L = (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1)).to(self.device)
+            values += [ratio_L.mean(), *ratio_L]
+            num_layers = len(ratio_L)
         # host sync: one .tolist() per logged step for the metrics line (the device is idle: the timer synced)
-        loss, grad_norm, *load = torch.stack(values).tolist()
-        extra = {"expert_load_max_over_mean": load[0]} if load else {}
+        loss, grad_norm, *rest = torch.stack(values).tolist()
+        extra = {}
+        if val_loss is not None:
+            val = rest.pop(0)
+            extra.update(val_loss=val, val_ppl=perplexity(val))
+        if num_layers:
+            extra["expert_load_max_over_mean"] = rest[0]
+        layers = {f"expert_load/layer_{i}": v for i, v in enumerate(rest[1 : 1 + num_layers])}
         t = self.cfg.train
         return step_row(
             self.step,
@@ -253,7 +304,7 @@ class Trainer:
             **extra,
             skipped_steps=self.guard.skipped,
             interval_steps=timer.steps,
-        )
+        ), layers
 
     def _stop_diverged(self, diverged: Diverged) -> None:
         first, last = diverged.first, diverged.last

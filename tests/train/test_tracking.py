@@ -1,0 +1,73 @@
+"""The trainer's experiment logging, read back with TensorBoard's own event reader: every numeric metrics.jsonl
+field (validation loss included) at every logged step, the expert load per MoE layer, the expert-load image on
+its steps; and a tracker whose package is missing stops ``moe-tune`` with exit 2 and one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from moe_tune.cli import compose, to_config
+
+pytest.importorskip("tensorboard", reason="logger=tensorboard needs tensorboard (pip install 'moe_tune[track]')")
+pytest.importorskip("matplotlib", reason="the expert-load image needs matplotlib")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FAST = ["train.seq_len=32", "train.micro_batch_size=2", "data.num_samples=64", "train.precision=fp32"]
+
+
+def test_tensorboard_holds_the_metrics_rows_the_layer_loads_and_the_images(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from moe_tune.dist.env import destroy_distributed
+    from moe_tune.train import Trainer
+
+    overrides = ["train.steps=4", "train.eval_every=2", "data.val_fraction=0.1", "logger=tensorboard"]
+    overrides += ["logger.expert_load_image_every=2", f"output_dir={tmp_path}", "checkpoint.export_hf=false"]
+    try:
+        trainer = Trainer(to_config(compose([*FAST, *overrides])))
+        trainer.fit()
+    finally:
+        destroy_distributed()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+
+    keys = {k for r in rows for k, v in r.items() if k != "step" and isinstance(v, int | float)}
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "val_loss", "val_ppl", "expert_load_max_over_mean"} <= keys
+    for key in keys:
+        logged = [(e.step, np.float32(e.value)) for e in acc.Scalars(key)]
+        assert logged == [(r["step"], np.float32(r[key])) for r in rows if key in r], key
+    assert [e.step for e in acc.Scalars("val_loss")] == [2, 4]
+
+    num_layers = len(trainer.moe_layers)
+    per_layer = [[e.value for e in acc.Scalars(f"expert_load/layer_{i}")] for i in range(num_layers)]
+    assert num_layers > 0 and f"expert_load/layer_{num_layers}" not in acc.Tags()["scalars"]
+    mean_over_layers = np.mean(per_layer, axis=0)  # the metrics row's field is their mean
+    assert mean_over_layers == pytest.approx([r["expert_load_max_over_mean"] for r in rows], rel=1e-5)
+    assert all(v >= 1.0 for layer in per_layer for v in layer)  # max over mean
+
+    assert [(i.step, i.width > 0) for i in acc.Images("expert_load")] == [(2, True), (4, True)]
+
+
+def test_a_missing_tracker_package_is_exit_2_with_one_line(tmp_path):
+    code = (
+        "import sys; sys.modules['wandb'] = None; "  # as if wandb were not installed
+        f"sys.argv = ['moe-tune', 'logger=wandb', 'output_dir={tmp_path}']; "
+        "from moe_tune.cli import main; main()"
+    )
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "moe-tune: error: logger=wandb needs the wandb package: pip install 'moe_tune[track]'; or logger=none"
+    )
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "wandb").exists()
