@@ -19,7 +19,7 @@ from moe_tune.metrics import MetricsWriter
 from moe_tune.train import Cadence
 from moe_tune.train.evaluate import evaluate, perplexity
 
-FAST = ["train.seq_len=32", "train.micro_batch_size=2", "data.num_samples=64", "train.precision=fp32"]
+FAST = ["train.seq_len=64", "train.micro_batch_size=2", "data.num_samples=64", "train.precision=fp32"]
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ pytest.importorskip("tensorboard", reason="logger=tensorboard needs tensorboard 
 pytest.importorskip("matplotlib", reason="the expert-load image needs matplotlib")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FAST = ["train.seq_len=32", "train.micro_batch_size=2", "data.num_samples=64", "train.precision=fp32"]
+FAST = ["train.seq_len=64", "train.micro_batch_size=2", "data.num_samples=64", "train.precision=fp32"]
 
 
 def test_tensorboard_holds_the_metrics_rows_the_layer_loads_and_the_images(tmp_path):
