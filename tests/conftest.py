@@ -1,15 +1,17 @@
-import importlib.util
-import os
-import sys
+"""Fixtures for every test directory. Helpers live in modules: tests/harness.py (ranks in processes, the CLI in a
+subprocess, run outputs) and tests/tiny.py (tiny random Hugging Face checkpoints, ``rel_err``)."""
+
+from __future__ import annotations
+
+import itertools
 
 import pytest
+import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import harness, tiny
 
 
 def pytest_collection_modifyitems(config, items):
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
@@ -19,18 +21,25 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def cli_env():
+def cli_env() -> dict[str, str]:
     """Environment for running `python -m moe_tune` in a subprocess on one CPU process."""
-    env = dict(os.environ)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    return env
+    return harness.cli_env()
 
 
-PY = sys.executable
-needs_te = pytest.mark.skipif(
-    importlib.util.find_spec("transformer_engine") is None,
-    reason="TransformerEngine is not installed (pip install 'moe_tune[te]' on a CUDA machine)",
-)
+@pytest.fixture
+def tiny_checkpoint(tmp_path):
+    """``tiny_checkpoint(model_type="qwen3_moe", dtype=torch.float32, seed=0, **config_overrides) -> str``: a tiny
+    random Hugging Face checkpoint (``tiny.save_tiny``) saved in a new directory under the test's tmp_path."""
+    count = itertools.count()
+
+    def make(model_type: str = "qwen3_moe", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> str:
+        return tiny.save_tiny(tmp_path / f"tiny_{model_type}_{next(count)}", model_type, dtype, seed, **overrides)
+
+    return make
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    """No torchrun or Slurm variables: ``init_distributed`` makes a one-process group (gloo on CPU)."""
+    for key in harness.LAUNCH_VARS:
+        monkeypatch.delenv(key, raising=False)

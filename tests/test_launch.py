@@ -3,7 +3,7 @@
 import os
 import subprocess
 
-from conftest import ROOT
+from tests.harness import ROOT
 
 SBATCH = os.path.join(ROOT, "launch", "slurm", "train.sbatch")
 

@@ -10,7 +10,6 @@ import subprocess
 
 import pytest
 import torch
-from conftest import PY
 from transformers import AutoModelForCausalLM
 
 from moe_tune.bench import finish_rows, parse_variants, split_overrides
@@ -21,6 +20,8 @@ from moe_tune.config import ConfigError
 from moe_tune.metrics import flops_per_token
 from moe_tune.models.model import build_model
 from moe_tune.models.presets import PRESETS, preset_config
+from tests.harness import PY
+from tests.tiny import build_hf
 
 ROW_FIELDS = {
     "variant",
@@ -107,9 +108,8 @@ def test_qwen3_30b_8_layers_flops_match_the_documented_figure():
 def test_forced_balanced_routing_matches_moe_tune_assignment():
     from moe_tune.moe.router import Router, RouterSpec
 
-    config = preset_config("tiny_qwen3_moe", {"num_hidden_layers": 1})
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hf = build_hf("qwen3_moe", num_hidden_layers=1)
+    config = hf.config
     assert apply_forced_balanced_routing(hf) == 1
     router = hf.model.layers[0].mlp.gate
     x = torch.randn(10, config.hidden_size)
@@ -128,10 +128,8 @@ def test_the_baseline_adapter_splits_transformers_loss_for_the_trainers_step():
 
     from moe_tune.bench.baseline import HFCausalLM
 
-    config = preset_config("tiny_qwen3_moe", {"num_hidden_layers": 1})
-    config.output_router_logits, config.router_aux_loss_coef = True, 0.01
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hf = build_hf("qwen3_moe", num_hidden_layers=1, output_router_logits=True, router_aux_loss_coef=0.01)
+    config = hf.config
     ids = torch.randint(4, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     labels = ids.clone()
     labels[:, :5] = -100  # a masked prompt

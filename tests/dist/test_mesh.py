@@ -1,4 +1,4 @@
-"""Device meshes for 64-1024 ranks on the fake backend (no processes), and the launcher environment."""
+"""Device meshes for 64-1024 ranks on the fake backend (no processes)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from moe_tune.config import ConfigError, ParallelConfig, ParallelDims
-from moe_tune.dist.env import dist_env, first_slurm_host
+from moe_tune.config import ParallelConfig, ParallelDims
 from moe_tune.dist.mesh import build_mesh
 
 pytestmark = pytest.mark.dist
@@ -46,29 +45,3 @@ def test_mesh_shapes_and_groups(world, dp_replicate, ep, rank):
         assert dense_groups == [_ranks(mesh, "dp_replicate"), _ranks(mesh, "dp_shard")]
     finally:
         dist.destroy_process_group()
-
-
-@pytest.mark.parametrize(
-    "kwargs,world,message",
-    [
-        (dict(ep=3), 8, "parallel.ep (3) must divide parallel.dp_shard (8"),
-        (dict(dp_replicate=3), 8, "parallel.dp_replicate (3) must divide the world size (8)"),
-        (dict(dp_replicate=2, dp_shard=2), 8, "x parallel.dp_shard (2) must equal the world size (8)"),
-    ],
-)
-def test_bad_layouts_fail_before_any_process_group(kwargs, world, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        ParallelDims.from_config(ParallelConfig(**kwargs), world)
-    with pytest.raises(ConfigError, match="must divide parallel.dp_shard"):
-        ParallelDims(dp_replicate=1, dp_shard=6, ep=4, world_size=6)
-    assert not dist.is_initialized()
-
-
-def test_dist_env_from_launchers():
-    torchrun = dist_env({"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8"})
-    assert (torchrun.rank, torchrun.local_rank, torchrun.world_size, torchrun.launcher) == (5, 1, 8, "torchrun")
-    slurm = dist_env({"SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NTASKS": "16"})
-    assert (slurm.rank, slurm.local_rank, slurm.world_size, slurm.launcher) == (9, 1, 16, "slurm")
-    assert dist_env({}).world_size == 1
-    assert first_slurm_host("gpu[003-005,010],cpu7") == "gpu003"
-    assert first_slurm_host("node7,node8") == "node7"

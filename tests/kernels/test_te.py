@@ -9,7 +9,6 @@ logits, loss and every gradient, packed and unpacked, and FP8 (current and delay
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -20,10 +19,8 @@ import moe_tune
 from moe_tune.kernels.attention import packed_sdpa
 from moe_tune.kernels.te import _fp8_shape_ok
 from moe_tune.models.model import packed_sequence_kwargs
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models"))
-from conftest import needs_te  # noqa: E402
-from tiny_hf import FAMILIES, VOCAB, build_hf, rel_err  # noqa: E402
+from tests.harness import needs_te
+from tests.tiny import FAMILIES, VOCAB, build_hf, rel_err
 
 
 def _packed_positions(B: int, S: int, lengths: list[int]) -> torch.Tensor:
@@ -253,8 +250,8 @@ def _run(model, ids, pos):
 
 
 def _checkpoint(tmp_path) -> str:
-    """A tiny Qwen3-MoE checkpoint at a trained model's scale (weights ~0.02, not tiny_hf's 0.2, which makes
-    activations so large that any bf16 rounding moves the logits by percents)."""
+    """A tiny Qwen3-MoE checkpoint at a trained model's scale (weights ~0.02, not tests/tiny.py's 0.2, which
+    makes activations so large that any bf16 rounding moves the logits by percents)."""
     model = build_hf("qwen3_moe", **TE_SHAPES)
     with torch.no_grad():
         for name, p in model.named_parameters():

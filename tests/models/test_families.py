@@ -6,24 +6,23 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from tiny_hf import FAMILIES, VOCAB, build_hf, load_hf, rel_err
 from transformers import AutoModelForCausalLM
 
 import moe_tune
 from moe_tune.config import CheckpointError, ConfigError
+from tests.tiny import FAMILIES, VOCAB, build_hf, load_hf, rel_err, save_tiny
 
 TOL = 1e-5  # relative (norm of the difference over the norm of the reference), fp32
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, request):
-    path = tmp_path_factory.mktemp(request.param)
-    build_hf(request.param).save_pretrained(path)
-    return str(path)
+    return save_tiny(tmp_path_factory.mktemp(request.param), request.param)
 
 
 def parametrize_families():
@@ -113,10 +112,9 @@ VARIANTS = [
 
 
 @pytest.mark.parametrize("model_type,overrides", VARIANTS, ids=[f"{m}-{'-'.join(o)}" for m, o in VARIANTS])
-def test_config_variants_match_hf(model_type, overrides, tmp_path):
+def test_config_variants_match_hf(model_type, overrides, tiny_checkpoint):
     """Dense layers in other places, other attention and rotary flavours, other top-k and renormalisation."""
-    build_hf(model_type, **overrides).save_pretrained(tmp_path)
-    _assert_grads_match(str(tmp_path), seed=7)
+    _assert_grads_match(tiny_checkpoint(model_type, **overrides), seed=7)
 
 
 def _router_outputs(hf) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -196,9 +194,7 @@ def test_save_load_bit_exact_and_hf_reads_export(checkpoint, tmp_path):
 
 @pytest.fixture(scope="module")
 def bf16_checkpoint(tmp_path_factory, request):
-    path = tmp_path_factory.mktemp(f"{request.param}_bf16")
-    build_hf(request.param, dtype=torch.bfloat16).save_pretrained(path)
-    return str(path)
+    return save_tiny(tmp_path_factory.mktemp(f"{request.param}_bf16"), request.param, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("bf16_checkpoint", FAMILIES, indirect=True)
@@ -239,9 +235,8 @@ def test_bf16_moe_block_as_accurate_as_hf(bf16_checkpoint):
     assert rel_err(y_ours, y_hf) < 1e-2
 
 
-def test_tied_embeddings(tmp_path):
-    src = str(tmp_path / "src")
-    build_hf("qwen3_moe", tie_word_embeddings=True).save_pretrained(src)
+def test_tied_embeddings(tmp_path, tiny_checkpoint):
+    src = tiny_checkpoint("qwen3_moe", tie_word_embeddings=True)
     assert "lm_head.weight" not in _disk(src)
     ours = moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     assert ours.lm_head.weight is ours.model.embed_tokens.weight
@@ -287,13 +282,12 @@ def test_sharded_checkpoint_round_trip(tmp_path):
         torch.testing.assert_close(again.state_dict()[k], v, rtol=0, atol=0, msg=k)
 
 
-def test_mtp_layer_ignored_extra_tensors_refused(tmp_path):
+def test_mtp_layer_ignored_extra_tensors_refused(tiny_checkpoint):
     """DeepSeek-V3 checkpoints carry a multi-token-prediction layer (model.layers.61.*) that transformers skips;
     so do we. Any other tensor the model does not use is an error, not silently dropped."""
     from safetensors.torch import save_file
 
-    src = tmp_path / "src"
-    build_hf("deepseek_v3").save_pretrained(src)
+    src = Path(tiny_checkpoint("deepseek_v3"))
     extra = {"model.layers.61.eh_proj.weight": torch.zeros(4, 4)}
     save_file(extra, str(src / "model-mtp.safetensors"))
     moe_tune.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
@@ -302,20 +296,10 @@ def test_mtp_layer_ignored_extra_tensors_refused(tmp_path):
         moe_tune.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
 
 
-def test_unsupported_architecture(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+def test_unsupported_architecture(tiny_checkpoint):
+    llama = tiny_checkpoint("llama")
     with pytest.raises(ConfigError) as err:
-        moe_tune.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+        moe_tune.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32)
     msg = str(err.value)
     assert "'llama'" in msg and "LlamaForCausalLM" in msg
     for family in FAMILIES:

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dist"))
-from dist_harness import tiny_qwen3_moe  # noqa: E402
-
-from moe_tune.build import from_pretrained  # noqa: E402
-from moe_tune.config import ConfigError  # noqa: E402
-from moe_tune.parallel import apply_ac  # noqa: E402
+from moe_tune.build import from_pretrained
+from moe_tune.config import ConfigError
+from moe_tune.parallel import apply_ac
+from tests.tiny import VOCAB
 
 
 def _run(path: str, mode: str) -> tuple[int, float, dict[str, torch.Tensor], list[str]]:
@@ -26,7 +21,7 @@ def _run(path: str, mode: str) -> tuple[int, float, dict[str, torch.Tensor], lis
         saved[0] += t.numel()
         return t
 
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(ids, labels=ids)
     out.loss.backward()
@@ -34,8 +29,8 @@ def _run(path: str, mode: str) -> tuple[int, float, dict[str, torch.Tensor], lis
     return saved[0], out.loss.item(), grads, [n for n, _ in model.named_parameters()]
 
 
-def test_modes_save_less_and_match(tmp_path):
-    path = tiny_qwen3_moe(str(tmp_path / "src"))
+def test_modes_save_less_and_match(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe", router_aux_loss_coef=0.01)
     none, selective, full = (_run(path, mode) for mode in ("none", "selective", "full"))
     assert none[0] > selective[0] > full[0]  # elements kept for backward
     for _, loss, grads, names in (selective, full):

@@ -16,9 +16,7 @@ from moe_tune.parallel import parallelize
 @pytest.mark.parametrize(
     "preset,router_dtype", [("tiny_deepseek_v3", torch.float32), ("tiny_qwen3_moe", torch.bfloat16)]
 )
-def test_router_weight_dtype_in_forward(preset, router_dtype, monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS"):
-        monkeypatch.delenv(key, raising=False)
+def test_router_weight_dtype_in_forward(preset, router_dtype, no_launcher):
     init_distributed()
     try:
         model = build_model(preset_config(preset, {"num_hidden_layers": 2}, vocab_size=64))

@@ -11,29 +11,11 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from moe_tune.cli import compose, to_config
 from moe_tune.metrics import MetricsWriter
 from moe_tune.train import Cadence
 from moe_tune.train.evaluate import evaluate, perplexity
-
-FAST = ["train.seq_len=64", "train.micro_batch_size=2", "data.num_samples=64", "train.precision=fp32"]
-
-
-@pytest.fixture
-def make_trainer(tmp_path):
-    from moe_tune.dist.env import destroy_distributed
-    from moe_tune.train import Trainer
-
-    def make(*overrides, out=None):
-        out = out or tmp_path
-        cfg = to_config(compose([f"output_dir={out}", "checkpoint.export_hf=false", *FAST, *overrides]))
-        return Trainer(cfg)
-
-    yield make
-    destroy_distributed()
+from tests.harness import run_ranks
 
 
 def _rows(path) -> list[dict]:
@@ -122,24 +104,20 @@ class _TokenLoss(torch.nn.Module):
         return type("Out", (), {"ce_loss": (ids[:, :-1].float() * mask).sum() / loss_normalizer})()
 
 
-def _eval_rank(rank: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        ids = torch.full((1, 5), 1.0 if rank == 0 else 3.0).long()
-        labels = ids.clone()
-        if rank == 0:
-            labels[0, :4] = -100  # rank 0: 1 label token of loss 1; rank 1: 4 tokens of loss 3
-        padding = (torch.zeros_like(ids), torch.full_like(ids, -100), None)  # equal batch counts per rank
-        loss = evaluate(_TokenLoss(), [(ids, labels, None), padding], torch.device("cpu"))
-        with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
-            f.write(repr(float(loss)))
-    finally:
-        dist.destroy_process_group()
+def _eval_rank(rank: int, out_dir: str) -> None:
+    ids = torch.full((1, 5), 1.0 if rank == 0 else 3.0).long()
+    labels = ids.clone()
+    if rank == 0:
+        labels[0, :4] = -100  # rank 0: 1 label token of loss 1; rank 1: 4 tokens of loss 3
+    padding = (torch.zeros_like(ids), torch.full_like(ids, -100), None)  # equal batch counts per rank
+    loss = evaluate(_TokenLoss(), [(ids, labels, None), padding], torch.device("cpu"))
+    with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+        f.write(repr(float(loss)))
 
 
 @pytest.mark.dist
 def test_evaluate_reduces_sums_and_counts_over_ranks(tmp_path):
-    mp.spawn(_eval_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_eval_rank, 2, str(tmp_path))
     expected = (1 * 1.0 + 4 * 3.0) / 5  # 2.6; the mean of the ranks' means would be 2.0
     assert [float((tmp_path / f"rank{r}").read_text()) for r in (0, 1)] == pytest.approx([expected] * 2, rel=1e-6)
 

@@ -10,23 +10,6 @@ import signal
 import pytest
 import torch
 
-from moe_tune.cli import compose, to_config
-
-FAST = ["train.seq_len=32", "train.micro_batch_size=2", "data.num_samples=64", "train.precision=fp32"]
-
-
-@pytest.fixture
-def make_trainer(tmp_path):
-    from moe_tune.dist.env import destroy_distributed
-    from moe_tune.train import Trainer
-
-    def make(*overrides):
-        cfg = to_config(compose([f"output_dir={tmp_path}", "checkpoint.export_hf=false", *FAST, *overrides]))
-        return Trainer(cfg)
-
-    yield make
-    destroy_distributed()
-
 
 def _rows(tmp_path) -> list[dict]:
     return [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]

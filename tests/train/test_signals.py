@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dist"))
-from dist_harness import run_ranks  # noqa: E402
-
-from moe_tune.train import Cadence, StopSignal  # noqa: E402
+from moe_tune.train import Cadence, StopSignal
+from tests.harness import run_ranks
 
 
 def _stop_where_agreed(rank: int, out_dir: str, signal_rank: int, signal_step: int) -> None:
@@ -53,3 +50,26 @@ def test_one_process_sees_its_own_signal_and_restores_handlers():
         os.kill(os.getpid(), signal.SIGUSR1)
         assert stop.agreed(torch.device("cpu")) is True and stop.signum == signal.SIGUSR1
     assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_a_signal_during_the_agreement_is_counted_at_the_next_step(monkeypatch):
+    """The handler's flag is never cleared by the all-reduce: a signal that lands while the ranks agree on the
+    previous step's flags stops every rank one step later instead of being lost."""
+    import torch.distributed as dist
+
+    before = signal.getsignal(signal.SIGTERM)
+    stop = StopSignal(enabled=True)
+    assert signal.getsignal(signal.SIGTERM) == stop._on_signal
+    try:
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+
+        def all_reduce(flag, op=None, group=None):
+            stop._on_signal(signal.SIGUSR1, None)  # arrives while the collective runs; the other rank had none
+
+        monkeypatch.setattr(dist, "all_reduce", all_reduce)
+        assert stop.agreed("cpu") is False and stop.signum is None
+        assert stop.agreed("cpu") is True and stop.signum == signal.SIGUSR1
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGTERM) == before  # the previous handlers are back

@@ -5,20 +5,16 @@ its steps; and a tracker whose package is missing stops ``moe-tune`` with exit 2
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from moe_tune.cli import compose, to_config
+from tests.harness import FAST_TRAINER, PY, cli_env
 
 pytest.importorskip("tensorboard", reason="logger=tensorboard needs tensorboard (pip install 'moe_tune[track]')")
 pytest.importorskip("matplotlib", reason="the expert-load image needs matplotlib")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FAST = ["train.seq_len=64", "train.micro_batch_size=2", "data.num_samples=64", "train.precision=fp32"]
 
 
 def test_tensorboard_holds_the_metrics_rows_the_layer_loads_and_the_images(tmp_path):
@@ -30,7 +26,7 @@ def test_tensorboard_holds_the_metrics_rows_the_layer_loads_and_the_images(tmp_p
     overrides = ["train.steps=4", "train.eval_every=2", "data.val_fraction=0.1", "logger=tensorboard"]
     overrides += ["logger.expert_load_image_every=2", f"output_dir={tmp_path}", "checkpoint.export_hf=false"]
     try:
-        trainer = Trainer(to_config(compose([*FAST, *overrides])))
+        trainer = Trainer(to_config(compose([*FAST_TRAINER, *overrides])))
         trainer.fit()
     finally:
         destroy_distributed()
@@ -61,10 +57,7 @@ def test_a_missing_tracker_package_is_exit_2_with_one_line(tmp_path):
         f"sys.argv = ['moe-tune', 'logger=wandb', 'output_dir={tmp_path}']; "
         "from moe_tune.cli import main; main()"
     )
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "moe-tune: error: logger=wandb needs the wandb package: pip install 'moe_tune[track]'; or logger=none"

@@ -18,18 +18,17 @@ Nothing here imports deep_ep unless the deepep case runs.
 from __future__ import annotations
 
 import importlib.util
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moe_tune.config import comm_config
 from moe_tune.moe.dispatch import build_dispatcher
 from moe_tune.moe.dispatch.deepep import expand_by_local_expert, weighted_sum_per_token
 from moe_tune.moe.dispatch.symm_mem import padded_expert_major
+from tests.harness import run_ranks
+from tests.tiny import rel_err
 
 E, K = 8, 2
 CASES = ("random", "one_rank", "sparse")
@@ -49,6 +48,11 @@ def _gpu_skip(backend: str) -> str | None:
     return None
 
 
+def _run(body, backend: str) -> None:
+    """``body(rank, backend)`` on 2 ranks: gloo on CPU, NCCL (one GPU per rank) for symm_mem and deepep."""
+    run_ranks(body, 2, backend, backend="nccl" if backend in ("symm_mem", "deepep") else "gloo")
+
+
 def _backend_params():
     params = [pytest.param("all_to_all", id="all_to_all"), pytest.param("symm_mem_emulated", id="symm_mem_emulated")]
     for name in ("symm_mem", "deepep"):
@@ -56,34 +60,6 @@ def _backend_params():
         marks = [pytest.mark.gpu] + ([pytest.mark.skip(reason=reason)] if reason else [])
         params.append(pytest.param(name, id=name, marks=marks))
     return params
-
-
-# -- 2-rank harness: gloo on CPU, NCCL on GPU --------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, fn, port: int, backend: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    gpu = backend in ("symm_mem", "deepep")
-    if gpu:
-        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-        torch.cuda.set_device(rank)
-    kw = {"device_id": torch.device("cuda", rank)} if gpu else {}
-    dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=2, **kw)
-    try:
-        fn(rank, backend)
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(fn, backend: str) -> None:
-    mp.spawn(_entry, args=(fn, _free_port(), backend), nprocs=2, join=True)
 
 
 # -- symm_mem's NVSHMEM primitives, emulated over gloo --------------------------------------------------
@@ -194,15 +170,15 @@ def _contract_body(rank: int, backend: str) -> None:
             xf = x_TD.float()
             ref_TD = (w_TK.unsqueeze(-1) * xf.unsqueeze(1) * scale_E[ids_TK.to(dev)].unsqueeze(-1)).sum(1)
             assert out_TD.shape == (T[rank], D)
-            check(_rel_err(out_TD, ref_TD) < tol, f"{case} T={T} out rel err {_rel_err(out_TD, ref_TD):.1e}")
+            check(rel_err(out_TD, ref_TD) < tol, f"{case} T={T} out rel err {rel_err(out_TD, ref_TD):.1e}")
 
             c_TD = torch.randn(T[rank], D, generator=g).to(dev)
             # Every rank takes part in the backward exchanges, with or without tokens.
             gx, gw = torch.autograd.grad((out_TD.float() * c_TD).sum(), (x_TD, w_TK), allow_unused=True)
             if T[rank]:
                 rx, rw = torch.autograd.grad((ref_TD * c_TD).sum(), (x_TD, w_TK))
-                check(_rel_err(gx, rx) < tol, f"{case} T={T} dx rel err {_rel_err(gx, rx):.1e}")
-                check(_rel_err(gw, rw) < tol, f"{case} T={T} dweights rel err {_rel_err(gw, rw):.1e}")
+                check(rel_err(gx, rx) < tol, f"{case} T={T} dx rel err {rel_err(gx, rx):.1e}")
+                check(rel_err(gw, rw) < tol, f"{case} T={T} dweights rel err {rel_err(gw, rw):.1e}")
     if dev.type == "cuda":
         torch.cuda.synchronize()
     d.check()  # no batch overflowed: the trainer's after-step check stays silent
@@ -210,16 +186,10 @@ def _contract_body(rank: int, backend: str) -> None:
     assert not failures, f"rank {rank} ({backend}): " + "; ".join(failures)
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    den = b.norm().item()
-    return (a - b).norm().item() / den if den else (a - b).norm().item()
-
-
 @pytest.mark.dist
 @pytest.mark.parametrize("backend", _backend_params())
 def test_dispatcher_contract(backend):
-    _spawn(_contract_body, backend)
+    _run(_contract_body, backend)
 
 
 # -- symm_mem capacity: an overflow drops the batch on every rank and raises, never corrupts -------------
@@ -260,7 +230,7 @@ def _overflow_body(rank: int, backend: str) -> None:
 @pytest.mark.dist
 @pytest.mark.parametrize("backend", [p for p in _backend_params() if p.id.startswith("symm_mem")])
 def test_symm_mem_overflow_raises_and_drops(backend):
-    _spawn(_overflow_body, backend)
+    _run(_overflow_body, backend)
 
 
 # -- the pure permutation maths -------------------------------------------------------------------------

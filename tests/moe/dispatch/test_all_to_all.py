@@ -1,21 +1,19 @@
-"""comm=all_to_all on 2 gloo ranks: the dispatcher with uneven and empty splits, and an EP=2 MoE layer
-against the single-process layer, forward and gradients in fp32."""
+"""comm=all_to_all: the dispatcher on 2 gloo ranks with uneven and empty splits (rows, order, combine and
+gradients), its expert-major permutation, and the local dispatcher as the EP=1 case. (The MoE layer under EP=2:
+tests/moe/test_layer.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import rel_err, run_ranks
 
 from moe_tune.config import AllToAllConfig
 from moe_tune.moe.dispatch import build_dispatcher
 from moe_tune.moe.dispatch.all_to_all import AllToAllDispatcher
 from moe_tune.moe.dispatch.base import expert_major_positions
 from moe_tune.moe.dispatch.local import LocalDispatcher
-from moe_tune.moe.experts import ExpertsSpec
-from moe_tune.moe.layer import MoE, MoESpec
-from moe_tune.moe.router import RouterSpec
+from tests.harness import run_ranks
 
 pytestmark = pytest.mark.dist
 E, K, D = 8, 2, 16
@@ -77,85 +75,6 @@ def _dispatcher_body(rank: int) -> None:
 
 def test_dispatcher_uneven_and_empty_splits():
     run_ranks(_dispatcher_body, 2)
-
-
-def _moe(seed: int) -> MoE:
-    spec = MoESpec(
-        router=RouterSpec(num_experts=E, top_k=K, norm_topk_prob=True),
-        experts=ExpertsSpec(num_experts=E, dim=D, hidden=12),
-    )
-    moe = MoE(spec)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return moe
-
-
-def _ep_moe(d, full: MoE) -> MoE:
-    """The layer built under expert parallelism (this rank's experts only), with ``full``'s weights."""
-    ep = MoE(full.spec, dispatcher=d)
-    assert ep.experts.gate_up_proj.shape[0] == d.num_local_experts < E
-    rows = slice(d.first_local_expert, d.first_local_expert + d.num_local_experts)
-    with torch.no_grad():
-        ep.router.weight.copy_(full.router.weight)
-        for name, p in ep.experts.named_parameters():
-            p.copy_(getattr(full.experts, name)[rows])
-    return ep
-
-
-def _route_to(moe: MoE, live: list[int]) -> None:
-    """Make feature 0 decide routing: with x[:, 0] large, only experts in ``live`` can win."""
-    with torch.no_grad():
-        moe.router.weight[:, 0] = -3.0
-        moe.router.weight[live, 0] = 3.0
-
-
-def _moe_layer_body(rank: int) -> None:
-    T_all = (6, 13)
-    for live in (None, [0, 3], [1, 6]):  # real routing; all rows to rank 0; zero-token experts on both ranks
-        ref = _moe(seed=0)
-        if live is not None:
-            _route_to(ref, live)
-        g = torch.Generator().manual_seed(7)
-        xs = [torch.randn(T, D, generator=g) for T in T_all]
-        cs = [torch.randn(T, D, generator=g) for T in T_all]
-        if live is not None:
-            for x in xs:
-                x[:, 0] = 4.0
-        # Reference: one process, every token and every expert, local dispatch.
-        ref.train()
-        x_ref = torch.cat(xs).requires_grad_()
-        out_ref = ref(x_ref)
-        (out_ref * torch.cat(cs)).sum().backward()
-
-        d = build_dispatcher(AllToAllConfig(), E, K, dist.group.WORLD)
-        ep = _ep_moe(d, full=_moe(seed=0))
-        if live is not None:
-            _route_to(ep, live)
-        ep.train()
-        x = xs[rank].clone().requires_grad_()
-        out = ep(x)
-        (out * cs[rank]).sum().backward()
-
-        start = sum(T_all[:rank])
-        rows = slice(start, start + T_all[rank])
-        assert rel_err(out, out_ref[rows]) < 1e-6
-        assert rel_err(x.grad, x_ref.grad[rows]) < 1e-6
-        first, e = rank * d.num_local_experts, d.num_local_experts
-        for name in ("gate_up_proj", "down_proj"):
-            got = getattr(ep.experts, name).grad
-            want = getattr(ref.experts, name).grad[first : first + e]
-            assert rel_err(got, want) < 1e-6, name
-        router_grad = ep.router.weight.grad.clone()
-        dist.all_reduce(router_grad)  # each rank's router saw only its tokens
-        assert rel_err(router_grad, ref.router.weight.grad) < 1e-6
-        if live == [0, 3] and rank == 1:
-            assert ep.experts.gate_up_proj.grad.abs().sum() == 0  # rank 1's experts got no rows
-
-
-def test_moe_layer_ep2_matches_single_process():
-    run_ranks(_moe_layer_body, 2)
 
 
 def test_local_dispatcher_is_the_ep1_case():

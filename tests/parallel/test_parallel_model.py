@@ -8,7 +8,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import rel_err, run_ranks, tiny_qwen3_moe
 
 from moe_tune.build import assemble, from_pretrained, model_options, source_loader
 from moe_tune.config import Config, ParallelDims
@@ -17,9 +16,12 @@ from moe_tune.models.hf_io import CheckpointReader
 from moe_tune.moe.experts import GroupedExperts
 from moe_tune.optim import param_groups
 from moe_tune.parallel import clip_grad_norm_, export_hf
+from tests.harness import run_ranks
+from tests.tiny import VOCAB, rel_err
 
 pytestmark = pytest.mark.dist
 STEPS, BATCH, SEQ, MAX_NORM = 3, 4, 16, 0.5
+QWEN3_MOE = dict(router_aux_loss_coef=0.01)  # the tiny qwen3_moe, with a load-balancing coefficient
 
 
 def _build(path: str, dims: ParallelDims, ac: str = "none", aux_coef: float = 0.0, precision: str = "fp32"):
@@ -37,7 +39,7 @@ def _build(path: str, dims: ParallelDims, ac: str = "none", aux_coef: float = 0.
 
 def _batches() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 128, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
 
 
 def _train(model, mesh=None) -> tuple[list[float], list[float]]:
@@ -91,8 +93,8 @@ def _train_body(rank: int, path: str) -> None:
         _close(c_norms, b_norms, 1e-6, f"activation_checkpointing={ac}: grad norms")
 
 
-def test_training_ep2_matches_ep1_and_single_process(tmp_path):
-    path = tiny_qwen3_moe(str(tmp_path / "src"))
+def test_training_ep2_matches_ep1_and_single_process(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe", **QWEN3_MOE)
     run_ranks(_train_body, 2, path)
 
 
@@ -136,8 +138,8 @@ def _load_export_body(rank: int, path: str, out: str, layouts: list[tuple[int, i
         assert os.path.isfile(os.path.join(d, "config.json"))
 
 
-def test_load_and_export_under_ep_2_ranks(tmp_path):
-    path = tiny_qwen3_moe(str(tmp_path / "src"))
+def test_load_and_export_under_ep_2_ranks(tmp_path, tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe", **QWEN3_MOE)
     run_ranks(_load_export_body, 2, path, str(tmp_path), [(1, 2, 1), (1, 2, 2)])
 
 
@@ -153,9 +155,9 @@ def _four_rank_body(rank: int, path: str, out: str) -> None:
         _close(norms, ref_norms, 1e-5, f"{layout} vs single process: grad norms")
 
 
-def test_four_ranks_efsdp_and_hsdp(tmp_path):
+def test_four_ranks_efsdp_and_hsdp(tmp_path, tiny_checkpoint):
     """efsdp = 2 (experts FSDP-sharded, gathered over efsdp) and HSDP (dp_replicate = 2): load, export, train."""
-    path = tiny_qwen3_moe(str(tmp_path / "src"))
+    path = tiny_checkpoint("qwen3_moe", **QWEN3_MOE)
     run_ranks(_four_rank_body, 4, path, str(tmp_path))
 
 
@@ -169,18 +171,16 @@ def _precision_body(rank: int, path: str) -> None:
         _close(losses, fp32_losses, 2e-2, f"{precision} vs fp32")
 
 
-def test_mixed_precision_ep2(tmp_path):
-    path = tiny_qwen3_moe(str(tmp_path / "src"))
+def test_mixed_precision_ep2(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe", **QWEN3_MOE)
     run_ranks(_precision_body, 2, path)
 
 
-def test_world_size_one_same_code_path(tmp_path, monkeypatch):
+def test_world_size_one_same_code_path(tiny_checkpoint, no_launcher):
     """No launcher: init_distributed makes a 1-rank group and parallelize runs the same FSDP path."""
     from moe_tune.dist.env import destroy_distributed, init_distributed
 
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS"):
-        monkeypatch.delenv(key, raising=False)
-    path = tiny_qwen3_moe(str(tmp_path / "src"))
+    path = tiny_checkpoint("qwen3_moe", **QWEN3_MOE)
     env = init_distributed()
     try:
         assert (env.world_size, env.launcher, dist.get_world_size(), dist.get_backend()) == (1, "single", 1, "gloo")
@@ -212,11 +212,11 @@ def _unused_keys_body(rank: int, path: str) -> None:
     assert "has 1 tensors the model does not use (e.g. model.layers.0.mlp.extra.weight)" in message, message
 
 
-def test_sharded_load_rejects_leftover_checkpoint_tensors(tmp_path):
+def test_sharded_load_rejects_leftover_checkpoint_tensors(tiny_checkpoint):
     """Under EP+FSDP each rank reads a different subset of keys; a key no rank reads is still an error."""
     from safetensors.torch import load_file, save_file
 
-    path = tiny_qwen3_moe(str(tmp_path / "src"))
+    path = tiny_checkpoint("qwen3_moe", **QWEN3_MOE)
     tensors = load_file(os.path.join(path, "model.safetensors"))
     tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(2, 2)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})

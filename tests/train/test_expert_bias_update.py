@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_ranks
+
+from tests.harness import run_ranks
 
 pytestmark = pytest.mark.dist
 RATE = 0.01

@@ -1,16 +1,23 @@
-"""Tiny random Hugging Face MoE checkpoints for parity tests, built locally (no hub).
+"""Tiny random Hugging Face checkpoints for tests, built locally (no hub), and the error measure that compares
+models.
 
-Every family: 2 layers, hidden 32, 8 experts, top-2. DeepSeek-V3 and GLM-4-MoE have one leading dense layer,
-four expert groups of which 2 (GLM: 3) are kept, and a nonzero ``e_score_correction_bias``; GPT-OSS keeps its
-attention sinks, sliding window and YaRN rotary; Qwen2-MoE its gated shared expert; OLMoE clips q/k/v.
+Every MoE family: 2 layers, hidden 32, 8 experts, top-2, vocabulary VOCAB. DeepSeek-V3 and GLM-4-MoE have one
+leading dense layer, four expert groups of which 2 (GLM: 3) are kept, and a nonzero ``e_score_correction_bias``;
+GPT-OSS keeps its attention sinks, sliding window and YaRN rotary; Qwen2-MoE its gated shared expert; OLMoE clips
+q/k/v. ``llama`` is a dense model (an architecture moe_tune refuses). Every weight is random (``randomize_``).
+
+In tests, the ``tiny_checkpoint`` fixture (tests/conftest.py) saves one into the test's temporary directory.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe")
+DENSE = ("llama",)
 VOCAB = 128
 
 _COMMON = dict(
@@ -20,7 +27,6 @@ _COMMON = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=64,
-    num_experts_per_tok=2,
     tie_word_embeddings=False,
     bos_token_id=1,
     eos_token_id=2,
@@ -70,11 +76,14 @@ _FAMILY = {
         head_dim=8,
         use_qk_norm=True,
     ),
+    "llama": dict(intermediate_size=64),
 }
 
 
 def tiny_config(model_type: str, **overrides):
-    return AutoConfig.for_model(model_type, **{**_COMMON, **_FAMILY[model_type], **overrides})
+    """The family's tiny config; ``overrides`` replace any field (``num_hidden_layers=1``, ``router_aux_loss_coef``)."""
+    moe = {"num_experts_per_tok": 2} if model_type in FAMILIES else {}
+    return AutoConfig.for_model(model_type, **{**_COMMON, **moe, **_FAMILY[model_type], **overrides})
 
 
 @torch.no_grad()
@@ -96,11 +105,21 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 def build_hf(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    """The tiny model in transformers (eager attention), every weight random."""
     model = AutoModelForCausalLM.from_config(
         tiny_config(model_type, **overrides), dtype=dtype, attn_implementation="eager"
     )
     randomize_(model, seed)
     return model
+
+
+def save_tiny(
+    out_dir, model_type: str = "qwen3_moe", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides
+) -> str:
+    """``build_hf(...)`` saved with ``save_pretrained`` in ``out_dir``; returns the directory as a string."""
+    out_dir = os.fspath(out_dir)
+    build_hf(model_type, dtype=dtype, seed=seed, **overrides).save_pretrained(out_dir)
+    return out_dir
 
 
 def load_hf(path, dtype: torch.dtype = torch.float32):
@@ -111,7 +130,7 @@ def load_hf(path, dtype: torch.dtype = torch.float32):
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``||a - b|| / ||b||`` in float64 (0 when both are zero)."""
+    """``||a - b|| / ||b||`` in float64 (the absolute error ``||a - b||`` when b is zero)."""
     a, b = a.detach().double(), b.detach().double()
     den = b.norm().item()
     return (a - b).norm().item() / den if den else (a - b).norm().item()

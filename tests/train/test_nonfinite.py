@@ -8,17 +8,6 @@ import math
 import pytest
 import torch
 
-from moe_tune.cli import compose, to_config
-
-FAST = ["train.seq_len=32", "train.micro_batch_size=2", "data.num_samples=64", "train.precision=fp32"]
-
-
-def _trainer(tmp_path, *overrides):
-    from moe_tune.train import Trainer
-
-    cfg = to_config(compose([f"output_dir={tmp_path}", "checkpoint.export_hf=false", *FAST, *overrides]))
-    return Trainer(cfg)
-
 
 def _poison(trainer):
     """From now on the first MoE layer's output is NaN (an overflow), and with it the loss and every gradient."""
@@ -27,8 +16,8 @@ def _poison(trainer):
 
 
 @pytest.mark.parametrize("overrides", [[], ["train.precision=bf16", "optim.stochastic_rounding=true"]])
-def test_a_nonfinite_step_leaves_weights_and_optimizer_state_bitwise(tmp_path, overrides):
-    trainer = _trainer(tmp_path, *overrides)
+def test_a_nonfinite_step_leaves_weights_and_optimizer_state_bitwise(make_trainer, overrides):
+    trainer = make_trainer(*overrides)
     trainer.train_step(0)
 
     def snapshot():
@@ -49,8 +38,8 @@ def test_a_nonfinite_step_leaves_weights_and_optimizer_state_bitwise(tmp_path, o
     assert not all(torch.equal(a, p) for a, p in zip(params, trainer.model.parameters()))
 
 
-def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path, capfd):
-    trainer = _trainer(tmp_path, "train.steps=10", "train.max_nonfinite_steps=2")
+def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path, make_trainer, capfd):
+    trainer = make_trainer("train.steps=10", "train.max_nonfinite_steps=2")
     original = trainer.train_step
 
     def step(i):

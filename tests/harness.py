@@ -1,0 +1,127 @@
+"""How tests run moe_tune outside the pytest process: N ranks in spawned processes (``run_ranks``), the CLI in a
+subprocess (``run_cli``), and reading what a run wrote.
+
+``run_ranks`` bodies are module-level functions ``fn(rank, *args)`` (spawn pickles them by reference); a failure
+on any rank is re-raised in pytest with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from moe_tune.dist.env import destroy_distributed, init_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS")
+
+needs_te = pytest.mark.skipif(
+    importlib.util.find_spec("transformer_engine") is None,
+    reason="TransformerEngine is not installed (pip install 'moe_tune[te]' on a CUDA machine)",
+)
+
+
+# -- ranks in processes -------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn, world_size: int, port: int, backend: str, args: tuple) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")  # NVLink multicast off, as moe-tune-env's probes run
+    init_distributed(backend)  # with CUDA: this rank's GPU is cuda:<rank>
+    try:
+        fn(rank, *args)
+    finally:
+        destroy_distributed()
+
+
+def run_ranks(fn, world_size: int = 2, *args, backend: str = "gloo") -> None:
+    """``fn(rank, *args)`` on ``world_size`` local processes that share one default process group of ``backend``
+    (gloo on CPU; nccl for GPU tests, one GPU per rank)."""
+    mp.spawn(_entry, args=(fn, world_size, free_port(), backend, args), nprocs=world_size, join=True)
+
+
+# -- the CLI in a subprocess ---------------------------------------------------------------------------------
+
+# Overrides that make a run of the default job take seconds on a CPU, and an in-process Trainer of it build and
+# step in about a second (seq_len 64: a built-in record rendered through the chat template still has tokens that
+# carry loss).
+FAST_RUN = ["train.seq_len=64", "train.micro_batch_size=2", "data.num_samples=256", "train.precision=fp32"]
+FAST_TRAINER = ["train.seq_len=64", "train.micro_batch_size=2", "data.num_samples=64", "train.precision=fp32"]
+
+
+def cli_env() -> dict[str, str]:
+    """Environment for ``python -m moe_tune`` in a subprocess: one CPU process, no launcher variables."""
+    env = dict(os.environ)
+    for k in LAUNCH_VARS:
+        env.pop(k, None)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def run_cli(args: list[str], env: dict[str, str], nproc: int = 1, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``moe-tune <args>``, under torchrun with ``nproc`` ranks when above 1; asserts exit code 0."""
+    cmd = [PY, "-m", "moe_tune", *args]
+    if nproc > 1:
+        cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "moe_tune", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r
+
+
+# -- what a run wrote ---------------------------------------------------------------------------------------
+
+
+def read_metrics(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def read_hf_tensors(d) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face directory, single file or sharded with an index."""
+    from safetensors import safe_open
+
+    idx = os.path.join(d, "model.safetensors.index.json")
+    files = set(json.load(open(idx))["weight_map"].values()) if os.path.exists(idx) else {"model.safetensors"}
+    out = {}
+    for name in files:
+        with safe_open(os.path.join(d, name), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def assert_hf_logits_equal(hf_dir) -> None:
+    """transformers loads ``hf_dir`` and gives the same logits as moe_tune's model loaded from it."""
+    from transformers import AutoModelForCausalLM
+
+    import moe_tune
+
+    ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ours = moe_tune.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = torch.randint(4, ref.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ref(ids).logits, ours(ids).logits
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)

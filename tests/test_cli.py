@@ -1,0 +1,198 @@
+"""The ``moe-tune`` command: the default run end to end (files per CONTRACT.md), under torchrun with 2 ranks,
+bad input as one line with exit 2 (before and after the process group exists), and Hydra's multirun."""
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+from tests.harness import FAST_RUN, PY, ROOT, assert_hf_logits_equal, read_metrics, run_cli
+
+CONTRACT_METRICS = {
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "tokens_per_s_per_gpu",
+    "tflops_per_gpu",
+    "peak_mem_gib",
+}
+CONTRACT_SUMMARY = {
+    "config",
+    "versions",
+    "hardware",
+    "commit",
+    "final_loss",
+    "tokens_per_s_per_gpu",
+    "tflops_per_gpu",
+    "peak_mem_gib",
+}
+
+
+@pytest.mark.slow
+def test_default_run_end_to_end(tmp_path, cli_env):
+    """`moe-tune` with no overrides but the run directory: loss falls, files per CONTRACT.md, hf/ loads."""
+    commits = {_git_head()}
+    run_cli([f"output_dir={tmp_path}"], cli_env)
+    commits.add(_git_head())  # other commits may land while it runs
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 61)) and all(CONTRACT_METRICS <= set(r) for r in rows)
+    first, last = sum(r["loss"] for r in rows[:5]) / 5, sum(r["loss"] for r in rows[-5:]) / 5
+    assert last < 0.5 * first, (first, last)
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
+    assert CONTRACT_SUMMARY <= set(summary)
+    # The values, not only the keys: this run's config, versions, commit and rows.
+    with open(tmp_path / "config.json") as f:
+        assert summary["config"] == json.load(f)
+    assert summary["config"]["model"]["name"] == "tiny_qwen3_moe"
+    assert summary["versions"]["torch"] == torch.__version__
+    assert summary["commit"] in commits, (summary["commit"], commits)
+    assert summary["hardware"].startswith("cpu (") and summary["hardware"].endswith("x 1 processes")
+    assert summary["final_loss"] == rows[-1]["loss"]
+    tps = sorted(r["tokens_per_s_per_gpu"] for r in rows)
+    assert 0 < tps[0] <= summary["tokens_per_s_per_gpu"] <= tps[-1]  # a median of the rows
+    for r in rows:
+        # TFLOP/s per GPU = FLOPs per token x tokens/s per GPU (the formula in metrics.py)
+        assert r["tflops_per_gpu"] == pytest.approx(summary["flops_per_token"] * r["tokens_per_s_per_gpu"] / 1e12)
+        assert r["lr"] > 0 and r["grad_norm"] > 0
+    assert_hf_logits_equal(str(tmp_path / "hf"))
+
+
+def _git_head() -> str:
+    if os.environ.get("MOE_TUNE_COMMIT"):
+        return os.environ["MOE_TUNE_COMMIT"]
+    return subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.dist
+def test_two_rank_torchrun_gloo(tmp_path, cli_env):
+    """The default job under torchrun with 2 ranks (FSDP2 on gloo, then EP=2): one run directory, rank 0 writes."""
+    run_cli([f"output_dir={tmp_path / 'dp'}", "train.steps=4", *FAST_RUN], cli_env, nproc=2)
+    run_cli([f"output_dir={tmp_path / 'ep'}", "train.steps=4", "parallel.ep=2", *FAST_RUN], cli_env, nproc=2)
+    dp, ep = read_metrics(tmp_path / "dp"), read_metrics(tmp_path / "ep")
+    assert [r["step"] for r in dp] == [1, 2, 3, 4] == [r["step"] for r in ep]
+    # Same data, same weights: expert parallelism changes where experts run, not the maths.
+    for a, b in zip(dp, ep):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a["loss"], b["loss"])
+    assert_hf_logits_equal(str(tmp_path / "ep" / "hf"))
+
+
+BAD_FAMILY = ["model.family=mixtral", "train.steps=2", *FAST_RUN]
+BAD_FAMILY_LINE = "moe-tune: error: model.family=mixtral but the checkpoint's model_type is qwen3_moe"
+
+
+@pytest.mark.dist
+def test_bad_value_found_after_the_process_group_exists(tmp_path, cli_env):
+    """model.family disagrees with the checkpoint: known only once the model config is read, after every rank
+    joined the process group. A rank exits 2 with the one line, no traceback; torchrun then fails the job, and
+    nothing hangs. torchrun SIGTERMs the other rank as soon as one exits, so only one rank's line is certain."""
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moe_tune"]
+    r = subprocess.run(
+        cmd + [f"output_dir={tmp_path}", *BAD_FAMILY], capture_output=True, text=True, env=cli_env, timeout=300
+    )
+    assert r.returncode != 0
+    assert r.stderr.count(BAD_FAMILY_LINE) >= 1, r.stderr[-3000:]
+    # torchrun's root cause (the first rank to exit) is our exit code, not a crash or its own SIGTERM.
+    root_cause = r.stderr.split("Root Cause", 1)[-1]
+    assert "exitcode  : 2 " in root_cause, r.stderr[-3000:]
+    # The message is never an exception rendered by Python: no frame of moe_tune's code, no exception line.
+    frames = [line for line in r.stderr.splitlines() if line.lstrip().startswith('File "') and "moe_tune" in line]
+    assert not frames, r.stderr[-3000:]
+    assert all(line.startswith("moe-tune: error: ") for line in r.stderr.splitlines() if "model.family=mixtral" in line)
+    # Found after the process group existed: rank 0 had built the base model before the ranks' barrier.
+    assert (tmp_path / "base_model" / "config.json").exists()
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_bad_value_after_the_process_group_exists_tears_it_down(tmp_path, monkeypatch, capsys):
+    """In process (one rank): the group was created before the value was found bad, and the CLI destroys it
+    before exiting 2 (with NCCL, an exit without destroy_process_group() warns and can hang)."""
+    import torch.distributed as dist
+
+    from moe_tune.cli import compose, run
+    from moe_tune.dist.env import destroy_distributed
+
+    destroy_distributed()  # a group left over from an earlier in-process test
+    created = []
+    init_process_group = dist.init_process_group
+
+    def spy(*args, **kwargs):
+        created.append(kwargs.get("world_size"))
+        return init_process_group(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", spy)
+    with pytest.raises(SystemExit) as e:
+        run(compose([f"output_dir={tmp_path}", *BAD_FAMILY]))
+    assert e.value.code == 2
+    assert created == [1]  # the group existed when the error was found
+    assert not dist.is_initialized()  # and it is gone
+    assert capsys.readouterr().err.count(BAD_FAMILY_LINE) == 1
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["model.bogus=1"], "Could not override 'model.bogus'"),
+        (["parallel.ep=x"], "parallel.ep"),
+        (["comm=nccl_magic"], "comm"),
+        (["parallel.ep=3"], "parallel.ep (3) must divide"),
+        (["model.path=/nonexistent"], "has no config.json"),
+        (["kernels=te"], "TransformerEngine is not installed"),
+        (["model.family=mixtral"], "model.family=mixtral but the checkpoint's model_type is qwen3_moe"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(args, message, cli_env, tmp_path):
+    r = subprocess.run(
+        [PY, "-m", "moe_tune", f"output_dir={tmp_path}", *args],
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr
+    assert message in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_unsupported_architecture_exits_2(tmp_path, cli_env, tiny_checkpoint):
+    """A dense (Llama) checkpoint: one line naming it and the supported families, exit 2."""
+    from moe_tune.models.presets import build_tokenizer
+
+    llama = tiny_checkpoint("llama")
+    build_tokenizer(llama)
+    r = subprocess.run(
+        [PY, "-m", "moe_tune", f"output_dir={tmp_path / 'run'}", "model=hf", f"model.path={llama}"],
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        timeout=120,
+    )
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "model_type 'llama' (LlamaForCausalLM) is not a supported MoE family" in lines[0] and "qwen3_moe" in lines[0]
+
+
+def test_hydra_multirun_gives_each_job_its_own_run_directory(tmp_path, cli_env):
+    """`moe-tune -m a=1,2`: Hydra's sweep (the same path the submitit_slurm launcher takes) runs both jobs."""
+    r = run_cli(
+        [
+            "-m",
+            f"output_dir={tmp_path}",
+            "train.lr=1e-3,2e-3",
+            "train.steps=2",
+            "checkpoint.export_hf=false",
+            *FAST_RUN,
+        ],
+        cli_env,
+    )
+    for job in ("0", "1"):
+        rows = read_metrics(tmp_path / "multirun" / job)
+        assert [row["step"] for row in rows] == [1, 2], r.stdout
+    lrs = [json.load(open(tmp_path / "multirun" / j / "config.json"))["train"]["lr"] for j in ("0", "1")]
+    assert lrs == [1e-3, 2e-3]
