@@ -1,68 +1,19 @@
-"""Tokenize, mask and pack samples; hand each data-parallel rank its own rows, deterministically."""
+"""``build_datasets``: the training set and the validation set of a run, tokenized once and cached (or streamed)."""
 
 from __future__ import annotations
 
-import json
-import os
+import logging
+from collections.abc import Iterator
 
 import torch
 
-from moe_tune.config import ConfigError, DataConfig, DataError
+from moe_tune.config import DataConfig, DataError
+from moe_tune.data import cache
+from moe_tune.data.encode import Encoder
 from moe_tune.data.packing import PackedDataset, ValDataset, pack_rows, random_dataset
+from moe_tune.data.pipeline import RecordSource, Tally, encode_all, parsed, report_stats
 
-
-def read_samples(cfg: DataConfig, seed: int) -> list[dict]:
-    if cfg.path is None:
-        if cfg.name != "arithmetic":
-            raise ConfigError(f"data={cfg.name!r} is not built in (arithmetic); or set data.path=<jsonl|parquet|dir>")
-        from moe_tune.data.builtin import arithmetic_samples
-
-        return arithmetic_samples(cfg.num_samples, seed)
-    paths = _data_files(cfg.path)
-    rows: list[dict] = []
-    for p in paths:
-        if p.endswith(".parquet"):
-            try:
-                import pyarrow.parquet as pq
-            except ImportError as e:
-                raise DataError(f"data.path={p} is parquet; install pyarrow (pip install pyarrow)") from e
-            rows.extend(pq.read_table(p).to_pylist())
-        else:
-            with open(p) as f:
-                rows.extend(json.loads(line) for line in f if line.strip())
-    if not rows:
-        raise DataError(f"data.path={cfg.path} holds no samples")
-    return rows
-
-
-def _data_files(path: str) -> list[str]:
-    if os.path.isdir(path):
-        files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith((".jsonl", ".json", ".parquet")))
-    elif os.path.isfile(path):
-        files = [path]
-    else:
-        raise DataError(f"data.path={path} does not exist; give a .jsonl or .parquet file or a directory of them")
-    if not files:
-        raise DataError(f"data.path={path} has no .jsonl or .parquet files")
-    return files
-
-
-def tokenize(sample: dict, tokenizer, cfg: DataConfig) -> tuple[list[int], list[int]]:
-    """Returns (ids, labels): bos + prompt + response + eos, prompt positions labelled -100 if masked."""
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    if cfg.prompt_key in sample and cfg.response_key in sample:
-        prompt = bos + tokenizer(sample[cfg.prompt_key], add_special_tokens=False).input_ids
-        response = tokenizer(sample[cfg.response_key], add_special_tokens=False).input_ids + eos
-        prompt_labels = list(prompt) if cfg.train_on == "all" else [-100] * len(prompt)
-        return prompt + response, prompt_labels + response
-    if cfg.text_key in sample:
-        ids = bos + tokenizer(sample[cfg.text_key], add_special_tokens=False).input_ids + eos
-        return ids, list(ids)
-    raise DataError(
-        f"a data sample has neither {cfg.prompt_key!r}/{cfg.response_key!r} nor {cfg.text_key!r} "
-        f"(keys: {sorted(sample)}); set data.prompt_key/response_key/text_key"
-    )
+log = logging.getLogger("moe_tune")
 
 
 def build_datasets(
@@ -71,34 +22,141 @@ def build_datasets(
     """The training set and the validation set (None without data.val_path / data.val_fraction).
 
     train: ``micro_batch(step, micro, micro_batch_size, accum, dp_rank, dp_size, device)`` -> (ids, labels,
-    position ids or None), the same rows for a step on every run (resume is exact).
-    val: ``ValDataset``: ``batches(micro_batch_size, dp_rank, dp_size, device)`` covers every val row exactly once
-    over the ranks, the same number of batches on every rank (padding rows have labels -100);
-    ``num_batches(micro_batch_size, dp_size)``, ``num_label_tokens``.
-    Both carry ``stats`` (records read/used, skipped per reason, tokens, rows) for summary.json."""
+    position ids or None), [micro_batch_size, seq_len] each; the rows of a step depend only on (seed, step, micro,
+    dp_rank, dp_size), so resuming at a step is exact. In memory (``PackedDataset``) or, with data.streaming=true,
+    read lazily (``StreamingDataset``, same method).
+    val: ``ValDataset`` (always in memory): ``batches(micro_batch_size, dp_rank, dp_size, device)`` yields
+    (ids, labels, position ids or None) and covers every val row exactly once over the ranks, the same number of
+    batches on every rank (``num_batches(micro_batch_size, dp_size)``; padding rows have labels -100 only);
+    ``num_label_tokens`` counts its label tokens (causal shift: labels[:, 1:] != -100).
+    Both carry ``stats`` (records_read, records_used, records_skipped {reason: n}, first_skipped {reason:
+    where}, records_truncated, tokens, label_tokens, rows): put ``train.stats`` into summary.json.
+
+    Tokenization is cached in data.cache_dir (see moe_tune.data.cache): a restart, or another rank, reads it."""
     if cfg.name == "random" and cfg.path is None:
         return random_dataset(max(cfg.num_samples, 1), seq_len, vocab_size or len(tokenizer), seed), None
-    records = read_samples(cfg, seed)
-    val_records: list[dict] = []
-    if cfg.val_path is not None:
-        from dataclasses import replace
-
-        val_records = read_samples(replace(cfg, path=cfg.val_path), seed)
-    elif cfg.val_fraction > 0:
-        g = torch.Generator().manual_seed(seed)
-        order = torch.randperm(len(records), generator=g).tolist()
-        num_val = max(1, round(len(records) * cfg.val_fraction))
-        val_idx = set(order[:num_val])
-        val_records = [r for i, r in enumerate(records) if i in val_idx]
-        records = [r for i, r in enumerate(records) if i not in val_idx]
+    if cfg.streaming and cfg.val_fraction > 0:
+        raise DataError(
+            f"data.val_fraction ({cfg.val_fraction}) splits records held in memory; with data.streaming=true "
+            "give the held-out records as data.val_path"
+        )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    train = PackedDataset(*pack_rows((tokenize(s, tokenizer, cfg) for s in records), seq_len, pad, cfg.packing), seed)
-    if not val_records:
-        return train, None
-    val = ValDataset(*pack_rows((tokenize(s, tokenizer, cfg) for s in val_records), seq_len, pad, cfg.packing), pad)
+    if cfg.streaming:
+        from moe_tune.data.streaming import StreamingDataset
+
+        train = StreamingDataset(record_sources(cfg, cfg.path, seed), cfg, Encoder(tokenizer, cfg, seq_len), pad, seed)
+        val = _cached(cfg, tokenizer, seq_len, seed, with_train=False)
+        return train, (ValDataset(*val["val"], pad, val["val_stats"]) if val["val"] is not None else None)
+    entry = _cached(cfg, tokenizer, seq_len, seed, with_train=True)
+    train = PackedDataset(*entry["train"], seed, entry["train_stats"])
+    val = ValDataset(*entry["val"], pad, entry["val_stats"]) if entry["val"] is not None else None
     return train, val
 
 
 def build_dataset(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size: int | None = None) -> PackedDataset:
     """The training set of ``build_datasets``."""
     return build_datasets(cfg, tokenizer, seq_len, seed, vocab_size)[0]
+
+
+def record_sources(cfg: DataConfig, path: str | None, seed: int) -> list[RecordSource]:
+    """The sources of ``path`` (None: the built-in set), each re-openable."""
+    if path is None:
+        if cfg.name != "arithmetic":
+            raise DataError(f"data={cfg.name!r} is not built in (arithmetic); or set data.path=<file|dir|hub name>")
+        return [lambda: _builtin_records(cfg, seed)]
+    from moe_tune.data.sources import iter_records, resolve
+
+    return [lambda s=s: iter_records(s, streaming=True) for s in resolve(path)]
+
+
+def _policy(cfg: DataConfig) -> str:
+    """The built-in set's records are generated, not the user's to fix: those that do not fit train.seq_len
+    (the template's tokens plus a long question) are skipped and counted, whatever data.on_bad_record says."""
+    return "skip" if cfg.path is None else cfg.on_bad_record
+
+
+def _builtin_records(cfg: DataConfig, seed: int) -> Iterator[tuple[str, dict]]:
+    from moe_tune.data.builtin import arithmetic_samples
+
+    for i, record in enumerate(arithmetic_samples(cfg.num_samples, seed)):
+        yield f"data={cfg.name} record {i + 1}", record
+
+
+def _source_fingerprint(cfg: DataConfig, path: str | None, seed: int) -> list | None:
+    if path is None:
+        return [cfg.name, cfg.num_samples, seed]  # the built-in set is generated from the seed
+    from moe_tune.data.sources import fingerprint, resolve
+
+    return fingerprint(resolve(path))
+
+
+def _cached(cfg: DataConfig, tokenizer, seq_len: int, seed: int, with_train: bool) -> dict:
+    """The cache entry of the in-memory set(s): {"train", "train_stats", "val", "val_stats"}."""
+    encoder = Encoder(tokenizer, cfg, seq_len)
+    parts = {
+        "train": _source_fingerprint(cfg, cfg.path, seed) if with_train else None,
+        "val": _source_fingerprint(cfg, cfg.val_path, seed) if cfg.val_path else None,
+        "val_split": [cfg.val_fraction, seed] if cfg.val_fraction > 0 else None,
+        "tokenizer": cache.tokenizer_fingerprint(tokenizer, encoder.template),
+        "options": [cfg.format, cfg.train_on, cfg.prompt_key, cfg.response_key, cfg.text_key, cfg.packing],
+        "on_bad_record": cfg.on_bad_record,
+        "seq_len": seq_len,
+    }
+    if not with_train and cfg.val_path is None:
+        return {"val": None}
+    key = cache.cache_key(parts)
+    entry = cache.cached(
+        cfg.cache_dir or cache.default_cache_dir(), key, lambda: _build(cfg, encoder, seed, with_train)
+    )
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    for name in ("train", "val"):
+        if rank0 and entry.get(f"{name}_stats"):
+            report_stats(f"data ({name})", entry[f"{name}_stats"])
+    return entry
+
+
+def _build(cfg: DataConfig, encoder: Encoder, seed: int, with_train: bool) -> dict:
+    train_tally, val_tally = Tally(_policy(cfg), encoder.seq_len), Tally(cfg.on_bad_record, encoder.seq_len)
+    items = list(parsed(record_sources(cfg, cfg.path, seed), cfg, train_tally)) if with_train else []
+    val_items = None
+    if cfg.val_path is not None:
+        val_items = list(parsed(record_sources(cfg, cfg.val_path, seed), cfg, val_tally))
+    elif cfg.val_fraction > 0:
+        items, val_items = split_val(items, cfg.val_fraction, seed)
+        train_tally.stats["records_read"] -= len(val_items)
+        val_tally.stats["records_read"] = len(val_items)
+    entry: dict = {"train": None, "train_stats": None, "val": None, "val_stats": None}
+    if with_train:
+        entry["train"] = _rows(items, cfg, encoder, train_tally, cfg.path or f"data={cfg.name}")
+        entry["train_stats"] = train_tally.stats
+    if val_items is not None:
+        entry["val"] = _rows(val_items, cfg, encoder, val_tally, cfg.val_path or "data.val_fraction")
+        entry["val_stats"] = val_tally.stats
+    return entry
+
+
+def _rows(items: list, cfg: DataConfig, encoder: Encoder, tally: Tally, where: str) -> tuple:
+    pad = encoder.tokenizer.pad_token_id if encoder.tokenizer.pad_token_id is not None else 0
+    rows = pack_rows(encode_all(items, cfg, encoder, tally), encoder.seq_len, pad, cfg.packing)
+    tally.stats["rows"] = int(rows[0].shape[0])
+    if not tally.stats["rows"]:
+        raise DataError(f"{where}: no usable records ({_counts(tally.stats)}); see data.on_bad_record")
+    return rows
+
+
+def _counts(stats: dict) -> str:
+    skipped = ", ".join(f"{r}: {n}" for r, n in stats["records_skipped"].items()) or "none"
+    return f"{stats['records_read']} read, skipped {skipped}"
+
+
+def split_val(items: list, fraction: float, seed: int) -> tuple[list, list]:
+    """(train, val): a seeded random ``fraction`` of ``items`` (at least one) held out, both in source order."""
+    if len(items) < 2:
+        raise DataError(f"data.val_fraction={fraction} needs at least 2 usable records, got {len(items)}")
+    g = torch.Generator().manual_seed(seed)
+    num_val = min(len(items) - 1, max(1, round(len(items) * fraction)))
+    held = set(torch.randperm(len(items), generator=g)[:num_val].tolist())
+    return [x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held]
+
+
+__all__ = ["build_dataset", "build_datasets", "record_sources", "split_val"]

@@ -212,21 +212,56 @@ def preset_config(name: str, overrides: dict | None = None, vocab_size: int | No
     return AutoConfig.for_model(model_type, **fields)
 
 
+# ChatML, as Qwen's models use it: ``<|im_start|>role\ncontent<|im_end|>\n`` per message, tools listed in the
+# system turn, ``add_generation_prompt`` opens an assistant turn. The ``{% generation %}`` block marks what an
+# assistant message adds (content, <|im_end|> and its newline), so transformers returns exact assistant masks.
+CHATML_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\\n\\n' -}}{%- endif -%}"
+    "{{- '# Tools\\n' -}}{%- for tool in tools -%}{{- tool | tojson + '\\n' -}}{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{%- generation -%}"
+    "{{- message['content'] or '' -}}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{{- '<tool_call>' + (call.get('function') or call) | tojson + '</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endgeneration -%}"
+    "{%- else -%}"
+    "{{- message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
+
+
 def build_tokenizer(out_dir: str | None = None):
-    """A real Hugging Face fast tokenizer built locally: one token per printable ASCII character, plus
-    <pad>, <bos>, <eos> and <unk>. Saved with ``save_pretrained`` when ``out_dir`` is given."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A real Hugging Face fast tokenizer built locally: one token per printable ASCII character and newline,
+    plus <pad>, <bos>, <eos>, <unk> and ChatML's <|im_start|> and <|im_end|> (special tokens), with the ChatML
+    chat template. Saved with ``save_pretrained`` (tokenizer files and chat_template.jinja) when ``out_dir`` is
+    given."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
     chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    vocab = {tok: i for i, tok in enumerate(specials + chars + CHAT_TOKENS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character, newlines too
     tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials + CHAT_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
     )
+    fast.chat_template = CHATML_TEMPLATE
     if out_dir is not None:
         fast.save_pretrained(out_dir)
     return fast

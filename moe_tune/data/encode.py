@@ -1,0 +1,154 @@
+"""Samples to token ids and labels (-100: no loss).
+
+Chat samples are rendered with the chat template (the tokenizer's, or ``data.chat_template``). Which tokens carry
+loss is exact whichever the template:
+- a template with ``{% generation %}`` blocks: transformers' assistant mask (``return_assistant_tokens_mask``),
+  the k-th marked span being the k-th assistant message;
+- otherwise, the diff of renders: the tokens message i adds are those of ``render(messages[:i + 1])`` past
+  ``render(messages[:i], add_generation_prompt=True)`` (so the assistant header stays prompt). Both renders must be
+  prefixes of the whole conversation's render, token for token. Where only their text is a prefix (a tokenizer
+  merging across the boundary), the rule is the one transformers uses for generation blocks: a token is trainable
+  if its characters overlap the message's text span. Where not even the text is (a template that renders a turn
+  differently once later turns follow), the record stops the run with a DataError naming the fixes: masks are
+  never guessed.
+Completion samples are ``bos + prompt + completion + eos`` (loss on completion and eos), text samples
+``bos + text + eos``. The first token of every sample has no label: nothing in the row before it belongs to it.
+"""
+
+from __future__ import annotations
+
+import re
+
+from moe_tune.config import DataConfig, DataError
+from moe_tune.data.records import BadRecord, Chat, Completion, Text
+
+IGNORE = -100
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class Encoder:
+    """``encoder(sample) -> (ids, labels)``; BadRecord for a record the template refuses or that has no token
+    carrying loss within ``seq_len``."""
+
+    def __init__(self, tokenizer, cfg: DataConfig, seq_len: int):
+        self.tokenizer, self.train_on, self.seq_len = tokenizer, cfg.train_on, seq_len
+        self.template = read_template(cfg.chat_template) if cfg.chat_template else tokenizer.chat_template
+        self.markers = bool(self.template and GENERATION_BLOCK.search(self.template))
+        self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        self.eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def __call__(self, sample: Chat | Completion | Text) -> tuple[list[int], list[int]]:
+        if isinstance(sample, Chat):
+            ids, labels = self.chat(sample)
+        elif isinstance(sample, Completion):
+            prompt = self.bos + self._tokens(sample.prompt)
+            completion = self._tokens(sample.completion) + self.eos
+            ids = prompt + completion
+            labels = ids if self.train_on == "all" else [IGNORE] * len(prompt) + completion
+        else:
+            ids = self.bos + self._tokens(sample.text) + self.eos
+            labels = ids
+        labels = [IGNORE] + labels[1:]
+        if all(x == IGNORE for x in labels[: self.seq_len]):
+            where = "" if len(ids) <= self.seq_len else f" within train.seq_len={self.seq_len} ({len(ids)} tokens)"
+            raise BadRecord("no_trainable_token", f"no token carries loss (data.train_on={self.train_on}){where}")
+        return ids, labels
+
+    def _tokens(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def render(self, messages: list[dict], tools, generation_prompt: bool = False) -> str:
+        if self.template is None:
+            raise DataError(
+                "chat records need a chat template and the tokenizer has none; set data.chat_template=<jinja file> "
+                "(e.g. the one in your model's tokenizer_config.json), or give prompt/response or text records"
+            )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                chat_template=self.template,
+                add_generation_prompt=generation_prompt,
+                tokenize=False,
+            )
+        except Exception as e:  # jinja's own and the template's raise_exception (e.g. roles must alternate)
+            raise BadRecord("template_error", f"the chat template refused it: {e}") from None
+
+    def chat(self, sample: Chat) -> tuple[list[int], list[int]]:
+        text = self.render(sample.messages, sample.tools)
+        if self.train_on == "all":
+            ids = self._tokens(text)
+            return ids, list(ids)
+        if self.markers:
+            encoded = self._marked(sample)
+            if encoded is not None:
+                return encoded
+        return self._diffed(sample, text)
+
+    def _marked(self, sample: Chat) -> tuple[list[int], list[int]] | None:
+        """Masks from the template's generation blocks; None if their spans do not pair with assistant messages."""
+        out = self.tokenizer.apply_chat_template(
+            sample.messages,
+            tools=sample.tools,
+            chat_template=self.template,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+        )
+        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+        spans = _runs(mask)
+        assistants = [t for m, t in zip(sample.messages, sample.trainable) if m["role"] == "assistant"]
+        if len(spans) != len(assistants):
+            return None
+        labels = [IGNORE] * len(ids)
+        for (start, end), trainable in zip(spans, assistants):
+            if trainable:
+                labels[start:end] = ids[start:end]
+        return ids, labels
+
+    def _diffed(self, sample: Chat, text: str) -> tuple[list[int], list[int]]:
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+        labels = [IGNORE] * len(ids)
+        for i, trainable in enumerate(sample.trainable):
+            if not trainable:
+                continue
+            before = self.render(sample.messages[:i], sample.tools, True) if i else ""
+            after = self.render(sample.messages[: i + 1], sample.tools)
+            if not (text.startswith(after) and after.startswith(before)):
+                raise DataError(
+                    f"the chat template renders message {i} differently once later messages follow (a shorter "
+                    "conversation's render is not a prefix of the longer one), so its loss mask cannot be found "
+                    "by diffing renders; use a template with {% generation %} blocks (data.chat_template=<file>) "
+                    "or data.train_on=last_assistant|all"
+                )
+            start, end = self._token_prefix(before, ids), self._token_prefix(after, ids)
+            if start is None or end is None:  # text prefixes, token boundaries merged: by character spans
+                span = [j for j, (a, b) in enumerate(offsets) if a < len(after) and b > len(before)]
+                start, end = (span[0], span[-1] + 1) if span else (0, 0)
+            labels[start:end] = ids[start:end]
+        return ids, labels
+
+    def _token_prefix(self, prefix: str, ids: list[int]) -> int | None:
+        """len(tokens(prefix)) if they are the first tokens of ``ids``, else None."""
+        head = self._tokens(prefix) if prefix else []
+        return len(head) if ids[: len(head)] == head else None
+
+
+def _runs(mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of 1s."""
+    runs, start = [], None
+    for i, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def read_template(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"data.chat_template={path} cannot be read ({e}); give a Jinja chat template file") from None

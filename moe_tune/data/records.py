@@ -1,0 +1,192 @@
+"""Record formats: detection (per file, from its first usable record), field checks, and normalisation into
+three kinds of sample: ``Chat`` (rendered with the chat template), ``Completion`` and ``Text`` (tokenized as is).
+
+| format            | a record                                                                  |
+|-------------------|---------------------------------------------------------------------------|
+| chat              | ``{"messages": [{"role", "content"}, ...], "system"?: str, "tools"?: [...]}`` |
+| sharegpt          | ``{"conversations": [{"from", "value"}, ...], "system"?: str, "tools"?: [...]}`` |
+| prompt_completion | ``{"prompt": str, "response" or "completion": str}``; TRL's conversational form: lists of messages |
+| text              | ``{"text": str}``                                                          |
+
+A record that cannot be used raises ``BadRecord(reason, detail)``; the loader counts it or stops (on_bad_record).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from moe_tune.config import DataConfig
+
+FORMATS = ("chat", "sharegpt", "prompt_completion", "text")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# ShareGPT speakers -> chat roles (the names used by FastChat, LLaMA-Factory and Axolotl).
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "chatgpt": "assistant",
+    "function_call": "assistant",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+
+
+class BadRecord(Exception):
+    """A record that cannot be trained on. ``reason`` is the counter's key in ``stats["skipped"]``."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+@dataclass
+class Chat:
+    """Messages to render with the chat template; ``trainable[i]``: message i's tokens carry loss."""
+
+    messages: list[dict]
+    tools: list | None = None
+    trainable: list[bool] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    prompt: str
+    completion: str
+
+
+@dataclass
+class Text:
+    text: str
+
+
+def detect_format(record: dict, cfg: DataConfig) -> str | None:
+    if "messages" in record:
+        return "chat"
+    if "conversations" in record:
+        return "sharegpt"
+    if cfg.prompt_key in record and (cfg.response_key in record or "completion" in record):
+        return "prompt_completion"
+    if cfg.text_key in record:
+        return "text"
+    return None
+
+
+def normalize(record, fmt: str, cfg: DataConfig) -> Chat | Completion | Text:
+    """The sample of ``record`` read as ``fmt``; BadRecord if a field is missing or of the wrong type."""
+    if not isinstance(record, dict):
+        raise BadRecord("wrong_type", f"a record must be a JSON object, got {type(record).__name__}")
+    if fmt == "chat":
+        messages = [_chat_message(m, i) for i, m in enumerate(_list_field(record, "messages"))]
+        return _chat(_with_system(messages, record), _tools(record), cfg.train_on)
+    if fmt == "sharegpt":
+        messages = [_sharegpt_message(m, i) for i, m in enumerate(_list_field(record, "conversations"))]
+        return _chat(_with_system(messages, record), _tools(record), cfg.train_on)
+    if fmt == "prompt_completion":
+        return _prompt_completion(record, cfg)
+    return Text(_str_field(record, cfg.text_key))
+
+
+def _missing(record: dict, key: str) -> BadRecord:
+    return BadRecord("missing_field", f"no {key!r} field (keys: {sorted(record)})")
+
+
+def _list_field(record: dict, key: str) -> list:
+    if record.get(key) is None:
+        raise _missing(record, key)
+    value = record[key]
+    if not isinstance(value, list) or not value:
+        raise BadRecord("wrong_type", f"{key} must be a non-empty list, got {_show(value)}")
+    return value
+
+
+def _str_field(record: dict, key: str) -> str:
+    if record.get(key) is None:
+        raise _missing(record, key)
+    if not isinstance(record[key], str):
+        raise BadRecord("wrong_type", f"{key} must be a string, got {_show(record[key])}")
+    return record[key]
+
+
+def _show(value) -> str:
+    text = json.dumps(value, default=str)
+    return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
+
+
+def _chat_message(message, i: int) -> dict:
+    if not isinstance(message, dict):
+        raise BadRecord("wrong_type", f"messages[{i}] must be an object, got {_show(message)}")
+    message = {k: v for k, v in message.items() if v is not None}  # Arrow fills absent struct fields with None
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise BadRecord("wrong_type", f"messages[{i}].role must be a string, got {_show(role)}")
+    if role not in ROLES:
+        raise BadRecord("unknown_role", f"messages[{i}].role {role!r} is not one of {', '.join(ROLES)}")
+    content = message.get("content")
+    if not isinstance(content, str) and not (content is None and role == "assistant" and message.get("tool_calls")):
+        raise BadRecord("wrong_type", f"messages[{i}].content must be a string, got {_show(content)}")
+    return message
+
+
+def _sharegpt_message(turn, i: int) -> dict:
+    if not isinstance(turn, dict):
+        raise BadRecord("wrong_type", f"conversations[{i}] must be an object, got {_show(turn)}")
+    speaker, value = turn.get("from"), turn.get("value")
+    if not isinstance(speaker, str):
+        raise BadRecord("wrong_type", f"conversations[{i}].from must be a string, got {_show(speaker)}")
+    if speaker not in SHAREGPT_ROLES:
+        raise BadRecord(
+            "unknown_role", f"conversations[{i}].from {speaker!r} is not one of {', '.join(SHAREGPT_ROLES)}"
+        )
+    if not isinstance(value, str):
+        raise BadRecord("wrong_type", f"conversations[{i}].value must be a string, got {_show(value)}")
+    return {"role": SHAREGPT_ROLES[speaker], "content": value}
+
+
+def _with_system(messages: list[dict], record: dict) -> list[dict]:
+    """A record's top-level ``system`` field becomes the first message (unless it already has one)."""
+    system = record.get("system")
+    if system is None or (messages and messages[0]["role"] == "system"):
+        return messages
+    if not isinstance(system, str):
+        raise BadRecord("wrong_type", f"system must be a string, got {_show(system)}")
+    return [{"role": "system", "content": system}] + messages
+
+
+def _tools(record: dict) -> list | None:
+    tools = record.get("tools")
+    if isinstance(tools, str):  # often stored as a JSON string (Parquet/Arrow need one type per column)
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError as e:
+            raise BadRecord("wrong_type", f"tools is a string but not JSON ({e})") from None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise BadRecord("wrong_type", f"tools must be a list of objects, got {_show(tools)}")
+    return tools or None
+
+
+def _chat(messages: list[dict], tools, train_on: str, first: int = 0) -> Chat:
+    """``first``: messages before it are prompt (conversational prompt/completion records)."""
+    trainable = [i >= first and m["role"] == "assistant" for i, m in enumerate(messages)]
+    if train_on == "last_assistant" and any(trainable):
+        last = max(i for i, t in enumerate(trainable) if t)
+        trainable = [i == last for i in range(len(messages))]
+    return Chat(messages, tools, trainable)
+
+
+def _prompt_completion(record: dict, cfg: DataConfig) -> Chat | Completion:
+    key = cfg.response_key if cfg.response_key in record else "completion"
+    prompt, completion = record.get(cfg.prompt_key), record.get(key)
+    if prompt is None or completion is None:
+        raise _missing(record, cfg.prompt_key if prompt is None else key)
+    if isinstance(prompt, list) and isinstance(completion, list):  # TRL's conversational prompt/completion
+        messages = [_chat_message(m, i) for i, m in enumerate(prompt + completion)]
+        return _chat(messages, _tools(record), cfg.train_on, first=len(prompt))
+    for name, value in ((cfg.prompt_key, prompt), (key, completion)):
+        if not isinstance(value, str):
+            raise BadRecord("wrong_type", f"{name} must be a string, got {_show(value)}")
+    return Completion(prompt, completion)

@@ -1,0 +1,197 @@
+"""Where records come from: a local file (JSON Lines/JSON, Parquet, CSV, Arrow), a directory of them, a
+``datasets`` save_to_disk directory, or a hub name. Each is read lazily, one record at a time, with where it came
+from (``file:line`` for JSON Lines, ``file:row N`` otherwise): JSON is read here (the line of a bad record is named
+and it alone can be skipped), the rest through ``datasets`` (imported only here, only when data.path is set)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from moe_tune.config import DataError
+from moe_tune.data.records import BadRecord
+
+EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+
+
+@dataclass(frozen=True)
+class Source:
+    """One unit of format detection: a file, a save_to_disk directory or a hub dataset."""
+
+    kind: str  # json | parquet | csv | arrow | saved | hub
+    path: str
+
+
+def resolve(path: str) -> list[Source]:
+    """The sources of ``data.path`` (or data.val_path), sorted; DataError if there are none."""
+    if os.path.isdir(path):
+        if _is_saved(path):
+            return [Source("saved", path)]
+        names = sorted(n for n in os.listdir(path) if not n.startswith(".") and _kind(n))
+        if not names:
+            raise DataError(f"data.path={path} has no {'/'.join(EXTENSIONS)} files and is not a save_to_disk directory")
+        return [Source(_kind(n), os.path.join(path, n)) for n in names]
+    if os.path.isfile(path):
+        if not _kind(path):
+            raise DataError(f"data.path={path}: unknown file type; give a {'/'.join(EXTENSIONS)} file or a directory")
+        return [Source(_kind(path), path)]
+    if path.startswith((".", "/", "~")) or _kind(path) or path.count("/") > 1:  # a path, not a hub name
+        raise DataError(f"data.path={path} does not exist; give a file, a directory or a hub dataset name (owner/name)")
+    return [Source("hub", path)]
+
+
+def _kind(name: str) -> str | None:
+    return EXTENSIONS.get(os.path.splitext(name)[1].lower())
+
+
+def _is_saved(path: str) -> bool:
+    has = lambda n: os.path.isfile(os.path.join(path, n))  # noqa: E731
+    return (has("dataset_info.json") and has("state.json")) or has("dataset_dict.json")
+
+
+def fingerprint(sources: list[Source]) -> list:
+    """What identifies the sources' contents for the cache: paths, sizes and modification times of every file
+    (hub datasets: their name; ``hub_fingerprint`` adds the downloaded revision)."""
+    out = []
+    for s in sources:
+        if s.kind == "hub":
+            out.append(["hub", s.path, hub_fingerprint(s.path)])
+            continue
+        files = [s.path] if os.path.isfile(s.path) else sorted(os.path.join(s.path, n) for n in os.listdir(s.path))
+        for f in files:
+            st = os.stat(f)
+            out.append([os.path.abspath(f), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def iter_records(source: Source, streaming: bool = True) -> Iterator[tuple[str, object]]:
+    """(where, record) for every record of ``source``, in file order; a record that cannot be parsed comes as a
+    BadRecord instance in place of the record."""
+    if source.kind == "json":
+        yield from _iter_json(source.path)
+        return
+    dataset = _open(source, streaming)
+    first = 2 if source.kind == "csv" else 1  # CSV: line numbers (a header line, then one line per row)
+    prefix = f"{source.path}:" if source.kind == "csv" else f"{source.path}:row "
+    try:
+        for i, row in enumerate(dataset):
+            yield f"{prefix}{i + first}", row
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{source.path}: cannot be read ({_one_line(e)})") from None
+
+
+def _iter_json(path: str) -> Iterator[tuple[str, object]]:
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+        f.seek(0)
+        if path.lower().endswith(".json") and head.startswith(b"["):  # one JSON array of records
+            yield from _iter_json_array(path, f.read())
+            return
+        for n, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield (
+                    f"{path}:{n}",
+                    BadRecord("invalid_utf8", f"not valid UTF-8 (byte {raw[e.start]:#04x} at {e.start})"),
+                )
+                continue
+            try:
+                yield f"{path}:{n}", json.loads(text)
+            except json.JSONDecodeError as e:
+                yield f"{path}:{n}", BadRecord("invalid_json", f"not valid JSON ({e})")
+
+
+def _iter_json_array(path: str, raw: bytes) -> Iterator[tuple[str, object]]:
+    try:
+        records = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        yield f"{path}:byte {e.start}", BadRecord("invalid_utf8", "not valid UTF-8 (the whole JSON array is dropped)")
+        return
+    except json.JSONDecodeError as e:
+        yield f"{path}:{e.lineno}", BadRecord("invalid_json", f"not valid JSON ({e}; the whole JSON array is dropped)")
+        return
+    for i, record in enumerate(records):
+        yield f"{path}:record {i + 1}", record
+
+
+def _open(source: Source, streaming: bool):
+    """A ``datasets`` Dataset (or IterableDataset when streaming) of the source's records."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    if source.kind == "saved":
+        loaded = datasets.load_from_disk(source.path)
+        if isinstance(loaded, datasets.DatasetDict):
+            loaded = _train_split(loaded, source.path)
+        return loaded.to_iterable_dataset() if streaming else loaded
+    if source.kind == "hub":
+        return _load_hub(source.path, streaming)
+    try:  # local files are read lazily either way: no Arrow copy in the datasets cache
+        options = _csv_options(source.path) if source.kind == "csv" else {}
+        return datasets.load_dataset(source.kind, data_files=[source.path], split="train", streaming=True, **options)
+    except Exception as e:  # the builder's own errors (pyarrow, pandas) for a file it cannot parse
+        raise DataError(f"{source.path}: cannot be read as {source.kind} ({_one_line(e)})") from None
+
+
+def _csv_options(path: str) -> dict:
+    """Every CSV column read as text: "15" is a completion, not an int, and "NA" is not missing."""
+    import csv
+
+    import datasets
+
+    with open(path, newline="", encoding="utf-8", errors="replace") as f:
+        header = next(csv.reader(f), [])
+    return {"features": datasets.Features({n: datasets.Value("string") for n in header}), "keep_default_na": False}
+
+
+def _train_split(loaded, path: str):
+    if "train" in loaded:
+        return loaded["train"]
+    if len(loaded) == 1:
+        return next(iter(loaded.values()))
+    raise DataError(
+        f"data.path={path} holds splits {sorted(loaded)} and none is 'train'; point at one split's directory"
+    )
+
+
+def _hub_offline() -> bool:
+    import datasets
+
+    return bool(datasets.config.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "0").upper() in (
+        "1",
+        "ON",
+        "YES",
+        "TRUE",
+    )
+
+
+def _load_hub(name: str, streaming: bool):
+    import datasets
+
+    if _hub_offline():
+        raise DataError(
+            f"data.path={name} is not a local file or directory, and HF_HUB_OFFLINE=1 keeps the hub out of reach; "
+            "give a local path, or unset HF_HUB_OFFLINE to download it"
+        )
+    try:
+        return datasets.load_dataset(name, split="train", streaming=streaming)
+    except Exception as e:  # network, missing repository, no train split: one line with the cause
+        raise DataError(
+            f"data.path={name}: not a local path, and loading it from the hub failed ({_one_line(e)}); "
+            "check the name and the network, or give a local path"
+        ) from None
+
+
+def hub_fingerprint(name: str) -> str:
+    """The downloaded dataset's fingerprint (its revision and files), for the cache key."""
+    return _load_hub(name, streaming=False)._fingerprint
+
+
+def _one_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]

@@ -1,0 +1,105 @@
+"""data.streaming=true: records read lazily (JSON Lines here, other files through ``datasets``' IterableDataset),
+shuffled through a seeded buffer, tokenized and packed on the fly.
+
+The rows form one global sequence, the same on every rank and for every world size: epoch e reads the sources in
+an order shuffled with (seed, e), passes the records through a shuffle buffer of SHUFFLE_BUFFER records seeded
+with (seed, e), encodes and packs them; the next epoch goes on from there. Row g of the sequence is in
+micro-batch ``micro`` of step ``step`` on rank ``dp_rank`` exactly as in ``PackedDataset``, so every rank reads the
+whole stream and keeps its own rows (packing needs every sample's length).
+
+Resume: nothing is saved in the checkpoint. The trainer asks for the rows of step N; a fresh dataset (or one asked
+for an earlier row) re-reads the stream from its start and skips the rows before them: the rows after a resume
+are exactly those an uninterrupted run would have read, at the cost of re-reading and re-tokenizing what came
+before (proportional to the steps done).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+
+import torch
+
+from moe_tune.config import DataConfig, DataError
+from moe_tune.data.encode import Encoder
+from moe_tune.data.packing import RowPacker, to_device
+from moe_tune.data.pipeline import RecordSource, Tally, encode_one, parsed
+from moe_tune.data.records import BadRecord
+
+SHUFFLE_BUFFER = 10_000  # records
+
+
+class StreamingDataset:
+    """``micro_batch`` as ``PackedDataset``'s. ``stats`` as ``PackedDataset.stats``, counting what has been read so
+    far (every epoch), plus ``epoch`` (the epoch being read)."""
+
+    def __init__(self, sources: list[RecordSource], cfg: DataConfig, encoder: Encoder, pad_id: int, seed: int):
+        self.sources, self.cfg, self.encoder, self.pad_id, self.seed = sources, cfg, encoder, pad_id, seed
+        self._restart()
+
+    def _restart(self) -> None:
+        self.tally = Tally(self.cfg.on_bad_record if self.cfg.path else "skip", self.encoder.seq_len)  # loader._policy
+        self.stats = self.tally.stats
+        self.stats["epoch"] = 0
+        self._rows = self._row_stream()
+        self._next = 0  # index of the row self._rows yields next
+        self._last: tuple | None = None
+
+    def rows(self, step: int, micro: int, micro_batch_size: int, accum: int, dp_rank: int, dp_size: int):
+        per_step = micro_batch_size * accum * dp_size
+        start = step * per_step + (micro * dp_size + dp_rank) * micro_batch_size
+        rows = [self._row(start + i) for i in range(micro_batch_size)]
+        return tuple(torch.tensor([r[k] for r in rows], dtype=torch.long) for k in range(3))
+
+    def micro_batch(self, step: int, micro: int, micro_batch_size: int, accum: int, dp_rank: int, dp_size: int, device):
+        return to_device(*self.rows(step, micro, micro_batch_size, accum, dp_rank, dp_size), device)
+
+    def _row(self, index: int) -> tuple:
+        if index < self._next - 1:
+            self._restart()  # an earlier row: read again from the start
+        while self._next <= index:
+            self._last = next(self._rows)
+            self._next += 1
+        return self._last
+
+    def _row_stream(self) -> Iterator[tuple]:
+        packer = RowPacker(self.encoder.seq_len, self.pad_id, self.cfg.packing)
+        for epoch in itertools.count():
+            self.stats["epoch"] = epoch
+            used = self.stats["records_used"]
+            for ids, labels in self._samples(epoch):
+                for row in packer.add(ids, labels):
+                    self.stats["rows"] += 1
+                    yield row
+            if self.stats["records_used"] == used:
+                raise DataError(
+                    f"data.path={self.cfg.path}: no usable records in a whole pass ({self.stats['records_read']} "
+                    f"read, skipped {self.stats['records_skipped']}); see data.on_bad_record"
+                )
+
+    def _samples(self, epoch: int) -> Iterator[tuple[list[int], list[int]]]:
+        rng = random.Random(f"{self.seed}:{epoch}")  # str seeds hash the same in every process
+        sources = list(self.sources)
+        rng.shuffle(sources)
+        for where, record, fmt in shuffled(parsed(sources, self.cfg, self.tally), rng, SHUFFLE_BUFFER):
+            result = encode_one(record, fmt, self.cfg, self.encoder)
+            if isinstance(result, BadRecord):
+                self.tally.skip(where, result)
+                continue
+            self.tally.use(*result)
+            yield result
+
+
+def shuffled(items: Iterator, rng: random.Random, buffer_size: int) -> Iterator:
+    """``items`` in a random order drawn from a buffer of ``buffer_size`` (deterministic for ``rng``'s state)."""
+    buffer: list = []
+    for item in items:
+        if len(buffer) < buffer_size:
+            buffer.append(item)
+            continue
+        j = rng.randrange(buffer_size)
+        yield buffer[j]
+        buffer[j] = item
+    rng.shuffle(buffer)
+    yield from buffer
