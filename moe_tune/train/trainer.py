@@ -355,8 +355,17 @@ class Trainer:
         )
 
     def write_summary(self) -> dict:
+        # data_stats: records read, used and skipped per reason, tokens and rows (moe_tune.data's ``stats``)
+        val_stats = None if self.val_data is None else self.val_data.stats
         return write_run_summary(
-            self.cfg, self.rank, self.world, self.device, self.flops_per_token, self.metrics, **self.built.describe
+            self.cfg,
+            self.rank,
+            self.world,
+            self.device,
+            self.flops_per_token,
+            self.metrics,
+            data_stats={"train": self.data.stats, "val": val_stats},
+            **self.built.describe,
         )
 
 
