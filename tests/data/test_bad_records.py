@@ -1,0 +1,130 @@
+"""Bad records: with data.on_bad_record=error (the default) one line naming file:line, the problem and the fix;
+with skip, counted per reason in ``stats``. A training step whose rows carry no label gives loss 0, not NaN."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from moe_tune.config import DataConfig, DataError
+from moe_tune.data import PackedDataset, build_datasets
+from moe_tune.models.presets import build_tokenizer
+
+GOOD = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}).encode()
+USER = {"role": "user", "content": "q"}
+CASES = {
+    # reason: (line 2 of the file, the message after "data.jsonl:2: ")
+    "invalid_json": (
+        b'{"messages": [}',
+        "not valid JSON (Expecting value: line 1 column 15 (char 14)); fix the line or set data.on_bad_record=skip",
+    ),
+    "invalid_utf8": (
+        b'{"text": "caf\xe9"}',
+        "not valid UTF-8 (byte 0xe9 at 13); fix the line or set data.on_bad_record=skip",
+    ),
+    "wrong_type": (
+        json.dumps({"messages": [USER, {"role": "assistant", "content": 42}]}).encode(),
+        "messages[1].content must be a string, got int 42; fix the record or set data.on_bad_record=skip",
+    ),
+    "unknown_role": (
+        json.dumps({"messages": [{"role": "narrator", "content": "x"}]}).encode(),
+        "messages[0].role 'narrator' is not one of system, developer, user, assistant, tool; fix the record or set "
+        "data.on_bad_record=skip",
+    ),
+    "no_trainable_token": (
+        json.dumps({"messages": [USER]}).encode(),
+        "no token carries loss (data.train_on=assistant); fix the record or set data.on_bad_record=skip",
+    ),
+    "missing_field": (
+        json.dumps({"messages": None}).encode(),
+        "no 'messages' field (keys: ['messages']); fix the record or set data.on_bad_record=skip",
+    ),
+}
+
+
+def build(tmp_path, lines: list[bytes], **options):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    cfg = DataConfig(name="jsonl", path=str(path), num_samples=0, cache_dir=str(tmp_path / "cache"))
+    return build_datasets(replace(cfg, **options), build_tokenizer(), 32, seed=0)[0]
+
+
+@pytest.mark.parametrize("reason", list(CASES))
+def test_error_names_file_line_and_fix(tmp_path, reason):
+    line, message = CASES[reason]
+    with pytest.raises(DataError) as e:
+        build(tmp_path, [GOOD, line, GOOD])
+    assert str(e.value) == f"{tmp_path / 'data.jsonl'}:2: {message}"
+
+
+@pytest.mark.parametrize("reason", list(CASES))
+def test_skip_counts_per_reason(tmp_path, reason):
+    train = build(tmp_path, [GOOD, CASES[reason][0], GOOD], on_bad_record="skip")
+    assert train.stats["records_read"] == 3 and train.stats["records_used"] == 2
+    assert train.stats["records_skipped"] == {reason: 1}
+    assert train.stats["first_skipped"] == {reason: f"{tmp_path / 'data.jsonl'}:2"}
+
+
+def test_more_wrong_types_and_sharegpt_roles(tmp_path):
+    lines = [
+        json.dumps({"messages": "hello"}).encode(),  # messages not a list
+        json.dumps({"conversations": [{"from": "alien", "value": "x"}]}).encode(),
+        json.dumps({"conversations": [{"from": "human", "value": ["x"]}]}).encode(),
+        json.dumps({"prompt": "p", "response": 3}).encode(),
+        json.dumps({"messages": [USER], "tools": "{not json"}).encode(),
+        b"[1, 2]",  # not an object: no format
+        json.dumps({"question": "?"}).encode(),  # no known format in a file read as auto
+    ]
+    path = tmp_path / "many"
+    path.mkdir()
+    (path / "good.jsonl").write_bytes(GOOD)
+    for i, line in enumerate(lines):  # one file each: the format is detected per file
+        (path / f"{i}.jsonl").write_bytes(line + b"\n")
+    cfg = DataConfig(name="jsonl", path=str(path), num_samples=0, cache_dir=str(tmp_path / "c"), on_bad_record="skip")
+    train, _ = build_datasets(cfg, build_tokenizer(), 32, seed=0)
+    assert train.stats["records_skipped"] == {"wrong_type": 4, "unknown_role": 1, "unknown_format": 2}
+    assert train.stats["records_used"] == 1
+
+
+def test_truncation_past_every_label_is_no_trainable_token(tmp_path):
+    short, long = (json.dumps({"prompt": p, "response": "y"}).encode() for p in ("x", "x" * 40))
+    with pytest.raises(
+        DataError, match=r":2: no token carries loss \(data\.train_on=assistant\) within train\.seq_len=32"
+    ):
+        build(tmp_path, [short, long])
+    train = build(tmp_path, [short, long], on_bad_record="skip")
+    assert train.stats["records_skipped"] == {"no_trainable_token": 1}
+
+
+def test_builtin_records_that_do_not_fit_are_skipped(tmp_path):
+    cfg = DataConfig(num_samples=64, cache_dir=str(tmp_path))
+    train, _ = build_datasets(cfg, build_tokenizer(), 32, seed=0)  # additions fit; the other questions do not
+    assert 0 < train.stats["records_skipped"]["no_trainable_token"] < 64
+    assert train.stats["records_used"] + train.stats["records_skipped"]["no_trainable_token"] == 64
+
+
+def test_nothing_usable_is_one_line(tmp_path):
+    with pytest.raises(DataError, match=r"data\.jsonl: no usable records \(1 read, skipped invalid_json: 1\)"):
+        build(tmp_path, [b"{"], on_bad_record="skip")
+
+
+def test_a_step_without_label_tokens_is_not_nan(tmp_path):
+    from moe_tune.cli import compose, to_config
+    from moe_tune.dist.env import destroy_distributed
+    from moe_tune.train import Trainer
+
+    overrides = ["train.seq_len=32", "train.micro_batch_size=2", "data.num_samples=32", "train.precision=fp32"]
+    cfg = to_config(
+        compose([f"output_dir={tmp_path}", "checkpoint.export_hf=false", f"data.cache_dir={tmp_path}", *overrides])
+    )
+    try:
+        trainer = Trainer(cfg)
+        ids = torch.randint(4, 90, (4, 32))
+        trainer.data = PackedDataset(ids, torch.full_like(ids, -100), torch.arange(32).expand(4, 32), seed=0)
+        out = trainer.train_step(0)
+        assert float(out["loss"]) == 0.0 and torch.isfinite(out["grad_norm"])
+    finally:
+        destroy_distributed()

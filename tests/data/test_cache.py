@@ -1,0 +1,103 @@
+"""The tokenization cache: a second build reads the entry without tokenizing; a changed file, chat template or
+tokenizer makes a new entry; data.num_proc workers give the same rows; with a process group only rank 0
+tokenizes and the other rank reads what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+from moe_tune.config import DataConfig
+from moe_tune.data import build_datasets
+from moe_tune.data.encode import Encoder
+from moe_tune.models.presets import build_tokenizer
+
+CHATS = [
+    {"messages": [{"role": "user", "content": f"{i}*3="}, {"role": "assistant", "content": str(3 * i)}]}
+    for i in range(24)
+]
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in CHATS))
+    return DataConfig(name="jsonl", path=str(path), num_samples=0, cache_dir=str(tmp_path / "cache"))
+
+
+def entries(cfg) -> list[str]:
+    return sorted(n for n in os.listdir(cfg.cache_dir) if n.endswith(".pt"))
+
+
+def build(cfg, tokenizer=None):
+    train, _ = build_datasets(cfg, tokenizer or build_tokenizer(), 64, seed=0)
+    return torch.stack([train.ids, train.labels, train.positions])
+
+
+@pytest.fixture
+def count_encodes(monkeypatch):
+    calls = []
+    encode = Encoder.__call__
+    monkeypatch.setattr(Encoder, "__call__", lambda self, sample: calls.append(1) or encode(self, sample))
+    return calls
+
+
+def test_second_build_reads_the_cache(cfg, count_encodes):
+    first = build(cfg)
+    assert len(count_encodes) == len(CHATS)
+    (entry,) = entries(cfg)
+    mtime = os.stat(os.path.join(cfg.cache_dir, entry)).st_mtime_ns
+    count_encodes.clear()
+    assert torch.equal(build(cfg), first)
+    assert count_encodes == [] and entries(cfg) == [entry]
+    assert os.stat(os.path.join(cfg.cache_dir, entry)).st_mtime_ns == mtime
+
+
+def test_changes_make_a_new_entry(cfg, tmp_path, count_encodes):
+    build(cfg)
+    with open(cfg.path, "a") as f:  # the file changes
+        f.write(json.dumps(CHATS[0]) + "\n")
+    build(cfg)
+    template = tmp_path / "t.jinja"  # another chat template
+    template.write_text(
+        "{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
+        "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    )
+    build(replace(cfg, chat_template=str(template)))
+    tokenizer = build_tokenizer()  # another tokenizer: one more token
+    tokenizer.add_tokens(["<|extra|>"])
+    build(cfg, tokenizer)
+    assert len(entries(cfg)) == 4
+    assert len(count_encodes) == len(CHATS) + 3 * (len(CHATS) + 1)  # the later builds read the longer file
+
+
+def test_num_proc_workers_give_the_same_rows(cfg, tmp_path):
+    one = build(cfg)
+    assert torch.equal(build(replace(cfg, num_proc=2, cache_dir=str(tmp_path / "other"))), one)
+
+
+def _rank(rank: int, cfg, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    calls = []
+    encode = Encoder.__call__
+    Encoder.__call__ = lambda self, sample: calls.append(1) or encode(self, sample)
+    rows = build(cfg)
+    torch.save({"calls": len(calls), "rows": rows}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_rank0_tokenizes_and_the_other_rank_reads(cfg, tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank, args=(cfg, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert (r0["calls"], r1["calls"]) == (len(CHATS), 0)
+    assert torch.equal(r0["rows"], r1["rows"]) and len(entries(cfg)) == 1

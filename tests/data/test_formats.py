@@ -1,0 +1,191 @@
+"""Each record format to token ids and loss labels, checked exactly against ids built by hand for the built-in
+tokenizer (one id per character, ChatML's <|im_start|>/<|im_end|>): chat (system, multi-turn, tools), ShareGPT,
+prompt/completion (response and completion keys, TRL's conversational form), text; every data.train_on; a
+template without generation blocks gives the same masks by diffing renders; one that breaks the prefix rule is
+refused; auto-detection per file."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from moe_tune.config import DataConfig, DataError
+from moe_tune.data import build_datasets
+from moe_tune.models.presets import build_tokenizer
+
+S, E = "<|im_start|>", "<|im_end|>"
+IGNORE = -100
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "1+2="},
+    {"role": "assistant", "content": "3"},
+    {"role": "user", "content": "2+2="},
+    {"role": "assistant", "content": "4!"},
+]
+# ChatML as the built-in template renders it, but with no {% generation %} block: masks come from the diff.
+PLAIN_CHATML = (
+    "{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def hand_ids(text: str) -> list[int]:
+    """The built-in tokenizer's ids, by hand: <pad> <bos> <eos> <unk> are 0-3, printable ASCII c is 4 + ord(c) - 32,
+    newline 99, <|im_start|> 100, <|im_end|> 101."""
+    out, i = [], 0
+    while i < len(text):
+        special = next((s for s in (S, E) if text.startswith(s, i)), None)
+        if special:
+            out.append(100 if special == S else 101)
+            i += len(special)
+        else:
+            out.append(99 if text[i] == "\n" else 4 + ord(text[i]) - 32)
+            i += 1
+    return out
+
+
+def expect(*parts: tuple[str, bool]) -> tuple[list[int], list[int]]:
+    """(ids, labels) of text parts, each trainable or not; the first token never has a label."""
+    ids, labels = [], []
+    for text, trainable in parts:
+        t = hand_ids(text)
+        ids += t
+        labels += t if trainable else [IGNORE] * len(t)
+    return ids, [IGNORE] + labels[1:]
+
+
+def chat_expectation(train_on: str) -> tuple[list[int], list[int]]:
+    a1, a2 = train_on in ("assistant", "all"), True
+    return expect(
+        (f"{S}system\nBe brief.{E}\n{S}user\n1+2={E}\n{S}assistant\n", train_on == "all"),
+        (f"3{E}\n", a1),
+        (f"{S}user\n2+2={E}\n{S}assistant\n", train_on == "all"),
+        (f"4!{E}\n", a2),
+    )
+
+
+def samples(tmp_path, records: list, name: str = "data.jsonl", **options) -> list[tuple[list[int], list[int]]]:
+    """(ids, labels) of every sample of ``records`` written as JSON Lines, one sample per row, in file order."""
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = DataConfig(name="jsonl", path=str(path), num_samples=0, packing=False, cache_dir=str(tmp_path / "cache"))
+    train, _ = build_datasets(replace(cfg, **options), build_tokenizer(), 128, seed=0)
+    out = []
+    for ids, labels in zip(train.ids.tolist(), train.labels.tolist()):
+        n = next((i for i, t in enumerate(ids) if t == 0), len(ids))  # <pad> (id 0) only pads
+        out.append((ids[:n], labels[:n]))
+    return out
+
+
+@pytest.mark.parametrize("train_on", ["assistant", "all", "last_assistant"])
+def test_chat_system_multi_turn(tmp_path, train_on):
+    assert samples(tmp_path, [{"messages": CHAT}], train_on=train_on) == [chat_expectation(train_on)]
+
+
+@pytest.mark.parametrize("train_on", ["assistant", "all", "last_assistant"])
+def test_template_without_generation_blocks_gives_the_same_masks(tmp_path, train_on):
+    template = tmp_path / "plain.jinja"
+    template.write_text(PLAIN_CHATML)
+    got = samples(tmp_path, [{"messages": CHAT}], train_on=train_on, chat_template=str(template))
+    assert got == [chat_expectation(train_on)]
+
+
+def test_system_field_and_tools(tmp_path):
+    tools = [{"name": "add"}]
+    record = {"system": "Be brief.", "messages": CHAT[1:3], "tools": tools}
+    ids, labels = samples(tmp_path, [record])[0]
+    tools_turn = f"{S}system\nBe brief.\n\n# Tools\n{json.dumps(tools[0])}\n{E}\n"
+    assert (ids, labels) == expect((f"{tools_turn}{S}user\n1+2={E}\n{S}assistant\n", False), (f"3{E}\n", True))
+
+
+def test_sharegpt_is_the_same_conversation(tmp_path):
+    speakers = {"system": "system", "user": "human", "assistant": "gpt"}
+    record = {"conversations": [{"from": speakers[m["role"]], "value": m["content"]} for m in CHAT]}
+    assert samples(tmp_path, [record]) == [chat_expectation("assistant")]
+
+
+@pytest.mark.parametrize("key", ["response", "completion"])
+@pytest.mark.parametrize("train_on", ["assistant", "all"])
+def test_prompt_completion(tmp_path, key, train_on):
+    got = samples(tmp_path, [{"prompt": "7*6=", key: "42"}], train_on=train_on)
+    ids = [1] + hand_ids("7*6=") + hand_ids("42") + [2]  # <bos> prompt completion <eos>
+    labels = [IGNORE] + (ids[1:5] if train_on == "all" else [IGNORE] * 4) + ids[5:]
+    assert got == [(ids, labels)]
+
+
+def test_prompt_completion_conversational(tmp_path):
+    record = {"prompt": CHAT[:4], "completion": CHAT[4:]}  # TRL: loss on the completion's messages only
+    assert samples(tmp_path, [record]) == [chat_expectation("last_assistant")]
+
+
+def test_text(tmp_path):
+    ids = [1] + hand_ids("hello\nworld") + [2]
+    assert samples(tmp_path, [{"text": "hello\nworld"}]) == [(ids, [IGNORE] + ids[1:])]
+
+
+def test_auto_detection_is_per_file(tmp_path):
+    d = tmp_path / "mixed"
+    d.mkdir()
+    (d / "a.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n")
+    (d / "b.jsonl").write_text(json.dumps({"text": "hi"}) + "\n")
+    (d / "c.jsonl").write_text(json.dumps({"prompt": "p", "completion": "c"}) + "\n")
+    cfg = DataConfig(name="jsonl", path=str(d), num_samples=0, packing=False, cache_dir=str(tmp_path / "cache"))
+    train, _ = build_datasets(cfg, build_tokenizer(), 128, seed=0)
+    texts = build_tokenizer().batch_decode(train.ids.tolist(), skip_special_tokens=False)
+    assert texts[0].startswith(f"{S}system\nBe brief.")
+    assert texts[1].startswith("<bos>hi<eos><pad>")
+    assert texts[2].startswith("<bos>pc<eos><pad>")
+    with pytest.raises(DataError, match=r"a\.jsonl:1: no 'text' field"):  # an explicit format overrides
+        build_datasets(replace(cfg, format="text"), build_tokenizer(), 128, seed=0)
+
+
+def test_template_breaking_the_prefix_rule_is_refused(tmp_path):
+    """Earlier assistant turns rendered differently (as Qwen3 drops their reasoning): no mask can be diffed."""
+    template = tmp_path / "drops_history.jinja"
+    template.write_text(
+        "{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' -}}"
+        "{%- if m['role'] == 'assistant' and not loop.last -%}{{- '...' -}}{%- else -%}{{- m['content'] -}}{%- endif -%}"
+        "{{- '<|im_end|>\\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    )
+    with pytest.raises(DataError, match=r"renders message 2 differently.*data\.train_on=last_assistant"):
+        samples(tmp_path, [{"messages": CHAT}], chat_template=str(template))
+    ids, labels = samples(tmp_path, [{"messages": CHAT}], chat_template=str(template), train_on="last_assistant")[0]
+    assert [t for t, label in zip(ids, labels) if label != IGNORE] == hand_ids(f"4!{E}\n")
+
+
+def test_tokenizer_without_a_template_names_the_fix(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"messages": CHAT}) + "\n")
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = None
+    cfg = DataConfig(name="jsonl", path=str(path), num_samples=0, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError, match=r"has none; set data\.chat_template=<jinja file>"):
+        build_datasets(cfg, tokenizer, 128, seed=0)
+
+
+def test_builtin_tokenizer_saves_its_chat_template(tmp_path):
+    from transformers import AutoTokenizer
+
+    build_tokenizer(str(tmp_path))
+    loaded = AutoTokenizer.from_pretrained(str(tmp_path))
+    text = loaded.apply_chat_template(CHAT[1:2], tokenize=False, add_generation_prompt=True)
+    assert text == f"{S}user\n1+2={E}\n{S}assistant\n"
+    assert loaded(text, add_special_tokens=False).input_ids == hand_ids(text)
+
+
+def test_builtin_set_is_chat_records(tmp_path):
+    from moe_tune.data.builtin import arithmetic_samples
+
+    records = arithmetic_samples(64, seed=0)
+    assert all([m["role"] for m in r["messages"]][-2:] == ["user", "assistant"] for r in records)
+    assert any(r["messages"][0]["role"] == "system" for r in records)
+    cfg = DataConfig(num_samples=64, packing=False, cache_dir=str(tmp_path / "cache"))
+    train, _ = build_datasets(cfg, build_tokenizer(), 64, seed=0)
+    first = records[0]["messages"]
+    ids, labels = expect(
+        ("".join(f"{S}{m['role']}\n{m['content']}{E}\n" for m in first[:-1]) + f"{S}assistant\n", False),
+        (f"{first[-1]['content']}{E}\n", True),
+    )
+    assert train.ids[0, : len(ids)].tolist() == ids and train.labels[0, : len(ids)].tolist() == labels
