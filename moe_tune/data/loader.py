@@ -44,7 +44,8 @@ def build_datasets(
     if cfg.streaming:
         from moe_tune.data.streaming import StreamingDataset
 
-        train = StreamingDataset(record_sources(cfg, cfg.path, seed), cfg, Encoder(tokenizer, cfg, seq_len), pad, seed)
+        sources = record_sources(cfg, cfg.path, seed, streaming=True)
+        train = StreamingDataset(sources, cfg, Encoder(tokenizer, cfg, seq_len), pad, seed)
         val = _cached(cfg, tokenizer, seq_len, seed, with_train=False)
         return train, (ValDataset(*val["val"], pad, val["val_stats"]) if val["val"] is not None else None)
     entry = _cached(cfg, tokenizer, seq_len, seed, with_train=True)
@@ -58,15 +59,16 @@ def build_dataset(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_siz
     return build_datasets(cfg, tokenizer, seq_len, seed, vocab_size)[0]
 
 
-def record_sources(cfg: DataConfig, path: str | None, seed: int) -> list[RecordSource]:
-    """The sources of ``path`` (None: the built-in set), each re-openable."""
+def record_sources(cfg: DataConfig, path: str | None, seed: int, streaming: bool = False) -> list[RecordSource]:
+    """The sources of ``path`` (None: the built-in set), each re-openable. Local files are read lazily either way;
+    a hub dataset is streamed from the hub, or read from its download (the one the cache key fingerprinted)."""
     if path is None:
         if cfg.name != "arithmetic":
             raise DataError(f"data={cfg.name!r} is not built in (arithmetic); or set data.path=<file|dir|hub name>")
         return [lambda: _builtin_records(cfg, seed)]
     from moe_tune.data.sources import iter_records, resolve
 
-    return [lambda s=s: iter_records(s, streaming=True) for s in resolve(path)]
+    return [lambda s=s: iter_records(s, streaming) for s in resolve(path)]
 
 
 def _policy(cfg: DataConfig) -> str:

@@ -189,3 +189,28 @@ def test_builtin_set_is_chat_records(tmp_path):
         (f"{first[-1]['content']}{E}\n", True),
     )
     assert train.ids[0, : len(ids)].tolist() == ids and train.labels[0, : len(ids)].tolist() == labels
+
+
+def test_tokens_merged_across_the_boundary_go_by_character_spans():
+    """A tokenizer that merges the assistant header with the answer ("A:ok" is one token): the renders are text
+    prefixes but not token prefixes, so a token is trainable when its characters overlap the message's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from moe_tune.data.encode import Encoder
+    from moe_tune.data.records import normalize
+
+    vocab = {"<unk>": 0, "U:": 1, "hi": 2, "A:": 3, "A:ok": 4, ".": 5}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    tokenizer.chat_template = (
+        "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{{- 'U: ' + m['content'] + ' ' -}}"
+        "{%- else -%}{{- 'A:' + m['content'] + ' . ' -}}{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- 'A:' -}}{%- endif -%}"
+    )
+    cfg = DataConfig()
+    sample = normalize(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}, "chat", cfg
+    )
+    assert Encoder(tokenizer, cfg, 16)(sample) == ([1, 2, 4, 5], [IGNORE, IGNORE, 4, 5])
