@@ -57,8 +57,9 @@ def _varlen_kernel():
     return varlen_attn, "window_size" in params, "enable_gqa" in params
 
 
-def _varlen(query, key, value, cu, scaling, window) -> torch.Tensor | None:
-    """The flash kernel on [B, heads, S, d] q/k/v, or None where it cannot run them."""
+def _varlen(query, key, value, cu, scaling, window, longest: int | None = None) -> torch.Tensor | None:
+    """The flash kernel on [B, heads, S, d] q/k/v, or None where it cannot run them. ``longest``: the longest
+    packed sequence (the kernel's grid is sized by it; default the row length)."""
     kernel = _varlen_kernel()
     if kernel is None or not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16):
         return None
@@ -77,7 +78,8 @@ def _varlen(query, key, value, cu, scaling, window) -> torch.Tensor | None:
         options["is_causal"] = True
     if has_gqa:
         options["enable_gqa"] = key.shape[1] != H
-    return varlen_attn(q, k, v, cu, cu, S, S, **options).view(B, S, H, d)
+    longest = S if longest is None else longest
+    return varlen_attn(q, k, v, cu, cu, longest, longest, **options).view(B, S, H, d)
 
 
 def varlen_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -87,7 +89,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout=
     cu = kwargs.get("cu_seq_lens_q")
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     if cu is not None and not dropout and query.shape[-1] == value.shape[-1]:
-        out = _varlen(query, key, value, cu, scaling, window)
+        out = _varlen(query, key, value, cu, scaling, window, kwargs.get("max_length_q"))
         if out is not None:
             return out, None
     return packed_sdpa(query, key, value, scaling, cu, window, dropout), None

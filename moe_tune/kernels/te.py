@@ -134,8 +134,8 @@ def te_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
             attn_mask_type="padding_causal",
             cu_seqlens_q=cu,
             cu_seqlens_kv=cu,
-            max_seqlen_q=S,
-            max_seqlen_kv=S,
+            max_seqlen_q=kwargs.get("max_length_q", S),
+            max_seqlen_kv=kwargs.get("max_length_k", S),
         )
     return out.reshape(B, S, H, d), None
 

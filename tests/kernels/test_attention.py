@@ -89,8 +89,10 @@ def test_varlen_kernel_matches_the_masked_reference(window, kv_heads):
         torch.randn(B, h, S, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
         for h in (H, kv_heads, kv_heads)
     )
-    cu = packed_sequence_kwargs(_positions(B, S, [9, 30, 17]).cuda())["cu_seq_lens_q"]
-    out = _varlen(q, k, v, cu, d**-0.5, window)
+    kw = packed_sequence_kwargs(_positions(B, S, [9, 30, 17]).cuda())
+    cu = kw["cu_seq_lens_q"]
+    assert kw["max_length_q"] == 30
+    out = _varlen(q, k, v, cu, d**-0.5, window, kw["max_length_q"])
     assert out is not None, "torch.nn.attention.varlen.varlen_attn did not run"
     qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
     ref = packed_sdpa(qr, kr, vr, d**-0.5, cu, window)

@@ -160,7 +160,7 @@ def test_packed_sequence_kwargs():
     assert kw["cu_seq_lens_q"].dtype == torch.int32
     assert kw["cu_seq_lens_q"].tolist() == [0, 3, 5, 6, 8, 12]
     assert kw["cu_seq_lens_k"] is kw["cu_seq_lens_q"]
-    assert kw["max_length_q"] == kw["max_length_k"] == 6
+    assert kw["max_length_q"] == kw["max_length_k"] == 4  # sequences of 3, 2, 1, 2 and 4 tokens
 
 
 @pytest.mark.parametrize("window", [None, 3])
