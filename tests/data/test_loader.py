@@ -1,0 +1,37 @@
+"""``build_datasets`` refuses sources with nothing to train on: an empty file, a record of no known format (the
+file and line named, with the fields each format needs). (Missing paths and other bad records: test_sources.py,
+test_bad_records.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe_tune.config import DataConfig, DataError
+from moe_tune.data import build_datasets
+from moe_tune.models.presets import build_tokenizer
+
+
+def _build(tmp_path, records: list[dict]):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = DataConfig(path=str(path), cache_dir=str(tmp_path / "cache"))
+    return build_datasets(cfg, build_tokenizer(), 16, 0)
+
+
+def test_an_empty_file_is_a_data_error_naming_it(tmp_path):
+    with pytest.raises(DataError) as e:
+        _build(tmp_path, [])
+    assert (
+        str(e.value) == f"{tmp_path / 'data.jsonl'}: no usable records (0 read, skipped none); see data.on_bad_record"
+    )
+
+
+def test_a_record_of_no_known_format_is_a_data_error_naming_its_line_and_keys(tmp_path):
+    with pytest.raises(DataError) as e:
+        _build(tmp_path, [{"question": "q", "answer": "a"}, {"text": "fine"}])
+    message = str(e.value)
+    assert message.startswith(f"{tmp_path / 'data.jsonl'}:1: ")
+    assert "keys: ['answer', 'question']" in message and "prompt + response" in message and "text" in message
+    assert "\n" not in message
