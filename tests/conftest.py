@@ -11,6 +11,16 @@ import torch
 from tests import harness, tiny
 
 
+@pytest.fixture(scope="session", autouse=True)
+def data_cache(tmp_path_factory):
+    """Runs that name no data.cache_dir cache tokenized data under HF_DATASETS_CACHE (moe_tune.data.cache): a
+    directory of this test session, not the user's ~/.cache; subprocesses and spawned ranks inherit it."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_datasets_cache")))
+    yield
+    patch.undo()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

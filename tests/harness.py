@@ -7,6 +7,7 @@ on any rank is re-raised in pytest with that rank's traceback.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -16,6 +17,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moe_tune.dist.env import destroy_distributed, init_distributed
@@ -53,6 +55,10 @@ def _entry(rank: int, fn, world_size: int, port: int, backend: str, args: tuple)
     init_distributed(backend)  # with CUDA: this rank's GPU is cuda:<rank>
     try:
         fn(rank, *args)
+        # Free what the body built (sharded modules, DTensors) and line the ranks up while the group is alive: a gloo
+        # group torn down under live DTensors, or while the other rank still communicates, can abort the process.
+        gc.collect()
+        dist.barrier()
     finally:
         destroy_distributed()
 

@@ -15,6 +15,7 @@ from moe_tune.config import DataConfig
 from moe_tune.data import build_datasets
 from moe_tune.data.encode import Encoder
 from moe_tune.models.presets import build_tokenizer
+from tests.harness import run_ranks
 
 CHATS = [
     {"messages": [{"role": "user", "content": f"{i}*3="}, {"role": "assistant", "content": str(3 * i)}]}
@@ -80,24 +81,17 @@ def test_num_proc_workers_give_the_same_rows(cfg, tmp_path):
     assert torch.equal(build(replace(cfg, num_proc=2, cache_dir=str(tmp_path / "other"))), one)
 
 
-def _rank(rank: int, cfg, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    os.environ["LOCAL_RANK"] = str(rank)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+def _rank(rank: int, cfg, out_dir: str) -> None:
     calls = []
     encode = Encoder.__call__
     Encoder.__call__ = lambda self, sample: calls.append(1) or encode(self, sample)
     rows = build(cfg)
     torch.save({"calls": len(calls), "rows": rows}, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
 
 
 @pytest.mark.dist
 def test_rank0_tokenizes_and_the_other_rank_reads(cfg, tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_rank, args=(cfg, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_rank, 2, cfg, str(tmp_path))
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert (r0["calls"], r1["calls"]) == (len(CHATS), 0)
     assert torch.equal(r0["rows"], r1["rows"]) and len(entries(cfg)) == 1

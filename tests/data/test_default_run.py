@@ -5,19 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.harness import run_cli
 
 
-def test_default_run_trains_on_chat_records(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+def test_default_run_trains_on_chat_records(tmp_path, cli_env):
     cache = tmp_path / "cache"
-    run = [sys.executable, "-m", "moe_tune", "train.steps=3", f"data.cache_dir={cache}", "checkpoint.export_hf=false"]
-    out = subprocess.run([*run, f"output_dir={tmp_path / 'a'}"], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    run = ["train.steps=3", f"data.cache_dir={cache}", "checkpoint.export_hf=false"]
+    out = run_cli([*run, f"output_dir={tmp_path / 'a'}"], cli_env, timeout=300)
     log = out.stdout + out.stderr
     assert "data (train): 4096 records read, 4096 used" in log, log[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]

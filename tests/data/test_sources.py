@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,9 +14,9 @@ import torch
 from moe_tune.config import DataConfig, DataError
 from moe_tune.data import build_datasets
 from moe_tune.models.presets import build_tokenizer
+from tests.harness import PY, cli_env
 
 datasets = pytest.importorskip("datasets")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PAIRS = [{"prompt": f"{a}+{b}=", "response": str(a + b)} for a, b in [(1, 2), (30, 4), (5, 66), (7, 8)]]
 CHATS = [
@@ -98,5 +97,4 @@ def test_no_datasets_import_without_a_path(tmp_path):
         "build_tokenizer(), 64, 0)\n"
         "assert 'datasets' not in sys.modules, 'datasets was imported'\n"
     )
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+    subprocess.run([PY, "-c", code], check=True, env=cli_env(), timeout=120)
