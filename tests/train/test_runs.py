@@ -163,9 +163,12 @@ def test_aux_loss_free_bias_update_two_ranks(tmp_path, cli_env):
 
 
 def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path, cli_env):
-    """global batch 4 as 2 micro-batches of 2 == one micro-batch of 4 (same rows, same loss normalisation)."""
+    """global batch 4 as 2 micro-batches of 2 == one micro-batch of 4 (same rows, same loss normalisation). The
+    load-balancing loss is off: it is computed per forward, from the routing of the rows that share a micro-batch,
+    so it differs between the two by design (with train.aux_loss_coef=0.001 the grad norms differ by 2e-3)."""
     common = [
         "train.steps=3",
+        "train.aux_loss_coef=0",
         "checkpoint.export_hf=false",
         *FAST_RUN[:1],
         "data.num_samples=256",
