@@ -124,17 +124,17 @@ def stub_te(monkeypatch, stub_te_recipes):
 
 
 @pytest.mark.parametrize("fp8", ["current", "blockwise"])
-def test_te_swaps_the_dense_linears_fp8_can_take(stub_te, fp8, tmp_path, caplog):
+def test_te_swaps_the_dense_linears_fp8_can_take(stub_te, fp8, tiny_checkpoint, caplog):
     """q_proj/o_proj (192 wide) and k/v_proj (96) are multiples of 16, not of 128: current scaling takes them,
     block scaling leaves them torch (logged); norms are TE's, the router and lm_head are never touched, weights
     are copied, and each decoder layer runs under the recipe's autocast."""
     te, recipes = stub_te
-    build_hf("qwen3_moe", **{**TE_SHAPES, "head_dim": 48}).save_pretrained(tmp_path)
-    plain = moe_tune.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    path = tiny_checkpoint("qwen3_moe", **{**TE_SHAPES, "head_dim": 48})
+    plain = moe_tune.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     q_before = plain.layers[0].self_attn.q_proj.weight.detach().clone()
     router_type, head_type = type(plain.moe_layers()[0].router), type(plain.lm_head)
     with caplog.at_level("INFO", logger="moe_tune"):
-        model = moe_tune.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32, kernels="te", fp8=fp8)
+        model = moe_tune.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, kernels="te", fp8=fp8)
     attn = model.layers[0].self_attn
     assert isinstance(attn.q_proj, te.Linear) == (fp8 == "current")
     assert isinstance(attn.k_proj, te.Linear) == (fp8 == "current")
@@ -186,9 +186,8 @@ SDPA_FAMILIES = [f for f in FAMILIES if f != "gpt_oss"]  # GPT-OSS keeps eager a
 
 
 @pytest.mark.parametrize("family", SDPA_FAMILIES)
-def test_cu_seqlens_reach_attention_and_match_transformers_packed_mask(family, tmp_path):
-    build_hf(family).save_pretrained(tmp_path)
-    model = moe_tune.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+def test_cu_seqlens_reach_attention_and_match_transformers_packed_mask(family, tiny_checkpoint):
+    model = moe_tune.AutoModelForCausalLM.from_pretrained(tiny_checkpoint(family), dtype=torch.float32).eval()
     assert model.config._attn_implementation == "sdpa"
     B, S = 2, 12
     ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(0))
