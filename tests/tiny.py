@@ -134,3 +134,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     den = b.norm().item()
     return (a - b).norm().item() / den if den else (a - b).norm().item()
+
+
+def packed_positions(B: int, S: int, lengths: list[int]) -> torch.Tensor:
+    """Position ids of B packed rows of S tokens: sequences of ``lengths`` (cycled, each row starting one further
+    along) back to back, positions restarting at 0 at every sequence."""
+    rows = []
+    for b in range(B):
+        row, i = [], b
+        while len(row) < S:
+            row += list(range(lengths[i % len(lengths)]))
+            i += 1
+        rows.append(row[:S])
+    return torch.tensor(rows)

@@ -10,20 +10,9 @@ import moe_tune
 from moe_tune.kernels.attention import ATTN_NAME, _varlen, packed_sdpa
 from moe_tune.models.model import packed_sequence_kwargs
 from moe_tune.models.presets import build_tiny_checkpoint
+from tests.tiny import packed_positions
 
 TOL = 1e-5
-
-
-def _positions(B: int, S: int, lengths: list[int]) -> torch.Tensor:
-    """Each row holds sequences of ``lengths`` (cycled) back to back, positions restarting at 0."""
-    rows = []
-    for b in range(B):
-        row, i = [], b
-        while len(row) < S:
-            row += list(range(lengths[i % len(lengths)]))
-            i += 1
-        rows.append(row[:S])
-    return torch.tensor(rows)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +34,7 @@ def test_packed_attention_equals_transformers_packed_mask(checkpoint):
     assert not hf_mask.packed_attention and hf_mask.config._attn_implementation == "sdpa"
     B, S = 3, 40
     ids = torch.randint(0, varlen.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
-    pos = _positions(B, S, [7, 13, 5, 20])
+    pos = packed_positions(B, S, [7, 13, 5, 20])
     for model in (hf_mask, varlen):
         model.zero_grad(set_to_none=True)
         out = model(input_ids=ids, labels=ids, position_ids=pos, return_logits=True)
@@ -89,7 +78,7 @@ def test_varlen_kernel_matches_the_masked_reference(window, kv_heads):
         torch.randn(B, h, S, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
         for h in (H, kv_heads, kv_heads)
     )
-    kw = packed_sequence_kwargs(_positions(B, S, [9, 30, 17]).cuda())
+    kw = packed_sequence_kwargs(packed_positions(B, S, [9, 30, 17]).cuda())
     cu = kw["cu_seq_lens_q"]
     assert kw["max_length_q"] == 30
     out = _varlen(q, k, v, cu, d**-0.5, window, kw["max_length_q"])

@@ -20,19 +20,7 @@ from moe_tune.kernels.attention import packed_sdpa
 from moe_tune.kernels.te import _fp8_shape_ok
 from moe_tune.models.model import packed_sequence_kwargs
 from tests.harness import needs_te
-from tests.tiny import FAMILIES, VOCAB, build_hf, rel_err
-
-
-def _packed_positions(B: int, S: int, lengths: list[int]) -> torch.Tensor:
-    """Each row holds sequences of ``lengths`` (cycled) back to back, positions restarting at 0."""
-    rows = []
-    for b in range(B):
-        row, i = [], b
-        while len(row) < S:
-            row += list(range(lengths[i % len(lengths)]))
-            i += 1
-        rows.append(row[:S])
-    return torch.tensor(rows)
+from tests.tiny import FAMILIES, VOCAB, build_hf, packed_positions, rel_err
 
 
 def test_fp8_shape_rule():
@@ -170,7 +158,7 @@ def test_sdpa_fallback_masks_equal_an_explicit_loop(packed, window):
     g = torch.Generator().manual_seed(0)
     B, H, KV, S, d = 2, 4, 2, 10, 8
     q, k, v = (torch.randn(B, h, S, d, generator=g) for h in (H, KV, KV))
-    pos = _packed_positions(B, S, [4, 3, 6]) if packed else torch.arange(S).expand(B, S)
+    pos = packed_positions(B, S, [4, 3, 6]) if packed else torch.arange(S).expand(B, S)
     cu = packed_sequence_kwargs(pos)["cu_seq_lens_q"] if packed else None
     out = packed_sdpa(q, k, v, 0.5, cu, window)  # [B, S, H, d]
     seq = (pos == 0).cumsum(1)  # sequence number of each position in its row
@@ -191,7 +179,7 @@ def test_cu_seqlens_reach_attention_and_match_transformers_packed_mask(family, t
     assert model.config._attn_implementation == "sdpa"
     B, S = 2, 12
     ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(0))
-    pos = _packed_positions(B, S, [5, 3, 4])
+    pos = packed_positions(B, S, [5, 3, 4])
     with torch.no_grad():
         ref = model(input_ids=ids, position_ids=pos, return_logits=True).logits  # transformers' packed mask
     seen = []
@@ -284,7 +272,7 @@ def test_te_matches_torch_in_bf16(packed, tmp_path):
     assert type(te_bf16.layers[0].self_attn.q_proj).__module__.startswith("transformer_engine")
     B, S = 2, 256
     ids = torch.randint(0, 512, (B, S), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    pos = _packed_positions(B, S, [100, 37, 60]).cuda() if packed else None
+    pos = packed_positions(B, S, [100, 37, 60]).cuda() if packed else None
     ref_logits, ref_loss, ref_grads = _run(fp32, ids, pos)
     t_logits, t_loss, t_grads = _run(torch_bf16, ids, pos)
     e_logits, e_loss, e_grads = _run(te_bf16, ids, pos)
