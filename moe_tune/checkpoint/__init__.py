@@ -4,10 +4,9 @@ Layout: ``checkpoints/step_<N>/`` holds DCP shards of the model and optimizer, `
 scheduler, source checkpoint, resolved config) and ``COMPLETE``, written last by rank 0: a directory
 without it is an interrupted save and is never resumed from.
 
-Expert tensors are stored one expert per key (``...experts.gate_up_proj@<j>``, j the global expert index)
-so that a checkpoint does not depend on how experts were split: it can be resumed under another expert-
-parallel or FSDP layout. The per-expert entries are views of the live tensors, so DCP reads straight into
-place. This needs each rank to hold whole experts: (experts / ep) divisible by the FSDP ranks sharding them.
+Every tensor is keyed by its parameter's name, experts one per global expert index, and param groups and the
+scheduler are matched by parameter names (``moe_tune.checkpoint.state``): a checkpoint resumes at any layout
+(world size, ep, dp_shard, dp_replicate), not only the one it was saved at.
 """
 
 from __future__ import annotations
@@ -21,29 +20,19 @@ import re
 import torch
 import torch.distributed as dist
 
+from moe_tune.checkpoint.state import (
+    flat_state,
+    model_entries,
+    names_match,
+    param_groups_by_name,
+    restore_model,
+    scheduler_by_name,
+)
+from moe_tune.checkpoint.state import is_extra_state as _is_extra_state
 from moe_tune.config import CheckpointError
-from moe_tune.models.hf_io import EXPERT_PARAM, expert_offsets, local_rows
 
 COMPLETE = "COMPLETE"
 log = logging.getLogger("moe_tune")
-
-
-def _split_experts(flat: dict, offsets: dict[str, int], fqn_of=lambda k: k) -> dict:
-    """Replace each stacked expert entry by one view per expert, keyed by global expert index."""
-    out = {}
-    for key, value in flat.items():
-        fqn = fqn_of(key)
-        if EXPERT_PARAM.match(fqn) and isinstance(value, torch.Tensor) and value.dim() >= 2:
-            local, first = local_rows(value)
-            for i in range(local.shape[0]):
-                out[f"{key}@{offsets.get(fqn, 0) + first + i}"] = local[i]
-        else:
-            out[key] = value
-    return out
-
-
-def _is_extra_state(key: str) -> bool:
-    return key.endswith("_extra_state")
 
 
 def _extra_state_file(path: str, rank: int) -> str:
@@ -70,30 +59,10 @@ def _te_pickled_extra_state_allowed(allowed: bool):
                 os.environ[key] = before
 
 
-def _flat_state(trainer) -> tuple[dict, dict, dict]:
-    """Everything DCP saves and loads, flat. Modules' extra state (TransformerEngine's FP8 scaling history: a
-    pickled uint8 tensor whose length changes once FP8 has run) is left out: DCP loads into tensors of the
-    current size. It is saved per rank beside the shards instead."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
-    offsets = expert_offsets(trainer.model)
-    sharded = {k: v for k, v in model_sd.items() if not _is_extra_state(k)}
-    flat = {f"model.{k}": v for k, v in _split_experts(sharded, offsets).items()}
-    for fqn, state in optim_sd["state"].items():
-        for name, value in state.items():
-            key = f"optim.{fqn}.{name}"
-            if EXPERT_PARAM.match(fqn) and isinstance(value, torch.Tensor) and value.dim() >= 2:
-                flat.update(_split_experts({key: value}, offsets, fqn_of=lambda k, f=fqn: f))
-            else:
-                flat[key] = value
-    return flat, model_sd, optim_sd
-
-
 def save(trainer, path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
-    flat, model_sd, optim_sd = _flat_state(trainer)
+    flat, model_sd, optim_sd = flat_state(trainer.model, trainer.optimizer)
     extra = {k: v for k, v in model_sd.items() if _is_extra_state(k)}
     if extra:  # before dcp.save, whose collectives every rank passes before rank 0 writes COMPLETE
         os.makedirs(path, exist_ok=True)
@@ -146,12 +115,15 @@ def load(trainer, path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    flat, model_sd, optim_sd = _flat_state(trainer)
-    dcp.load(flat, checkpoint_id=path)
-    # Expert entries were views: the stacked tensors are filled already. Others were replaced in ``flat``.
-    for key, value in flat.items():
-        if key.startswith("model.") and "@" not in key:
-            model_sd[key[len("model.") :]] = value
+    flat, model_sd, optim_sd = flat_state(trainer.model, trainer.optimizer)
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    # Learning rate, betas etc. as they were at the save (the fresh optimizer holds step 0's values), matched by
+    # parameter name: the groups' number and order depend on the layout. CheckpointError if the names differ.
+    optim_sd["param_groups"], group_of = param_groups_by_name(optim_sd["param_groups"], meta["param_groups"], path)
+    with names_match(path):
+        dcp.load(flat, checkpoint_id=path)
+    restore_model(flat, model_sd)
     extra_keys = [k for k in model_sd if _is_extra_state(k)]
     extra_state_loaded = False
     if extra_keys:
@@ -163,13 +135,10 @@ def load(trainer, path: str) -> None:
             log.warning(
                 "%s has no module extra state for rank %d (FP8 scaling history starts afresh)", path, trainer.rank
             )
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    # Learning rate, betas etc. as they were at the save (the fresh optimizer holds step 0's values).
-    optim_sd["param_groups"] = [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["param_groups"]]
     with _te_pickled_extra_state_allowed(extra_state_loaded):
         set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    trainer.scheduler.load_state_dict(meta["scheduler"])
+    num_saved = len(meta["param_groups"])
+    trainer.scheduler.load_state_dict(scheduler_by_name(meta["scheduler"], group_of, num_saved, path))
     trainer.step = meta["step"]
 
 
@@ -197,10 +166,8 @@ def load_model_weights(model, path: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     model_sd = get_model_state_dict(model)
-    sharded = {k: v for k, v in model_sd.items() if not _is_extra_state(k)}
-    flat = {f"model.{k}": v for k, v in _split_experts(sharded, expert_offsets(model)).items()}
-    dcp.load(flat, checkpoint_id=path)
-    for key, value in flat.items():
-        if "@" not in key:
-            model_sd[key[len("model.") :]] = value
+    flat = model_entries(model, model_sd)
+    with names_match(path):
+        dcp.load(flat, checkpoint_id=path)
+    restore_model(flat, model_sd)
     set_model_state_dict(model, model_sd)

@@ -1,0 +1,195 @@
+"""Resharding: a checkpoint written at one layout (world size, ep, dp_shard, dp_replicate) resumes at another.
+
+Each test trains the reference run uninterrupted at layout A, saving at step 1 on the way; the resumed runs train
+one step each at other layouts, from the previous run's checkpoint. The first step after each resume must give the
+reference's loss, learning rate and weights (fp32, CPU, a fixed batch per step: every layout trains on the same
+global rows; the balancing loss is off because it is computed per forward over the rows of one micro-batch).
+Not bitwise: the layouts sum the same numbers in other orders. The Hugging Face export compares the weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import FAST_TRAINER, read_hf_tensors, run_ranks
+
+STEPS = 5
+COMMON = [
+    *FAST_TRAINER,
+    "train.global_batch_size=4",
+    "train.aux_loss_coef=0",
+    "train.lr=3e-4",
+    f"train.steps={STEPS}",
+    "checkpoint.export_hf=false",
+]
+TOL = 1e-6
+
+
+def _run(rank: int, out: str, overrides: list[str], result: str) -> None:
+    """Train ``out``'s run to STEPS (or one step when it resumes), saving and exporting after each step; rank 0
+    writes the losses and each param group's hyperparameters (after the load, then after each step)."""
+    from moe_tune.cli import compose, to_config
+    from moe_tune.train import Trainer
+
+    t = Trainer(to_config(compose([f"output_dir={out}", *COMMON, *overrides])), write_run_files=False)
+    groups = {t.step: _hypers(t)}
+    losses = {}
+    stop = STEPS if t.step == 0 else t.step + 1
+    while t.step < stop:
+        out_step = t.train_step(t.step)
+        t.step += 1
+        losses[t.step] = out_step["loss"].item()  # host sync: the loss to compare
+        groups[t.step] = _hypers(t)
+        t.save()
+        t.export(f"{out}/hf_{t.step}")
+    if rank == 0:
+        torch.save({"losses": losses, "groups": groups}, result)
+
+
+def _hypers(t) -> list[dict]:
+    keys = ("lr", "initial_lr", "betas", "eps", "weight_decay")
+    lrs = t.scheduler.get_last_lr()
+    assert len(lrs) == len(t.optimizer.param_groups)
+    return [{**{k: g[k] for k in keys}, "last_lr": lr} for g, lr in zip(t.optimizer.param_groups, lrs)]
+
+
+def _in_process(out, overrides: list[str], result: str) -> None:
+    """One process, no launcher: the layout without any parallelism."""
+    from moe_tune.dist.env import destroy_distributed
+
+    try:
+        _run(0, str(out), overrides, result)
+    finally:
+        destroy_distributed()
+
+
+def _assert_continues(ref: dict, ref_dir, res: dict, res_dir) -> None:
+    """The resumed run's one step equals the reference's same step: loss, hyperparameters, weights."""
+    (step,) = res["losses"]
+    assert abs(res["losses"][step] - ref["losses"][step]) <= TOL, (step, res["losses"], ref["losses"])
+    for when in (step - 1, step):  # right after the load, and after the step
+        want = ref["groups"][when][0]
+        assert all(g == want for g in res["groups"][when]), (when, res["groups"][when], want)
+    a, b = read_hf_tensors(ref_dir / f"hf_{step}"), read_hf_tensors(res_dir / f"hf_{step}")
+    assert a.keys() == b.keys() and a
+    worst = max(((a[k] - b[k]).abs().max().item(), k) for k in a)
+    assert worst[0] <= TOL, (step, worst)
+
+
+def _chain(tmp_path, layouts: list[tuple[int, list[str]]]) -> None:
+    """Reference at layouts[0] for STEPS steps; then each later layout resumes from the previous run's last
+    checkpoint (the reference's step 1 first) and trains one step."""
+    runs = []
+    for i, (world, overrides) in enumerate(layouts):
+        out, result = tmp_path / f"run{i}", str(tmp_path / f"run{i}.pt")
+        if i:
+            overrides = [*overrides, f"checkpoint.resume={runs[-1][0]}/checkpoints/step_{i}"]
+        if world == 1:
+            _in_process(out, overrides, result)
+        else:
+            run_ranks(_run, world, str(out), overrides, result)
+        runs.append((out, torch.load(result)))
+    ref_dir, ref = runs[0]
+    for res_dir, res in runs[1:]:
+        _assert_continues(ref, ref_dir, res, res_dir)
+
+
+@pytest.mark.dist
+def test_ep2_to_one_process_to_ep2_to_dp_shard2_to_one_process(tmp_path, no_launcher):
+    """EP=2 on 2 ranks (experts plain tensors outside FSDP2: two param groups) -> one process (one group) -> EP=2
+    -> FSDP over 2 ranks (dp_shard=2: experts sharded by rows) -> one process."""
+    ep2, one, dp_shard2 = (2, ["parallel.ep=2"]), (1, []), (2, ["parallel.dp_shard=2"])
+    _chain(tmp_path, [ep2, one, ep2, dp_shard2, one])
+
+
+def _plain_trainer(steps: int = 1, split: bool = False, stochastic: bool = False, **overrides):
+    """A one-process model, optimizer and scheduler after ``steps`` steps, without a process group (what
+    moe_tune.checkpoint reads of a trainer). ``split``: the experts in a param group of their own, after the
+    others' (as with EP: FSDP2 DTensors first, plain expert tensors second); ``stochastic``: bf16 parameters and
+    the stochastic-rounding AdamW."""
+    import types
+
+    from moe_tune.config import Config
+    from moe_tune.models.init import init_random
+    from moe_tune.models.model import build_model, materialize
+    from moe_tune.models.presets import preset_config
+    from moe_tune.optim import build_scheduler
+    from moe_tune.optim.stochastic import StochasticRoundingAdamW
+
+    cfg = Config()
+    model = build_model(preset_config("tiny_qwen3_moe", {"num_hidden_layers": 2, **overrides}, vocab_size=64))
+    materialize(model, "cpu")
+    init_random(model, seed=0, num_experts=model.num_experts)
+    if stochastic:
+        model.to(torch.bfloat16)
+    named = list(model.named_parameters())
+    experts = [p for n, p in named if ".experts." in n]
+    groups = [[p for n, p in named if ".experts." not in n], experts] if split else [[p for _, p in named]]
+    hyper = dict(lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt_class = StochasticRoundingAdamW if stochastic else torch.optim.AdamW
+    opt = opt_class([{"params": g} for g in groups], **hyper)
+    sched = build_scheduler(opt, cfg.optim, total_steps=10)
+    trainer = types.SimpleNamespace(model=model, optimizer=opt, scheduler=sched, step=0, rank=0, source=None, cfg=cfg)
+    for _ in range(steps):
+        _plain_step(trainer)
+    return trainer
+
+
+def _plain_step(t) -> float:
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(t.step))
+    loss = t.model(ids, labels=ids).loss
+    loss.backward()
+    t.optimizer.step()
+    t.scheduler.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    t.step += 1
+    return loss.item()  # host sync: the loss to compare
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["adamw", "stochastic_rounding"])
+@pytest.mark.parametrize(("saved_split", "resumed_split"), [(True, False), (False, True)])
+def test_param_groups_and_optimizer_state_are_matched_by_name(tmp_path, stochastic, saved_split, resumed_split):
+    """Two param groups (experts apart, as with EP) <-> one: each parameter gets its own moments and its group's
+    hyperparameters and learning rate back, whatever group it is in now."""
+    from moe_tune import checkpoint as ckpt
+
+    saved = _plain_trainer(steps=2, split=saved_split, stochastic=stochastic, num_hidden_layers=1)
+    ckpt.save(saved, str(tmp_path / "step_2"))
+    resumed = _plain_trainer(steps=0, split=resumed_split, stochastic=stochastic, num_hidden_layers=1)
+    ckpt.load(resumed, str(tmp_path / "step_2"))
+    assert resumed.step == 2
+    params = dict(saved.model.named_parameters())
+    for name, p in resumed.model.named_parameters():
+        assert torch.equal(p, params[name]), name
+        a, b = saved.optimizer.state[params[name]], resumed.optimizer.state[p]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    keys = ("lr", "initial_lr", "betas", "eps", "weight_decay")
+    want = {k: saved.optimizer.param_groups[0][k] for k in keys}
+    assert [{k: g[k] for k in keys} for g in resumed.optimizer.param_groups] == [want] * (1 + resumed_split)
+    assert resumed.scheduler.get_last_lr() == [saved.scheduler.get_last_lr()[0]] * (1 + resumed_split)
+    # The next step: the same loss; with AdamW the same weights too (an element's update does not depend on its
+    # group). Stochastic rounding draws its bits by a parameter's position, which the grouping changes.
+    assert _plain_step(resumed) == _plain_step(saved)
+    if not stochastic:
+        params = dict(saved.model.named_parameters())
+        assert all(torch.equal(p, params[n]) for n, p in resumed.model.named_parameters())
+    assert resumed.scheduler.get_last_lr() == [saved.scheduler.get_last_lr()[0]] * (1 + resumed_split)
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed", "named"),
+    [
+        ({}, {"num_hidden_layers": 3}, "no parameter model.layers.2."),  # a layer more than the checkpoint
+        ({"num_hidden_layers": 3}, {}, "parameter model.layers.2."),  # a layer fewer: unexpected
+        ({"num_experts": 4}, {}, "Missing key in checkpoint state_dict: model.model.layers.0.mlp.experts."),
+        ({}, {"num_experts": 4}, "Size mismatch"),  # the router's rows: 8 experts saved, 4 now
+    ],
+)
+def test_names_that_do_not_match_the_model_are_a_checkpoint_error(tmp_path, saved, resumed, named):
+    from moe_tune import checkpoint as ckpt
+    from moe_tune.config import CheckpointError
+
+    ckpt.save(_plain_trainer(**saved), str(tmp_path / "step_1"))
+    with pytest.raises(CheckpointError, match="does not match the model") as e:
+        ckpt.load(_plain_trainer(steps=0, **resumed), str(tmp_path / "step_1"))
+    assert named in str(e.value) and "\n" not in str(e.value), str(e.value)
