@@ -8,7 +8,9 @@ Transformers baseline gives it another builder (its own Hugging Face model behin
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +25,10 @@ from moe_tune.models.families import num_experts
 from moe_tune.models.hf_io import load_state
 from moe_tune.models.init import init_random
 from moe_tune.models.model import ModelOptions, MoECausalLM, build_model, materialize
+from moe_tune.models.source_check import check_overrides, check_source_dir, config_differences
 from moe_tune.parallel import ep_dispatchers, experts_options, parallelize
+
+log = logging.getLogger("moe_tune")
 
 
 @dataclass
@@ -60,11 +65,41 @@ def build_source(cfg: Config, rank: int) -> tuple[str | None, object]:
     if cfg.model.name.startswith("tiny_"):
         path = os.path.join(cfg.output_dir, "base_model")
         if rank == 0:
+            drop_stale_base_model(path, cfg.model.name, cfg.model.overrides)
             build_tiny_checkpoint(path, cfg.model.name, cfg.model.overrides, seed=cfg.train.seed)
         if dist.is_initialized():
             dist.barrier()  # the other ranks read what rank 0 wrote
         return path, AutoConfig.from_pretrained(path)
     return None, preset_config(cfg.model.name, cfg.model.overrides)
+
+
+def check_model_source(cfg: Config) -> None:
+    """Before any process group or write: a model.path's config.json and safetensors headers can be read, a
+    preset's overrides have the types of the fields they replace (one line each, exit 2)."""
+    if cfg.model.path is not None:
+        check_source_dir(cfg.model.path)
+    else:
+        check_overrides(cfg.model.name, cfg.model.overrides)
+
+
+def drop_stale_base_model(path: str, name: str, overrides: dict) -> None:
+    """A ``base_model/`` built earlier for another preset or other ``model.overrides`` is removed (and rebuilt by
+    the caller): it would otherwise silently win over the config asked for."""
+    from transformers import AutoConfig
+
+    from moe_tune.models.presets import PRESETS
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return
+    try:
+        saved = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):  # unreadable: rebuilt like a stale one
+        saved = None
+    requested = {**PRESETS.get(name, {}), **overrides}
+    diffs = ["config.json unreadable"] if saved is None else config_differences(saved, requested)
+    if diffs:
+        log.warning("%s was built for other model settings (%s); rebuilding it", path, "; ".join(diffs))
+        shutil.rmtree(path)
 
 
 def build_tokenizer(source: str | None):
@@ -183,6 +218,7 @@ __all__ = [
     "build_source",
     "build_tokenizer",
     "build_training_model",
+    "check_model_source",
     "from_checkpoint",
     "from_pretrained",
     "model_options",

@@ -8,9 +8,15 @@ keeps multirun and launchers (``hydra/launcher=submitit_slurm ... -m``) working.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+# OmegaConf's conversion error: "Value 'abc' of type 'str' could not be converted to Integer full_key: train.steps"
+TYPE_ERROR = re.compile(r"Value '(.*?)' of type '\w+' could not be converted to (\w+) full_key: (\S+)")
+EXPECTED = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
 
 
 def fail(message: str) -> None:
@@ -53,7 +59,27 @@ def precheck(argv: list[str]) -> None:
     except Exception as e:  # noqa: BLE001  (Hydra raises many exception types for bad overrides)
         cause = e.__cause__ or e.__context__
         msg = " ".join(str(e).split()) + (f": {' '.join(str(cause).split()[:40])}" if cause else "")
+        type_error = TYPE_ERROR.search(msg)
+        if type_error:
+            value, expected, key = type_error.groups()
+            fail(f"{key}={value!r} is not {EXPECTED.get(expected, expected)}; give {key} a value of that type")
         fail(f"{msg} (overrides: {' '.join(overrides) or 'none'}); check the key names against conf/")
+    check_inputs(cfg)
+
+
+def check_inputs(dict_cfg) -> None:
+    """The values and the model files, before Hydra creates the run directory: a bad one leaves nothing written.
+    (Checks that need the world size run in the trainer, before any process group.)"""
+    from moe_tune.build import check_model_source
+    from moe_tune.config import UserError
+    from moe_tune.config.validate import check_values
+
+    try:
+        cfg = to_config(dict_cfg)
+        check_values(cfg)
+        check_model_source(cfg)
+    except UserError as e:
+        fail(str(e))
 
 
 def run(dict_cfg) -> None:
@@ -68,6 +94,7 @@ def run(dict_cfg) -> None:
         cfg.output_dir = HydraConfig.get().runtime.output_dir
     from moe_tune.dist.env import destroy_distributed
     from moe_tune.train import Trainer
+    from moe_tune.train.lock import release_held
 
     # The process group (if the trainer made one) is torn down where every rank leaves together: a bad value
     # found once the model or data is known (exit 2, one line), a finished run, a stop on a signal. Not after
@@ -75,13 +102,16 @@ def run(dict_cfg) -> None:
     try:
         trainer = Trainer(cfg)
     except UserError as e:
+        release_held()
         destroy_distributed()
         fail(str(e))
     try:
         trainer.fit()
     except SystemExit:
+        release_held()
         destroy_distributed()
         raise
+    release_held()  # the run lock on output_dir
     destroy_distributed()
 
 

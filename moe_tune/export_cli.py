@@ -26,10 +26,11 @@ def export(checkpoint: str, out: str) -> None:
     import torch
 
     from moe_tune.build import from_checkpoint
-    from moe_tune.models.export import write_checkpoint
+    from moe_tune.models.export import write_checkpoint_atomic
 
     model, cfg = from_checkpoint(checkpoint)
-    write_checkpoint(model, out, dtype=None if cfg.model.dtype == "source" else getattr(torch, cfg.model.dtype))
+    # OUT is replaced as a whole: no file of an earlier export into it remains
+    write_checkpoint_atomic(model, out, dtype=None if cfg.model.dtype == "source" else getattr(torch, cfg.model.dtype))
 
 
 if __name__ == "__main__":

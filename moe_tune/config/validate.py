@@ -6,6 +6,7 @@ run right after (it imports torch and probes packages; this module imports neith
 
 from __future__ import annotations
 
+import math
 import os
 
 from moe_tune.config.dims import ParallelDims
@@ -41,14 +42,22 @@ def validate(cfg: Config, world_size: int | None = None, num_experts: int | None
     """Check ``cfg`` for ``world_size`` ranks (default: from the launcher's environment) and, once the model is
     known, its ``num_experts``. Returns the resolved parallel layout. Raises ConfigError with one line."""
     world_size = world_size_from_env() if world_size is None else world_size
-    _check_choices(cfg)
-    _check_train(cfg)
+    check_values(cfg)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     if num_experts is not None:
         dims.check_experts(num_experts)
     _check_batch(cfg, dims)
     if cfg.comm.name != "all_to_all" and dims.ep == 1:
         raise ConfigError(f"comm={cfg.comm.name} needs expert parallelism; set parallel.ep>1 or comm=all_to_all")
+    return dims
+
+
+def check_values(cfg: Config) -> None:
+    """Every check that needs neither the world size nor the model: choices, ranges, combinations within a
+    group. The CLI runs it before Hydra creates the run directory, so a bad value leaves nothing behind."""
+    _check_choices(cfg)
+    _check_ranges(cfg)
+    _check_train(cfg)
     _check_kernels(cfg)
     _check_data(cfg)
     if cfg.data.path is None and cfg.data.name not in ("arithmetic", "random"):
@@ -59,7 +68,6 @@ def validate(cfg: Config, world_size: int | None = None, num_experts: int | None
         raise ConfigError(
             f"model.path={cfg.model.path!r} has no config.json; give a local Hugging Face checkpoint directory"
         )
-    return dims
 
 
 def _check_choices(cfg: Config) -> None:
@@ -86,6 +94,75 @@ def _check_choices(cfg: Config) -> None:
     _choice(cfg.data.on_bad_record, BAD_RECORD_POLICIES, "data.on_bad_record")
     _choice(cfg.logger.name, LOGGERS, "logger")
     _choice(cfg.logger.mode, ("offline", "online"), "logger.mode")
+
+
+def _ranges(cfg: Config) -> list[tuple[str, object, bool, str, str]]:
+    """(key, value, in range?, the range, a value to try) per numeric field without a check of its own below."""
+    t, o, k, d, lg = cfg.train, cfg.optim, cfg.kernels, cfg.data, cfg.logger
+    max_tokens = getattr(cfg.comm, "max_tokens", None)
+    return [
+        ("train.lr", t.lr, math.isfinite(t.lr) and t.lr > 0, "> 0", "3e-4"),
+        (
+            "train.global_batch_size",
+            t.global_batch_size,
+            t.global_batch_size == -1 or t.global_batch_size >= 1,
+            ">= 1 or -1 (micro_batch_size x data-parallel ranks)",
+            "-1",
+        ),
+        ("train.seed", t.seed, t.seed >= 0, ">= 0", "0"),
+        ("train.aux_loss_coef", t.aux_loss_coef, t.aux_loss_coef >= 0, ">= 0", "0.001"),
+        ("train.z_loss_coef", t.z_loss_coef, t.z_loss_coef >= 0, ">= 0", "0"),
+        ("train.bias_update_rate", t.bias_update_rate, t.bias_update_rate >= 0, ">= 0", "0"),
+        ("train.warmup_steps_excluded", t.warmup_steps_excluded, t.warmup_steps_excluded >= 0, ">= 0", "3"),
+        (
+            "optim.min_lr_ratio",
+            o.min_lr_ratio,
+            0 <= o.min_lr_ratio <= 1,
+            "in [0, 1] (the final learning rate over train.lr)",
+            "0.1",
+        ),
+        ("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0 (steps of linear warmup)", "10"),
+        ("optim.eps", o.eps, math.isfinite(o.eps) and o.eps > 0, "> 0", "1e-8"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0", "0.0"),
+        ("optim.max_grad_norm", o.max_grad_norm, o.max_grad_norm > 0, "> 0 (the gradient clipping norm)", "1.0"),
+        (
+            "optim.betas",
+            list(o.betas),
+            len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+            "two values in [0, 1)",
+            "[0.9,0.95]",
+        ),
+        (
+            "checkpoint.every",
+            cfg.checkpoint.every,
+            cfg.checkpoint.every >= 0,
+            ">= 0 (steps between checkpoints; 0: none)",
+            "100",
+        ),
+        ("kernels.loss_chunk_size", k.loss_chunk_size, k.loss_chunk_size >= 1, ">= 1 (tokens per loss chunk)", "4096"),
+        (
+            "data.num_samples",
+            d.num_samples,
+            d.path is not None or d.num_samples >= 1,
+            ">= 1 (records of the built-in data set)",
+            "4096",
+        ),
+        (
+            "logger.expert_load_image_every",
+            lg.expert_load_image_every,
+            lg.expert_load_image_every >= 0,
+            ">= 0 (0: never)",
+            "0",
+        ),
+        ("comm.max_tokens", max_tokens, max_tokens is None or max_tokens >= 1, ">= 1 or null", "null"),
+    ]
+
+
+def _check_ranges(cfg: Config) -> None:
+    for key, value, ok, allowed, example in _ranges(cfg):
+        if not ok:
+            shown = str(value).replace(" ", "")
+            raise ConfigError(f"{key}={shown} is out of range: it must be {allowed}; try {key}={example}")
 
 
 def _check_train(cfg: Config) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -105,6 +106,31 @@ def write_checkpoint(
         copy_side_files(model.source_dir, out_dir)
     if world > 1:
         dist.barrier()
+
+
+def write_checkpoint_atomic(model, out_dir: str, **options) -> None:
+    """``write_checkpoint`` into a temporary sibling of ``out_dir`` (same filesystem), then swapped in by rank 0
+    after every rank has written: the old directory is renamed away, the new one renamed in, the old deleted. A
+    reader never sees two exports mixed (stale shards of another layout or sharding cannot remain), and an export
+    that fails leaves the previous one in place. Every rank must call it."""
+    rank, world = _rank_world()
+    parent, name = os.path.split(os.path.abspath(out_dir))
+    tmp, old = os.path.join(parent, f".{name}.partial"), os.path.join(parent, f".{name}.old")
+    if rank == 0:
+        os.makedirs(parent, exist_ok=True)
+        for leftover in (tmp, old):  # from an export that was interrupted
+            shutil.rmtree(leftover, ignore_errors=True)
+    if world > 1:
+        dist.barrier()  # every rank writes into the fresh temporary directory
+    write_checkpoint(model, tmp, **options)  # ends with a barrier over all ranks when world > 1
+    if rank == 0:
+        target = os.path.join(parent, name)
+        if os.path.lexists(target):
+            os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    if world > 1:
+        dist.barrier()  # the new directory is in place for every rank
 
 
 def _write_index(out_dir: str, gathered: list[tuple[dict[str, str], int]], world: int) -> None:

@@ -21,17 +21,18 @@ def parallelize(model, mesh: ParallelMesh, cfg) -> None:
 
 def export_hf(model, out_dir: str, mesh: ParallelMesh, dtype=None, max_shard_bytes: int = 4 << 30) -> None:
     """Write a parallelized model as a Hugging Face checkpoint, streaming; every rank must call it.
+    ``out_dir`` is replaced as a whole once every rank has written (``write_checkpoint_atomic``).
 
     Expert slices are written by efsdp rank 0 of dp_replicate rank 0 of each ep rank; full_tensor() gathers
     them over efsdp only. ``dtype``: a torch dtype or name forcing every tensor's dtype (default: the source
     checkpoint's dtypes, else the in-memory ones)."""
     import torch
 
-    from moe_tune.models.export import write_checkpoint
+    from moe_tune.models.export import write_checkpoint_atomic
 
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    write_checkpoint(
+    write_checkpoint_atomic(
         model,
         out_dir,
         max_shard_bytes=max_shard_bytes,

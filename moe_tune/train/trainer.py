@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from moe_tune import checkpoint as ckpt
-from moe_tune.build import Built, build_training_model
+from moe_tune.build import Built, build_training_model, check_model_source
 from moe_tune.config import Config, validate
 from moe_tune.env import require_backends
 from moe_tune.loggers import build_logger, require_logger
@@ -33,6 +33,7 @@ from moe_tune.run_record import setup_logging, write_config, write_run_summary
 from moe_tune.train.cadence import Cadence
 from moe_tune.train.evaluate import evaluate, perplexity
 from moe_tune.train.guard import Diverged, NonFiniteGuard
+from moe_tune.train.lock import init_run_lock
 from moe_tune.train.profile import build_profiler
 from moe_tune.train.progress import Progress
 from moe_tune.train.signals import StopSignal
@@ -60,8 +61,8 @@ class Trainer:
         self.rank, self.world, self.device = self.env.rank, self.env.world_size, self.env.device
         torch.manual_seed(t.seed)
         setup_logging(self.rank)
-        if self.rank == 0 and write_run_files:
-            write_config(cfg)
+        # Before anything is written to output_dir; every rank raises if another run holds it.
+        self.run_lock = init_run_lock(cfg.output_dir, self.rank) if write_run_files else None
         self.built = built = builder(cfg, self.env)
         self.model, self.mesh, self.source, self.tokenizer = built.model, built.mesh, built.source, built.tokenizer
         self.moe_layers, self.flops_per_token = built.moe_layers, built.flops_per_token
@@ -79,12 +80,15 @@ class Trainer:
         )
         self.guard = NonFiniteGuard(t.max_nonfinite_steps, self.device, warn=self.rank == 0)
         self.step = ckpt.maybe_resume(self, cfg.checkpoint.resume) if built.checkpointable else 0
+        if self.rank == 0 and write_run_files:
+            write_config(cfg)  # only once the config, model, data and checkpoint are known to be usable
         # Last: a tracker's run starts only once everything else could be built.
         self.logger = build_logger(cfg.logger, cfg.output_dir, self.rank if write_run_files else -1, asdict(cfg))
 
     def check_config(self, cfg: Config) -> None:
         """Cross-group checks and the named backends' availability, before any process group exists."""
         validate(cfg)
+        check_model_source(cfg)
         require_backends(cfg)
         require_logger(cfg.logger)
 

@@ -1,0 +1,115 @@
+"""The run lock: one run at a time writes to an ``output_dir``.
+
+Rank 0 holds an advisory ``fcntl.flock`` on ``output_dir/.lock`` for the life of the process, and writes who it
+is into the file (``pid@host since <UTC time>``) so that a second run can name the holder. The kernel drops
+the lock when its process dies (SIGKILL included), so a lock file left by a dead run is not held: the next run
+takes it over with a warning. All ranks learn rank 0's verdict through one broadcast and then raise the same
+error, so every rank exits 2 together.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import logging
+import os
+import socket
+
+import torch.distributed as dist
+
+from moe_tune.config import UserError
+
+log = logging.getLogger("moe_tune")
+
+LOCK_NAME = ".lock"
+# Locks this process holds, by path: a second Trainer of the same process (a resume in a test, the benchmark's
+# variants) reuses its own lock instead of refusing itself.
+_HELD: dict[str, RunLock] = {}
+
+
+class RunLockError(UserError):
+    """Another live run holds the output directory."""
+
+
+class RunLock:
+    def __init__(self, output_dir: str):
+        self.path = os.path.join(os.path.abspath(output_dir), LOCK_NAME)
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise RunLockError naming its holder; a dead holder's file is taken over."""
+        held = _HELD.get(self.path)
+        if held is not None and held.fd is not None:
+            self.fd = held.fd
+            _HELD[self.path] = self
+            return
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _read(fd) or "another process"
+            os.close(fd)
+            raise RunLockError(
+                f"{os.path.dirname(self.path)} is in use by {holder} (lock file {self.path}); wait for that run to "
+                "end, stop it, or give this run another output_dir"
+            ) from None
+        previous = _read(fd)
+        if previous:
+            log.warning("taking over the lock of %s, which is no longer running (%s)", previous, self.path)
+        since = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        _write(fd, f"{os.getpid()}@{socket.gethostname()} since {since}\n")
+        self.fd = fd
+        _HELD[self.path] = self
+
+    def release(self) -> None:
+        """Empty the file (a clean end leaves nothing to take over) and drop the lock. The file itself stays: an
+        unlinked lock file could be locked by one run while the next creates and locks a new one."""
+        if self.fd is None:
+            return
+        if _HELD.get(self.path) is self:
+            _write(self.fd, "")
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            del _HELD[self.path]
+        self.fd = None
+
+
+def release_held() -> None:
+    """Release every run lock this process holds (the CLI, as a run ends: done, stopped or refused)."""
+    for lock in list(_HELD.values()):
+        lock.release()
+
+
+def _read(fd: int) -> str:
+    os.lseek(fd, 0, os.SEEK_SET)
+    return os.read(fd, 4096).decode("utf-8", "replace").strip()
+
+
+def _write(fd: int, text: str) -> None:
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, text.encode())
+    os.fsync(fd)
+
+
+def init_run_lock(output_dir: str, rank: int) -> RunLock | None:
+    """Rank 0 takes the lock; every rank gets its verdict (a broadcast over all ranks when there is a process
+    group) and raises the same RunLockError on failure. Returns rank 0's lock (None on the other ranks)."""
+    lock, error = None, None
+    if rank == 0:
+        lock = RunLock(output_dir)
+        try:
+            lock.acquire()
+        except RunLockError as e:
+            error = str(e)
+    if dist.is_initialized():
+        verdict = [error]
+        dist.broadcast_object_list(verdict, src=0)  # mesh: all ranks, from rank 0
+        error = verdict[0]
+    if error is not None:
+        raise RunLockError(error)
+    return lock
+
+
+__all__ = ["RunLock", "RunLockError", "init_run_lock", "release_held"]

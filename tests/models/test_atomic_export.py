@@ -1,0 +1,70 @@
+"""Export is atomic: the output directory is replaced as a whole, so files of an earlier export with another
+sharding or layout never remain beside the new ones (transformers would load a mix, or the old weights)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+import moe_tune
+from moe_tune.export_cli import main as export_main
+from moe_tune.models.export import write_checkpoint_atomic
+from moe_tune.models.presets import build_tiny_checkpoint
+from tests.harness import FAST_RUN, assert_hf_logits_equal, read_hf_tensors, run_cli
+
+STALE = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+
+
+def _model(path: str, seed: int):
+    src = build_tiny_checkpoint(path, overrides={"num_hidden_layers": 2}, seed=seed)
+    return moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+
+
+def _plant_stale(out, like) -> None:
+    """What an earlier export in 2 shards left: two shard files and an index naming them."""
+    os.makedirs(out, exist_ok=True)
+    weights = os.path.join(like, "model.safetensors")
+    for name in STALE[:2]:
+        shutil.copy(weights, os.path.join(out, name))
+    with open(os.path.join(out, STALE[2]), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {"model.embed_tokens.weight": STALE[0]}}, f)
+
+
+def test_a_second_export_leaves_only_its_own_files(tmp_path):
+    old, new = _model(str(tmp_path / "a"), seed=0), _model(str(tmp_path / "b"), seed=1)
+    out = tmp_path / "hf"
+    write_checkpoint_atomic(old, str(out), max_shard_bytes=200_000)
+    assert len(list(out.glob("*.safetensors"))) > 2
+    write_checkpoint_atomic(new, str(out))
+    fresh = tmp_path / "fresh"
+    write_checkpoint_atomic(new, str(fresh))
+    assert sorted(os.listdir(out)) == sorted(os.listdir(fresh))
+    assert "model.safetensors" in os.listdir(out) and "model.safetensors.index.json" not in os.listdir(out)
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "fresh", "hf"]  # no temporary directory left
+    a, b = read_hf_tensors(out), read_hf_tensors(fresh)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = torch.randint(4, 90, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ref(ids).logits, new(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_run_and_export_cli_replace_an_earlier_export(tmp_path, cli_env):
+    """hf/ of a resumed run and moe-tune-export's OUT hold exactly the new export, whatever was there."""
+    run = tmp_path / "run"
+    run_cli([f"output_dir={run}", "train.steps=2", "checkpoint.every=2", *FAST_RUN], cli_env)
+    first = sorted(os.listdir(run / "hf"))
+    _plant_stale(run / "hf", run / "hf")
+    out = tmp_path / "exported"
+    _plant_stale(out, run / "hf")
+    export_main([str(run / "checkpoints" / "step_2"), str(out)])
+    assert sorted(os.listdir(out)) == first
+    run_cli([f"output_dir={run}", "train.steps=4", "checkpoint.every=2", *FAST_RUN], cli_env)
+    assert sorted(os.listdir(run / "hf")) == first
+    assert not [n for n in os.listdir(run) if n.startswith(".hf")]
+    assert_hf_logits_equal(str(run / "hf"))
