@@ -126,6 +126,14 @@ class IntervalTimer:
             torch.cuda.reset_peak_memory_stats(self.device)
 
 
+def _row_step(line: str) -> float:
+    """The step of a metrics.jsonl line; a torn last line (a crash mid-write) counts as after every step."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 class MetricsWriter:
     """Rank 0 appends one JSON object per logged step; ``summary`` aggregates the rows whose interval started
     after the warm-up steps (``interval_steps``, 1 when absent)."""
@@ -136,6 +144,22 @@ class MetricsWriter:
         self.rows: list[dict] = []
         if enabled:
             os.makedirs(output_dir, exist_ok=True)
+
+    def drop_after(self, step: int) -> None:
+        """Before a run starts (or resumes) at ``step``: remove the rows of later steps, which a run that crashed
+        after its last checkpoint logged and this one replays; rewritten atomically (a temporary file renamed), so
+        metrics.jsonl never loses the rows it keeps. Rank 0 only (``enabled``)."""
+        if not self.enabled or not os.path.isfile(self.path):
+            return
+        with open(self.path) as f:
+            lines = f.readlines()
+        kept = [line for line in lines if _row_step(line) <= step]
+        if len(kept) == len(lines):
+            return
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(line if line.endswith("\n") else line + "\n" for line in kept)
+        os.replace(tmp, self.path)
 
     def log(self, row: dict) -> None:
         self.rows.append(row)

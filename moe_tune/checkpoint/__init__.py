@@ -15,11 +15,11 @@ import contextlib
 import json
 import logging
 import os
-import re
 
 import torch
 import torch.distributed as dist
 
+from moe_tune.checkpoint import manifest, safe
 from moe_tune.checkpoint.state import (
     flat_state,
     model_entries,
@@ -43,8 +43,9 @@ def _extra_state_file(path: str, rank: int) -> str:
 def _te_pickled_extra_state_allowed(allowed: bool):
     """TransformerEngine (2.20+) refuses to unpickle its FP8 delayed-scaling state unless
     NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1, so a kernels.fp8=delayed run could not resume from its own
-    checkpoint. A resume trusts the checkpoint directory already (DCP's ``.metadata`` is a pickle), so the
-    opt-in is set for this load only, and only when the extra state was read from the checkpoint."""
+    checkpoint. The opt-in is set for this load only, only when the extra state was read from the checkpoint,
+    and only after ``safe.check_extra_state`` unpickled every payload through an allowlist (TE's recipe classes,
+    tensors, containers): what TE then unpickles can construct nothing else."""
     key = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
     before = os.environ.get(key)
     if allowed:
@@ -60,6 +61,18 @@ def _te_pickled_extra_state_allowed(allowed: bool):
 
 
 def save(trainer, path: str) -> None:
+    previous = next(iter(manifest.complete_checkpoints(os.path.dirname(os.path.dirname(path)))), None)
+    if previous == path:  # saving over it (a signal at a step just saved): it is not complete while rewritten
+        previous = next(iter(manifest.complete_checkpoints(os.path.dirname(os.path.dirname(path)))[1:]), None)
+    with safe.disk_full_exits(path, previous, trainer.rank):
+        if trainer.rank == 0 and os.path.isfile(os.path.join(path, COMPLETE)):
+            os.remove(os.path.join(path, COMPLETE))
+        if dist.is_initialized():
+            dist.barrier()  # no rank writes into the directory while it still claims to be complete
+        _save(trainer, path)
+
+
+def _save(trainer, path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     flat, model_sd, optim_sd = flat_state(trainer.model, trainer.optimizer)
@@ -80,39 +93,40 @@ def save(trainer, path: str) -> None:
         }
         with open(os.path.join(path, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2, default=str)
-        with open(os.path.join(path, COMPLETE), "w") as f:
-            f.write(str(trainer.step))
+    if dist.is_initialized():
+        dist.barrier()  # every rank's files are written: list and hash them
+    manifest.write_complete(path, trainer.step)  # COMPLETE with sizes and checksums, last (rank 0)
     if dist.is_initialized():
         dist.barrier()
 
 
 def latest(run_dir: str) -> str | None:
-    root = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return None
-    steps = [
-        (int(m.group(1)), os.path.join(root, n))
-        for n in os.listdir(root)
-        if (m := re.fullmatch(r"step_(\d+)", n)) and os.path.isfile(os.path.join(root, n, COMPLETE))
-    ]
-    return max(steps)[1] if steps else None
+    """The complete checkpoint with the highest step (not checked: ``manifest.pick`` checks)."""
+    return next(iter(manifest.complete_checkpoints(run_dir)), None)
 
 
 def maybe_resume(trainer, resume: str) -> int:
     """Returns the step to start from: 0, or the step of the checkpoint resumed."""
-    if resume == "none":
-        return 0
-    path = latest(trainer.cfg.output_dir) if resume == "auto" else resume
-    if path is None:
-        return 0
-    if not os.path.isfile(os.path.join(path, COMPLETE)):
-        raise CheckpointError(f"checkpoint.resume={path} is not a complete checkpoint (no {COMPLETE} file)")
-    load(trainer, path)
-    return trainer.step
+    # The newest intact checkpoint (damaged ones passed over with a warning), or the one named, checked.
+    path = manifest.pick(trainer.cfg.output_dir, resume)
+    if path is not None:
+        load(trainer, path)
+        named = [*trainer.model.state_dict().items(), *_optimizer_tensors(trainer.optimizer)]
+        safe.check_finite(named, f"checkpoint {path}")
+    metrics = getattr(trainer, "metrics", None)
+    if metrics is not None:
+        metrics.drop_after(trainer.step if path is not None else 0)  # rows of steps about to be replayed
+    return trainer.step if path is not None else 0
+
+
+def _optimizer_tensors(optimizer):
+    for i, state in enumerate(optimizer.state.values()):
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                yield f"optimizer state {name} of parameter {i}", value
 
 
 def load(trainer, path: str) -> None:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     flat, model_sd, optim_sd = flat_state(trainer.model, trainer.optimizer)
@@ -122,14 +136,16 @@ def load(trainer, path: str) -> None:
     # parameter name: the groups' number and order depend on the layout. CheckpointError if the names differ.
     optim_sd["param_groups"], group_of = param_groups_by_name(optim_sd["param_groups"], meta["param_groups"], path)
     with names_match(path):
-        dcp.load(flat, checkpoint_id=path)
+        safe.dcp_load(flat, path)  # no unpickling of anything but DCP's metadata classes
     restore_model(flat, model_sd)
     extra_keys = [k for k in model_sd if _is_extra_state(k)]
     extra_state_loaded = False
     if extra_keys:
         extra_file = _extra_state_file(path, trainer.rank)
         if os.path.isfile(extra_file):
-            model_sd.update(torch.load(extra_file, weights_only=True))  # uint8 tensors only
+            extra_state = torch.load(extra_file, weights_only=True)  # uint8 tensors only
+            safe.check_extra_state(extra_state, extra_file)  # TE unpickles them: only allowlisted classes
+            model_sd.update(extra_state)
             extra_state_loaded = True
         else:
             log.warning(
@@ -151,6 +167,9 @@ def read_meta(path: str):
     meta_path = os.path.join(path, "meta.json")
     if not os.path.isfile(os.path.join(path, COMPLETE)) or not os.path.isfile(meta_path):
         raise CheckpointError(f"{path} is not a complete moe-tune checkpoint (needs meta.json and {COMPLETE})")
+    problem = manifest.verify(path)  # sizes and checksums of every file, before any is read
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem}; use another checkpoint")
     with open(meta_path) as f:
         meta = json.load(f)
     saved = dict(meta["config"])
@@ -162,12 +181,15 @@ def read_meta(path: str):
 
 def load_model_weights(model, path: str) -> None:
     """Only the model's tensors of a checkpoint into ``model`` (any layout: experts are stored one per key)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     model_sd = get_model_state_dict(model)
     flat = model_entries(model, model_sd)
+    problem = manifest.verify(path, checksums=False)  # read_meta checked the checksums
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem}; use another checkpoint")
     with names_match(path):
-        dcp.load(flat, checkpoint_id=path)
+        safe.dcp_load(flat, path)  # no unpickling of anything but DCP's metadata classes
     restore_model(flat, model_sd)
     set_model_state_dict(model, model_sd)
+    safe.check_finite(model.state_dict().items(), f"checkpoint {path}")

@@ -150,10 +150,12 @@ def expert_offsets(model: torch.nn.Module) -> dict[str, int]:
 @torch.no_grad()
 def load_state(model: torch.nn.Module, path: str, family: Family, strict: bool = True) -> None:
     """Fill every parameter and persistent buffer of a materialised model from ``path``; fail on anything
-    missing or left over, so nothing is silently lost or partially loaded."""
+    missing or left over, or holding NaN/inf, so nothing is silently lost, partially loaded or trained from
+    damaged weights."""
     reader = CheckpointReader(path)
     offsets = expert_offsets(model)
     tied = getattr(model.config, "tie_word_embeddings", False)
+    nonfinite: list[str] = []
     for name, t in named_tensors(model):
         if tied and name == "lm_head.weight":
             continue
@@ -167,9 +169,17 @@ def load_state(model: torch.nn.Module, path: str, family: Family, strict: bool =
                 f"checkpoint tensor for {name} has shape {tuple(src.shape)}, the model expects {tuple(local.shape)}; "
                 f"does config.json match the weights?"
             )
+        if src.is_floating_point() and not nonfinite and not bool(torch.isfinite(src).all()):
+            nonfinite.append(disk_key(family, name))  # src is read on the CPU: no device sync
         local.copy_(src.to(local.dtype))
+    nonfinite = sorted(_union_over_ranks(set(nonfinite)))
+    if nonfinite:
+        raise CheckpointError(
+            f"checkpoint {path}: tensor {nonfinite[0]} holds NaN or inf values; the file is damaged or the model "
+            "was saved after a divergence. Use a fresh copy of the model"
+        )
     if strict:
-        used = _used_by_any_rank(reader.used)
+        used = _union_over_ranks(reader.used)
         unused = set(reader.weight_map) - used - ({"lm_head.weight"} if tied else set())
         # Keys transformers itself skips: DeepSeek-V3's and GLM-4-MoE's multi-token-prediction layer
         # (model.layers.61.* / .92.* / .46.*), which the causal LM never runs.
@@ -183,9 +193,9 @@ def load_state(model: torch.nn.Module, path: str, family: Family, strict: bool =
             )
 
 
-def _used_by_any_rank(used: set[str]) -> set[str]:
-    """Sharded (FSDP2/EP) loads read a different subset of keys on each rank: a key is used if any rank read
-    it. Every rank gets the same union, so they all raise or none does."""
+def _union_over_ranks(used: set[str]) -> set[str]:
+    """Sharded (FSDP2/EP) loads read a different subset of keys on each rank: a key is used (or damaged) if any
+    rank found it so. Every rank gets the same union, so they all raise or none does."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

@@ -1,0 +1,176 @@
+"""The integrity manifest in a checkpoint's ``COMPLETE`` file, and picking the checkpoint to resume from.
+
+``COMPLETE`` is JSON, written last (rank 0, write-then-rename, after every rank's files are on disk)::
+
+    {"step": 4, "format": 1, "hash": "crc32",
+     "files": {".metadata": {"size": 1234, "crc32": "9a3c01f2"}, "__0_0.distcp": {...}, "meta.json": {...}}}
+
+It lists every file of the directory but itself. The checksum is zlib's CRC-32, streamed in 16 MiB blocks: it is
+for bit rot, truncation and torn copies, not tampering (``moe_tune.checkpoint.safe`` keeps a crafted file from
+running code). CRC-32 runs at about 6.7 GB/s on one core (blake2b 1.4, sha1 2.1): on a 60 GB checkpoint about 9 s
+of reading and hashing on one rank, split evenly over the ranks (each hashes every world-th file) at save and
+again at load. Sizes are always checked; ``verify(..., checksums=False)`` skips the hashing.
+
+A ``COMPLETE`` holding only the step number (checkpoints written before the manifest) still loads, with a
+warning that it cannot be checked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import zlib
+
+import torch.distributed as dist
+
+from moe_tune.config import CheckpointError
+
+COMPLETE = "COMPLETE"
+FORMAT = 1
+_BLOCK = 16 << 20
+log = logging.getLogger("moe_tune")
+_warned_unchecked: set[str] = set()  # one warning per old checkpoint and process
+
+
+def crc32(path: str) -> str:
+    value = 0
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            value = zlib.crc32(block, value)
+    return f"{value:08x}"
+
+
+def _gather(local: list) -> list:
+    """Every rank's ``local`` items, concatenated in rank order, on every rank (the default group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return local
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, local)  # all ranks
+    return [item for part in out for item in part]
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def write_complete(path: str, step: int) -> None:
+    """Collective, after every rank's files of ``path`` are written: hash them (each rank every world-th file),
+    then rank 0 writes ``COMPLETE`` atomically."""
+    rank, world = _rank_world()
+    names = sorted(n for n in os.listdir(path) if n != COMPLETE and not n.startswith(COMPLETE))
+    mine = [
+        (n, {"size": os.path.getsize(os.path.join(path, n)), "crc32": crc32(os.path.join(path, n))})
+        for n in names[rank::world]
+    ]
+    files = dict(_gather(mine))
+    if rank == 0:
+        body = {"step": step, "format": FORMAT, "hash": "crc32", "files": files}
+        tmp = os.path.join(path, COMPLETE + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(body, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(path, COMPLETE))
+
+
+def read_manifest(path: str) -> dict | None:
+    """The ``files`` of ``path``'s manifest; None for an old ``COMPLETE`` that holds only the step."""
+    with open(os.path.join(path, COMPLETE)) as f:
+        text = f.read()
+    try:
+        body = json.loads(text)
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("files"), dict):
+        return body["files"]
+    if isinstance(body, int) or text.strip().isdigit():
+        return None
+    raise CheckpointError(f"{os.path.join(path, COMPLETE)} is corrupt (neither a manifest nor a step number)")
+
+
+def _check_file(path: str, name: str, entry: dict, checksums: bool) -> str | None:
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
+        return f"{file} is missing"
+    size = os.path.getsize(file)
+    if size != entry.get("size"):
+        return f"{file} has {size} bytes, the manifest says {entry.get('size')} (truncated or replaced)"
+    if checksums and crc32(file) != entry.get("crc32"):
+        return f"{file} fails its checksum (crc32 {crc32(file)}, the manifest says {entry.get('crc32')})"
+    return None
+
+
+def verify(path: str, checksums: bool = True) -> str | None:
+    """Collective: None if ``path`` is intact, else what is wrong with its first bad file (the same on every
+    rank). Each rank checks every world-th file."""
+    rank, world = _rank_world()
+    try:
+        files = read_manifest(path)
+    except (OSError, CheckpointError) as e:
+        files, problems = {}, [str(e)]
+    else:
+        problems = []
+    if files is None:
+        if rank == 0 and path not in _warned_unchecked:
+            _warned_unchecked.add(path)
+            log.warning("%s has no integrity manifest (written by an older moe-tune): its files are not checked", path)
+        files = {n: None for n in (".metadata", "meta.json")}
+    names = sorted(files)
+    for name in names[rank::world]:
+        entry = files[name]
+        problem = (
+            (None if os.path.isfile(os.path.join(path, name)) else f"{os.path.join(path, name)} is missing")
+            if entry is None
+            else _check_file(path, name, entry, checksums)
+        )
+        if problem:
+            problems.append(problem)
+    problems = _gather(problems)
+    return problems[0] if problems else None
+
+
+def complete_checkpoints(run_dir: str) -> list[str]:
+    """Every ``checkpoints/step_<N>`` of ``run_dir`` with a ``COMPLETE`` file, newest (highest N) first."""
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    steps = [
+        (int(m.group(1)), os.path.join(root, n))
+        for n in os.listdir(root)
+        if (m := re.fullmatch(r"step_(\d+)", n)) and os.path.isfile(os.path.join(root, n, COMPLETE))
+    ]
+    return [p for _, p in sorted(steps, reverse=True)]
+
+
+def pick(run_dir: str, resume: str, checksums: bool = True) -> str | None:
+    """The checkpoint ``checkpoint.resume`` names, checked (collective). ``auto``: the newest intact one, one
+    warning line per damaged one passed over, None when there is none; CheckpointError naming the damage when
+    every one is damaged. A path: CheckpointError when it is incomplete or damaged."""
+    if resume == "none":
+        return None
+    if resume != "auto":
+        if not os.path.isfile(os.path.join(resume, COMPLETE)):
+            raise CheckpointError(f"checkpoint.resume={resume} is not a complete checkpoint (no {COMPLETE} file)")
+        problem = verify(resume, checksums)
+        if problem:
+            raise CheckpointError(f"checkpoint.resume={resume} is damaged: {problem}; give another checkpoint")
+        return resume
+    candidates = complete_checkpoints(run_dir)
+    problems = []
+    for path in candidates:
+        problem = verify(path, checksums)
+        if problem is None:
+            return path
+        problems.append(problem)
+        if _rank_world()[0] == 0:
+            log.warning("checkpoint %s is damaged (%s); trying the one before it", path, problem)
+    if problems:
+        raise CheckpointError(
+            f"no intact checkpoint in {os.path.join(run_dir, 'checkpoints')}: {'; '.join(problems)}; "
+            "remove the damaged ones to start afresh, or give checkpoint.resume=none"
+        )
+    return None

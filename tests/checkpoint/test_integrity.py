@@ -1,0 +1,182 @@
+"""Checkpoint integrity: COMPLETE holds a manifest (sizes, CRC-32) that every load checks; a damaged checkpoint is
+passed over for the one before it (resume=auto) or refused (a named path, none intact: exit 2); NaN/inf in source
+weights or resumed state is refused naming the tensor; a full disk during a save is one line and exit 1."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+import torch
+
+from moe_tune.checkpoint import latest, manifest, safe
+from moe_tune.config import CheckpointError
+from tests.harness import read_metrics
+from tests.train.conftest import make_trainer  # noqa: F401  (the trainer fixture, for this directory too)
+
+
+def _run(make_trainer, out, steps: int, *overrides) -> object:  # noqa: F811
+    trainer = make_trainer(f"train.steps={steps}", "checkpoint.every=2", *overrides, out=str(out))
+    trainer.fit()
+    return trainer
+
+
+def _ckpt(out, step: int) -> str:
+    return os.path.join(out, "checkpoints", f"step_{step}")
+
+
+def _damage(path: str, how: str) -> None:
+    size = os.path.getsize(path)
+    if how == "delete":
+        os.remove(path)
+    elif how == "truncate":
+        with open(path, "r+b") as f:
+            f.truncate(size // 2)
+    else:  # flip: the same size, a few bytes inverted in the middle
+        with open(path, "r+b") as f:
+            f.seek(size // 2)
+            data = f.read(8)
+            f.seek(size // 2)
+            f.write(bytes(b ^ 0xFF for b in data))
+
+
+def _warnings(monkeypatch) -> list[str]:
+    lines: list[str] = []
+    monkeypatch.setattr(manifest.log, "warning", lambda msg, *args: lines.append(msg % args))
+    return lines
+
+
+def test_complete_holds_a_manifest_of_every_file(tmp_path, make_trainer):  # noqa: F811
+    _run(make_trainer, tmp_path, 2)
+    path = _ckpt(tmp_path, 2)
+    body = json.loads(open(os.path.join(path, "COMPLETE")).read())
+    assert body["step"] == 2 and body["hash"] == "crc32"
+    names = sorted(n for n in os.listdir(path) if n != "COMPLETE")
+    assert sorted(body["files"]) == names and {".metadata", "meta.json", "__0_0.distcp"} <= set(names)
+    for name, entry in body["files"].items():
+        assert entry == {"size": os.path.getsize(os.path.join(path, name)), "crc32": manifest.crc32(f"{path}/{name}")}
+    assert manifest.verify(path) is None
+
+
+@pytest.mark.parametrize(
+    "name, how",
+    [
+        ("__0_0.distcp", "truncate"),
+        ("__0_0.distcp", "delete"),
+        (".metadata", "truncate"),
+        (".metadata", "delete"),
+        ("meta.json", "truncate"),
+        ("meta.json", "delete"),
+    ],
+)
+def test_auto_resume_passes_over_a_damaged_checkpoint(tmp_path, make_trainer, monkeypatch, name, how):  # noqa: F811
+    _run(make_trainer, tmp_path, 4)
+    _damage(os.path.join(_ckpt(tmp_path, 4), name), how)
+    warnings = _warnings(monkeypatch)
+    resumed = make_trainer("train.steps=6", "checkpoint.every=2", out=str(tmp_path))
+    assert resumed.step == 2
+    assert len(warnings) == 1 and os.path.join(_ckpt(tmp_path, 4), name) in warnings[0], warnings
+
+
+def test_flipped_bytes_fall_back_and_train_as_from_the_previous_checkpoint(tmp_path, make_trainer, monkeypatch):  # noqa: F811
+    reference = [r["loss"] for r in read_metrics(_run(make_trainer, tmp_path / "ref", 6).cfg.output_dir)]
+    _run(make_trainer, tmp_path / "run", 4)
+    shard = os.path.join(_ckpt(tmp_path / "run", 4), "__0_0.distcp")
+    _damage(shard, "flip")
+    warnings = _warnings(monkeypatch)
+    resumed = make_trainer("train.steps=6", "checkpoint.every=2", out=str(tmp_path / "run"))
+    assert resumed.step == 2 and len(warnings) == 1 and shard in warnings[0] and "checksum" in warnings[0]
+    resumed.fit()
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in rows] == reference  # bitwise: steps 3-6 replayed from step_2
+
+
+def test_no_intact_checkpoint_is_a_checkpoint_error_naming_the_file(tmp_path, make_trainer):  # noqa: F811
+    _run(make_trainer, tmp_path, 4)
+    _damage(os.path.join(_ckpt(tmp_path, 4), "__0_0.distcp"), "flip")
+    _damage(os.path.join(_ckpt(tmp_path, 2), ".metadata"), "delete")
+    with pytest.raises(CheckpointError, match="no intact checkpoint") as e:
+        make_trainer("train.steps=6", out=str(tmp_path))
+    assert os.path.join(_ckpt(tmp_path, 4), "__0_0.distcp") in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_named_damaged_checkpoint_is_refused(tmp_path, make_trainer):  # noqa: F811
+    _run(make_trainer, tmp_path, 4)
+    _damage(os.path.join(_ckpt(tmp_path, 4), "meta.json"), "truncate")
+    with pytest.raises(CheckpointError, match="meta.json has"):
+        make_trainer("train.steps=6", f"checkpoint.resume={_ckpt(tmp_path, 4)}", out=str(tmp_path))
+
+
+def test_an_old_complete_without_manifest_still_resumes(tmp_path, make_trainer, monkeypatch):  # noqa: F811
+    _run(make_trainer, tmp_path, 4)
+    with open(os.path.join(_ckpt(tmp_path, 4), "COMPLETE"), "w") as f:
+        f.write("4")  # as moe-tune wrote it before the manifest
+    warnings = _warnings(monkeypatch)
+    assert make_trainer("train.steps=6", out=str(tmp_path)).step == 4
+    assert len(warnings) == 1 and "no integrity manifest" in warnings[0]
+
+
+def test_nonfinite_resumed_state_is_refused_naming_the_tensor(tmp_path, make_trainer):  # noqa: F811
+    trainer = _run(make_trainer, tmp_path, 2)
+    name, param = next(iter(trainer.model.named_parameters()))
+    with torch.no_grad():
+        param.view(-1)[0] = float("nan")
+    trainer.save()  # a valid manifest over a NaN weight
+    with pytest.raises(CheckpointError, match=f"tensor {name} holds NaN"):
+        make_trainer("train.steps=4", out=str(tmp_path))
+
+
+def test_nan_in_source_weights_is_refused_naming_the_tensor(tiny_checkpoint):
+    from safetensors.torch import load_file, save_file
+
+    import moe_tune
+
+    path = tiny_checkpoint()
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    key = sorted(k for k in tensors if k.endswith("self_attn.q_proj.weight"))[0]
+    tensors[key][1, 2] = float("nan")
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"tensor {key} holds NaN or inf"):
+        moe_tune.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, make_trainer, monkeypatch):  # noqa: F811
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def full_at_step_4(self, plan, planner):
+        if str(self.path).endswith("step_4"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_at_step_4)
+    errors: list[str] = []
+    monkeypatch.setattr(safe.log, "error", lambda msg, *args: errors.append(msg % args))
+    trainer = make_trainer("train.steps=6", "checkpoint.every=2", out=str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        trainer.fit()
+    assert e.value.code == 1
+    assert len(errors) == 1 and "\n" not in errors[0], errors
+    assert _ckpt(tmp_path, 4) in errors[0] and "no space left" in errors[0]
+    assert f"previous checkpoint {_ckpt(tmp_path, 2)} is intact" in errors[0]
+    assert not os.path.exists(_ckpt(tmp_path, 4))  # nothing that could look complete
+    assert latest(str(tmp_path)) == _ckpt(tmp_path, 2) and manifest.verify(_ckpt(tmp_path, 2)) is None
+
+
+def test_export_of_a_damaged_checkpoint_is_exit_2_naming_the_file(tmp_path, make_trainer, capsys):  # noqa: F811
+    from moe_tune.export_cli import main
+
+    _run(make_trainer, tmp_path, 2)
+    shard = os.path.join(_ckpt(tmp_path, 2), "__0_0.distcp")
+    _damage(shard, "flip")
+    with pytest.raises(SystemExit) as e:
+        main([_ckpt(tmp_path, 2), str(tmp_path / "hf")])
+    assert e.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]  # after the training run's own log lines
+    assert line.startswith("moe-tune-export: error: checkpoint") and shard in line and "checksum" in line

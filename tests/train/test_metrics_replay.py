@@ -1,0 +1,40 @@
+"""metrics.jsonl after a crash: the steps a resumed run replays (logged after the last checkpoint) appear once."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from moe_tune.metrics import MetricsWriter
+from tests.harness import read_metrics
+
+
+def test_resume_after_a_crash_logs_each_step_once_in_order(tmp_path, make_trainer):
+    make_trainer("train.steps=6", "checkpoint.every=2").fit()
+    reference = read_metrics(tmp_path)
+    # As if the run was killed after logging steps 5-6 but before its step_6 checkpoint was complete.
+    shutil.rmtree(tmp_path / "checkpoints" / "step_6")
+    resumed = make_trainer("train.steps=6", "checkpoint.every=2")
+    assert resumed.step == 4
+    resumed.fit()
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in rows] == [r["loss"] for r in reference]  # the replayed steps, bitwise
+
+
+def test_drop_after_keeps_earlier_rows_and_drops_a_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "lo')
+    writer = MetricsWriter(str(tmp_path), enabled=True, warmup_steps=0)
+    writer.drop_after(2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    writer.log({"step": 3, "loss": 0.5})
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+
+
+def test_drop_after_on_rank_other_than_0_writes_nothing(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 7}) + "\n")
+    MetricsWriter(str(tmp_path), enabled=False, warmup_steps=0).drop_after(0)
+    assert path.read_text() == json.dumps({"step": 7}) + "\n"
