@@ -46,7 +46,14 @@ LAYERS: list[tuple[str, ...]] = [
         "moe_tune.loggers",
     ),
     ("moe_tune.train",),
-    ("moe_tune.cli", "moe_tune.bench", "moe_tune.export_cli", "moe_tune.__init__", "moe_tune.__main__"),
+    (
+        "moe_tune.cli",
+        "moe_tune.bench",
+        "moe_tune.export_cli",
+        "moe_tune.launch",
+        "moe_tune.__init__",
+        "moe_tune.__main__",
+    ),
 ]
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
