@@ -44,10 +44,13 @@ def hardware_name(world: int, device: torch.device) -> str:
 
 
 def write_json(path: str, obj) -> None:
-    """Write through a temporary file and rename: a reader never sees half a file."""
+    """Write through a temporary file, flushed to disk, and rename: a reader never sees half a file, and a crash
+    right after leaves the whole file."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=2, default=str)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +132,20 @@ def assert_hf_logits_equal(hf_dir) -> None:
     with torch.no_grad():
         a, b = ref(ids).logits, ours(ids).logits
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def signal_after_rows(cmd: list[str], env: dict[str, str], run_dir, rows: int, signum: int) -> tuple[int, str]:
+    """Start ``cmd``, send ``signum`` once ``run_dir``'s metrics.jsonl has ``rows`` lines (or after 240 s), and
+    return (exit code, stderr)."""
+    import time
+
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    metrics = Path(run_dir) / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= rows:
+            break
+        time.sleep(0.2)
+    p.send_signal(signum)
+    _, err = p.communicate(timeout=120)
+    return p.returncode, err

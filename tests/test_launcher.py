@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 
 from moe_tune.launch import split_argv
-from tests.harness import FAST_RUN, PY
+from tests.harness import FAST_RUN, PY, signal_after_rows
 from tests.test_cli import BAD_FAMILY, BAD_FAMILY_LINE
 
 LAUNCH = [PY, "-m", "moe_tune.launch", "--standalone", "--nproc-per-node", "2"]
@@ -30,16 +29,8 @@ def test_sigterm_exits_143_without_a_traceback(tmp_path, cli_env):
     """SIGTERM to the launcher: both ranks save the agreed step; the launcher exits 128 + 15 with one line."""
     run = tmp_path / "run"
     args = [f"output_dir={run}", "train.steps=100000", "checkpoint.export_hf=false", "parallel.ep=2", *FAST_RUN]
-    p = subprocess.Popen(LAUNCH + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env)
-    metrics = run / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and p.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.2)
-    p.send_signal(signal.SIGTERM)
-    _, err = p.communicate(timeout=120)
-    assert p.returncode == 143, err[-3000:]
+    code, err = signal_after_rows(LAUNCH + args, cli_env, run, 2, signal.SIGTERM)
+    assert code == 143, err[-3000:]
     assert "moe-tune: stopped by signal 15" in err and "Traceback" not in err, err[-3000:]
     assert [d.name for d in (run / "checkpoints").iterdir() if (d / "COMPLETE").exists()], err[-3000:]
 

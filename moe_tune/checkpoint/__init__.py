@@ -30,6 +30,7 @@ from moe_tune.checkpoint.state import (
 )
 from moe_tune.checkpoint.state import is_extra_state as _is_extra_state
 from moe_tune.config import CheckpointError
+from moe_tune.run_record import write_json
 
 COMPLETE = "COMPLETE"
 log = logging.getLogger("moe_tune")
@@ -61,9 +62,10 @@ def _te_pickled_extra_state_allowed(allowed: bool):
 
 
 def save(trainer, path: str) -> None:
-    previous = next(iter(manifest.complete_checkpoints(os.path.dirname(os.path.dirname(path)))), None)
-    if previous == path:  # saving over it (a signal at a step just saved): it is not complete while rewritten
-        previous = next(iter(manifest.complete_checkpoints(os.path.dirname(os.path.dirname(path)))[1:]), None)
+    # The newest complete checkpoint but this one (saved over after a signal at a step just saved, it is not
+    # complete while rewritten): what a disk-full message can point to.
+    root = os.path.dirname(os.path.dirname(path))
+    previous = next((p for p in manifest.complete_checkpoints(root) if p != path), None)
     with safe.disk_full_exits(path, previous, trainer.rank):
         if trainer.rank == 0 and os.path.isfile(os.path.join(path, COMPLETE)):
             os.remove(os.path.join(path, COMPLETE))
@@ -91,8 +93,7 @@ def _save(trainer, path: str) -> None:
             "source": trainer.source,
             "config": asdict(trainer.cfg),
         }
-        with open(os.path.join(path, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=2, default=str)
+        write_json(os.path.join(path, "meta.json"), meta)
     if dist.is_initialized():
         dist.barrier()  # every rank's files are written: list and hash them
     manifest.write_complete(path, trainer.step)  # COMPLETE with sizes and checksums, last (rank 0)

@@ -26,6 +26,8 @@ import zlib
 import torch.distributed as dist
 
 from moe_tune.config import CheckpointError
+from moe_tune.dist.env import rank_world
+from moe_tune.run_record import write_json
 
 COMPLETE = "COMPLETE"
 FORMAT = 1
@@ -51,16 +53,10 @@ def _gather(local: list) -> list:
     return [item for part in out for item in part]
 
 
-def _rank_world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def write_complete(path: str, step: int) -> None:
     """Collective, after every rank's files of ``path`` are written: hash them (each rank every world-th file),
     then rank 0 writes ``COMPLETE`` atomically."""
-    rank, world = _rank_world()
+    rank, world = rank_world()
     names = sorted(n for n in os.listdir(path) if n != COMPLETE and not n.startswith(COMPLETE))
     mine = [
         (n, {"size": os.path.getsize(os.path.join(path, n)), "crc32": crc32(os.path.join(path, n))})
@@ -68,13 +64,8 @@ def write_complete(path: str, step: int) -> None:
     ]
     files = dict(_gather(mine))
     if rank == 0:
-        body = {"step": step, "format": FORMAT, "hash": "crc32", "files": files}
-        tmp = os.path.join(path, COMPLETE + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(body, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(path, COMPLETE))
+        body = {"step": step, "format": FORMAT, "hash": "crc32", "files": dict(sorted(files.items()))}
+        write_json(os.path.join(path, COMPLETE), body)
 
 
 def read_manifest(path: str) -> dict | None:
@@ -107,7 +98,7 @@ def _check_file(path: str, name: str, entry: dict, checksums: bool) -> str | Non
 def verify(path: str, checksums: bool = True) -> str | None:
     """Collective: None if ``path`` is intact, else what is wrong with its first bad file (the same on every
     rank). Each rank checks every world-th file."""
-    rank, world = _rank_world()
+    rank, world = rank_world()
     try:
         files = read_manifest(path)
     except (OSError, CheckpointError) as e:
@@ -166,7 +157,7 @@ def pick(run_dir: str, resume: str, checksums: bool = True) -> str | None:
         if problem is None:
             return path
         problems.append(problem)
-        if _rank_world()[0] == 0:
+        if rank_world()[0] == 0:
             log.warning("checkpoint %s is damaged (%s); trying the one before it", path, problem)
     if problems:
         raise CheckpointError(

@@ -65,7 +65,23 @@ def to_device(ids: torch.Tensor, labels: torch.Tensor, pos: torch.Tensor, device
     return to(ids), to(labels), to(pos)
 
 
-class PackedDataset:
+class MicroBatches:
+    """The row layout every training set shares: micro-batch ``micro`` of optimizer step ``step`` on data-parallel
+    rank ``dp_rank`` holds the global rows ``row_indices(...)``, so the rows of a step depend on the step alone (an
+    exact resume) and the ranks' rows together are the step's. Subclasses give ``rows(...)`` -> CPU tensors."""
+
+    @staticmethod
+    def row_indices(step: int, micro: int, micro_batch_size: int, accum: int, dp_rank: int, dp_size: int) -> range:
+        per_step = micro_batch_size * accum * dp_size
+        start = step * per_step + (micro * dp_size + dp_rank) * micro_batch_size
+        return range(start, start + micro_batch_size)
+
+    def micro_batch(self, step: int, micro: int, micro_batch_size: int, accum: int, dp_rank: int, dp_size: int, device):
+        """``rows`` on ``device`` as (ids, labels, position ids or None); see ``to_device``."""
+        return to_device(*self.rows(step, micro, micro_batch_size, accum, dp_rank, dp_size), device)
+
+
+class PackedDataset(MicroBatches):
     """Fixed rows of ``seq_len`` tokens in memory. Row order is shuffled by epoch with a fixed seed, so every
     rank agrees on the order and resuming at a step is exact (the rows of a step depend on the step only).
 
@@ -81,14 +97,8 @@ class PackedDataset:
 
     def rows(self, step: int, micro: int, micro_batch_size: int, accum: int, dp_rank: int, dp_size: int):
         """The rows of micro-batch ``micro`` of optimizer step ``step`` for data-parallel rank ``dp_rank``."""
-        per_step = micro_batch_size * accum * dp_size
-        start = step * per_step + (micro * dp_size + dp_rank) * micro_batch_size
-        idx = [self._row(start + i) for i in range(micro_batch_size)]
+        idx = [self._row(i) for i in self.row_indices(step, micro, micro_batch_size, accum, dp_rank, dp_size)]
         return self.ids[idx], self.labels[idx], self.positions[idx]
-
-    def micro_batch(self, step: int, micro: int, micro_batch_size: int, accum: int, dp_rank: int, dp_size: int, device):
-        """``rows`` on ``device`` as (ids, labels, position ids or None); see ``to_device``."""
-        return to_device(*self.rows(step, micro, micro_batch_size, accum, dp_rank, dp_size), device)
 
     def _row(self, i: int) -> int:
         epoch, j = divmod(i, len(self))

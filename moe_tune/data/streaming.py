@@ -23,14 +23,14 @@ import torch
 
 from moe_tune.config import DataConfig, DataError
 from moe_tune.data.encode import Encoder
-from moe_tune.data.packing import RowPacker, to_device
+from moe_tune.data.packing import MicroBatches, RowPacker
 from moe_tune.data.pipeline import RecordSource, Tally, encode_one, parsed
 from moe_tune.data.records import BadRecord
 
 SHUFFLE_BUFFER = 10_000  # records
 
 
-class StreamingDataset:
+class StreamingDataset(MicroBatches):
     """``micro_batch`` as ``PackedDataset``'s. ``stats`` as ``PackedDataset.stats``, counting what has been read so
     far (every epoch), plus ``epoch`` (the epoch being read)."""
 
@@ -47,13 +47,8 @@ class StreamingDataset:
         self._last: tuple | None = None
 
     def rows(self, step: int, micro: int, micro_batch_size: int, accum: int, dp_rank: int, dp_size: int):
-        per_step = micro_batch_size * accum * dp_size
-        start = step * per_step + (micro * dp_size + dp_rank) * micro_batch_size
-        rows = [self._row(start + i) for i in range(micro_batch_size)]
+        rows = [self._row(i) for i in self.row_indices(step, micro, micro_batch_size, accum, dp_rank, dp_size)]
         return tuple(torch.tensor([r[k] for r in rows], dtype=torch.long) for k in range(3))
-
-    def micro_batch(self, step: int, micro: int, micro_batch_size: int, accum: int, dp_rank: int, dp_size: int, device):
-        return to_device(*self.rows(step, micro, micro_batch_size, accum, dp_rank, dp_size), device)
 
     def _row(self, index: int) -> tuple:
         if index < self._next - 1:

@@ -106,6 +106,13 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
     return env
 
 
+def rank_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from moe_tune.dist.env import rank_world
 from moe_tune.models.hf_io import (
     EXPERT_PARAM,
     copy_side_files,
@@ -26,12 +27,6 @@ from moe_tune.models.hf_io import (
     source_dtypes,
     to_disk_tensors,
 )
-
-
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -66,7 +61,7 @@ def write_checkpoint(
     """``expert_writer``: whether this rank writes its local experts (one rank per ep group; the caller
     decides, e.g. the efsdp/dp_replicate rank 0). Dense tensors are written round-robin over all ranks.
     ``ep_group``: under EP, experts that the checkpoint stores as one stacked key are gathered over it."""
-    rank, world = _rank_world()
+    rank, world = rank_world()
     if expert_writer is None:
         expert_writer = rank == 0
     os.makedirs(out_dir, exist_ok=True)
@@ -113,7 +108,7 @@ def write_checkpoint_atomic(model, out_dir: str, **options) -> None:
     after every rank has written: the old directory is renamed away, the new one renamed in, the old deleted. A
     reader never sees two exports mixed (stale shards of another layout or sharding cannot remain), and an export
     that fails leaves the previous one in place. Every rank must call it."""
-    rank, world = _rank_world()
+    rank, world = rank_world()
     parent, name = os.path.split(os.path.abspath(out_dir))
     tmp, old = os.path.join(parent, f".{name}.partial"), os.path.join(parent, f".{name}.old")
     if rank == 0:

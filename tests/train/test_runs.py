@@ -3,12 +3,11 @@ scaling on a GPU), SIGTERM stops every rank after the same step and resumes, aux
 equals one process, gradient accumulation equals one big micro-batch."""
 
 import os
-import subprocess
 
 import pytest
 import torch
 
-from tests.harness import FAST_RUN, PY, needs_te, read_hf_tensors, read_metrics, run_cli
+from tests.harness import FAST_RUN, PY, needs_te, read_hf_tensors, read_metrics, run_cli, signal_after_rows
 
 
 @pytest.mark.dist
@@ -105,21 +104,12 @@ def test_sigterm_saves_the_step_every_rank_agreed_on_and_resumes(tmp_path, cli_e
     and its final weights (the last update included) equal a run that was never stopped (fp32, CPU, bitwise).
     A constant schedule after warm-up makes the learning rate independent of train.steps, which differs here."""
     import signal
-    import time
 
     run = tmp_path / "stopped"
     fast = [*FAST_RUN, "parallel.ep=2", "optim.schedule=constant"]
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moe_tune"]
     args = [f"output_dir={run}", "train.steps=100000", "checkpoint.export_hf=false", *fast]
-    p = subprocess.Popen(cmd + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env)
-    metrics = run / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and p.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.2)
-    p.send_signal(signal.SIGTERM)
-    _, err = p.communicate(timeout=120)
+    _, err = signal_after_rows(cmd + args, cli_env, run, 3, signal.SIGTERM)
     assert "stopped by signal 15 after step" in err, err[-3000:]
     saved = [d.name for d in (run / "checkpoints").iterdir() if (d / "COMPLETE").exists()]
     assert len(saved) == 1, saved
