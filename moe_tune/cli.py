@@ -11,7 +11,8 @@ import os
 import re
 import sys
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+# The configs ship inside the package, so an installed wheel finds them wherever it runs.
+CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
 
 
 # OmegaConf's conversion error: "Value 'abc' of type 'str' could not be converted to Integer full_key: train.steps"
@@ -63,7 +64,7 @@ def precheck(argv: list[str]) -> None:
         if type_error:
             value, expected, key = type_error.groups()
             fail(f"{key}={value!r} is not {EXPECTED.get(expected, expected)}; give {key} a value of that type")
-        fail(f"{msg} (overrides: {' '.join(overrides) or 'none'}); check the key names against conf/")
+        fail(f"{msg} (overrides: {' '.join(overrides) or 'none'}); check the key names against moe_tune/conf/")
     check_inputs(cfg)
 
 

@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg, error = compose_config(common)
     if cfg is None:
         print(
-            f"moe-tune-bench: error: {error} (overrides: {' '.join(common)}); check keys against conf/", file=sys.stderr
+            f"moe-tune-bench: error: {error} (overrides: {' '.join(common)}); check keys against moe_tune/conf/", file=sys.stderr
         )
         return 2
     now = datetime.datetime.now()

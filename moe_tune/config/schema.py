@@ -1,8 +1,8 @@
 """Configuration schema: dataclasses registered in Hydra's ConfigStore.
 
-The schema is the single source of truth for every key; ``conf/<group>/<option>.yaml`` only fills values.
+The schema is the single source of truth for every key; ``moe_tune/conf/<group>/<option>.yaml`` only fills values.
 Unknown keys fail at compose time because every group is a structured config. Each ``comm`` backend has a
-typed options class of its own (``conf/comm/<name>.yaml`` carries only its keys), as torchtitan gives each
+typed options class of its own (``moe_tune/conf/comm/<name>.yaml`` carries only its keys), as torchtitan gives each
 dispatcher its own config. This module imports no torch and nothing else of moe_tune.
 """
 
@@ -38,7 +38,7 @@ class CheckpointError(UserError):
 
 @dataclass
 class ModelConfig:
-    # A name from conf/model (tiny models are built locally) or a local Hugging Face directory in `path`.
+    # A name from moe_tune/conf/model (tiny models are built locally) or a local Hugging Face directory in `path`.
     name: str = "tiny_qwen3_moe"
     path: str | None = None
     # dtype of the exported hf/ weights: "source" keeps each tensor's dtype from the source checkpoint.
