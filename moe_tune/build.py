@@ -20,10 +20,12 @@ import torch.distributed as dist
 
 from moe_tune.config import CheckpointError, Config, ConfigError, ParallelDims, validate
 from moe_tune.dist.mesh import ParallelMesh, build_mesh
+from moe_tune.lora import LoRASpec
 from moe_tune.metrics import flops_per_token
 from moe_tune.models.families import num_experts
 from moe_tune.models.hf_io import load_state
 from moe_tune.models.init import init_random
+from moe_tune.models.lora import init_lora
 from moe_tune.models.model import ModelOptions, MoECausalLM, build_model, materialize
 from moe_tune.models.source_check import check_overrides, check_source_dir, config_differences
 from moe_tune.parallel import ep_dispatchers, experts_options, parallelize
@@ -112,9 +114,22 @@ def build_tokenizer(source: str | None):
     return builtin()
 
 
+def lora_spec(cfg: Config) -> LoRASpec | None:
+    """``peft=lora`` as the model's LoRA options; None for full fine-tuning. The frozen base is stored in bf16
+    (fp32 only for train.precision=fp32), the adapters in the precision's parameter dtype."""
+    p = cfg.peft
+    if p.name != "lora":
+        return None
+    base = torch.float32 if cfg.train.precision == "fp32" else torch.bfloat16
+    return LoRASpec(p.rank, p.alpha, p.dropout, tuple(p.target), p.train_router, base)
+
+
 def model_options(cfg: Config, dims: ParallelDims) -> ModelOptions:
-    """The model's construction options for a run: every choice the config makes about the model, in one place."""
+    """The model's construction options for a run: every choice the config makes about the model, in one place.
+    LoRA with frozen routers computes no balancing loss: it would only steer the adapters of earlier layers."""
     k, t = cfg.kernels, cfg.train
+    lora = lora_spec(cfg)
+    balancing = lora is None or lora.train_router
     return ModelOptions(
         dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
         kernels=k.name,
@@ -122,10 +137,11 @@ def model_options(cfg: Config, dims: ParallelDims) -> ModelOptions:
         fp8_options=k.fp8_options(),
         experts=experts_options(dims, t.precision, k.experts),
         loss_chunk_size=k.loss_chunk_size if k.fused_loss else None,
-        aux_loss_coef=t.aux_loss_coef,
-        z_loss_coef=t.z_loss_coef,
+        aux_loss_coef=t.aux_loss_coef if balancing else 0.0,
+        z_loss_coef=t.z_loss_coef if balancing else 0.0,
         force_balanced_routing=t.force_balanced_routing,
         packed_attention=cfg.data.packing,
+        lora=lora,
     )
 
 
@@ -152,10 +168,18 @@ def assemble(
 
 
 def source_loader(source: str | None, seed: int) -> Callable[[MoECausalLM], None]:
-    """Load the source checkpoint's tensors, or (a preset without one) draw random weights by name."""
-    if source is not None:
-        return lambda model: load_state(model, source, model.family)
-    return lambda model: init_random(model, seed=seed, num_experts=model.num_experts)
+    """Load the source checkpoint's tensors, or (a preset without one) draw random weights by name; then LoRA
+    adapters, if the model has them, start as PEFT's do (B = 0: the model is the base model)."""
+
+    def load(model: MoECausalLM) -> None:
+        if source is not None:
+            load_state(model, source, model.family)
+        else:
+            init_random(model, seed=seed, num_experts=model.num_experts)
+        if model.options.lora is not None:
+            init_lora(model, seed)
+
+    return load
 
 
 def build_training_model(cfg: Config, env) -> Built:
@@ -219,6 +243,7 @@ __all__ = [
     "build_tokenizer",
     "build_training_model",
     "check_model_source",
+    "lora_spec",
     "from_checkpoint",
     "from_pretrained",
     "model_options",

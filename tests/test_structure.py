@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("moe_tune.config",),
     ("moe_tune.dist",),
     ("moe_tune.kernels",),
+    ("moe_tune.lora",),
     ("moe_tune.moe",),
     ("moe_tune.models",),
     ("moe_tune.parallel",),

@@ -233,6 +233,26 @@ class TrainConfig:
     max_nonfinite_steps: int = 5
 
 
+PEFT_METHODS = ("none", "lora")
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning: ``none`` trains every weight; ``lora`` trains low-rank adapters only, the
+    base frozen (stored in bf16 unless train.precision=fp32, with no gradients and no optimizer state)."""
+
+    name: str = "none"
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    # Words: attention (every linear of the attention), mlp (dense MLPs and shared experts), experts (the routed
+    # experts, as grouped adapters); or the end of a linear's dotted name (q_proj, shared_experts.down_proj).
+    target: list[str] = field(default_factory=lambda: ["attention", "experts"])
+    # Train the routers' weights fully (frozen otherwise, and then the balancing losses are off: they would only
+    # steer the adapters of earlier layers).
+    train_router: bool = False
+
+
 @dataclass
 class CheckpointConfig:
     every: int = 0
@@ -255,6 +275,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     output_dir: str = "outputs/run"
 
 
@@ -266,6 +287,7 @@ GROUPS = {
     "optim": OptimConfig,
     "train": TrainConfig,
     "logger": LoggerConfig,
+    "peft": PeftConfig,
 }
 
 

@@ -21,6 +21,7 @@ from moe_tune.config.schema import (
     FP8_MODES,
     KERNEL_SETS,
     LOGGERS,
+    PEFT_METHODS,
     PRECISIONS,
     TRAIN_ON,
     Config,
@@ -60,6 +61,7 @@ def check_values(cfg: Config) -> None:
     _check_train(cfg)
     _check_kernels(cfg)
     _check_data(cfg)
+    _check_peft(cfg)
     if cfg.data.path is None and cfg.data.name not in ("arithmetic", "random"):
         raise ConfigError(
             f"data={cfg.data.name!r} is not built in (arithmetic, random); pick one or set data.path=<jsonl|parquet|dir>"
@@ -94,6 +96,7 @@ def _check_choices(cfg: Config) -> None:
     _choice(cfg.data.on_bad_record, BAD_RECORD_POLICIES, "data.on_bad_record")
     _choice(cfg.logger.name, LOGGERS, "logger")
     _choice(cfg.logger.mode, ("offline", "online"), "logger.mode")
+    _choice(cfg.peft.name, PEFT_METHODS, "peft")
 
 
 def _ranges(cfg: Config) -> list[tuple[str, object, bool, str, str]]:
@@ -155,6 +158,9 @@ def _ranges(cfg: Config) -> list[tuple[str, object, bool, str, str]]:
             "0",
         ),
         ("comm.max_tokens", max_tokens, max_tokens is None or max_tokens >= 1, ">= 1 or null", "null"),
+        ("peft.rank", cfg.peft.rank, cfg.peft.rank >= 1, ">= 1", "16"),
+        ("peft.alpha", cfg.peft.alpha, math.isfinite(cfg.peft.alpha) and cfg.peft.alpha > 0, "> 0", "32"),
+        ("peft.dropout", cfg.peft.dropout, 0 <= cfg.peft.dropout < 1, "in [0, 1)", "0.0"),
     ]
 
 
@@ -163,6 +169,19 @@ def _check_ranges(cfg: Config) -> None:
         if not ok:
             shown = str(value).replace(" ", "")
             raise ConfigError(f"{key}={shown} is out of range: it must be {allowed}; try {key}={example}")
+
+
+def _check_peft(cfg: Config) -> None:
+    p = cfg.peft
+    if p.name != "lora":
+        return
+    if not p.target:
+        raise ConfigError("peft.target is empty: name what LoRA adapts, e.g. peft.target=[attention,experts]")
+    if "experts" in p.target and cfg.kernels.experts == "grouped_mm" and p.rank % 8:
+        raise ConfigError(
+            f"peft.rank={p.rank} with peft.target including experts: the grouped GEMMs need the rank to be a "
+            "multiple of 8 (16-byte rows in bf16); try peft.rank=8 or peft.rank=16"
+        )
 
 
 def _check_train(cfg: Config) -> None:

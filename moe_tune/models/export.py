@@ -29,7 +29,7 @@ from moe_tune.models.hf_io import (
 )
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
     # FSDP2 shards are DTensors: full_tensor() all-gathers over the tensor's own mesh (dp_shard or efsdp).
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -40,7 +40,7 @@ def _stacked_on_disk(family, name: str, source_keys) -> bool:
     return EXPERT_PARAM.match(name)["name"] not in parts or disk_key(family, name) in source_keys
 
 
-def _gather_experts(local: torch.Tensor, ep_group) -> torch.Tensor:
+def gather_experts(local: torch.Tensor, ep_group) -> torch.Tensor:
     if ep_group is None:
         raise ValueError("exporting EP-sharded experts stored stacked needs ep_group (the ep mesh axis's group)")
     pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(ep_group))]
@@ -76,11 +76,11 @@ def write_checkpoint(
     for name, t in named_tensors(model):
         if tied and name == "lm_head.weight":
             continue
-        full = _full(t)
+        full = full_tensor(t)
         is_expert = EXPERT_PARAM.match(name) is not None
         first = offsets.get(name, 0)
         if is_expert and ep_sharded and _stacked_on_disk(family, name, dtypes):
-            full, first, is_expert = _gather_experts(full, ep_group), 0, False  # then written like a dense tensor
+            full, first, is_expert = gather_experts(full, ep_group), 0, False  # then written like a dense tensor
         if is_expert and ep_sharded:
             mine = expert_writer
         else:
@@ -103,8 +103,9 @@ def write_checkpoint(
         dist.barrier()
 
 
-def write_checkpoint_atomic(model, out_dir: str, **options) -> None:
-    """``write_checkpoint`` into a temporary sibling of ``out_dir`` (same filesystem), then swapped in by rank 0
+def write_checkpoint_atomic(model, out_dir: str, writer=None, **options) -> None:
+    """``writer(model, dir, **options)`` (default ``write_checkpoint``; ``peft_export.write_adapter`` for a LoRA
+    adapter) into a temporary sibling of ``out_dir`` (same filesystem), then swapped in by rank 0
     after every rank has written: the old directory is renamed away, the new one renamed in, the old deleted. A
     reader never sees two exports mixed (stale shards of another layout or sharding cannot remain), and an export
     that fails leaves the previous one in place. Every rank must call it."""
@@ -117,7 +118,7 @@ def write_checkpoint_atomic(model, out_dir: str, **options) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
     if world > 1:
         dist.barrier()  # every rank writes into the fresh temporary directory
-    write_checkpoint(model, tmp, **options)  # ends with a barrier over all ranks when world > 1
+    (writer or write_checkpoint)(model, tmp, **options)  # ends with a barrier over all ranks when world > 1
     if rank == 0:
         target = os.path.join(parent, name)
         if os.path.lexists(target):

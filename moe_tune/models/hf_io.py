@@ -18,11 +18,14 @@ import torch
 from safetensors import safe_open
 
 from moe_tune.config import CheckpointError
+from moe_tune.lora import is_adapter
 from moe_tune.models.families import Family
 from moe_tune.moe.experts import GroupedExperts
 
+# Stacked expert tensors (dim 0: experts): the weights, their biases and their LoRA adapters.
 EXPERT_PARAM = re.compile(
-    r"^(?P<prefix>.*\.experts)\.(?P<name>gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$"
+    r"^(?P<prefix>.*\.experts)\.(?P<name>gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias"
+    r"|lora\.gate_up_A|lora\.gate_up_B|lora\.down_A|lora\.down_B)$"
 )
 # Files copied verbatim from the source checkpoint into an export.
 SIDE_FILES = (
@@ -142,7 +145,8 @@ def expert_offsets(model: torch.nn.Module) -> dict[str, int]:
     offsets = {}
     for name, module in model.named_modules():
         if isinstance(module, GroupedExperts) and module.ep_sharded:
-            for p in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            adapters = [f"lora.{n}" for n, _ in module.lora.named_parameters()] if module.lora is not None else []
+            for p in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias", *adapters):
                 offsets[f"{name}.{p}"] = module.first_expert
     return offsets
 
@@ -151,13 +155,13 @@ def expert_offsets(model: torch.nn.Module) -> dict[str, int]:
 def load_state(model: torch.nn.Module, path: str, family: Family, strict: bool = True) -> None:
     """Fill every parameter and persistent buffer of a materialised model from ``path``; fail on anything
     missing or left over, or holding NaN/inf, so nothing is silently lost, partially loaded or trained from
-    damaged weights."""
+    damaged weights. LoRA adapters are not the checkpoint's (``moe_tune.models.lora.init_lora``)."""
     reader = CheckpointReader(path)
     offsets = expert_offsets(model)
     tied = getattr(model.config, "tie_word_embeddings", False)
     nonfinite: list[str] = []
     for name, t in named_tensors(model):
-        if tied and name == "lm_head.weight":
+        if (tied and name == "lm_head.weight") or is_adapter(name):
             continue
         local, first = local_rows(t)
         if local.numel() == 0:

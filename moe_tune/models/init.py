@@ -8,29 +8,47 @@ Transformers baseline of a benchmark initialised with this function starts from 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 import torch
+
+# (shape, generator, device) -> a float32 sample of that shape
+Sampler = Callable[[tuple, torch.Generator, torch.device], torch.Tensor]
+
+
+def _normal(shape: tuple, g: torch.Generator, device: torch.device) -> torch.Tensor:
+    return torch.randn(shape, generator=g, device=device, dtype=torch.float32)
+
+
+@torch.no_grad()
+def draw_rows(
+    model, name: str, t: torch.Tensor, seed: int, sample: Sampler, scale: float, num_experts: int | None
+) -> None:
+    """Fill this rank's rows of ``t`` (parameter ``name``) from ``scale * sample`` of the whole global tensor (all
+    ``num_experts`` experts when known, unsharded): every layout gets the same values."""
+    from moe_tune.models.hf_io import EXPERT_PARAM, expert_offsets, local_rows
+
+    local, first = local_rows(t)
+    first += expert_offsets(model).get(name, 0)
+    rows = local.shape[0]
+    global_rows = num_experts if EXPERT_PARAM.match(name) and num_experts else t.shape[0]
+    shape = (max(global_rows, first + rows), *t.shape[1:])
+    g = torch.Generator(device=local.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    local.copy_(sample(shape, g, local.device)[first : first + rows].mul_(scale))
 
 
 @torch.no_grad()
 def init_random(model, std: float | None = None, seed: int = 0, num_experts: int | None = None) -> None:
-    """Normal(0, std) for matrices, ones for norm weights, zeros for biases and 1-D buffers."""
-    from moe_tune.models.hf_io import EXPERT_PARAM, expert_offsets, local_rows, named_tensors
+    """Normal(0, std) for matrices, ones for norm weights, zeros for biases and 1-D buffers. LoRA adapters are
+    left to ``moe_tune.models.lora.init_lora``."""
+    from moe_tune.lora import is_adapter
+    from moe_tune.models.hf_io import named_tensors
 
     std = std if std is not None else float(getattr(model.config, "initializer_range", 0.02))
-    offsets = expert_offsets(model)
     for name, t in named_tensors(model):
-        if not t.is_floating_point():
+        if not t.is_floating_point() or is_adapter(name):
             continue
         if t.dim() <= 1:
             (t.to_local() if hasattr(t, "to_local") else t).fill_(1.0 if "norm" in name else 0.0)
             continue
-        local, first = local_rows(t)
-        first += offsets.get(name, 0)
-        rows = local.shape[0]
-        # Draw the whole global tensor so every layout gets the same values (all experts when known).
-        global_rows = num_experts if EXPERT_PARAM.match(name) and num_experts is not None else t.shape[0]
-        shape = (max(global_rows, first + rows), *t.shape[1:])
-        g = torch.Generator(device=local.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        full = torch.randn(shape, generator=g, device=local.device, dtype=torch.float32)
-        local.copy_(full[first : first + rows].mul_(std))
+        draw_rows(model, name, t, seed, _normal, std, num_experts)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from moe_tune.lora import LoRASpec
 from moe_tune.models.export import write_checkpoint
 from moe_tune.models.families import Family, get_family
 from moe_tune.moe.dispatch import Dispatcher
@@ -45,6 +46,8 @@ class ModelOptions:
     # variable-length kernel (``moe_tune.kernels.attention``; kernels=te: TE's thd layout) instead of a dense
     # block mask; the model then takes no attention_mask. Applies where the family's attention is SDPA.
     packed_attention: bool = False
+    # LoRA adapters (``peft=lora``), the base frozen; None: every weight trains.
+    lora: LoRASpec | None = None
 
 
 @dataclass
@@ -185,7 +188,7 @@ def build_model(
     source_dir: str | None = None,
 ) -> MoECausalLM:
     """The Hugging Face model for ``config`` on the meta device, its sparse blocks replaced by ``MoE`` and, with
-    ``options.kernels="te"``, TransformerEngine modules swapped in. ``make_dispatcher(num_experts, top_k)`` gives
+    ``options.kernels="te"``, TransformerEngine modules swapped in, and with ``options.lora`` the adapters. ``make_dispatcher(num_experts, top_k)`` gives
     each MoE layer its dispatcher, which decides the experts this rank holds (default: all, locally).
     ``source_dir``: the checkpoint the weights come from (its dtypes and side files are kept on export)."""
     from transformers import AutoModelForCausalLM
@@ -203,7 +206,8 @@ def build_model(
             shared = {n: getattr(block, n) for n in (spec.shared_attr, spec.shared_gate_attr) if n is not None}
             r = spec.router
             dispatcher = make_dispatcher(r.num_experts, r.top_k) if make_dispatcher else None
-            moe = MoE(spec, shared, dispatcher, options.experts)
+            expert_lora = options.lora if options.lora is not None and options.lora.experts else None
+            moe = MoE(spec, shared, dispatcher, options.experts, expert_lora)
             _match_dtypes(moe, block, options.dtype)
             setattr(layer, family.block_attr, moe)
         packed_attention = False
@@ -214,6 +218,10 @@ def build_model(
             packed_attention = apply_te(hf, routers, options.fp8, options.fp8_options)
         elif options.packed_attention and hf.config._attn_implementation == "sdpa":
             packed_attention = _use_varlen_attention(hf.config)
+        if options.lora is not None:
+            from moe_tune.models.lora import apply_lora
+
+            apply_lora(hf, family.block_attr, options.lora, options.dtype)
     return MoECausalLM(hf, family, options, source_dir, packed_attention)
 
 

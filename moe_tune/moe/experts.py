@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_tune.lora import ExpertsAdapter, LoRASpec
+
 
 @dataclass(frozen=True)
 class ExpertsSpec:
@@ -81,6 +83,7 @@ class GroupedExperts(nn.Module):
         options: ExpertsOptions | None = None,
         first_expert: int = 0,
         num_local_experts: int | None = None,
+        lora: LoRASpec | None = None,
     ):
         super().__init__()
         self.spec, self.options = spec, options or ExpertsOptions()
@@ -96,6 +99,8 @@ class GroupedExperts(nn.Module):
         if spec.bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * I))
             self.down_proj_bias = nn.Parameter(torch.empty(e, D))
+        # LoRA on the experts: low-rank updates of both projections, stacked per local expert like the weights.
+        self.lora = ExpertsAdapter(e, D, I, lora, torch.get_default_dtype()) if lora is not None else None
 
     @property
     def ep_sharded(self) -> bool:
@@ -134,10 +139,15 @@ class GroupedExperts(nn.Module):
         w1, w2 = self._weights_KN()
         offs_e = torch.cumsum(counts_e, dim=0, dtype=torch.int32)
         h = grouped_mm(x_RD, w1.to(x_RD.dtype), offs_e)
+        if self.lora is not None:
+            h = h + self.lora.delta("gate_up", x_RD, offs_e)
         if self.spec.bias:
             row_expert_R = self._row_experts(counts_e, x_RD.shape[0])
             h = h + _with_zero_row(self.gate_up_proj_bias, h.dtype)[row_expert_R]
-        y = grouped_mm(self._activation(h), w2.to(x_RD.dtype), offs_e)
+        a = self._activation(h)
+        y = grouped_mm(a, w2.to(x_RD.dtype), offs_e)
+        if self.lora is not None:
+            y = y + self.lora.delta("down", a, offs_e)
         if self.spec.bias:
             y = y + _with_zero_row(self.down_proj_bias, y.dtype)[row_expert_R]
         return y
@@ -159,9 +169,14 @@ class GroupedExperts(nn.Module):
         for j, n in enumerate(counts_e.tolist()):  # host sync: the reference loop needs Python ints
             x = x_RD[start : start + n]
             h = x @ w1[j].to(x.dtype)
+            if self.lora is not None:
+                h = h + self.lora.delta_one("gate_up", x, j)
             if self.spec.bias:
                 h = h + self.gate_up_proj_bias[j].to(h.dtype)
-            y = self._activation(h) @ w2[j].to(x.dtype)
+            a = self._activation(h)
+            y = a @ w2[j].to(x.dtype)
+            if self.lora is not None:
+                y = y + self.lora.delta_one("down", a, j)
             if self.spec.bias:
                 y = y + self.down_proj_bias[j].to(y.dtype)
             outs.append(y)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_tune.lora import LoRASpec
 from moe_tune.moe.dispatch import Dispatcher
 from moe_tune.moe.dispatch.local import LocalDispatcher
 from moe_tune.moe.experts import ExpertsOptions, ExpertsSpec, GroupedExperts
@@ -36,7 +37,8 @@ class MoESpec:
 
 class MoE(nn.Module):
     """Router, dispatcher and this rank's experts. The dispatcher decides which experts are local (all of them
-    without expert parallelism); ``shared`` are the Hugging Face block's shared-expert modules, adopted as is."""
+    without expert parallelism); ``shared`` are the Hugging Face block's shared-expert modules, adopted as is.
+    ``lora``: adapters on the routed experts (given when LoRA targets them)."""
 
     def __init__(
         self,
@@ -44,6 +46,7 @@ class MoE(nn.Module):
         shared: dict[str, nn.Module] | None = None,
         dispatcher: Dispatcher | None = None,
         experts: ExpertsOptions | None = None,
+        lora: LoRASpec | None = None,
     ):
         super().__init__()
         self.spec = spec
@@ -51,7 +54,7 @@ class MoE(nn.Module):
         self.dispatcher = dispatcher or LocalDispatcher(spec.router.num_experts, spec.router.top_k)
         d = self.dispatcher
         self.experts = GroupedExperts(
-            spec.experts, experts or ExpertsOptions(), d.first_local_expert, d.num_local_experts
+            spec.experts, experts or ExpertsOptions(), d.first_local_expert, d.num_local_experts, lora
         )
         for name, module in (shared or {}).items():
             setattr(self, name, module)

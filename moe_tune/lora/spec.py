@@ -1,0 +1,45 @@
+"""What LoRA adapts and how (``peft.*``), as a plain dataclass the model is built with."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+# Target words naming groups of modules: every linear of the attention; the dense MLPs and shared experts (the
+# linears of the MLP block that are neither the router nor a gate); the routed experts.
+LINEAR_GROUPS = ("attention", "mlp")
+TARGET_GROUPS = (*LINEAR_GROUPS, "experts")
+
+# Adapter parameters: ``<linear>.lora.{A,B}`` and ``<experts>.lora.{gate_up,down}_{A,B}``.
+ADAPTER = re.compile(r"(^|\.)lora\.(A|B|gate_up_A|gate_up_B|down_A|down_B)$")
+
+
+def is_adapter(name: str) -> bool:
+    return ADAPTER.search(name) is not None
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """``delta_W = alpha / rank * B @ A`` per adapted matrix (``A``: rank x in, ``B``: out x rank), as PEFT.
+
+    ``targets``: words of ``TARGET_GROUPS`` or module names (``q_proj``, ``shared_experts.down_proj``: the end of
+    a linear's dotted name). ``train_router``: the routers' weights train fully (frozen otherwise).
+    ``base_dtype``: the frozen weights' storage dtype (None: as built); adapters keep the model's dtype.
+    """
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("attention", "experts")
+    train_router: bool = False
+    base_dtype: torch.dtype | None = None
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def experts(self) -> bool:
+        return "experts" in self.targets

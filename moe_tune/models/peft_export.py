@@ -1,0 +1,109 @@
+"""A LoRA run's adapters as a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)
+that ``peft.PeftModel.from_pretrained`` loads onto the plain transformers model.
+
+Keys are PEFT's: ``base_model.model.<module>.lora_{A,B}.weight``. Linears map one to one (A: rank x in,
+B: out x rank). The experts' adapters take the form of PEFT's parameter adapters (``target_parameters``) on
+transformers' fused expert tensors: for E experts, ``lora_A.weight`` is ``[E * rank, in]`` (expert-major) and
+``lora_B.weight`` ``[out, rank * E]`` (expert index fastest), so that PEFT's ``B[:, :, j] @ A[j]`` is expert j's
+update. Both projections of an experts module are adapted; PEFT nests its wrappers in the module's parameter
+order, so ``gate_up_proj``'s adapter sits one ``base_layer.`` deeper than ``down_proj``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from moe_tune.dist.env import rank_world
+from moe_tune.lora import ADAPTER, is_adapter
+from moe_tune.models.export import full_tensor, gather_experts
+from moe_tune.models.hf_io import EXPERT_PARAM, expert_offsets
+
+PREFIX = "base_model.model."
+# PEFT (0.21, on transformers v5) reads a target_modules entry ending in these names as a transformers-v4 expert
+# projection and retargets it to the fused experts (qwen2_moe, qwen3_moe, olmoe, deepseek_v3, glm4_moe): linears
+# so named (dense MLPs, shared experts) are given as target_parameters ``<linear>.weight`` instead, which PEFT
+# adapts with the same A and B under the same keys.
+RETARGETED_NAMES = ("gate_proj", "up_proj", "down_proj", "gate", "w1", "w2", "w3")
+# Expert projection -> (PEFT's parameter name, wrapper depth below the experts module)
+EXPERT_TARGETS = {"gate_up": ("gate_up_proj", "base_layer."), "down": ("down_proj", "")}
+
+
+def peft_tensors(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """One of our adapter tensors (whole: every expert, unsharded) as PEFT's (key, tensor)."""
+    module, which = ADAPTER.split(name)[0], ADAPTER.search(name)[2]
+    if which in ("A", "B"):
+        return f"{PREFIX}{module}.lora_{which}.weight", t
+    proj, factor = which.rsplit("_", 1)
+    depth = EXPERT_TARGETS[proj][1]
+    if factor == "A":  # [E, r, in] -> [E * r, in]
+        return f"{PREFIX}{module}.{depth}lora_A.weight", t.reshape(-1, t.shape[-1])
+    E, out, r = t.shape  # [E, out, r] -> [out, r * E], expert fastest
+    return f"{PREFIX}{module}.{depth}lora_B.weight", t.permute(1, 2, 0).reshape(out, r * E)
+
+
+def adapter_config(model, lora_names: list[str], router_names: list[str]) -> dict:
+    spec = model.options.lora
+    linears = sorted({ADAPTER.split(n)[0] for n in lora_names if not EXPERT_PARAM.match(n)})
+    retargeted = [n for n in linears if n.rsplit(".", 1)[-1] in RETARGETED_NAMES]
+    linears = [n for n in linears if n not in retargeted]
+    experts = sorted({EXPERT_PARAM.match(n)["prefix"] for n in lora_names if EXPERT_PARAM.match(n)})
+    params = [f"{m}.{EXPERT_TARGETS[p][0]}" for m in experts for p in EXPERT_TARGETS]
+    params += [f"{n}.weight" for n in retargeted]
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": model.source_dir,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        # PEFT's parameter adapters refuse dropout; it only acts in training, so the loaded model is the same.
+        "lora_dropout": 0.0 if params else spec.dropout,
+        "target_modules": linears or None,
+        "target_parameters": params or None,
+        "modules_to_save": router_names or None,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+
+
+@torch.no_grad()
+def write_adapter(model, out_dir: str, ep_group=None, dtype=None) -> None:
+    """Every rank calls it: adapters are gathered (FSDP shards, then experts over the ep mesh axis) one tensor at
+    a time; rank 0 writes them. Trained routers (``train_router``) are saved whole, as PEFT's modules_to_save."""
+    rank, world = rank_world()
+    offsets = expert_offsets(model)
+    tensors: dict[str, torch.Tensor] = {}
+    names, routers = [], []
+    for name, p in model.named_parameters():
+        if not (is_adapter(name) or p.requires_grad):
+            continue
+        full = full_tensor(p)
+        if name in offsets:  # an expert adapter under EP: every ep rank's experts, in expert order
+            full = gather_experts(full, ep_group)
+        if rank != 0:
+            continue
+        full = full.detach().to(dtype or full.dtype).cpu().contiguous()
+        if is_adapter(name):
+            key, value = peft_tensors(name, full)
+            names.append(name)
+        else:  # a trained router: PEFT's modules_to_save entry under the module's own key
+            key, value = PREFIX + name, full
+            routers.append(name.rsplit(".", 1)[0])
+        tensors[key] = value.contiguous()
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+            json.dump(adapter_config(model, names, sorted(set(routers))), f, indent=2, sort_keys=True)
+    if world > 1:
+        dist.barrier()
