@@ -8,6 +8,7 @@ Transformers baseline gives it another builder (its own Hugging Face model behin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -220,7 +221,8 @@ def from_pretrained(path: str, dtype=torch.float32, kernels: str = "torch", devi
 
 def from_checkpoint(checkpoint: str) -> tuple[MoECausalLM, Config]:
     """One CPU process: a training checkpoint (``checkpoints/step_<N>``, any parallel layout: experts are stored
-    one per key) as moe_tune's model, with the run's config. Only the model's tensors are read."""
+    one per key) as moe_tune's model, with the run's config. Only the model's tensors are read; for a LoRA run,
+    the base model first, from the source the checkpoint points to."""
     from transformers import AutoConfig
 
     from moe_tune.checkpoint import load_model_weights, read_meta
@@ -229,11 +231,26 @@ def from_checkpoint(checkpoint: str) -> tuple[MoECausalLM, Config]:
     meta, cfg = read_meta(checkpoint)
     source = meta.get("source")
     if source and not os.path.isfile(os.path.join(source, "config.json")):
+        if cfg.peft.name == "lora":  # adapters alone are no model
+            raise CheckpointError(
+                f"checkpoint {checkpoint} holds LoRA adapters of the base model {source}, which is not there any "
+                "more; put the base model back at that path"
+            )
         source = None
     hf_config = AutoConfig.from_pretrained(source) if source else preset_config(cfg.model.name, cfg.model.overrides)
-    options = ModelOptions(dtype=torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32)
-    model = assemble(hf_config, options, lambda m: load_model_weights(m, checkpoint), "cpu", source)
-    return model, cfg
+    # LoRA: the base in its source dtypes (not training's bf16 copy), so that a merged export loses nothing.
+    lora = lora_spec(cfg)
+    options = ModelOptions(
+        dtype=torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32,
+        lora=None if lora is None else dataclasses.replace(lora, base_dtype=None),
+    )
+
+    def load(model: MoECausalLM) -> None:
+        if lora is not None:  # the base from where the run read it, then the checkpoint's adapters
+            source_loader(source, cfg.train.seed)(model)
+        load_model_weights(model, checkpoint)
+
+    return assemble(hf_config, options, load, "cpu", source), cfg
 
 
 __all__ = [

@@ -1,5 +1,6 @@
-"""``moe-tune-export CHECKPOINT OUT``: a training checkpoint (``checkpoints/step_<N>``) to a Hugging Face
-directory. Runs in one process on the CPU; the checkpoint may come from any parallel layout."""
+"""``moe-tune-export CHECKPOINT OUT [--merge]``: a training checkpoint (``checkpoints/step_<N>``) to a Hugging Face
+directory; for a LoRA run a PEFT adapter directory, or with --merge the full model with the adapters merged in.
+Runs in one process on the CPU; the checkpoint may come from any parallel layout."""
 
 from __future__ import annotations
 
@@ -11,26 +12,38 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="moe-tune-export", description=__doc__)
     parser.add_argument("checkpoint", help="a checkpoints/step_<N> directory written by moe-tune")
     parser.add_argument("out", help="output directory for the Hugging Face checkpoint")
+    parser.add_argument(
+        "--merge", action="store_true", help="LoRA runs: write the full model with the adapters merged in"
+    )
     args = parser.parse_args(argv)
     from moe_tune.config import UserError
 
     try:
-        export(args.checkpoint, args.out)
+        export(args.checkpoint, args.out, merge=args.merge)
     except UserError as e:
         print(f"moe-tune-export: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     print(f"wrote {args.out}")
 
 
-def export(checkpoint: str, out: str) -> None:
+def export(checkpoint: str, out: str, merge: bool = False) -> None:
     import torch
 
     from moe_tune.build import from_checkpoint
+    from moe_tune.config import ConfigError
     from moe_tune.models.export import write_checkpoint_atomic
+    from moe_tune.models.lora import has_lora, merge_lora
+    from moe_tune.models.peft_export import write_adapter
 
     model, cfg = from_checkpoint(checkpoint)
+    dtype = None if cfg.model.dtype == "source" else getattr(torch, cfg.model.dtype)
+    lora = has_lora(model)
+    if merge and not lora:
+        raise ConfigError(f"--merge applies to LoRA runs; {checkpoint} is from a full fine-tune (peft={cfg.peft.name})")
+    if merge:
+        merge_lora(model)
     # OUT is replaced as a whole: no file of an earlier export into it remains
-    write_checkpoint_atomic(model, out, dtype=None if cfg.model.dtype == "source" else getattr(torch, cfg.model.dtype))
+    write_checkpoint_atomic(model, out, writer=write_adapter if lora and not merge else None, dtype=dtype)
 
 
 if __name__ == "__main__":

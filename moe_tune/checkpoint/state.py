@@ -47,55 +47,35 @@ def is_extra_state(key: str) -> bool:
     return key.endswith("_extra_state")
 
 
+def frozen_names(model: torch.nn.Module) -> set[str]:
+    """Parameters that do not train (LoRA's base): a checkpoint does not hold them, the base model does."""
+    return {n for n, p in model.named_parameters() if not p.requires_grad}
+
+
 def model_entries(model: torch.nn.Module, model_sd: dict) -> dict:
-    """``model.<fqn>`` entries of a model state dict (experts split, modules' extra state left out)."""
-    sharded = {k: v for k, v in model_sd.items() if not is_extra_state(k)}
-    return {f"model.{k}": v for k, v in split_experts(sharded, expert_offsets(model)).items()}
+    """``model.<fqn>`` entries of a model state dict (experts split, modules' extra state and frozen parameters
+    left out)."""
+    frozen = frozen_names(model)
+    kept = {k: v for k, v in model_sd.items() if not is_extra_state(k) and k not in frozen}
+    return {f"model.{k}": v for k, v in split_experts(kept, expert_offsets(model)).items()}
 
 
-def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict, dict]:
-    """(everything DCP saves and loads, flat; the model state dict; the optimizer state dict keyed by FQN).
-    Modules' extra state (TransformerEngine's FP8 scaling history: a pickled uint8 tensor whose length changes
-    once FP8 has run) is left out: DCP loads into tensors of the current size. It is saved per rank instead."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    offsets = expert_offsets(model)
-    flat = model_entries(model, model_sd)
-    for fqn, state in optim_sd["state"].items():
-        for name, value in state.items():
-            key = f"optim.{fqn}.{name}"
-            if EXPERT_PARAM.match(fqn) and isinstance(value, torch.Tensor) and value.dim() >= 2:
-                flat.update(split_experts({key: value}, offsets, fqn_of=lambda k, f=fqn: f))
-            else:
-                flat[key] = value
-    return flat, model_sd, optim_sd
-
-
-def restore_model(flat: dict, model_sd: dict) -> None:
-    """After ``dcp.load(flat)``: the entries DCP replaced back into ``model_sd``. Expert entries were views:
-    the stacked tensors are filled already."""
-    for key, value in flat.items():
-        if key.startswith("model.") and "@" not in key:
-            model_sd[key[len("model.") :]] = value
-
-
-def check_names(names: Iterable[str], saved: Iterable[str], path: str) -> None:
-    """CheckpointError unless the model's parameter names and the checkpoint's are the same set."""
-    names, saved = list(names), set(saved)
-    missing = [n for n in names if n not in saved]
-    unexpected = sorted(saved - set(names))
-    if not missing and not unexpected:
-        return
-    what = []
-    if missing:
-        what.append(f"it has no parameter {missing[0]} ({len(missing)} of the model's missing)")
-    if unexpected:
-        what.append(f"it has a parameter {unexpected[0]} the model lacks ({len(unexpected)} unexpected)")
-    raise CheckpointError(
-        f"checkpoint {path} does not match the model: {'; '.join(what)}. Resume it with the model it was saved "
-        "from (model.* in its meta.json), or start afresh with checkpoint.resume=none"
-    )
+def check_base(meta: dict, model_cfg: dict, seed: int, path: str) -> None:
+    """A checkpoint of adapters (LoRA) resumes only onto the base it was trained on: the same ``model.path``, or
+    the same built-in model, overrides and seed (built-in models are drawn or built from the seed). CheckpointError
+    naming both otherwise."""
+    saved = meta["config"]["model"]
+    keys = ("name", "path", "overrides")
+    same = all(saved.get(k) == model_cfg.get(k) for k in keys)
+    if same and model_cfg.get("path") is None:
+        same = meta["config"]["train"].get("seed") == seed
+    if not same:
+        was = {k: saved.get(k) for k in keys} | {"seed": meta["config"]["train"].get("seed")}
+        now = {k: model_cfg.get(k) for k in keys} | {"seed": seed}
+        raise CheckpointError(
+            f"checkpoint {path} holds LoRA adapters of the base model {was}, but this run's base is {now}; resume "
+            "with the model it was trained on, or start afresh with checkpoint.resume=none"
+        )
 
 
 def _hypers(group: dict) -> dict:

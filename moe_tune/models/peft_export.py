@@ -101,6 +101,9 @@ def write_adapter(model, out_dir: str, ep_group=None, dtype=None) -> None:
             routers.append(name.rsplit(".", 1)[0])
         tensors[key] = value.contiguous()
     if rank == 0:
+        for name, buf in model.named_buffers():  # a saved module is whole: DeepSeek-V3's correction bias too
+            if name.rsplit(".", 1)[0] in routers:
+                tensors[PREFIX + name] = buf.detach().to(dtype or buf.dtype).cpu().contiguous()
         os.makedirs(out_dir, exist_ok=True)
         save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:

@@ -20,7 +20,8 @@ def parallelize(model, mesh: ParallelMesh, cfg) -> None:
 
 
 def export_hf(model, out_dir: str, mesh: ParallelMesh, dtype=None, max_shard_bytes: int = 4 << 30) -> None:
-    """Write a parallelized model as a Hugging Face checkpoint, streaming; every rank must call it.
+    """Write a parallelized model as a Hugging Face checkpoint, streaming (a LoRA model: its PEFT adapter
+    directory); every rank must call it.
     ``out_dir`` is replaced as a whole once every rank has written (``write_checkpoint_atomic``).
 
     Expert slices are written by efsdp rank 0 of dp_replicate rank 0 of each ep rank; full_tensor() gathers
@@ -29,9 +30,14 @@ def export_hf(model, out_dir: str, mesh: ParallelMesh, dtype=None, max_shard_byt
     import torch
 
     from moe_tune.models.export import write_checkpoint_atomic
+    from moe_tune.models.lora import has_lora
+    from moe_tune.models.peft_export import write_adapter
 
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
+    if has_lora(model):  # a PEFT adapter directory (the merged model: moe-tune-export --merge)
+        write_checkpoint_atomic(model, out_dir, writer=write_adapter, ep_group=mesh.group("ep"), dtype=dtype)
+        return
     write_checkpoint_atomic(
         model,
         out_dir,
