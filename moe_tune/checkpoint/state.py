@@ -78,6 +78,51 @@ def check_base(meta: dict, model_cfg: dict, seed: int, path: str) -> None:
         )
 
 
+def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict, dict]:
+    """(everything DCP saves and loads, flat; the model state dict; the optimizer state dict keyed by FQN).
+    Modules' extra state (TransformerEngine's FP8 scaling history: a pickled uint8 tensor whose length changes
+    once FP8 has run) is left out: DCP loads into tensors of the current size. It is saved per rank instead."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    offsets = expert_offsets(model)
+    flat = model_entries(model, model_sd)
+    for fqn, state in optim_sd["state"].items():
+        for name, value in state.items():
+            key = f"optim.{fqn}.{name}"
+            if EXPERT_PARAM.match(fqn) and isinstance(value, torch.Tensor) and value.dim() >= 2:
+                flat.update(split_experts({key: value}, offsets, fqn_of=lambda k, f=fqn: f))
+            else:
+                flat[key] = value
+    return flat, model_sd, optim_sd
+
+
+def restore_model(flat: dict, model_sd: dict) -> None:
+    """After ``dcp.load(flat)``: the entries DCP replaced back into ``model_sd``. Expert entries were views:
+    the stacked tensors are filled already."""
+    for key, value in flat.items():
+        if key.startswith("model.") and "@" not in key:
+            model_sd[key[len("model.") :]] = value
+
+
+def check_names(names: Iterable[str], saved: Iterable[str], path: str) -> None:
+    """CheckpointError unless the model's parameter names and the checkpoint's are the same set."""
+    names, saved = list(names), set(saved)
+    missing = [n for n in names if n not in saved]
+    unexpected = sorted(saved - set(names))
+    if not missing and not unexpected:
+        return
+    what = []
+    if missing:
+        what.append(f"it has no parameter {missing[0]} ({len(missing)} of the model's missing)")
+    if unexpected:
+        what.append(f"it has a parameter {unexpected[0]} the model lacks ({len(unexpected)} unexpected)")
+    raise CheckpointError(
+        f"checkpoint {path} does not match the model: {'; '.join(what)}. Resume it with the model it was saved "
+        "from (model.* in its meta.json), or start afresh with checkpoint.resume=none"
+    )
+
+
 def _hypers(group: dict) -> dict:
     """A saved group's hyperparameters, with betas as a tuple again (meta.json holds a list)."""
     out = {k: v for k, v in group.items() if k != "params"}
