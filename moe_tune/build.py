@@ -202,7 +202,7 @@ def build_training_model(cfg: Config, env) -> Built:
         mesh=mesh,
         source=source,
         tokenizer=tokenizer,
-        flops_per_token=flops_per_token(model, cfg.train.seq_len),
+        flops_per_token=flops_per_token(model, cfg.train.seq_len, frozen_base=model.options.lora is not None),
         moe_layers=list(model.moe_layers()),
     )
 

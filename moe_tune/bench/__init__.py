@@ -82,13 +82,13 @@ def with_defaults(overrides: list[str]) -> list[str]:
 
 def compose_config(overrides: list[str]):
     """The resolved ``Config`` of a set of overrides, or the one-line reason it does not compose."""
-    from moe_tune.cli import compose, to_config
+    from moe_tune.cli_args import check, to_config
+    from moe_tune.config import UserError
 
     try:
-        return to_config(compose(overrides)), None
-    except Exception as e:  # noqa: BLE001  (Hydra raises many exception types for bad overrides)
-        cause = e.__cause__ or e.__context__
-        return None, " ".join(f"{e} {cause or ''}".split())[:300]
+        return to_config(check(overrides)), None
+    except UserError as e:  # an unknown key, option or value type, as moe-tune words it
+        return None, str(e)
 
 
 def row_config(cfg, kind: str, experts: str | None = None) -> dict:
@@ -206,7 +206,13 @@ def _default_nproc() -> int:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="moe-tune-bench", description=__doc__.splitlines()[0])
+    summary, _, details = __doc__.partition("\n\n")
+    p = argparse.ArgumentParser(
+        prog="moe-tune-bench",
+        description=" ".join(summary.split()),
+        epilog=details,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("overrides", nargs="*", help="Hydra overrides shared by every row (the workload)")
     p.add_argument("--variants", default=None, help="'name:k=v,k=v;k=v' moe_tune variants (default: one, as given)")
     p.add_argument("--baselines", default="grouped_mm,eager", help="plain Transformers rows: grouped_mm,eager or none")
@@ -241,9 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         common.append(f"train.force_balanced_routing={str(args.routing == 'forced_balanced').lower()}")
     cfg, error = compose_config(common)
     if cfg is None:
-        print(
-            f"moe-tune-bench: error: {error} (overrides: {' '.join(common)}); check keys against moe_tune/conf/", file=sys.stderr
-        )
+        print(f"moe-tune-bench: error: {error} (overrides: {' '.join(common)})", file=sys.stderr)
         return 2
     now = datetime.datetime.now()
     num_gpus = nproc if _cuda() else 0
@@ -251,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     plans, skipped = build_plans(args, common)
     if args.dry_run:
         return _print_plans(plans, skipped, out, nproc)
+    if not _has_matplotlib():  # before any row runs: the chart is drawn after the last one
+        print("moe-tune-bench: error: the PNG chart needs matplotlib: pip install 'moe_tune[bench]'", file=sys.stderr)
+        return 2
     result = new_result(args, argv, cfg, common, nproc, num_gpus, now)
     result["skipped"] = skipped
     os.makedirs(out, exist_ok=True)
@@ -329,6 +336,14 @@ def _print_plans(plans: list[Plan], skipped: list[dict], out: str, nproc: int) -
     for s in skipped:
         print(f"{s['variant']} ({s['kind']}): skipped, {s['reason']}")
     return 0
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _cuda() -> bool:

@@ -45,7 +45,7 @@ log = logging.getLogger("moe_tune.bench")
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager")
 
 
-def hf_flops_per_token(model: nn.Module, seq_len: int) -> float:
+def hf_flops_per_token(model: nn.Module, seq_len: int, frozen_base: bool = False) -> float:
     """``moe_tune.metrics.flops_per_token`` for a plain Hugging Face model.
 
     The shared formula counts ``nn.Linear`` modules (attention, dense and shared-expert MLPs, lm_head) and
@@ -70,7 +70,7 @@ def hf_flops_per_token(model: nn.Module, seq_len: int) -> float:
         router = getattr(block, "gate", None) or getattr(block, "router", None)
         if router is not None and not isinstance(router, nn.Linear) and getattr(router, "weight", None) is not None:
             extra += router.weight.shape.numel()
-    return flops_per_token(model, seq_len) + 6.0 * extra
+    return flops_per_token(model, seq_len, frozen_base) + (4.0 if frozen_base else 6.0) * extra
 
 
 def _balanced_router_forward(self, hidden_states: torch.Tensor):
@@ -122,7 +122,7 @@ class HFCausalLM(nn.Module):
     def config(self):
         return self.hf.config
 
-    def forward(self, input_ids, labels=None, position_ids=None, loss_normalizer=None):
+    def forward(self, input_ids, labels=None, position_ids=None, loss_normalizer=None, return_logits=None):
         from moe_tune.models.model import CausalLMOutput
 
         out = self.hf(input_ids=input_ids, labels=labels, position_ids=position_ids, num_items_in_batch=loss_normalizer)
@@ -139,8 +139,10 @@ class HFCausalLM(nn.Module):
 
 def build_hf_model(cfg: Config, env, experts_implementation: str = "grouped_mm", fsdp: bool = True) -> Built:
     """The Trainer's builder for the baseline: the Hugging Face model of ``cfg``'s checkpoint or preset, with
-    moe_tune's weights (the same checkpoint, or ``init_random``'s draw by tensor name), wrapped in ``HFCausalLM``.
+    moe_tune's weights (the same checkpoint, or ``init_random``'s draw by tensor name), wrapped in ``HFCausalLM``;
+    for ``peft=lora``, PEFT's LoRA model around it (``moe_tune.bench.peft_baseline``).
     Not checkpointable (moe_tune's checkpoints and export are for moe_tune's model)."""
+    from moe_tune.bench.peft_baseline import apply_peft
     from moe_tune.build import build_source, build_tokenizer
     from moe_tune.models.families import get_family
     from moe_tune.models.hf_io import load_state
@@ -149,40 +151,48 @@ def build_hf_model(cfg: Config, env, experts_implementation: str = "grouped_mm",
 
     source, hf_config = build_source(cfg, env.rank)
     family = get_family(hf_config.model_type, getattr(hf_config, "architectures", None))
-    model, mesh = _sharded_hf_model(cfg, hf_config, family, env, experts_implementation, fsdp)
+    lora = cfg.peft.name == "lora"
+    model = _hf_model_on_meta(cfg, hf_config, family, experts_implementation)
+    mesh = _mesh(env)
+    if fsdp and not lora:
+        _shard(model, mesh, cfg, env)
     materialize(model, env.device)
     if source is not None:
         load_state(model, source, family)
     else:
         init_random(model, seed=cfg.train.seed, num_experts=_num_experts(hf_config))
+    flops = hf_flops_per_token(model, cfg.train.seq_len, frozen_base=lora)
+    if lora:  # PEFT wraps the loaded model; FSDP2 then shards it (mixed frozen and trainable parameters)
+        model = apply_peft(model, cfg, family.block_attr)
+        if fsdp:
+            _shard(model, mesh, cfg, env)
     model.train()
     return Built(
         model=HFCausalLM(model, cfg.train.aux_loss_coef),
         mesh=mesh,
         source=source,
         tokenizer=build_tokenizer(source),
-        flops_per_token=hf_flops_per_token(model, cfg.train.seq_len),
+        flops_per_token=flops,
         checkpointable=False,
         describe=describe(model, fsdp),
     )
 
 
-def _sharded_hf_model(cfg: Config, hf_config, family, env, experts_implementation: str, fsdp: bool):
-    """(the model on the meta device, FSDP2-sharded per decoder layer and at the root over all ranks unless
-    ``fsdp`` is False; the mesh)."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+def _hf_model_on_meta(cfg: Config, hf_config, family, experts_implementation: str):
+    """The transformers model on the meta device, with forced routing and activation checkpointing as asked."""
     from transformers import AutoModelForCausalLM
 
-    from moe_tune.config import ParallelDims
-    from moe_tune.dist.mesh import build_mesh
-    from moe_tune.parallel import apply_ac, mixed_precision_policy
+    from moe_tune.bench.peft_baseline import base_dtype
+    from moe_tune.parallel import apply_ac
 
-    aux = cfg.train.aux_loss_coef
+    aux = cfg.train.aux_loss_coef if cfg.peft.name == "none" or cfg.peft.train_router else 0.0
     if hasattr(hf_config, "output_router_logits"):
         hf_config.output_router_logits = aux > 0
         hf_config.router_aux_loss_coef = aux
     hf_config.use_cache = False
     param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    if cfg.peft.name == "lora":
+        param_dtype = base_dtype(cfg)  # the frozen base, as a PEFT user loads it
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             hf_config,
@@ -197,19 +207,33 @@ def _sharded_hf_model(cfg: Config, hf_config, family, env, experts_implementatio
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif ac == "selective":
         apply_ac(model.model, "selective")  # transformers has no selective mode: attention only, as moe_tune
+    return model
+
+
+def _mesh(env):
+    from moe_tune.config import ParallelDims
+    from moe_tune.dist.mesh import build_mesh
+
     world = env.world_size
-    mesh = build_mesh(ParallelDims(dp_replicate=1, dp_shard=world, ep=1, world_size=world), env.device.type)
+    return build_mesh(ParallelDims(dp_replicate=1, dp_shard=world, ep=1, world_size=world), env.device.type)
+
+
+def _shard(model: nn.Module, mesh, cfg: Config, env) -> None:
+    """FSDP2 per decoder layer and at the root over all ranks."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from moe_tune.bench.peft_baseline import decoder_layers
+    from moe_tune.parallel import mixed_precision_policy
+
     mp = mixed_precision_policy(cfg.train.precision)
     reshard = cfg.parallel.reshard_after_forward
-    for layer in model.model.layers if fsdp else ():
+    for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh["dp_shard"], mp_policy=mp, reshard_after_forward=reshard)
-    if fsdp:
-        fully_shard(model, mesh=mesh["dp_shard"], mp_policy=mp)
+    fully_shard(model, mesh=mesh["dp_shard"], mp_policy=mp)
     if env.device.type == "cpu":  # gloo has no PREMUL_SUM: reduce with SUM and divide separately
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_force_sum_reduction_for_comms(True)
-    return model, mesh
 
 
 def _num_experts(hf_config) -> int | None:
@@ -220,10 +244,16 @@ def _num_experts(hf_config) -> int | None:
 def describe(model: nn.Module, fsdp: bool) -> dict:
     """What this row actually ran, for summary.json (``bench_config`` updates the row's config)."""
     c = model.config
+    bench = {"experts": c._experts_implementation, "fsdp": "per layer + root" if fsdp else "none"}
+    peft_config = getattr(model, "peft_config", {}).get("default")
+    if peft_config is not None:
+        import peft
+
+        bench["peft"] = f"peft {peft.__version__} LoRA r={peft_config.r} (experts: target_parameters)"
     return {
         "experts_implementation": c._experts_implementation,
         "attn_implementation": c._attn_implementation,
-        "bench_config": {"experts": c._experts_implementation, "fsdp": "per layer + root" if fsdp else "none"},
+        "bench_config": bench,
     }
 
 

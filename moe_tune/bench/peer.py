@@ -62,7 +62,7 @@ class NeMoCausalLM(nn.Module):
     def config(self):
         return self.nemo.config
 
-    def forward(self, input_ids, labels=None, position_ids=None, loss_normalizer=None):
+    def forward(self, input_ids, labels=None, position_ids=None, loss_normalizer=None, return_logits=None):
         from nemo_automodel.components.moe.megatron.moe_utils import MoEAuxLossAutoScaler
 
         from moe_tune.models.model import CausalLMOutput

@@ -20,6 +20,11 @@ def _normal(shape: tuple, g: torch.Generator, device: torch.device) -> torch.Ten
     return torch.randn(shape, generator=g, device=device, dtype=torch.float32)
 
 
+def generator_for(name: str, seed: int, device) -> torch.Generator:
+    """The generator a tensor named ``name`` is drawn from: the same for every layout and every model class."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
 @torch.no_grad()
 def draw_rows(
     model, name: str, t: torch.Tensor, seed: int, sample: Sampler, scale: float, num_experts: int | None
@@ -33,7 +38,7 @@ def draw_rows(
     rows = local.shape[0]
     global_rows = num_experts if EXPERT_PARAM.match(name) and num_experts else t.shape[0]
     shape = (max(global_rows, first + rows), *t.shape[1:])
-    g = torch.Generator(device=local.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    g = generator_for(name, seed, local.device)
     local.copy_(sample(shape, g, local.device)[first : first + rows].mul_(scale))
 
 

@@ -82,6 +82,13 @@ def _uniform(shape: tuple, g: torch.Generator, device: torch.device) -> torch.Te
     return torch.rand(shape, generator=g, device=device, dtype=torch.float32) * 2 - 1
 
 
+def initial_A(name: str, shape: tuple, seed: int, device="cpu") -> torch.Tensor:
+    """The whole initial A of adapter ``name`` (all experts): what ``init_lora`` gives every layout its rows of."""
+    from moe_tune.models.init import generator_for
+
+    return _uniform(shape, generator_for(name, seed, device), device) / math.sqrt(shape[-1])
+
+
 @torch.no_grad()
 def init_lora(model: nn.Module, seed: int = 0) -> None:
     """A uniform in +-1/sqrt(fan_in), as PEFT (Kaiming-uniform, a = sqrt(5)), B zero: training starts from the
@@ -94,8 +101,7 @@ def init_lora(model: nn.Module, seed: int = 0) -> None:
         if name.endswith("B"):
             (t.to_local() if hasattr(t, "to_local") else t).zero_()
             continue
-        bound = 1.0 / math.sqrt(t.shape[-1])
-        draw_rows(model, name, t, seed, _uniform, bound, model.num_experts)
+        draw_rows(model, name, t, seed, _uniform, 1.0 / math.sqrt(t.shape[-1]), model.num_experts)
 
 
 @torch.no_grad()
