@@ -147,6 +147,9 @@ def workload(cfg, nproc: int) -> dict:
         "data": cfg.data.path or cfg.data.name,
         "seed": t.seed,
         "lr": t.lr,
+        "peft": None
+        if cfg.peft.name == "none"
+        else f"rank {cfg.peft.rank}, alpha {cfg.peft.alpha:g} on {', '.join(cfg.peft.target)}",
     }
 
 

@@ -99,8 +99,14 @@ def markdown(result: dict) -> str:
         f"{w['global_batch_size']} sequences ({tokens_per_gpu_step:,} tokens per GPU per step), precision "
         f"`{w['precision']}`, activation checkpointing `{w['activation_checkpointing']}`, routing `{w['routing']}`, "
         f"{w['steps']} steps, medians after the first {w['warmup_steps_excluded']}.",
-        "- TFLOP/s per GPU = tokens/s per GPU x FLOPs/token, FLOPs/token = 6 x active matmul parameters + "
-        f"6 x layers x seq x (heads x head_dim) (causal attention) = {_num(result.get('flops_per_token'), '.3g')}.",
+        f"- TFLOP/s per GPU = tokens/s per GPU x FLOPs/token, FLOPs/token = {4 if w.get('peft') else 6} x active "
+        "matmul parameters + 6 x layers x seq x (heads x head_dim) (causal attention) = "
+        f"{_num(result.get('flops_per_token'), '.3g')}"
+        + (
+            f"; LoRA {w['peft']}, base frozen (forward + input gradient), adapter FLOPs not counted."
+            if w.get("peft")
+            else "."
+        ),
         f"- MFU against {peak:g} TFLOP/s per GPU ({result.get('peak_source', '')})."
         if peak
         else "- MFU: no peak known for this hardware.",

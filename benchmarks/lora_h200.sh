@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# LoRA on the full Qwen3-30B-A3B (48 layers, random init, seq 4096, micro-batch 1, real routing, bf16 compute,
+# rank 16 on attention and experts): moe_tune against Transformers + PEFT (its parameter adapters on the fused
+# experts, FSDP2), both from the same adapter init, 12 steps, medians of steps 5-12.
+#   NPROC=1: no activation checkpointing (eager and compiled), then full activation checkpointing for both.
+#   NPROC=2: EP=2 (eager and compiled) against PEFT + FSDP2 over the 2 GPUs.
+#   OUT=<results directory> NPROC=1|2 bash benchmarks/lora_h200.sh [overrides...]
+set -euo pipefail
+OUT=${OUT:?OUT=<results directory>}
+NPROC=${NPROC:-1}
+TIMEOUT=${TIMEOUT:-300}
+bench=(python -m moe_tune.bench experiment=qwen3_30b_a3b_lora_1gpu "$@" --nproc "$NPROC" --baselines grouped_mm
+  --timeout-s "$TIMEOUT")
+mkdir -p "$OUT"
+export PYTHONPATH="$(pwd):${PYTHONPATH:-}"
+if [ "$NPROC" = 1 ]; then
+  "${bench[@]}" --variants "lora:;lora_compile:kernels.compile=true" --out "$OUT/ac_none"
+  "${bench[@]}" parallel.activation_checkpointing=full --variants "lora_ac_full:" --out "$OUT/ac_full"
+else
+  "${bench[@]}" --variants "lora_ep2:parallel.ep=2;lora_ep2_compile:parallel.ep=2,kernels.compile=true" \
+    --out "$OUT/ep2"
+fi
+python - "$OUT" <<'PY'
+import glob, json, sys
+print(f"{'row':<20}{'AC':<6}{'status':<8}{'tokens/s/GPU':>14}{'peak GiB':>10}{'final loss':>12}")
+for path in sorted(glob.glob(f"{sys.argv[1]}/*/bench-*.json")):
+    d = json.load(open(path))
+    for r in d["rows"]:
+        t, m, l = r.get("tokens_per_s_per_gpu") or 0, r.get("peak_mem_gib") or 0, r.get("final_loss") or 0
+        ac = d["workload"]["activation_checkpointing"]
+        print(f"{r['variant']:<20}{ac:<6}{r['status'][:7]:<8}{t:>14,.0f}{m:>10.1f}{l:>12.4f}")
+PY
