@@ -7,17 +7,10 @@ keeps multirun and launchers (``hydra/launcher=submitit_slurm ... -m``) working.
 
 from __future__ import annotations
 
-import os
-import re
 import sys
 
-# The configs ship inside the package, so an installed wheel finds them wherever it runs.
-CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
-
-
-# OmegaConf's conversion error: "Value 'abc' of type 'str' could not be converted to Integer full_key: train.steps"
-TYPE_ERROR = re.compile(r"Value '(.*?)' of type '\w+' could not be converted to (\w+) full_key: (\S+)")
-EXPECTED = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
+# compose and to_config: tests and the benchmark compose through moe_tune.cli
+from moe_tune.cli_args import CONF_DIR, compose, to_config  # noqa: F401
 
 
 def fail(message: str) -> None:
@@ -25,62 +18,43 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
-def to_config(dict_cfg):
-    """DictConfig -> the plain ``Config`` dataclass that everything below cli.py takes."""
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.to_object(dict_cfg)
-    if isinstance(cfg, dict):  # composed without the structured schema: rebuild it
-        from moe_tune.config import Config
-
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), dict_cfg))
-    return cfg
-
-
-def compose(overrides: list[str]):
-    """Compose the config with Hydra's compose API (used by the pre-check, tests and the benchmark)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from moe_tune.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
-
-
-def precheck(argv: list[str]) -> None:
-    """Compose the user's overrides; any Hydra/OmegaConf error becomes one line and exit 2."""
-    overrides = [a for a in argv if not a.startswith("-") and not a.startswith("hydra")]
-    if "-m" in argv or "--multirun" in argv:
-        overrides = [o for o in overrides if "," not in o.partition("=")[2]]
-    try:
-        cfg = compose(overrides)
-        to_config(cfg)
-    except Exception as e:  # noqa: BLE001  (Hydra raises many exception types for bad overrides)
-        cause = e.__cause__ or e.__context__
-        msg = " ".join(str(e).split()) + (f": {' '.join(str(cause).split()[:40])}" if cause else "")
-        type_error = TYPE_ERROR.search(msg)
-        if type_error:
-            value, expected, key = type_error.groups()
-            fail(f"{key}={value!r} is not {EXPECTED.get(expected, expected)}; give {key} a value of that type")
-        fail(f"{msg} (overrides: {' '.join(overrides) or 'none'}); check the key names against moe_tune/conf/")
-    check_inputs(cfg)
-
-
-def check_inputs(dict_cfg) -> None:
-    """The values and the model files, before Hydra creates the run directory: a bad one leaves nothing written.
-    (Checks that need the world size run in the trainer, before any process group.)"""
-    from moe_tune.build import check_model_source
+def precheck(argv: list[str]) -> list[str]:
+    """Check the command line before Hydra sees it: one line and exit 2 for a bad key, value or model file, before
+    anything is written. Returns the arguments Hydra gets (``--help`` is answered here)."""
+    from moe_tune import cli_args
     from moe_tune.config import UserError
-    from moe_tune.config.validate import check_values
 
     try:
-        cfg = to_config(dict_cfg)
-        check_values(cfg)
-        check_model_source(cfg)
+        args, argv = cli_args.parse(argv)
+        if args.hydra_help:
+            return ["--hydra-help"]  # Hydra's own help composes without the app's config: overrides would fail it
+        if cli_args.composed_by_hydra_alone(args) or args.shell_completion:
+            return argv
+        if args.help:
+            print(cli_args.help_text(args.overrides))
+            raise SystemExit(0)
+        cfg = cli_args.check(args.overrides)
+        if cli_args.runs_job(args):
+            check_inputs(cfg, world_known=not args.multirun)
     except UserError as e:
         fail(str(e))
+    return argv
+
+
+def check_inputs(dict_cfg, world_known: bool) -> None:
+    """The values and the model files, before Hydra creates the run directory: a bad one leaves nothing written.
+    With the world size known (not a sweep, whose launcher picks it), the trainer's whole check runs here."""
+    from moe_tune.build import check_model_source
+    from moe_tune.config.validate import check_values
+
+    cfg = to_config(dict_cfg)
+    if world_known:
+        from moe_tune.train import Trainer
+
+        Trainer.check_config(cfg)
+    else:
+        check_values(cfg)
+        check_model_source(cfg)
 
 
 def run(dict_cfg) -> None:
@@ -121,7 +95,7 @@ def main() -> None:
 
     from moe_tune.config import register_configs
 
-    precheck(sys.argv[1:])
+    sys.argv[1:] = precheck(sys.argv[1:])
     register_configs()
     hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(run)()
 

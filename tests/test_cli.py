@@ -136,7 +136,7 @@ def test_bad_value_after_the_process_group_exists_tears_it_down(tmp_path, monkey
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["model.bogus=1"], "Could not override 'model.bogus'"),
+        (["model.bogus=1"], "model.bogus is not a config key"),
         (["parallel.ep=x"], "parallel.ep"),
         (["comm=nccl_magic"], "comm"),
         (["parallel.ep=3"], "parallel.ep (3) must divide"),

@@ -49,6 +49,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("moe_tune.train",),
     (
         "moe_tune.cli",
+        "moe_tune.cli_args",
         "moe_tune.bench",
         "moe_tune.export_cli",
         "moe_tune.launch",

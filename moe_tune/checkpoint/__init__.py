@@ -106,11 +106,37 @@ def latest(run_dir: str) -> str | None:
     return next(iter(manifest.complete_checkpoints(run_dir)), None)
 
 
+# What a run leaves in its output_dir besides checkpoints (a finished or a crashed run).
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "hf")
+
+
+def check_fresh_start(run_dir: str, resume: str) -> None:
+    """``checkpoint.resume=auto`` in a directory that holds a run's outputs but no complete checkpoint would start
+    at step 1 over them: refused (CheckpointError, one line). ``checkpoint.resume=none`` starts afresh, replacing
+    them (metrics.jsonl restarts at step 1)."""
+    if resume != "auto" or manifest.complete_checkpoints(run_dir):
+        return
+    found = [name for name in RUN_OUTPUTS if _not_empty(os.path.join(run_dir, name))]
+    if found:
+        raise CheckpointError(
+            f"output_dir {run_dir} already holds a run ({', '.join(found)}) but no checkpoint to resume from; give "
+            "another output_dir, or checkpoint.resume=none to start afresh and overwrite it"
+        )
+
+
+def _not_empty(path: str) -> bool:
+    if os.path.isdir(path):
+        return bool(os.listdir(path))
+    return os.path.isfile(path) and os.path.getsize(path) > 0
+
+
 def maybe_resume(trainer, resume: str) -> int:
     """Returns the step to start from: 0, or the step of the checkpoint resumed."""
     # The newest intact checkpoint (damaged ones passed over with a warning), or the one named, checked.
     path = manifest.pick(trainer.cfg.output_dir, resume)
     if path is not None:
+        if trainer.rank == 0:
+            log.info("resuming from %s", path)
         load(trainer, path)
         named = [*trainer.model.state_dict().items(), *_optimizer_tensors(trainer.optimizer)]
         safe.check_finite(named, f"checkpoint {path}")

@@ -202,6 +202,8 @@ def preset_config(name: str, overrides: dict | None = None, vocab_size: int | No
     """A transformers config for a built-in model name, with ``overrides`` applied."""
     from transformers import AutoConfig
 
+    if name == "hf":
+        raise ConfigError("model=hf needs model.path=<local Hugging Face checkpoint directory>")
     if name not in PRESETS:
         raise ConfigError(f"model={name!r} is not a built-in model ({', '.join(PRESETS)}); or set model.path=<HF dir>")
     fields = dict(PRESETS[name])

@@ -36,7 +36,8 @@ def evaluate(
         with torch.no_grad():
             for ids, labels, pos in batches:
                 with autocast():
-                    out = model(ids, labels=labels, position_ids=pos, loss_normalizer=one)
+                    # no logits: the loss alone, as in training (the fused loss never builds them)
+                    out = model(ids, labels=labels, position_ids=pos, loss_normalizer=one, return_logits=False)
                 ce_sum += out.ce_loss.float()  # fp32 island: the sum over many tokens
                 tokens += (labels[:, 1:] != -100).sum()  # the model shifts labels left by one
     finally:

@@ -63,6 +63,8 @@ class Trainer:
         setup_logging(self.rank)
         # Before anything is written to output_dir; every rank raises if another run holds it.
         self.run_lock = init_run_lock(cfg.output_dir, self.rank) if write_run_files else None
+        if write_run_files:
+            ckpt.check_fresh_start(cfg.output_dir, cfg.checkpoint.resume)  # a used directory is no fresh start
         self.built = built = builder(cfg, self.env)
         self.model, self.mesh, self.source, self.tokenizer = built.model, built.mesh, built.source, built.tokenizer
         self.moe_layers, self.flops_per_token = built.moe_layers, built.flops_per_token
@@ -85,8 +87,10 @@ class Trainer:
         # Last: a tracker's run starts only once everything else could be built.
         self.logger = build_logger(cfg.logger, cfg.output_dir, self.rank if write_run_files else -1, asdict(cfg))
 
-    def check_config(self, cfg: Config) -> None:
-        """Cross-group checks and the named backends' availability, before any process group exists."""
+    @staticmethod
+    def check_config(cfg: Config) -> None:
+        """Cross-group checks and the named backends' availability, before any process group exists (the CLI runs
+        it too, before Hydra creates the run directory)."""
         validate(cfg)
         check_model_source(cfg)
         require_backends(cfg)
@@ -207,7 +211,10 @@ class Trainer:
             self._stop_for_signal(stop.signum)
         if cfg.checkpoint.export_hf and self.built.checkpointable:
             self.export(os.path.join(cfg.output_dir, "hf"))
-        return self.write_summary()
+        summary = self.write_summary()
+        if self.metrics.enabled:  # rank 0 of a run that writes its files
+            log.info("outputs in %s", os.path.abspath(cfg.output_dir))
+        return summary
 
     def _loop(self, stop: StopSignal, profiler, progress: Progress) -> bool:
         """Train to ``train.steps``; True if every rank agreed to stop early on a signal."""

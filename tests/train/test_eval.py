@@ -86,7 +86,7 @@ def test_evaluate_is_the_token_sum_over_the_token_count_without_balancing_losses
 
 def test_evaluate_without_any_label_token_is_nan_and_perplexity_saturates():
     class Zero(torch.nn.Module):
-        def forward(self, ids, labels=None, position_ids=None, loss_normalizer=None):
+        def forward(self, ids, labels=None, position_ids=None, loss_normalizer=None, return_logits=None):
             return type("Out", (), {"ce_loss": torch.zeros(())})()
 
     ids = torch.zeros(1, 4, dtype=torch.long)
@@ -99,7 +99,7 @@ def test_evaluate_without_any_label_token_is_nan_and_perplexity_saturates():
 class _TokenLoss(torch.nn.Module):
     """Each label token's loss is its input id (as a float): sums are known exactly."""
 
-    def forward(self, ids, labels=None, position_ids=None, loss_normalizer=None):
+    def forward(self, ids, labels=None, position_ids=None, loss_normalizer=None, return_logits=None):
         mask = labels[:, 1:] != -100
         return type("Out", (), {"ce_loss": (ids[:, :-1].float() * mask).sum() / loss_normalizer})()
 

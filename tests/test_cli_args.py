@@ -1,0 +1,99 @@
+"""The command line before Hydra runs it (issue 18, item 4): Hydra's flags with separate values, ``--help`` with the
+user's groups, unknown keys (``+`` included) as one line naming the closest keys, type errors naming the key and
+type, every built-in model name a config, and no output_dir made for a config that cannot run."""
+
+import os
+import subprocess
+
+import pytest
+
+from moe_tune.cli import precheck
+from moe_tune.cli_args import group_options
+from tests.harness import PY
+
+
+def _moe_tune(args: list[str], env: dict[str, str], cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "moe_tune", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--cfg", "job", "train.steps=3"], "steps: 3"),
+        (["train.steps=3", "-c", "job"], "steps: 3"),  # an override before the flag, as users type them
+        (["--package", "train", "--cfg", "job", "train.lr=0.5"], "# @package train\nsteps: 60"),
+        (["-p", "model", "-c", "job", "model=mixtral_8x7b"], "name: mixtral_8x7b"),
+        (["--info", "defaults"], "Defaults List"),
+    ],
+)
+def test_hydra_flags_take_separate_values(args, expected, cli_env, tmp_path):
+    """``--cfg job`` and the like print without running and without making output_dir (they were overrides)."""
+    r = _moe_tune([f"output_dir={tmp_path / 'run'}", *args], cli_env, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert expected in r.stdout, r.stdout[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_help_lists_the_user_groups_and_keys(capsys):
+    with pytest.raises(SystemExit) as e:
+        precheck(["--help", "train.steps=7"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "base_" not in out  # the schema's ConfigStore entries are no options
+    lines = {line.split(":")[0].strip(): line for line in out.splitlines() if line.startswith("  ")}
+    assert lines["comm"] == "  comm: all_to_all, deepep, symm_mem"
+    assert "hf" in lines["model"] and "submitit_slurm" not in lines["model"]
+    assert "steps: 7" in out and "--cfg job" in out
+
+
+def test_every_builtin_model_is_a_config():
+    """The names a model error lists are the configs ``model=<name>`` finds (mixtral_8x7b was listed, not a config)."""
+    from moe_tune.models.presets import PRESETS
+
+    assert set(group_options()["model"]) == set(PRESETS) | {"hf"}
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["train.stepz=5"], "train.stepz is not a config key; did you mean train.steps"),
+        (["+train.stepz=5"], "+train.stepz is not a config key (+ adds no key"),
+        (["steps=5"], "steps is not a config key; did you mean train.steps?"),
+        (["comm.num_sms=8"], "comm.num_sms is an option of comm=deepep, not of comm=all_to_all; add comm=deepep"),
+        (["+train.steps=5"], "+train.steps: train.steps is already a key; write train.steps=<value> without the +"),
+        (["model.overrides.num_hidden_layers=1"], "add it with +model.overrides.num_hidden_layers=1"),
+        (["train.steps=abc"], "train.steps='abc' is not an integer; give train.steps a value of that type"),
+        (["train.lr=fast"], "train.lr='fast' is not a number"),
+        (
+            ["model=mixtral_8x7"],
+            "model=mixtral_8x7 is not one of deepseek_v3, glm4_5_air, gpt_oss_20b, hf, mixtral_8x7b",
+        ),
+        (["model=hf"], "model=hf needs model.path=<local Hugging Face checkpoint directory>"),
+        (["-m", "--cfg", "job"], "-m and --cfg together"),
+    ],
+)
+def test_bad_command_line_is_one_line_exit_2(args, line, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        precheck([f"output_dir={run_dir}", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("moe-tune: error: "), err
+    assert line in err
+    assert "+train.stepz=5" not in err and "To append" not in err  # never Hydra's suggestion to add a key
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["parallel.ep=3"], "parallel.ep (3) must divide"),
+        (["train.global_batch_size=3"], "train.global_batch_size (3) must be a multiple"),
+        (["comm=deepep"], "comm=deepep needs expert parallelism"),
+    ],
+)
+def test_no_output_dir_for_a_config_that_cannot_run(args, line, cli_env, tmp_path):
+    """Checks that need the world size ran after Hydra had made output_dir: now before (torchrun's WORLD_SIZE)."""
+    r = _moe_tune([f"output_dir={tmp_path / 'run'}", *args], cli_env, tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert line in r.stderr
+    assert not os.path.exists(tmp_path / "run")
