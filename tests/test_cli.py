@@ -71,7 +71,8 @@ def _git_head() -> str:
 @pytest.mark.dist
 def test_two_rank_torchrun_gloo(tmp_path, cli_env):
     """The default job under torchrun with 2 ranks (FSDP2 on gloo, then EP=2): one run directory, rank 0 writes."""
-    run_cli([f"output_dir={tmp_path / 'dp'}", "train.steps=4", *FAST_RUN], cli_env, nproc=2)
+    r = run_cli([f"output_dir={tmp_path / 'dp'}", "train.steps=4", *FAST_RUN], cli_env, nproc=2)
+    assert r.stderr.count(f"[rank0] outputs in {tmp_path / 'dp'}") == 1 and "[rank1] outputs" not in r.stderr
     run_cli([f"output_dir={tmp_path / 'ep'}", "train.steps=4", "parallel.ep=2", *FAST_RUN], cli_env, nproc=2)
     dp, ep = read_metrics(tmp_path / "dp"), read_metrics(tmp_path / "ep")
     assert [r["step"] for r in dp] == [1, 2, 3, 4] == [r["step"] for r in ep]

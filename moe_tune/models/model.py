@@ -116,8 +116,8 @@ class MoECausalLM(nn.Module):
     ) -> CausalLMOutput:
         """Like transformers: ``labels`` are aligned with ``input_ids`` and shifted here; -100 is ignored.
         The loss is the token sum divided by ``loss_normalizer`` (default: this batch's label tokens).
-        ``return_logits`` None: logits without labels, and with labels in eval mode; in training mode the fused
-        loss never builds them (the memory saving), unless ``return_logits=True``."""
+        ``return_logits`` None: logits whenever no backward can follow (no labels, eval mode or torch.no_grad());
+        a training forward with labels leaves them None, as the fused loss never builds them (the memory saving)."""
         extra = {}
         if self.packed_attention:
             if attention_mask is not None:
@@ -133,7 +133,8 @@ class MoECausalLM(nn.Module):
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False, **extra
         ).last_hidden_state
         out = CausalLMOutput()
-        want_logits = (labels is None or not self.training) if return_logits is None else return_logits
+        training = self.training and torch.is_grad_enabled()
+        want_logits = (labels is None or not training) if return_logits is None else return_logits
         if want_logits:
             out.logits = self.lm_head(hidden)
         if labels is None:
