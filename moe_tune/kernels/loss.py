@@ -18,13 +18,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_ND, w_VD, labels_N, ignore_index: int, chunk_size: int):
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        # A frozen output embedding (LoRA) needs no weight gradient: its GEMM and fp32 buffer are skipped.
+        need_grad_w = ctx.needs_input_grad[1]
         N = h_ND.shape[0]
         loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)
         grad_h = torch.empty_like(h_ND) if need_grad else None
         one_chunk = N <= chunk_size
         # Several chunks add their weight gradients in fp32; one chunk writes its GEMM's result directly.
         grad_w = (
-            None if one_chunk or not need_grad else torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device)
+            None if one_chunk or not need_grad_w else torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device)
         )
         for start in range(0, N, chunk_size):
             h = h_ND[start : start + chunk_size]
@@ -44,21 +46,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 del g, logits
                 keep = valid.unsqueeze(1).to(h.dtype)
                 torch.mul(g_low @ w_VD, keep, out=grad_h[start : start + chunk_size])
+                if not need_grad_w:
+                    continue
                 gw = g_low.t() @ (h * keep)
                 if one_chunk:
                     grad_w = gw
                 else:
                     grad_w += gw.float()
         if need_grad:
-            if grad_w is None:  # no rows at all
+            if grad_w is None and need_grad_w:  # no rows at all
                 grad_w = torch.zeros_like(w_VD)
-            ctx.save_for_backward(grad_h, grad_w.to(w_VD.dtype))
+            ctx.save_for_backward(grad_h, grad_w.to(w_VD.dtype) if need_grad_w else None)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None, None, None
+        grad_w = None if grad_w is None else grad_w * grad_loss.to(grad_w.dtype)
+        return grad_h * grad_loss.to(grad_h.dtype), grad_w, None, None, None
 
 
 def linear_cross_entropy(

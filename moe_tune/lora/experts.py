@@ -35,7 +35,8 @@ class ExpertsAdapter(nn.Module):
         """``scaling * x @ (B[j] @ A[j])^T`` for the rows of each local expert j (rows sorted by expert)."""
         A_erK, B_eNr = self.factors(proj)
         a_Rr = F.grouped_mm(self.dropout(x_RK), A_erK.transpose(-2, -1).to(x_RK.dtype), offs=offs_e)
-        return F.grouped_mm(a_Rr, B_eNr.transpose(-2, -1).to(x_RK.dtype), offs=offs_e) * self.scaling
+        # The scaling goes into B (e x out x rank), not over the [rows, out] result: one pass less over it.
+        return F.grouped_mm(a_Rr, (B_eNr * self.scaling).transpose(-2, -1).to(x_RK.dtype), offs=offs_e)
 
     def delta_one(self, proj: str, x_RK: torch.Tensor, j: int) -> torch.Tensor:
         """``delta`` for the rows of local expert j alone (the per-expert reference loop)."""

@@ -24,7 +24,7 @@ class LinearAdapter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = F.linear(self.dropout(x), self.A.to(x.dtype))
-        return F.linear(a, self.B.to(x.dtype)) * self.scaling
+        return F.linear(a, (self.B * self.scaling).to(x.dtype))
 
     def delta_weight(self) -> torch.Tensor:
         """The update of the base weight (out x in), in fp32."""

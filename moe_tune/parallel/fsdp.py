@@ -69,9 +69,12 @@ def apply_fsdp(
     """Shard ``model`` in place (call after apply_ep and apply_ac, before materialising meta parameters)."""
     dims = mesh.dims
     mp = mixed_precision_policy(precision)
-    if dims.world_size == 1 and mp.param_dtype is None:
+    lora = any(not p.requires_grad for p in model.parameters())
+    if dims.world_size == 1 and (mp.param_dtype is None or lora):
         # One rank and no casts to do: FSDP2 would only add all-gather/reduce-scatter copies over a group of
-        # one. (bf16_fp32_master keeps FSDP2 on one rank too: its mixed precision is the bf16 compute.)
+        # one. (bf16_fp32_master keeps FSDP2 on one rank too: its mixed precision is the bf16 compute. Not with
+        # LoRA: the frozen base is stored in bf16 already and the adapters cast themselves to the input's dtype,
+        # so FSDP2 would only copy the whole base every forward and backward.)
         return
     # 1-D meshes when there is no replication: plain FSDP, no size-1 replicate dimension.
     dense_mesh = mesh["dense_fsdp"] if dims.dp_replicate > 1 else mesh["dp_shard"]

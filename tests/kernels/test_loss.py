@@ -81,3 +81,21 @@ def test_no_grad_path_and_model_loss_equal():
         with torch.no_grad():
             losses.append(model(ids, labels=labels).loss)
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
+
+
+def test_frozen_weight_gets_no_gradient_and_the_same_input_gradient():
+    """LoRA freezes the output embedding: its weight-gradient GEMM is skipped, the hidden states' gradient is the
+    same as with a trained weight."""
+    from moe_tune.kernels.loss import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(40, 16, generator=g)
+    w = torch.randn(32, 16, generator=g)
+    labels = torch.randint(0, 32, (40,), generator=g)
+    grads = []
+    for trained in (True, False):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_(trained)
+        linear_cross_entropy(hh, ww, labels, chunk_size=16).backward()
+        assert (ww.grad is not None) == trained
+        grads.append(hh.grad)
+    assert torch.equal(grads[0], grads[1])
