@@ -7,6 +7,10 @@ without it is an interrupted save and is never resumed from.
 Every tensor is keyed by its parameter's name, experts one per global expert index, and param groups and the
 scheduler are matched by parameter names (``moe_tune.checkpoint.state``): a checkpoint resumes at any layout
 (world size, ep, dp_shard, dp_replicate), not only the one it was saved at.
+
+A LoRA run's checkpoint holds the adapters (and trained routers) and their optimizer state only; the frozen base
+is not copied into every checkpoint. meta.json's ``source`` and ``config.model`` point to the base, which is
+checked at resume and read again by ``moe-tune-export``.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import torch.distributed as dist
 
 from moe_tune.checkpoint import manifest, safe
 from moe_tune.checkpoint.state import (
+    check_base,
     flat_state,
+    frozen_names,
     model_entries,
     names_match,
     param_groups_by_name,
@@ -159,6 +165,10 @@ def load(trainer, path: str) -> None:
     flat, model_sd, optim_sd = flat_state(trainer.model, trainer.optimizer)
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
+    if frozen_names(trainer.model):  # adapters only: the base is the run's own, and must be the one they fit
+        from dataclasses import asdict
+
+        check_base(meta, asdict(trainer.cfg.model), trainer.cfg.train.seed, path)
     # Learning rate, betas etc. as they were at the save (the fresh optimizer holds step 0's values), matched by
     # parameter name: the groups' number and order depend on the layout. CheckpointError if the names differ.
     optim_sd["param_groups"], group_of = param_groups_by_name(optim_sd["param_groups"], meta["param_groups"], path)
