@@ -108,11 +108,14 @@ def read_metrics(run_dir) -> list[dict]:
 
 
 def read_hf_tensors(d) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face directory, single file or sharded with an index."""
+    """Every tensor of a Hugging Face directory, single file or sharded with an index, or of a PEFT adapter
+    directory (a LoRA run's hf/)."""
     from safetensors import safe_open
 
     idx = os.path.join(d, "model.safetensors.index.json")
     files = set(json.load(open(idx))["weight_map"].values()) if os.path.exists(idx) else {"model.safetensors"}
+    if os.path.exists(os.path.join(d, "adapter_model.safetensors")):
+        files = {"adapter_model.safetensors"}
     out = {}
     for name in files:
         with safe_open(os.path.join(d, name), "pt") as f:

@@ -193,3 +193,11 @@ def test_names_that_do_not_match_the_model_are_a_checkpoint_error(tmp_path, save
     with pytest.raises(CheckpointError, match="does not match the model") as e:
         ckpt.load(_plain_trainer(steps=0, **resumed), str(tmp_path / "step_1"))
     assert named in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.dist
+def test_lora_adapters_reshard_ep2_to_one_process_to_dp_shard2(tmp_path, no_launcher):
+    """LoRA: checkpoints of adapters (the expert adapters one per expert, like the experts) resume at another
+    layout: EP=2 (adapters sharded with the experts, outside FSDP2) -> one process -> FSDP over 2 ranks."""
+    lora = ["peft=lora", "peft.rank=8"]
+    _chain(tmp_path, [(2, ["parallel.ep=2", *lora]), (1, lora), (2, ["parallel.dp_shard=2", *lora])])

@@ -1,0 +1,102 @@
+"""LoRA runs through the CLI (fp32, CPU): only the adapters train and only they are checkpointed; resume is bitwise;
+hf/ is a PEFT adapter directory that PEFT loads onto the base with moe_tune's logits, and moe-tune-export --merge
+writes the merged model with the same logits; a checkpoint refuses a base it was not trained on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+from tests.harness import FAST_RUN, PY, read_hf_tensors, read_metrics, run_cli
+from tests.train.test_runs import _resume_from
+
+peft = pytest.importorskip("peft", reason="the LoRA exports are checked with PEFT (in the dev extra)")
+
+LORA = ["peft=lora", "peft.rank=8", "peft.target=[attention,experts]", "train.lr=3e-2", *FAST_RUN]
+TOL = 1e-5
+
+
+def _checkpoint_keys(path) -> list[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return list(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def _hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.mark.slow
+def test_lora_trains_adapters_only_resumes_bitwise_and_exports_for_peft(tmp_path, cli_env):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = ["train.steps=6", "checkpoint.every=3", *LORA]
+    run_cli([f"output_dir={straight}", *common], cli_env)
+
+    # The checkpoint: adapters and their AdamW moments only, no base weight.
+    keys = _checkpoint_keys(straight / "checkpoints" / "step_3")
+    model_keys = [k for k in keys if k.startswith("model.")]
+    assert model_keys and all(".lora." in k for k in model_keys), model_keys[:3]
+    assert all(".lora." in k for k in keys if k.startswith("optim."))
+    assert any(".experts.lora.gate_up_A@7" in k for k in model_keys)  # expert adapters stored one per expert
+
+    # Resume: 3 steps, then 3 more from checkpoints/step_3, equals 6 straight, bitwise.
+    _resume_from(straight, resumed, 3)
+    run_cli([f"output_dir={resumed}", *common], cli_env)
+    a, b = [r["loss"] for r in read_metrics(straight)][3:], [r["loss"] for r in read_metrics(resumed)]
+    assert len(b) == 3 and a == b, (a, b)
+    sa, sb = read_hf_tensors(straight / "hf"), read_hf_tensors(resumed / "hf")
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+    # hf/ through PEFT onto the untouched base == moe_tune's model from the last checkpoint == the merged export.
+    from moe_tune.build import from_checkpoint
+
+    ours, _ = from_checkpoint(str(straight / "checkpoints" / "step_6"))
+    ids = torch.randint(0, ours.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = ours.eval()(ids).logits
+        base = _hf(straight / "base_model")
+        assert (base(input_ids=ids).logits - logits).abs().max() > 100 * TOL  # training moved the adapters
+        via_peft = peft.PeftModel.from_pretrained(base, str(straight / "hf")).eval()(input_ids=ids).logits
+        assert (via_peft - logits).abs().max() <= TOL
+        merged_dir = tmp_path / "merged"
+        r = subprocess.run(
+            [PY, "-m", "moe_tune.export_cli", str(straight / "checkpoints" / "step_6"), str(merged_dir), "--merge"],
+            capture_output=True,
+            text=True,
+            env=cli_env,
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert (_hf(merged_dir)(input_ids=ids).logits - logits).abs().max() <= TOL
+    assert not os.path.exists(merged_dir / "adapter_config.json")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_adapters_refuses_another_base(tmp_path, cli_env):
+    """Adapters trained on the tiny model drawn with seed 0, resumed onto the one drawn with seed 1: exit 2."""
+    first = tmp_path / "first"
+    run_cli([f"output_dir={first}", "train.steps=2", "checkpoint.every=2", *LORA], cli_env)
+    cmd = [
+        PY, "-m", "moe_tune", f"output_dir={tmp_path / 'second'}", "train.steps=4", "train.seed=1",
+        f"checkpoint.resume={first}/checkpoints/step_2", *LORA,
+    ]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env)
+    assert r.returncode == 2, r.stderr[-2000:]
+    (line,) = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert "holds LoRA adapters of the base model" in line and "'seed': 0" in line and "'seed': 1" in line
+
+
+def test_export_merge_of_a_full_fine_tune_is_refused(tmp_path, cli_env):
+    run_cli([f"output_dir={tmp_path}", "train.steps=1", "checkpoint.every=1", *FAST_RUN], cli_env)
+    r = subprocess.run(
+        [PY, "-m", "moe_tune.export_cli", str(tmp_path / "checkpoints" / "step_1"), str(tmp_path / "out"), "--merge"],
+        capture_output=True,
+        text=True,
+        env=cli_env,
+    )
+    assert r.returncode == 2 and "--merge applies to LoRA runs" in r.stderr
+    assert not os.path.exists(tmp_path / "out")
