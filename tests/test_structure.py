@@ -53,6 +53,7 @@ LAYERS: list[tuple[str, ...]] = [
         "moe_tune.bench",
         "moe_tune.export_cli",
         "moe_tune.launch",
+        "moe_tune.slurm_launcher",
         "moe_tune.__init__",
         "moe_tune.__main__",
     ),

@@ -8,6 +8,7 @@ dispatcher its own config. This module imports no torch and nothing else of moe_
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -291,10 +292,29 @@ GROUPS = {
 }
 
 
-def register_configs() -> None:
-    """Store the schema as ``base_config`` and ``base_<group>`` so YAML files are type-checked against it."""
-    from hydra.core.config_store import ConfigStore
+def ranks_per_node(dp_replicate: int, dp_shard: int, ep: int, nodes: int) -> int:
+    """Ranks each of ``nodes`` nodes starts for a layout: dp_replicate x dp_shard in all, or with dp_shard=-1 (every
+    rank not used by dp_replicate) the fewest that fit, dp_replicate x ep. The launcher presets' task count."""
+    world = dp_replicate * (dp_shard if dp_shard > 0 else ep)
+    if nodes < 1 or world % nodes:
+        raise ConfigError(
+            f"the layout's {world} ranks (parallel.dp_replicate x parallel.dp_shard, or x parallel.ep when "
+            f"dp_shard=-1) do not split over hydra.launcher.nodes={nodes}; set parallel.dp_shard to a multiple of it"
+        )
+    return world // nodes
 
+
+def register_configs() -> None:
+    """Store the schema as ``base_config`` and ``base_<group>`` so YAML files are type-checked against it, and the
+    ``moe_tune.ranks_per_node`` resolver the launcher presets use."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    # conf/hydra/launcher/submitit_slurm.yaml takes the place of the submitit plugin's preset on purpose (it keeps
+    # its keys, so Hydra checks it against the plugin's schema): nothing for the user to migrate.
+    warnings.filterwarnings("ignore", message="(?s).*is validated against ConfigStore schema with the same name")
+    if not OmegaConf.has_resolver("moe_tune.ranks_per_node"):
+        OmegaConf.register_new_resolver("moe_tune.ranks_per_node", ranks_per_node)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, schema in GROUPS.items():

@@ -1,0 +1,100 @@
+"""``SlurmLauncher``: Hydra's submitit launcher with one Slurm task per rank, whose every rank's exit comes back to
+the submitter (``moe_tune.slurm_launcher`` says why and how). It lives in ``hydra_plugins`` because Hydra takes
+launchers from there only; Hydra imports this module at every start (of any Hydra app), so it imports neither
+moe_tune nor submitit at the top."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import traceback
+
+from hydra.plugins.launcher import Launcher
+
+try:
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as _SubmititLauncher
+except ImportError:  # without the [slurm] extra
+    _SubmititLauncher = None
+
+
+def _exit_with(code: int) -> None:
+    """At interpreter exit, after submitit wrote the task's result: leave with the rank's own code, so that Slurm
+    records it and ``srun --kill-on-bad-exit`` stops the ranks still waiting for this one."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if _SubmititLauncher is None:
+
+    class SlurmLauncher(Launcher):
+        """``hydra/launcher=submitit_slurm`` without hydra-submitit-launcher: one line and exit 2."""
+
+        def __init__(self, **params) -> None:
+            print(
+                "moe-tune: error: hydra/launcher=submitit_slurm needs Hydra's submitit launcher: "
+                "pip install 'moe_tune[slurm]'",
+                file=sys.stderr,
+            )
+            raise SystemExit(2)
+
+        def setup(self, **kwargs) -> None: ...
+
+        def launch(self, job_overrides, initial_job_idx): ...
+
+
+else:
+
+    class SlurmLauncher(_SubmititLauncher):
+        def __call__(self, *args, **kwargs):
+            """In each task: the job as this task's rank; returns its RankExit (in Hydra's JobReturn) in every case."""
+            import submitit
+            from hydra.core.utils import JobReturn, JobStatus
+
+            from moe_tune.config import register_configs
+            from moe_tune.slurm_launcher import RankExit, exit_of
+
+            register_configs()  # before Hydra composes the job's config here, as the submitter did
+            submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+            env = submitit.JobEnvironment()
+            ret, exc = JobReturn(), None
+            try:
+                ret = super().__call__(*args, **kwargs)
+                if ret.status == JobStatus.FAILED:  # Hydra caught an exception of the job function
+                    exc = ret._return_value
+                    traceback.print_exception(exc, file=sys.stderr)
+            except SystemExit as e:
+                exc = e
+            code, message = exit_of(exc)
+            if code:
+                atexit.register(_exit_with, code)
+            ret.status = JobStatus.COMPLETED
+            ret.return_value = RankExit(str(env.job_id), env.global_rank, env.num_tasks, code, message)
+            return ret
+
+        def launch(self, job_overrides, initial_job_idx):
+            """In the submitter: Hydra's launch, then every task's RankExit; exits on any failed job."""
+            from submitit.core.utils import UncompletedJobError
+
+            from moe_tune.slurm_launcher import failure_line
+
+            try:
+                returns = super().launch(job_overrides, initial_job_idx)
+            except UncompletedJobError as e:  # a task that was killed leaves no result
+                print(f"moe-tune: error: {' '.join(str(e).split()[:40])}", file=sys.stderr)
+                raise SystemExit(1) from None
+            failed = [exits for exits in map(self._task_exits, returns) if any(e.code for e in exits)]
+            for exits in failed:
+                print(f"moe-tune: error: {failure_line(exits)}", file=sys.stderr)
+            if failed:
+                raise SystemExit(next(e.code for e in failed[0] if e.code))
+            return returns
+
+        def _task_exits(self, first) -> list:
+            """Every task's RankExit of the job whose rank-0 JobReturn is ``first`` (all its tasks have ended)."""
+            import submitit
+
+            rank0 = first.return_value  # a moe_tune.slurm_launcher.RankExit
+            job = submitit.SlurmJob(self.params["submitit_folder"], rank0.job_id, tasks=range(rank0.num_tasks))
+            return [rank0] + [job.task(i).result().return_value for i in range(1, rank0.num_tasks)]

@@ -1,0 +1,55 @@
+"""What ``hydra/launcher=submitit_slurm`` reports: every rank's exit, back in the submitting ``moe-tune ... -m``. The
+launcher class itself is ``hydra_plugins.moe_tune_launcher.slurm.SlurmLauncher`` (Hydra takes launchers from the
+``hydra_plugins`` package only).
+
+Hydra's plugin runs the job in every task but hands the submitter rank 0's result only; and a job that ends
+through ``SystemExit`` (moe_tune's exit 2 for a value to fix, 128 + the signal when stopped) leaves no result at
+all, so the submitter waits for one for as long as Slurm does not say the job ended (forever without Slurm
+accounting). Here every task returns its ``RankExit`` however the job ended and exits with the rank's own code;
+the submitter reads every task's and, when one failed, exits with that code and one line per failed job naming
+the ranks, their codes and their error line.
+
+Each task is one rank: the rendezvous (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``)
+comes from ``SLURM_*`` through submitit's ``TorchDistributedEnvironment`` (the port derived from the job id).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """How one rank (one Slurm task) of a job ended."""
+
+    job_id: str
+    rank: int
+    num_tasks: int
+    code: int  # 0 finished, 2 a value to fix, 128 + signal when stopped, 1 anything else
+    message: str = ""  # its one-line error
+
+
+def exit_of(exc: BaseException | None) -> tuple[int, str]:
+    """(exit code, one-line message) of a job function that returned (``exc`` None), exited or raised."""
+    if exc is None:
+        return 0, ""
+    if isinstance(exc, SystemExit):
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        # cli.fail prints its line and raises SystemExit(2) while handling the UserError that holds the line.
+        cause = exc.__context__
+        return code, " ".join(str(cause).split()) if code == 2 and cause is not None else ""
+    lines = str(exc).strip().splitlines()
+    return 1, f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def failure_line(exits: list[RankExit]) -> str:
+    """One line for a job: the ranks that did not exit 0, those with the same code and message together."""
+    groups: dict[tuple[int, str], list[int]] = {}
+    for e in exits:
+        if e.code:
+            groups.setdefault((e.code, e.message), []).append(e.rank)
+    parts = []
+    for (code, message), ranks in groups.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
+        parts.append(f"{who} exited with code {code}" + (f": {message}" if message else ""))
+    return f"job {exits[0].job_id}: " + "; ".join(parts)

@@ -1,0 +1,70 @@
+"""``launch/slurm/train.sbatch`` on a real Slurm: the default fine-tune as 2 CPU ranks (EP=2 on gloo) on a node
+without GPUs, stopped as Slurm's time limit and ``scancel -s TERM`` stop it, requeued, resumed from the checkpoint
+saved at the stop; the job's exit code is the ranks' own."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from tests.harness import FAST_RUN, ROOT, cli_env, read_metrics
+
+SBATCH = str(Path(ROOT) / "launch" / "slurm" / "train.sbatch")
+STOP_LINE = "moe-tune: stopped by signal 15"
+
+
+def submit(slurm, run_dir: Path, steps: int) -> str:
+    """The script as a user submits it, two ranks on a CPU node; returns the job id."""
+    overrides = [f"output_dir={run_dir}", f"train.steps={steps}", "parallel.ep=2", "checkpoint.export_hf=false"]
+    env = {**cli_env(), "SLURM_CONF": slurm.env["SLURM_CONF"], "NPROC_PER_NODE": "2"}
+    return slurm.sbatch(["--cpus-per-task=2", f"--chdir={ROOT}", SBATCH, *overrides, *FAST_RUN], env=env)
+
+
+def wait_rows(run_dir: Path, rows: int, timeout_s: float = 120) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= rows:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{metrics} has fewer than {rows} rows after {timeout_s} s")
+
+
+def job_log(run_dir: Path, job: str) -> str:
+    """The job's own log: under the run directory, every attempt appended."""
+    return (run_dir / "logs" / f"slurm-{job}.out").read_text()
+
+
+def saved_step(log: str) -> int:
+    return int(re.search(r"stopped by signal 15 after step (\d+)", log).group(1))
+
+
+def test_time_limit_signal_saves_requeues_and_resumes(slurm, tmp_path):
+    """``--signal=B:TERM@120`` reaches the batch script (here at once, by ``scancel --batch``): the ranks save the
+    step they agree on, the job requeues itself, resumes from that checkpoint and finishes with exit code 0."""
+    run = tmp_path / "run"
+    job = submit(slurm, run, steps=30)
+    wait_rows(run, 2)
+    slurm.run(["scancel", "--batch", "--signal=TERM", job])
+    state = slurm.wait(job, timeout_s=240)
+    log = job_log(run, job)
+    assert (state.state, state.exit_code, state.restarts) == ("COMPLETED", 0, 1), log[-3000:]
+    step = saved_step(log)
+    assert f"resuming from {run}/checkpoints/step_{step}" in log, log[-3000:]
+    assert log.count(STOP_LINE) == 1 and f"job {job} exited with 143" in log, log[-3000:]
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 31))  # each step once, across both attempts
+    assert not list(Path(ROOT).glob(f"*{job}.out"))  # no log in the directory it was submitted from
+
+
+def test_scancel_term_is_exit_143(slurm, tmp_path):
+    """``scancel -s TERM`` (preemption's signal) without a requeue: the ranks save, Slurm records the ranks' 143."""
+    run = tmp_path / "run"
+    job = submit(slurm, run, steps=1000)
+    wait_rows(run, 2)
+    slurm.run(["scancel", "--signal=TERM", job])
+    state = slurm.wait(job, timeout_s=120)
+    log = job_log(run, job)
+    assert (state.state, state.exit_code) == ("FAILED", 143), log[-3000:]
+    assert (run / "checkpoints" / f"step_{saved_step(log)}" / "COMPLETE").exists(), log[-3000:]
+    assert log.count(STOP_LINE) == 1 and "Traceback" not in log, log[-3000:]

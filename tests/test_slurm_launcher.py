@@ -1,0 +1,69 @@
+"""``hydra/launcher=submitit_slurm``: the presets' task counts follow the layout, and a job's ranks come back as one
+line (the real Slurm runs: tests/slurm/test_submitit.py)."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from moe_tune.cli import CONF_DIR
+from moe_tune.config import ConfigError, UserError, register_configs
+from moe_tune.config.schema import ranks_per_node
+from moe_tune.slurm_launcher import RankExit, exit_of, failure_line
+
+
+def launcher(*overrides: str) -> dict:
+    """The resolved ``hydra.launcher`` node of a composed config, as the submitter instantiates it."""
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    return OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+
+
+def test_tasks_follow_the_layout():
+    gpu = launcher("hydra/launcher=submitit_slurm", "parallel.ep=2")
+    assert (gpu["nodes"], gpu["tasks_per_node"], gpu["gpus_per_node"]) == (1, 2, 2)
+    assert gpu["_target_"] == "hydra_plugins.moe_tune_launcher.slurm.SlurmLauncher"
+    two_nodes = launcher(
+        "hydra/launcher=submitit_slurm", "hydra.launcher.nodes=2", "parallel.ep=8", "parallel.dp_shard=16"
+    )
+    assert (two_nodes["tasks_per_node"], two_nodes["gpus_per_node"]) == (8, 8)
+    cpu = launcher("hydra/launcher=submitit_slurm_cpu", "parallel.ep=2")
+    assert (cpu["tasks_per_node"], cpu["gpus_per_node"]) == (2, None)  # no GPU request a CPU partition refuses
+
+
+def test_ranks_per_node():
+    assert ranks_per_node(1, -1, 1, 1) == 1  # the default layout: one rank
+    assert ranks_per_node(2, -1, 4, 2) == 4  # dp_replicate x ep over two nodes
+    assert ranks_per_node(1, 16, 8, 2) == 8
+    with pytest.raises(ConfigError, match=r"do not split over hydra.launcher.nodes=2"):
+        ranks_per_node(1, -1, 3, 2)
+
+
+def _fail_like_the_cli(message: str) -> SystemExit:
+    """cli.run calls cli.fail (print, SystemExit(2)) while handling the UserError: the exit has it as context."""
+    try:
+        try:
+            raise UserError(message)
+        except UserError:
+            raise SystemExit(2)  # noqa: B904 (as cli.fail does: the UserError stays its __context__)
+    except SystemExit as e:
+        return e
+
+
+def test_exit_of_each_way_a_job_ends():
+    assert exit_of(None) == (0, "")
+    assert exit_of(_fail_like_the_cli("parallel.ep (3) must divide 2;\n try parallel.ep=1")) == (
+        2,
+        "parallel.ep (3) must divide 2; try parallel.ep=1",
+    )
+    assert exit_of(SystemExit(143)) == (143, "")  # stopped by a signal: the trainer logged why
+    assert exit_of(RuntimeError("out of memory\nmore")) == (1, "RuntimeError: out of memory")
+
+
+def test_failure_line_groups_ranks():
+    exits = [RankExit("7", 0, 3, 2, "bad value"), RankExit("7", 1, 3, 0), RankExit("7", 2, 3, 2, "bad value")]
+    assert failure_line(exits) == "job 7: ranks 0,2 exited with code 2: bad value"
+    exits = [RankExit("8", 0, 2, 143), RankExit("8", 1, 2, 1, "RuntimeError: x")]
+    assert failure_line(exits) == "job 8: rank 0 exited with code 143; rank 1 exited with code 1: RuntimeError: x"
