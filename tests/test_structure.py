@@ -327,8 +327,8 @@ def test_checker_sees_lazy_imports_relative_imports_and_registry_strings(tmp_pat
         "  moe_tune/moe/layer.py:1: moe_tune.moe.layer -> moe_tune.config (import)",
     ]
     assert upward_imports(edges) == [
-        "moe_tune/config.py:2: moe_tune.config -> moe_tune.moe.layer (lazy import) [layer 0 imports layer 3]",
-        "moe_tune/moe/layer.py:2: moe_tune.moe.layer -> moe_tune.train (registry string) [layer 3 imports layer 7]",
+        "moe_tune/config.py:2: moe_tune.config -> moe_tune.moe.layer (lazy import) [layer 0 imports layer 4]",
+        "moe_tune/moe/layer.py:2: moe_tune.moe.layer -> moe_tune.train (registry string) [layer 4 imports layer 8]",
     ]
     assert function_lengths(os.path.join(PACKAGE, "train.py")) == [(3, "g", 2)]
-    assert layer_of("moe_tune") == 8 and layer_of("moe_tune.models.hf_io") == 4 and layer_of("moe_tune.x") is None
+    assert layer_of("moe_tune") == 9 and layer_of("moe_tune.models.hf_io") == 5 and layer_of("moe_tune.x") is None

@@ -101,7 +101,7 @@ def _check_choices(cfg: Config) -> None:
 
 def _ranges(cfg: Config) -> list[tuple[str, object, bool, str, str]]:
     """(key, value, in range?, the range, a value to try) per numeric field without a check of its own below."""
-    t, o, k, d, lg = cfg.train, cfg.optim, cfg.kernels, cfg.data, cfg.logger
+    t, k, d, lg = cfg.train, cfg.kernels, cfg.data, cfg.logger
     max_tokens = getattr(cfg.comm, "max_tokens", None)
     return [
         ("train.lr", t.lr, math.isfinite(t.lr) and t.lr > 0, "> 0", "3e-4"),
@@ -117,6 +117,37 @@ def _ranges(cfg: Config) -> list[tuple[str, object, bool, str, str]]:
         ("train.z_loss_coef", t.z_loss_coef, t.z_loss_coef >= 0, ">= 0", "0"),
         ("train.bias_update_rate", t.bias_update_rate, t.bias_update_rate >= 0, ">= 0", "0"),
         ("train.warmup_steps_excluded", t.warmup_steps_excluded, t.warmup_steps_excluded >= 0, ">= 0", "3"),
+        *_optim_ranges(cfg),
+        (
+            "checkpoint.every",
+            cfg.checkpoint.every,
+            cfg.checkpoint.every >= 0,
+            ">= 0 (steps between checkpoints; 0: none)",
+            "100",
+        ),
+        ("kernels.loss_chunk_size", k.loss_chunk_size, k.loss_chunk_size >= 1, ">= 1 (tokens per loss chunk)", "4096"),
+        (
+            "data.num_samples",
+            d.num_samples,
+            d.path is not None or d.num_samples >= 1,
+            ">= 1 (built-in records)",
+            "4096",
+        ),
+        (
+            "logger.expert_load_image_every",
+            lg.expert_load_image_every,
+            lg.expert_load_image_every >= 0,
+            ">= 0 (0: never)",
+            "0",
+        ),
+        ("comm.max_tokens", max_tokens, max_tokens is None or max_tokens >= 1, ">= 1 or null", "null"),
+        *_peft_ranges(cfg),
+    ]
+
+
+def _optim_ranges(cfg: Config) -> list[tuple[str, object, bool, str, str]]:
+    o = cfg.optim
+    return [
         (
             "optim.min_lr_ratio",
             o.min_lr_ratio,
@@ -135,32 +166,15 @@ def _ranges(cfg: Config) -> list[tuple[str, object, bool, str, str]]:
             "two values in [0, 1)",
             "[0.9,0.95]",
         ),
-        (
-            "checkpoint.every",
-            cfg.checkpoint.every,
-            cfg.checkpoint.every >= 0,
-            ">= 0 (steps between checkpoints; 0: none)",
-            "100",
-        ),
-        ("kernels.loss_chunk_size", k.loss_chunk_size, k.loss_chunk_size >= 1, ">= 1 (tokens per loss chunk)", "4096"),
-        (
-            "data.num_samples",
-            d.num_samples,
-            d.path is not None or d.num_samples >= 1,
-            ">= 1 (records of the built-in data set)",
-            "4096",
-        ),
-        (
-            "logger.expert_load_image_every",
-            lg.expert_load_image_every,
-            lg.expert_load_image_every >= 0,
-            ">= 0 (0: never)",
-            "0",
-        ),
-        ("comm.max_tokens", max_tokens, max_tokens is None or max_tokens >= 1, ">= 1 or null", "null"),
-        ("peft.rank", cfg.peft.rank, cfg.peft.rank >= 1, ">= 1", "16"),
-        ("peft.alpha", cfg.peft.alpha, math.isfinite(cfg.peft.alpha) and cfg.peft.alpha > 0, "> 0", "32"),
-        ("peft.dropout", cfg.peft.dropout, 0 <= cfg.peft.dropout < 1, "in [0, 1)", "0.0"),
+    ]
+
+
+def _peft_ranges(cfg: Config) -> list[tuple[str, object, bool, str, str]]:
+    p = cfg.peft
+    return [
+        ("peft.rank", p.rank, p.rank >= 1, ">= 1", "16"),
+        ("peft.alpha", p.alpha, math.isfinite(p.alpha) and p.alpha > 0, "> 0", "32"),
+        ("peft.dropout", p.dropout, 0 <= p.dropout < 1, "in [0, 1)", "0.0"),
     ]
 
 

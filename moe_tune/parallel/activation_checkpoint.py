@@ -24,14 +24,17 @@ from torch.utils.checkpoint import checkpoint
 from moe_tune.config import AC_MODES, ConfigError
 
 
-def checkpoint_forward_(module: nn.Module) -> None:
-    """Make ``module`` recompute its forward in backward instead of keeping its activations."""
-    inner = module.forward
+def checkpoint_forward_(module: nn.Module, inner=None) -> None:
+    """Make ``module`` recompute its forward (or ``inner``, a stand-in for it such as its compiled form) in
+    backward instead of keeping its activations. The wrapper keeps the function it checkpoints as
+    ``forward.checkpointed``."""
+    inner = inner or module.forward
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
+    forward.checkpointed = inner
     module.forward = forward
 
 
