@@ -75,6 +75,10 @@ else:
 
         def launch(self, job_overrides, initial_job_idx):
             """In the submitter: Hydra's launch, then every task's RankExit; exits on any failed job."""
+            # Slurm's warning before the time limit (--signal, hydra.launcher.signal_delay_s) as TERM, which every
+            # rank answers by saving the step they agree on (submitit's default, USR2, would stop them unsaved).
+            # Read once, when submitit is first imported: here, before Hydra's launch imports it.
+            os.environ.setdefault("SUBMITIT_PREEMPT_SIGNAL", "TERM")
             from submitit.core.utils import UncompletedJobError
 
             from moe_tune.slurm_launcher import failure_line

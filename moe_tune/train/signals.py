@@ -33,8 +33,10 @@ class StopSignal:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
+        if not self._received:  # torchrun's agent passes on the signal its ranks got too: one line
+            # info: rank 0's log only; the stop line after the save names the step
+            log.info("signal %d received: stopping at the next step the ranks agree on", signum)
         self._received = signum
-        log.warning("signal %d received: stopping at the next step the ranks agree on", signum)
 
     def agreed(self, device) -> bool:
         if not self.enabled:

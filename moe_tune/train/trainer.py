@@ -346,9 +346,10 @@ class Trainer:
             if not self.cadence.saves(self.step):  # else the loop saved this step already; same on every rank
                 self.save()
         self.write_summary()
-        log.warning(
-            "stopped by signal %d after step %d of %d; saved %s", signum, self.step, self.cfg.train.steps, saved
-        )
+        if self.rank == 0:  # one line per job: every rank saved the same step
+            log.warning(
+                "stopped by signal %d after step %d of %d; saved %s", signum, self.step, self.cfg.train.steps, saved
+            )
         raise SystemExit(128 + signum)
 
     # -- outputs -----------------------------------------------------------------------------------

@@ -20,7 +20,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo")
+from tests.harness import free_port
+
+COMMANDS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo", "squeue")
 # Jobs leave the controller's memory this long after they end (the default, 300 s, would keep every test's jobs).
 MIN_JOB_AGE_S = 10
 SLURM_CONF = """\
@@ -67,13 +69,7 @@ class JobState:
 
 
 def missing_commands() -> list[str]:
-    return [c for c in DAEMONS if shutil.which(c) is None]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return [c for c in COMMANDS if shutil.which(c) is None]
 
 
 class LocalSlurm:
@@ -118,8 +114,8 @@ class LocalSlurm:
             (self.dir / sub).mkdir()
         text = SLURM_CONF.format(
             host=self.host,
-            ctld_port=_free_port(),
-            slurmd_port=_free_port(),
+            ctld_port=free_port(),
+            slurmd_port=free_port(),
             socket=self.socket,
             dir=self.dir,
             min_job_age=MIN_JOB_AGE_S,
@@ -159,12 +155,12 @@ class LocalSlurm:
         fields = dict(re.findall(r"(\w+)=(\S+)", out))
         return JobState(fields["JobState"], int(fields["ExitCode"].split(":")[0]), int(fields.get("Restarts", 0)))
 
-    def wait(self, job_id: str, timeout_s: float = 300, until=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")):
-        """Poll until the job's state is one of ``until``; returns its JobState."""
+    def wait(self, job_id: str, timeout_s: float = 300, restarts: int = 0) -> JobState:
+        """Poll until the job has ended (after at least ``restarts`` requeues); returns its JobState."""
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             state = self.job(job_id)
-            if state.state in until:
+            if state.state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and state.restarts >= restarts:
                 return state
             time.sleep(0.5)
         raise TimeoutError(f"job {job_id} still {self.job(job_id)} after {timeout_s} s")
@@ -173,10 +169,13 @@ class LocalSlurm:
         self.run(["scancel", "--full", "-u", os.environ.get("USER", "root")], check=False)
 
     def stop(self) -> None:
-        """Cancel every job, then stop the daemons by their PIDs (slurmd first, munged last)."""
+        """Cancel every job, stop the daemons by their PIDs (slurmd first, munged last), remove the directory."""
         if any(p.args[0] == "slurmctld" and p.poll() is None for p in self.procs):
             self.cancel_all()
-            _wait_for(lambda: not self.run(["squeue", "-h"], check=False).stdout.strip(), 30, "jobs left")
+            try:
+                _wait_for(lambda: not self.run(["squeue", "-h"], check=False).stdout.strip(), 30, "jobs left")
+            except TimeoutError:
+                pass  # slurmd ends what is left of them as it stops
         for p in reversed(self.procs):
             p.terminate()
             try:
@@ -185,6 +184,7 @@ class LocalSlurm:
                 p.kill()
                 p.wait()
         self.procs = []
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> LocalSlurm:
         return self

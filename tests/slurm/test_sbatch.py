@@ -11,7 +11,8 @@ from pathlib import Path
 from tests.harness import FAST_RUN, ROOT, cli_env, read_metrics
 
 SBATCH = str(Path(ROOT) / "launch" / "slurm" / "train.sbatch")
-STOP_LINE = "moe-tune: stopped by signal 15"
+STOP_LINE = "moe-tune: stopped by signal 15"  # the launcher's
+SAVED_LINE = "stopped by signal 15 after step"  # the trainer's, rank 0 only
 
 
 def submit(slurm, run_dir: Path, steps: int) -> str:
@@ -47,24 +48,32 @@ def test_time_limit_signal_saves_requeues_and_resumes(slurm, tmp_path):
     job = submit(slurm, run, steps=30)
     wait_rows(run, 2)
     slurm.run(["scancel", "--batch", "--signal=TERM", job])
-    state = slurm.wait(job, timeout_s=240)
+    state = slurm.wait(job, timeout_s=240)  # the script requeued the job before it ended: never FAILED between
     log = job_log(run, job)
     assert (state.state, state.exit_code, state.restarts) == ("COMPLETED", 0, 1), log[-3000:]
     step = saved_step(log)
     assert f"resuming from {run}/checkpoints/step_{step}" in log, log[-3000:]
-    assert log.count(STOP_LINE) == 1 and f"job {job} exited with 143" in log, log[-3000:]
+    assert log.count(STOP_LINE) == log.count(SAVED_LINE) == 1 and f"job {job} exited with 143" in log, log[-3000:]
     assert [r["step"] for r in read_metrics(run)] == list(range(1, 31))  # each step once, across both attempts
     assert not list(Path(ROOT).glob(f"*{job}.out"))  # no log in the directory it was submitted from
 
 
-def test_scancel_term_is_exit_143(slurm, tmp_path):
-    """``scancel -s TERM`` (preemption's signal) without a requeue: the ranks save, Slurm records the ranks' 143."""
+def test_scancel_term_is_exit_143_and_a_requeue_resumes(slurm, tmp_path):
+    """``scancel -s TERM`` (what preemption sends): the ranks save and Slurm records their 143, one stop line for
+    the job; ``scontrol requeue`` runs it again from that checkpoint to the end, exit code 0."""
     run = tmp_path / "run"
-    job = submit(slurm, run, steps=1000)
+    job = submit(slurm, run, steps=25)
     wait_rows(run, 2)
     slurm.run(["scancel", "--signal=TERM", job])
     state = slurm.wait(job, timeout_s=120)
     log = job_log(run, job)
     assert (state.state, state.exit_code) == ("FAILED", 143), log[-3000:]
-    assert (run / "checkpoints" / f"step_{saved_step(log)}" / "COMPLETE").exists(), log[-3000:]
-    assert log.count(STOP_LINE) == 1 and "Traceback" not in log, log[-3000:]
+    step = saved_step(log)
+    assert (run / "checkpoints" / f"step_{step}" / "COMPLETE").exists(), log[-3000:]
+    assert log.count(STOP_LINE) == log.count(SAVED_LINE) == 1 and "Traceback" not in log, log[-3000:]
+    slurm.run(["scontrol", "requeue", job])
+    state = slurm.wait(job, timeout_s=240, restarts=1)
+    log = job_log(run, job)
+    assert (state.state, state.exit_code, state.restarts) == ("COMPLETED", 0, 1), log[-3000:]
+    assert f"resuming from {run}/checkpoints/step_{step}" in log, log[-3000:]
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 26))

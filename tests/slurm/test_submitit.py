@@ -4,9 +4,11 @@ rank's exit back in the submitter, which exits non-zero with the job's one line 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 from tests.harness import FAST_RUN, PY, ROOT, cli_env, read_metrics
+from tests.slurm.test_sbatch import wait_rows
 
 
 def submit(slurm, run_dir, *overrides: str) -> subprocess.CompletedProcess:
@@ -36,3 +38,23 @@ def test_a_failing_job_is_the_submitters_exit_2(slurm, tmp_path):
     assert len(errors) == 1, r.stderr[-3000:]
     assert "ranks 0,1 exited with code 2: train.global_batch_size (3) must be a multiple" in errors[0]
     assert "Traceback" not in r.stderr
+    job = re.search(r"job (\d+):", errors[0]).group(1)
+    assert slurm.job(job).exit_code == 2  # each task exits with its rank's code, as Slurm records it
+
+
+def test_time_limit_signal_saves_and_is_the_submitters_143(slurm, tmp_path):
+    """Slurm's warning before the time limit (``--signal=TERM@120`` in the job's script; here at once by scancel):
+    every rank saves the step they agree on, and the submitter exits 143 with the job's one line."""
+    job_dir = tmp_path / "multirun" / "0"
+    cmd = [PY, "-m", "moe_tune", "hydra/launcher=submitit_slurm_cpu", f"output_dir={tmp_path}", *FAST_RUN]
+    cmd += ["checkpoint.export_hf=false", "parallel.ep=2", "train.steps=1000", "-m"]
+    env = {**cli_env(), "SLURM_CONF": slurm.env["SLURM_CONF"]}
+    submitter = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    wait_rows(job_dir, 2)
+    (script,) = (tmp_path / "multirun" / ".submitit").glob("*/*_submission.sh")
+    assert "#SBATCH --signal=TERM@120" in script.read_text()
+    slurm.run(["scancel", "--signal=TERM", script.name.split("_")[0]])
+    _, err = submitter.communicate(timeout=120)
+    assert submitter.returncode == 143, err[-3000:]
+    assert re.search(r"moe-tune: error: job \d+: ranks 0,1 exited with code 143\n", err), err[-3000:]
+    assert [d.name for d in (job_dir / "checkpoints").iterdir() if (d / "COMPLETE").exists()], err[-3000:]
