@@ -3,6 +3,9 @@ line (the real Slurm runs: tests/slurm/test_submitit.py)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -11,6 +14,7 @@ from moe_tune.cli import CONF_DIR
 from moe_tune.config import ConfigError, UserError, register_configs
 from moe_tune.config.schema import ranks_per_node
 from moe_tune.slurm_launcher import RankExit, exit_of, failure_line
+from tests.harness import PY
 
 
 def launcher(*overrides: str) -> dict:
@@ -67,3 +71,24 @@ def test_failure_line_groups_ranks():
     assert failure_line(exits) == "job 7: ranks 0,2 exited with code 2: bad value"
     exits = [RankExit("8", 0, 2, 143), RankExit("8", 1, 2, 1, "RuntimeError: x")]
     assert failure_line(exits) == "job 8: rank 0 exited with code 143; rank 1 exited with code 1: RuntimeError: x"
+
+
+def test_without_the_slurm_extra_one_line_and_exit_2(tmp_path, cli_env):
+    """No hydra-submitit-launcher (hidden here by a package of its name that fails to import): one line naming the
+    extra, exit 2 (Hydra's own: a multi-line plugin error and exit 1)."""
+    hidden = tmp_path / "hydra_plugins" / "hydra_submitit_launcher"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('not installed')\n")
+    env = dict(cli_env, PYTHONPATH=f"{tmp_path}{os.pathsep}{cli_env['PYTHONPATH']}")
+    r = subprocess.run(
+        [PY, "-m", "moe_tune", "hydra/launcher=submitit_slurm", f"output_dir={tmp_path / 'run'}", "-m"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.splitlines()[-1] == (
+        "moe-tune: error: hydra/launcher=submitit_slurm needs Hydra's submitit launcher: pip install 'moe_tune[slurm]'"
+    )
+    assert not (tmp_path / "run" / "multirun" / "0").exists()
