@@ -8,6 +8,7 @@ Dispatch, on each rank of the ep group:
   3. one host sync: all_to_all_single takes its split sizes as Python ints;
   4. all-to-all the rows (uneven and empty splits are fine);
   5. permute the received rows from source-rank-major to local-expert-major order (device ops only).
+Every permutation is a gather, forward and backward (``base.permute_rows``, ``base.repeat_tokens``).
 Combine is the exact reverse: inverse permutation, all-to-all back with the splits swapped, then the
 weighted sum of each token's K copies. Both all-to-alls are differentiable (backward is the reverse
 all-to-all), so gradients reach the tokens' ranks and the experts' ranks.
@@ -25,6 +26,8 @@ from moe_tune.moe.dispatch.base import (
     Dispatcher,
     expert_major_positions,
     inverse_permutation,
+    permute_rows,
+    repeat_tokens,
     sort_by_expert,
     weighted_sum,
 )
@@ -58,8 +61,10 @@ def all_to_all(x_RD: torch.Tensor, out_splits: list[int], in_splits: list[int], 
 
 @dataclass
 class _Route:
-    inv_order_R: torch.Tensor  # undoes this rank's sort by global expert
+    order_R: torch.Tensor  # this rank's sort by global expert
+    inv_order_R: torch.Tensor  # undoes it
     dest_R: torch.Tensor  # received (source-major) row r sits at dest_R[r] in expert-major order
+    src_R: torch.Tensor  # expert-major row r was received as row src_R[r] (dest_R's inverse)
     send_splits: list[int]
     recv_splits: list[int]
 
@@ -81,7 +86,8 @@ class AllToAllDispatcher(Dispatcher):
 
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor | None = None):
         G, e = self.ep, self.num_local_experts
-        order_R, token_R = sort_by_expert(ids_TK)
+        order_R, _ = sort_by_expert(ids_TK)
+        inv_order_R = inverse_permutation(order_R)
         counts_E = expert_counts(ids_TK, self.num_experts) if counts_E is None else counts_E
         counts_Ge = torch.empty_like(counts_E)
         # Collective over the ep mesh axis: e counts to each ep rank, for the experts it owns.
@@ -89,14 +95,16 @@ class AllToAllDispatcher(Dispatcher):
         counts_Ge = counts_Ge.view(G, e)
         # host sync: all_to_all_single needs its split sizes as Python ints (the one sync of this backend).
         send_splits, recv_splits = torch.stack([counts_E.view(G, e).sum(1), counts_Ge.sum(1)]).tolist()
-        routed_RD = all_to_all(x_TD[token_R], recv_splits, send_splits, self.ep_group)
+        sorted_RD = repeat_tokens(x_TD, order_R, inv_order_R, self.top_k)
+        routed_RD = all_to_all(sorted_RD, recv_splits, send_splits, self.ep_group)
         dest_R = expert_major_positions(counts_Ge, sum(recv_splits))
-        # Scatter into expert-major order (backward: a gather by dest_R, deterministic).
-        x_RD = routed_RD.new_empty(routed_RD.shape).index_copy(0, dest_R, routed_RD)
-        route = _Route(inverse_permutation(order_R), dest_R, send_splits, recv_splits)
+        src_R = inverse_permutation(dest_R)
+        # Into expert-major order: a gather (its backward too; no scatter).
+        x_RD = permute_rows(routed_RD, src_R, dest_R)
+        route = _Route(order_R, inv_order_R, dest_R, src_R, send_splits, recv_splits)
         return x_RD, counts_Ge.sum(0), route
 
     def combine(self, y_RD: torch.Tensor, weights_TK: torch.Tensor, ctx: _Route) -> torch.Tensor:
         # Back to source-rank-major order, then the reverse all-to-all (ep mesh axis) returns each row home.
-        back_RD = all_to_all(y_RD[ctx.dest_R], ctx.send_splits, ctx.recv_splits, self.ep_group)
-        return weighted_sum(back_RD, ctx.inv_order_R, weights_TK)
+        back_RD = all_to_all(permute_rows(y_RD, ctx.dest_R, ctx.src_R), ctx.send_splits, ctx.recv_splits, self.ep_group)
+        return weighted_sum(back_RD, ctx.order_R, ctx.inv_order_R, weights_TK)

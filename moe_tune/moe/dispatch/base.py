@@ -47,11 +47,52 @@ def inverse_permutation(order_R: torch.Tensor) -> torch.Tensor:
     return inv_R
 
 
-def weighted_sum(y_RD: torch.Tensor, inv_R: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+# Gathers only, forward and backward. Autograd's own backward of ``x[index]`` is an index_put (a scatter,
+# accumulating with a sort of the indices); for a permutation it is the gather by the inverse permutation, and
+# for the K copies of each token a gather back to token-major order and a sum over K.
+
+
+class _PermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RD, index_R, inverse_R):
+        ctx.save_for_backward(inverse_R)
+        return x_RD[index_R]
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        (inverse_R,) = ctx.saved_tensors
+        return grad_RD[inverse_R], None, None
+
+
+class _RepeatTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, order_R, inv_R, top_k: int):
+        ctx.save_for_backward(inv_R)
+        ctx.top_k = top_k
+        return x_TD[order_R // top_k]
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        (inv_R,) = ctx.saved_tensors
+        K = ctx.top_k
+        return grad_RD[inv_R].view(-1, K, grad_RD.shape[-1]).sum(1), None, None, None
+
+
+def permute_rows(x_RD: torch.Tensor, index_R: torch.Tensor, inverse_R: torch.Tensor) -> torch.Tensor:
+    """``x_RD[index_R]`` for a permutation ``index_R`` whose inverse is ``inverse_R``."""
+    return _PermuteRows.apply(x_RD, index_R, inverse_R)
+
+
+def repeat_tokens(x_TD: torch.Tensor, order_R: torch.Tensor, inv_R: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The routed rows in sorted order, ``x_TD[order_R // top_k]`` (``sort_by_expert``), for all T*K rows."""
+    return _RepeatTokens.apply(x_TD, order_R, inv_R, top_k)
+
+
+def weighted_sum(y_RD: torch.Tensor, order_R: torch.Tensor, inv_R: torch.Tensor, weights_TK: torch.Tensor):
     """Undo the sort and reduce the K copies of each token with its gates, in one batched matmul
     (deterministic, no atomics): ``out_T1D = weights_T1K @ y_TKD``."""
     T, K = weights_TK.shape
-    y_TKD = y_RD[inv_R].view(T, K, y_RD.shape[-1])
+    y_TKD = permute_rows(y_RD, inv_R, order_R).view(T, K, y_RD.shape[-1])
     return torch.bmm(weights_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).squeeze(1)
 
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from moe_tune.moe.dispatch.base import Dispatcher, inverse_permutation, sort_by_expert, weighted_sum
+from moe_tune.moe.dispatch.base import (
+    Dispatcher,
+    inverse_permutation,
+    repeat_tokens,
+    sort_by_expert,
+    weighted_sum,
+)
 from moe_tune.moe.router import expert_counts
 
 
@@ -15,9 +21,11 @@ class LocalDispatcher(Dispatcher):
         self.first_local_expert = 0
 
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor | None = None):
-        order_R, token_R = sort_by_expert(ids_TK)
+        order_R, _ = sort_by_expert(ids_TK)
+        inv_R = inverse_permutation(order_R)
         counts_e = expert_counts(ids_TK, self.num_experts) if counts_E is None else counts_E
-        return x_TD[token_R], counts_e, inverse_permutation(order_R)
+        return repeat_tokens(x_TD, order_R, inv_R, self.top_k), counts_e, (order_R, inv_R)
 
     def combine(self, y_RD: torch.Tensor, weights_TK: torch.Tensor, ctx) -> torch.Tensor:
-        return weighted_sum(y_RD, ctx, weights_TK)
+        order_R, inv_R = ctx
+        return weighted_sum(y_RD, order_R, inv_R, weights_TK)
