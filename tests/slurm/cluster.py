@@ -200,3 +200,10 @@ def _wait_for(predicate, timeout_s: float, message: str) -> None:
             return
         time.sleep(0.2)
     raise TimeoutError(message)
+
+
+def wait_rows(run_dir: Path, rows: int, timeout_s: float = 120) -> None:
+    """Until a job's run has written ``rows`` metrics rows (every rank is past its start)."""
+    metrics = run_dir / "metrics.jsonl"
+    message = f"{metrics} has fewer than {rows} rows after {timeout_s} s"
+    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= rows, timeout_s, message)

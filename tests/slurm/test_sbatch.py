@@ -5,10 +5,10 @@ saved at the stop; the job's exit code is the ranks' own."""
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
 from tests.harness import FAST_RUN, ROOT, cli_env, read_metrics
+from tests.slurm.cluster import wait_rows
 
 SBATCH = str(Path(ROOT) / "launch" / "slurm" / "train.sbatch")
 STOP_LINE = "moe-tune: stopped by signal 15"  # the launcher's
@@ -20,16 +20,6 @@ def submit(slurm, run_dir: Path, steps: int) -> str:
     overrides = [f"output_dir={run_dir}", f"train.steps={steps}", "parallel.ep=2", "checkpoint.export_hf=false"]
     env = {**cli_env(), "SLURM_CONF": slurm.env["SLURM_CONF"], "NPROC_PER_NODE": "2"}
     return slurm.sbatch(["--cpus-per-task=2", f"--chdir={ROOT}", SBATCH, *overrides, *FAST_RUN], env=env)
-
-
-def wait_rows(run_dir: Path, rows: int, timeout_s: float = 120) -> None:
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= rows:
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"{metrics} has fewer than {rows} rows after {timeout_s} s")
 
 
 def job_log(run_dir: Path, job: str) -> str:

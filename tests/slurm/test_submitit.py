@@ -8,7 +8,7 @@ import re
 import subprocess
 
 from tests.harness import FAST_RUN, PY, ROOT, cli_env, read_metrics
-from tests.slurm.test_sbatch import wait_rows
+from tests.slurm.cluster import wait_rows
 
 
 def submit(slurm, run_dir, *overrides: str) -> subprocess.CompletedProcess:
