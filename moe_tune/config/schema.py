@@ -67,11 +67,18 @@ class CommConfig:
     """Token dispatch between expert-parallel ranks; ``name`` picks the backend and its options class."""
 
     name: str = "all_to_all"
+    # Split each MoE layer's tokens in two halves and pipeline them, so that one half's all-to-all runs on a side
+    # CUDA stream while the other half's experts (or the shared expert) compute. Backends in OVERLAP_BACKENDS only.
+    overlap: bool = False
+
+
+# The comm backends that implement comm.overlap (validate refuses it for the others).
+OVERLAP_BACKENDS = ("all_to_all",)
 
 
 @dataclass
 class AllToAllConfig(CommConfig):
-    """NCCL/gloo ``all_to_all_single``: no options (split sizes cross the host once per layer)."""
+    """NCCL/gloo ``all_to_all_single`` (split sizes cross the host once per layer); ``overlap`` only."""
 
     name: str = "all_to_all"
 

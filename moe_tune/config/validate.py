@@ -21,6 +21,7 @@ from moe_tune.config.schema import (
     FP8_MODES,
     KERNEL_SETS,
     LOGGERS,
+    OVERLAP_BACKENDS,
     PEFT_METHODS,
     PRECISIONS,
     TRAIN_ON,
@@ -50,6 +51,11 @@ def validate(cfg: Config, world_size: int | None = None, num_experts: int | None
     _check_batch(cfg, dims)
     if cfg.comm.name != "all_to_all" and dims.ep == 1:
         raise ConfigError(f"comm={cfg.comm.name} needs expert parallelism; set parallel.ep>1 or comm=all_to_all")
+    if cfg.comm.overlap and dims.ep == 1:
+        raise ConfigError(
+            "comm.overlap=true hides expert-parallel communication and parallel.ep=1 has none; "
+            "set parallel.ep>1 or comm.overlap=false"
+        )
     return dims
 
 
@@ -221,6 +227,11 @@ def _check_train(cfg: Config) -> None:
             "whose master weights are not bf16); set train.precision=bf16 or drop optim.stochastic_rounding"
         )
     comm = cfg.comm
+    if comm.overlap and comm.name not in OVERLAP_BACKENDS:
+        raise ConfigError(
+            f"comm.overlap=true is implemented for comm={' or comm='.join(OVERLAP_BACKENDS)} only, not "
+            f"comm={comm.name}; set comm.overlap=false or comm=all_to_all"
+        )
     if comm.name == "deepep" and (comm.num_sms <= 0 or comm.num_sms % 2):
         raise ConfigError(
             f"comm.num_sms ({comm.num_sms}) must be a positive even number (DeepEP pairs SMs per channel); try 24"

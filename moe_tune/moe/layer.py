@@ -12,6 +12,7 @@ from moe_tune.lora import LoRASpec
 from moe_tune.moe.dispatch import Dispatcher
 from moe_tune.moe.dispatch.local import LocalDispatcher
 from moe_tune.moe.experts import ExpertsOptions, ExpertsSpec, GroupedExperts
+from moe_tune.moe.overlap import routed_in_halves
 from moe_tune.moe.router import Router, RouterSpec, expert_counts, load_balancing_loss, z_loss
 
 
@@ -83,16 +84,25 @@ class MoE(nn.Module):
                 self.z_loss = z_loss(logits_TE)
         self.counts_E = counts_E.detach()
 
-        x_RD, counts_e, ctx = self.dispatcher.dispatch(x_TD, ids_TK, counts_E)
-        y_RD = self.experts(x_RD, counts_e)
-        out_TD = self.dispatcher.combine(y_RD, weights_TK, ctx)
-
-        if self.spec.shared_attr is not None:
-            shared_TD = getattr(self, self.spec.shared_attr)(x_TD)
-            if self.spec.shared_gate_attr is not None:
-                shared_TD = F.sigmoid(getattr(self, self.spec.shared_gate_attr)(x_TD)) * shared_TD
+        shared = self._shared if self.spec.shared_attr is not None else None
+        if self.dispatcher.overlap:  # comm.overlap: two halves, communication beside compute (moe/overlap.py)
+            out_TD, shared_TD = routed_in_halves(
+                self.dispatcher, self.experts, x_TD, ids_TK, weights_TK, counts_E, shared
+            )
+        else:
+            x_RD, counts_e, ctx = self.dispatcher.dispatch(x_TD, ids_TK, counts_E)
+            y_RD = self.experts(x_RD, counts_e)
+            out_TD = self.dispatcher.combine(y_RD, weights_TK, ctx)
+            shared_TD = shared(x_TD) if shared is not None else None
+        if shared_TD is not None:
             out_TD = out_TD + shared_TD
         out = out_TD.view(shape).to(x.dtype)
         if self.spec.returns_tuple:
             return out, weights_TK
         return out
+
+    def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
+        shared_TD = getattr(self, self.spec.shared_attr)(x_TD)
+        if self.spec.shared_gate_attr is not None:
+            shared_TD = F.sigmoid(getattr(self, self.spec.shared_gate_attr)(x_TD)) * shared_TD
+        return shared_TD

@@ -51,6 +51,11 @@ def test_default_values():
     assert cfg.train.precision == "bf16_fp32_master" and cfg.parallel.ep == 1
 
 
+def test_overlap_validates_for_all_to_all():
+    cfg = to_config(compose(["comm.overlap=true", "parallel.ep=2"]))
+    assert cfg.comm.overlap and validate(cfg, world_size=2).ep == 2
+
+
 @pytest.mark.parametrize(
     "overrides,world,message",
     [
@@ -59,6 +64,17 @@ def test_default_values():
         (["parallel.dp_replicate=3"], 4, "parallel.dp_replicate (3) must divide the world size (4)"),
         (["parallel.dp_shard=3"], 4, "parallel.dp_replicate (1) x parallel.dp_shard (3) must equal the world size (4)"),
         (["comm=deepep"], 1, "comm=deepep needs expert parallelism"),
+        (
+            ["comm=deepep", "comm.overlap=true", "parallel.ep=2"],
+            2,
+            "comm.overlap=true is implemented for comm=all_to_all only, not comm=deepep; set comm.overlap=false",
+        ),
+        (
+            ["comm=symm_mem", "comm.overlap=true", "parallel.ep=2"],
+            2,
+            "comm.overlap=true is implemented for comm=all_to_all only, not comm=symm_mem; set comm.overlap=false",
+        ),
+        (["comm.overlap=true"], 1, "comm.overlap=true hides expert-parallel communication and parallel.ep=1 has none"),
         (["kernels.fp8=current"], 1, "kernels.fp8=current needs kernels=te"),
         (["kernels=te", "kernels.experts=te"], 1, "kernels.experts=te is not offered"),
         (["kernels.fp8_amax_compute_algo=mean"], 1, "kernels.fp8_amax_compute_algo='mean' is not one of max"),

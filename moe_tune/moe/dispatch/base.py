@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from moe_tune.moe.dispatch.streams import Pending
+
 
 class Dispatcher:
     """``dispatch`` returns this rank's rows sorted by local expert and ``counts_e``; ``combine`` returns
@@ -18,6 +20,8 @@ class Dispatcher:
     top_k: int
     num_local_experts: int
     first_local_expert: int = 0
+    # comm.overlap: the MoE layer pipelines two halves of its tokens through dispatch_async/combine_async.
+    overlap: bool = False
 
     def dispatch(
         self, x_TD: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor | None = None
@@ -27,6 +31,16 @@ class Dispatcher:
 
     def combine(self, y_RD: torch.Tensor, weights_TK: torch.Tensor, ctx: Any) -> torch.Tensor:
         raise NotImplementedError
+
+    def dispatch_async(self, chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[Pending]:
+        """Start dispatching chunks ``(x_TD, ids_TK, counts_E)`` of this rank's tokens; each ``Pending.wait()``
+        returns that chunk's ``dispatch`` result. Every rank passes the same number of chunks (empty ones too).
+        This default dispatches them one after another, each done when returned: no overlap."""
+        return [Pending(self.dispatch(*chunk)) for chunk in chunks]
+
+    def combine_async(self, y_RD: torch.Tensor, weights_TK: torch.Tensor, ctx: Any) -> Pending:
+        """Start ``combine``; ``Pending.wait()`` returns its ``out_TD``. Default: combined when returned."""
+        return Pending(self.combine(y_RD, weights_TK, ctx))
 
     def check(self) -> None:
         """Raise if a finished batch went wrong in a way only the device knew (symm_mem's capacity). The
