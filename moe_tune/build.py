@@ -219,25 +219,40 @@ def from_pretrained(path: str, dtype=torch.float32, kernels: str = "torch", devi
     return assemble(AutoConfig.from_pretrained(path), model_options, source_loader(path, 0), device or "cpu", path)
 
 
-def from_checkpoint(checkpoint: str) -> tuple[MoECausalLM, Config]:
-    """One CPU process: a training checkpoint (``checkpoints/step_<N>``, any parallel layout: experts are stored
-    one per key) as moe_tune's model, with the run's config. Only the model's tensors are read; for a LoRA run,
-    the base model first, from the source the checkpoint points to."""
-    from transformers import AutoConfig
-
-    from moe_tune.checkpoint import load_model_weights, read_meta
-    from moe_tune.models.presets import preset_config
-
-    meta, cfg = read_meta(checkpoint)
-    source = meta.get("source")
+def _checkpoint_base(checkpoint: str, meta: dict, cfg: Config, base: str | None) -> str | None:
+    """The directory a checkpoint's model is built from: ``base`` if given, else the run's source if it is still
+    there; a LoRA checkpoint's base must exist and match the fingerprint it was saved with (CheckpointError)."""
+    source = base or meta.get("source")
     if source and not os.path.isfile(os.path.join(source, "config.json")):
         if cfg.peft.name == "lora":  # adapters alone are no model
             raise CheckpointError(
-                f"checkpoint {checkpoint} holds LoRA adapters of the base model {source}, which is not there any "
-                "more; put the base model back at that path"
+                f"checkpoint {checkpoint} holds LoRA adapters of the base model {source}, which is not there; put "
+                "the base model back at that path, or give its new place with --base <dir>"
             )
-        source = None
-    hf_config = AutoConfig.from_pretrained(source) if source else preset_config(cfg.model.name, cfg.model.overrides)
+        return None
+    if cfg.peft.name == "lora" and source and meta.get("base_fingerprint"):
+        from moe_tune.checkpoint.state import check_base
+
+        check_base(meta, {}, cfg.train.seed, source, checkpoint)
+    return source
+
+
+def from_checkpoint(checkpoint: str, base: str | None = None) -> tuple[MoECausalLM, Config]:
+    """One CPU process: a training checkpoint (``checkpoints/step_<N>``, any parallel layout: experts are stored
+    one per key) as moe_tune's model, with the run's config. Only the model's tensors are read; for a LoRA run,
+    the base model first, from the source the checkpoint points to or from ``base`` (checked to be the same)."""
+    from transformers import AutoConfig
+
+    from moe_tune.checkpoint import load_model_weights, read_meta
+
+    meta, cfg = read_meta(checkpoint)
+    source = _checkpoint_base(checkpoint, meta, cfg, base)
+    if source:
+        hf_config = AutoConfig.from_pretrained(source)
+    else:
+        from moe_tune.models.presets import preset_config
+
+        hf_config = preset_config(cfg.model.name, cfg.model.overrides)
     # LoRA: the base in its source dtypes (not training's bf16 copy), so that a merged export loses nothing.
     lora = lora_spec(cfg)
     options = ModelOptions(

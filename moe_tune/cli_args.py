@@ -67,6 +67,10 @@ def to_config(dict_cfg):
         from moe_tune.config import Config
 
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), dict_cfg))
+    if cfg.model.path is not None:
+        # Recorded in checkpoints and PEFT adapters as the base model: a relative path would mean another
+        # directory for a command run from elsewhere (moe-tune-export, a resume).
+        cfg.model.path = os.path.abspath(os.path.expanduser(cfg.model.path))
     return cfg
 
 

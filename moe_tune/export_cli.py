@@ -15,18 +15,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--merge", action="store_true", help="LoRA runs: write the full model with the adapters merged in"
     )
+    parser.add_argument(
+        "--base", default=None, help="LoRA runs: the base model's directory, if it is no longer where the run read it"
+    )
     args = parser.parse_args(argv)
     from moe_tune.config import UserError
 
     try:
-        export(args.checkpoint, args.out, merge=args.merge)
+        export(args.checkpoint, args.out, merge=args.merge, base=args.base)
     except UserError as e:
         print(f"moe-tune-export: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     print(f"wrote {args.out}")
 
 
-def export(checkpoint: str, out: str, merge: bool = False) -> None:
+def export(checkpoint: str, out: str, merge: bool = False, base: str | None = None) -> None:
     import torch
 
     from moe_tune.build import from_checkpoint
@@ -35,7 +38,7 @@ def export(checkpoint: str, out: str, merge: bool = False) -> None:
     from moe_tune.models.lora import has_lora, merge_lora
     from moe_tune.models.peft_export import write_adapter
 
-    model, cfg = from_checkpoint(checkpoint)
+    model, cfg = from_checkpoint(checkpoint, base=base)
     dtype = None if cfg.model.dtype == "source" else getattr(torch, cfg.model.dtype)
     lora = has_lora(model)
     if merge and not lora:

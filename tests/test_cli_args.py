@@ -97,3 +97,14 @@ def test_no_output_dir_for_a_config_that_cannot_run(args, line, cli_env, tmp_pat
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert line in r.stderr
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_relative_model_path_is_recorded_absolute(tmp_path, monkeypatch):
+    """model.path is what checkpoints and LoRA adapters point to as their base: relative, it would name another
+    directory for moe-tune-export or a resume run from elsewhere."""
+    from moe_tune.cli_args import compose, to_config
+    from tests.tiny import save_tiny
+
+    save_tiny(tmp_path / "base", "qwen3_moe")
+    monkeypatch.chdir(tmp_path)
+    assert to_config(compose(["model=hf", "model.path=base"])).model.path == str(tmp_path / "base")

@@ -9,8 +9,8 @@ scheduler are matched by parameter names (``moe_tune.checkpoint.state``): a chec
 (world size, ep, dp_shard, dp_replicate), not only the one it was saved at.
 
 A LoRA run's checkpoint holds the adapters (and trained routers) and their optimizer state only; the frozen base
-is not copied into every checkpoint. meta.json's ``source`` and ``config.model`` point to the base, which is
-checked at resume and read again by ``moe-tune-export``.
+is not copied into every checkpoint. meta.json's ``source``, ``base_fingerprint`` and ``config.model`` point to
+the base, which is checked at resume and read again by ``moe-tune-export`` (``--base`` if it moved).
 """
 
 from __future__ import annotations
@@ -99,6 +99,10 @@ def _save(trainer, path: str) -> None:
             "source": trainer.source,
             "config": asdict(trainer.cfg),
         }
+        if trainer.source is not None and frozen_names(trainer.model):  # LoRA: what the adapters belong to
+            from moe_tune.models.source_check import base_fingerprint
+
+            meta["base_fingerprint"] = base_fingerprint(trainer.source)
         write_json(os.path.join(path, "meta.json"), meta)
     if dist.is_initialized():
         dist.barrier()  # every rank's files are written: list and hash them
@@ -168,7 +172,7 @@ def load(trainer, path: str) -> None:
     if frozen_names(trainer.model):  # adapters only: the base is the run's own, and must be the one they fit
         from dataclasses import asdict
 
-        check_base(meta, asdict(trainer.cfg.model), trainer.cfg.train.seed, path)
+        check_base(meta, asdict(trainer.cfg.model), trainer.cfg.train.seed, trainer.source, path)
     # Learning rate, betas etc. as they were at the save (the fresh optimizer holds step 0's values), matched by
     # parameter name: the groups' number and order depend on the layout. CheckpointError if the names differ.
     optim_sd["param_groups"], group_of = param_groups_by_name(optim_sd["param_groups"], meta["param_groups"], path)

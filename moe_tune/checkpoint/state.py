@@ -60,15 +60,25 @@ def model_entries(model: torch.nn.Module, model_sd: dict) -> dict:
     return {f"model.{k}": v for k, v in split_experts(kept, expert_offsets(model)).items()}
 
 
-def check_base(meta: dict, model_cfg: dict, seed: int, path: str) -> None:
-    """A checkpoint of adapters (LoRA) resumes only onto the base it was trained on: the same ``model.path``, or
-    the same built-in model, overrides and seed (built-in models are drawn or built from the seed). CheckpointError
-    naming both otherwise."""
+def check_base(meta: dict, model_cfg: dict, seed: int, source: str | None, path: str) -> None:
+    """A checkpoint of adapters (LoRA) resumes only onto the base it was trained on: a base read from files must
+    have the same fingerprint (``base_fingerprint``: config.json and samples of the weight files; the directory
+    may have moved); a built-in model drawn at random the same name, overrides and seed. CheckpointError naming
+    both otherwise."""
+    from moe_tune.models.source_check import base_fingerprint
+
+    saved_fingerprint = meta.get("base_fingerprint")
+    if saved_fingerprint is not None and source is not None:
+        if base_fingerprint(source) != saved_fingerprint:
+            raise CheckpointError(
+                f"checkpoint {path} holds LoRA adapters of another base model: the config.json or weight files of "
+                f"{source} differ from those of {meta.get('source')}, which they were trained on; resume with that "
+                "base (model.path=<its directory>), or start afresh with checkpoint.resume=none"
+            )
+        return
     saved = meta["config"]["model"]
     keys = ("name", "path", "overrides")
-    same = all(saved.get(k) == model_cfg.get(k) for k in keys)
-    if same and model_cfg.get("path") is None:
-        same = meta["config"]["train"].get("seed") == seed
+    same = all(saved.get(k) == model_cfg.get(k) for k in keys) and meta["config"]["train"].get("seed") == seed
     if not same:
         was = {k: saved.get(k) for k in keys} | {"seed": meta["config"]["train"].get("seed")}
         now = {k: model_cfg.get(k) for k in keys} | {"seed": seed}

@@ -44,6 +44,11 @@ def lora_linears(hf: nn.Module, block_attr: str, targets: tuple[str, ...]) -> di
     every = {n: m for g in groups.values() for n, m in g.items()}
     chosen: dict[str, nn.Module] = {}
     for t in targets:
+        if t in groups and not groups[t]:  # a word that adapts nothing would be silently ignored
+            raise ConfigError(
+                f"peft.target names {t}, but this {hf.config.model_type} model has no such linear (no dense MLP "
+                f"or shared expert); drop it from peft.target, e.g. peft.target=[attention,experts]"
+            )
         if t in groups:
             chosen.update(groups[t])
         elif t != "experts":

@@ -6,6 +6,7 @@ ConfigError line naming the file (and line) or the key, and the fix; nothing her
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import struct
@@ -15,6 +16,24 @@ from moe_tune.config import CheckpointError, ConfigError
 # A safetensors file starts with the header's length (8 bytes, little-endian) and then that many bytes of JSON.
 HEADER_LEN_BYTES = 8
 MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
+FINGERPRINT_SAMPLE_BYTES = 1 << 20
+
+
+def base_fingerprint(path: str) -> str:
+    """A cheap identity of a checkpoint directory (what LoRA adapters are checked against): config.json, and for
+    each safetensors file its name, size and first and last MiB (its header and a sample of its weights). It
+    changes when the weights are replaced, not when the directory moves; reading it costs a few MiB per file."""
+    h = hashlib.sha256()
+    with open(os.path.join(path, "config.json"), "rb") as f:
+        h.update(f.read())
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        size = os.path.getsize(file)
+        h.update(f"{os.path.basename(file)}:{size}".encode())
+        with open(file, "rb") as f:
+            h.update(f.read(FINGERPRINT_SAMPLE_BYTES))
+            f.seek(max(0, size - FINGERPRINT_SAMPLE_BYTES))
+            h.update(f.read(FINGERPRINT_SAMPLE_BYTES))
+    return h.hexdigest()
 
 
 def read_config_json(path: str) -> dict:

@@ -84,3 +84,13 @@ def test_a_target_that_names_no_linear_is_a_config_error(tmp_path):
     src = save_tiny(tmp_path / "base", "qwen3_moe")
     with pytest.raises(ConfigError, match=r"peft.target names 'qkv_proj'.*q_proj"):
         _lora_model(src, targets=("attention", "qkv_proj"))
+
+
+def test_a_target_word_that_adapts_nothing_is_a_config_error(tmp_path):
+    """Qwen3-MoE has no dense MLP or shared expert: peft.target=[attention,mlp] would silently adapt attention
+    only (and [mlp] alone nothing at all)."""
+    from moe_tune.config import ConfigError
+
+    src = save_tiny(tmp_path / "base", "qwen3_moe")
+    with pytest.raises(ConfigError, match=r"peft.target names mlp, but this qwen3_moe model has no such linear"):
+        _lora_model(src, targets=("attention", "mlp"))

@@ -76,18 +76,32 @@ def test_lora_trains_adapters_only_resumes_bitwise_and_exports_for_peft(tmp_path
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_adapters_refuses_another_base(tmp_path, cli_env):
-    """Adapters trained on the tiny model drawn with seed 0, resumed onto the one drawn with seed 1: exit 2."""
-    first = tmp_path / "first"
+def test_a_checkpoint_of_adapters_refuses_another_base_and_follows_a_moved_one(tmp_path, cli_env):
+    """Adapters trained on the tiny model drawn with seed 0: resumed onto the one drawn with seed 1, exit 2;
+    exported with --base naming that other base, exit 2; with --base naming a moved copy of their own, exported."""
+    import shutil
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    step = first / "checkpoints" / "step_2"
     run_cli([f"output_dir={first}", "train.steps=2", "checkpoint.every=2", *LORA], cli_env)
     cmd = [
-        PY, "-m", "moe_tune", f"output_dir={tmp_path / 'second'}", "train.steps=4", "train.seed=1",
-        f"checkpoint.resume={first}/checkpoints/step_2", *LORA,
+        PY, "-m", "moe_tune", f"output_dir={second}", "train.steps=4", "train.seed=1",
+        f"checkpoint.resume={step}", *LORA,
     ]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env)
     assert r.returncode == 2, r.stderr[-2000:]
     (line,) = [ln for ln in r.stderr.splitlines() if "error:" in ln]
-    assert "holds LoRA adapters of the base model" in line and "'seed': 0" in line and "'seed': 1" in line
+    assert "holds LoRA adapters of another base model" in line and str(second / "base_model") in line
+
+    export = [PY, "-m", "moe_tune.export_cli", str(step), str(tmp_path / "out"), "--merge", "--base"]
+    r = subprocess.run([*export, str(second / "base_model")], capture_output=True, text=True, env=cli_env)
+    assert r.returncode == 2 and "another base model" in r.stderr, r.stderr[-2000:]
+    shutil.move(first / "base_model", tmp_path / "moved_base")
+    r = subprocess.run([*export[:-1]], capture_output=True, text=True, env=cli_env)
+    assert r.returncode == 2 and "--base <dir>" in r.stderr, r.stderr[-2000:]
+    r = subprocess.run([*export, str(tmp_path / "moved_base")], capture_output=True, text=True, env=cli_env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert os.path.isfile(tmp_path / "out" / "config.json")
 
 
 def test_export_merge_of_a_full_fine_tune_is_refused(tmp_path, cli_env):
