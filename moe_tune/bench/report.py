@@ -78,6 +78,8 @@ def _kernels(c: dict) -> str:
         name += "+compile"
     if c.get("fused_loss") is False:
         name += "-fused_loss"
+    if c.get("peft"):  # a Transformers baseline run through PEFT (peft=lora workloads)
+        name += "+peft"
     return name
 
 
