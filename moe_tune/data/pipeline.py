@@ -4,8 +4,11 @@ or stops the run (data.on_bad_record)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 
 from moe_tune.config import DataConfig, DataError
@@ -124,6 +127,27 @@ def encode_all(items: list[tuple[str, object, str]], cfg: DataConfig, encoder: E
     return out
 
 
+@contextlib.contextmanager
+def _workers_forked_from_a_fresh_process():
+    """datasets' worker pool (the ``multiprocess`` package) forks this process by default. Forking a process that
+    runs threads (torch's intra-op pool, gloo's and NCCL's) can copy a lock held by one of them into the child,
+    which then waits on it forever: the test suite hung so in a 2-worker tokenization after distributed tests.
+    ``forkserver`` forks the workers from a fresh single-threaded server process instead (not when ``__main__``
+    is no file the server could import, ``python - < script``: there the default stays)."""
+    import multiprocess
+
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file is not None and not os.path.isfile(main_file):
+        yield
+        return
+    before = multiprocess.get_start_method(allow_none=True)
+    multiprocess.set_start_method("forkserver", force=True)
+    try:
+        yield
+    finally:
+        multiprocess.set_start_method(before, force=True)
+
+
 def _encode_in_workers(items: list, cfg: DataConfig, encoder: Encoder) -> Iterator:
     import datasets
 
@@ -144,8 +168,9 @@ def _encode_in_workers(items: list, cfg: DataConfig, encoder: Encoder) -> Iterat
             out["detail"].append(result.detail if bad else "")
         return out
 
-    mapped = table.map(
-        encode_batch, batched=True, num_proc=min(cfg.num_proc, len(items)), remove_columns=["record", "fmt"]
-    )
+    with _workers_forked_from_a_fresh_process():
+        mapped = table.map(
+            encode_batch, batched=True, num_proc=min(cfg.num_proc, len(items)), remove_columns=["record", "fmt"]
+        )
     for row in mapped:
         yield BadRecord(row["reason"], row["detail"]) if row["reason"] else (row["ids"], row["labels"])
