@@ -76,9 +76,19 @@ def test_changes_make_a_new_entry(cfg, tmp_path, count_encodes):
     assert len(count_encodes) == len(CHATS) + 3 * (len(CHATS) + 1)  # the later builds read the longer file
 
 
-def test_num_proc_workers_give_the_same_rows(cfg, tmp_path):
+def test_num_proc_workers_give_the_same_rows(cfg, tmp_path, monkeypatch):
+    """Also: the workers are not forked from this (threaded) process but from a forkserver; forked, they could
+    inherit a held lock and hang (the suite did, twice)."""
+    import datasets
+    import multiprocess
+
     one = build(cfg)
+    methods, map_ = [], datasets.Dataset.map
+    monkeypatch.setattr(
+        datasets.Dataset, "map", lambda *a, **k: methods.append(multiprocess.get_start_method()) or map_(*a, **k)
+    )
     assert torch.equal(build(replace(cfg, num_proc=2, cache_dir=str(tmp_path / "other"))), one)
+    assert methods == ["forkserver"]
 
 
 def _rank(rank: int, cfg, out_dir: str) -> None:
