@@ -214,6 +214,8 @@ class Trainer:
         summary = self.write_summary()
         if self.metrics.enabled:  # rank 0 of a run that writes its files
             log.info("outputs in %s", os.path.abspath(cfg.output_dir))
+        if self.run_lock is not None:  # a finished run frees output_dir (a Python caller may train again into it)
+            self.run_lock.release()
         return summary
 
     def _loop(self, stop: StopSignal, profiler, progress: Progress) -> bool:

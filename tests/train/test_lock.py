@@ -65,3 +65,9 @@ def test_every_rank_gets_rank_0s_verdict(tmp_path):
         run_ranks(_every_rank_refused, 2, str(tmp_path))
     finally:
         held.release()
+
+
+def test_a_finished_run_frees_its_output_dir_for_the_same_process(make_trainer, tmp_path):
+    """Through the Python API a process may train again into the same output_dir once a run has finished."""
+    make_trainer("train.steps=1").fit()
+    make_trainer("train.steps=1", "checkpoint.resume=none").fit()  # no RunLockError: the first run released it
