@@ -67,7 +67,14 @@ def test_every_rank_gets_rank_0s_verdict(tmp_path):
         held.release()
 
 
-def test_a_finished_run_frees_its_output_dir_for_the_same_process(make_trainer, tmp_path):
-    """Through the Python API a process may train again into the same output_dir once a run has finished."""
+def test_a_finished_run_frees_its_output_dir(make_trainer, tmp_path):
+    """Trainer.fit through the Python API leaves output_dir free for another process once the run has finished
+    (the process itself may live on, e.g. a notebook)."""
+    import fcntl
+
     make_trainer("train.steps=1").fit()
-    make_trainer("train.steps=1", "checkpoint.resume=none").fit()  # no RunLockError: the first run released it
+    fd = os.open(tmp_path / LOCK_NAME, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError while the run still holds it
+    finally:
+        os.close(fd)
