@@ -53,3 +53,13 @@ def failure_line(exits: list[RankExit]) -> str:
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
         parts.append(f"{who} exited with code {code}" + (f": {message}" if message else ""))
     return f"job {exits[0].job_id}: " + "; ".join(parts)
+
+
+def job_exit_code(exits: list[RankExit]) -> int:
+    """The submitter's exit code for a failed job: the code of a rank that reported its own error (others may
+    only have been stopped by Slurm when it failed first: submitit exits those -1 without a message), else the
+    first non-zero code; never negative (a shell would read -1 as 255)."""
+    failed = [e for e in exits if e.code]
+    reported = [e for e in failed if e.message]
+    code = (reported or failed)[0].code
+    return code if code > 0 else 1

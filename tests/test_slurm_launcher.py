@@ -92,3 +92,13 @@ def test_without_the_slurm_extra_one_line_and_exit_2(tmp_path, cli_env):
         "moe-tune: error: hydra/launcher=submitit_slurm needs Hydra's submitit launcher: pip install 'moe_tune[slurm]'"
     )
     assert not (tmp_path / "run" / "multirun" / "0").exists()
+
+
+def test_the_job_exit_code_is_a_reported_error_not_a_rank_slurm_stopped():
+    from moe_tune.slurm_launcher import RankExit, job_exit_code
+
+    stopped = RankExit("7", 0, 2, -1)  # stopped by Slurm once rank 1 had failed: submitit's -1, no line
+    failed = RankExit("7", 1, 2, 2, "train.global_batch_size (3) must be a multiple ...")
+    assert job_exit_code([stopped, failed]) == 2
+    assert job_exit_code([stopped, RankExit("7", 1, 2, 0)]) == 1  # never -1 (a shell's 255)
+    assert job_exit_code([RankExit("7", 0, 2, 143, "stopped"), RankExit("7", 1, 2, 143, "stopped")]) == 143

@@ -81,7 +81,7 @@ else:
             os.environ.setdefault("SUBMITIT_PREEMPT_SIGNAL", "TERM")
             from submitit.core.utils import UncompletedJobError
 
-            from moe_tune.slurm_launcher import failure_line
+            from moe_tune.slurm_launcher import failure_line, job_exit_code
 
             try:
                 returns = super().launch(job_overrides, initial_job_idx)
@@ -92,7 +92,7 @@ else:
             for exits in failed:
                 print(f"moe-tune: error: {failure_line(exits)}", file=sys.stderr)
             if failed:
-                raise SystemExit(next(e.code for e in failed[0] if e.code))
+                raise SystemExit(job_exit_code(failed[0]))
             return returns
 
         def _task_exits(self, first) -> list:

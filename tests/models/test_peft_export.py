@@ -15,6 +15,12 @@ from tests.tiny import VOCAB, save_tiny
 peft = pytest.importorskip("peft", reason="the PEFT round trip needs peft (in the dev extra)")
 
 TOL = 1e-5
+# Families with dense MLPs or shared experts get adapters there too (peft.target=mlp names nothing elsewhere).
+WITH_MLP = {"deepseek_v3", "qwen2_moe", "glm4_moe"}
+
+
+def _targets(family: str) -> tuple[str, ...]:
+    return ("attention", "mlp", "experts") if family in WITH_MLP else ("attention", "experts")
 
 
 def _lora_model(src: str, **spec):
@@ -44,7 +50,7 @@ def test_peft_adapter_and_merged_export_give_our_logits(tmp_path, family, train_
     from moe_tune.models.peft_export import write_adapter
 
     src = save_tiny(tmp_path / "base", family)
-    model = _lora_model(src, targets=("attention", "mlp", "experts"), train_router=train_router)
+    model = _lora_model(src, targets=_targets(family), train_router=train_router)
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     ours = model(ids).logits
     base = _hf(src)
@@ -53,6 +59,8 @@ def test_peft_adapter_and_merged_export_give_our_logits(tmp_path, family, train_
     write_adapter(model, str(tmp_path / "adapter"))
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["target_parameters"] and config["target_modules"]
+    if family in WITH_MLP:  # the dense MLP's and shared experts' linears, as PEFT parameter targets
+        assert any(p.endswith("mlp.gate_proj.weight") for p in config["target_parameters"]), config
     assert bool(config["modules_to_save"]) == train_router
     peft_logits = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()(input_ids=ids).logits
     assert (peft_logits - ours).abs().max() <= TOL
@@ -71,7 +79,7 @@ def test_peft_adapter_of_the_other_families(tmp_path, family):
     from moe_tune.models.peft_export import write_adapter
 
     src = save_tiny(tmp_path / "base", family)
-    model = _lora_model(src, targets=("attention", "mlp", "experts"))
+    model = _lora_model(src, targets=_targets(family))
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     write_adapter(model, str(tmp_path / "adapter"))
     peft_model = peft.PeftModel.from_pretrained(_hf(src), str(tmp_path / "adapter")).eval()
