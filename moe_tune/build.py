@@ -219,6 +219,17 @@ def from_pretrained(path: str, dtype=torch.float32, kernels: str = "torch", devi
     return assemble(AutoConfig.from_pretrained(path), model_options, source_loader(path, 0), device or "cpu", path)
 
 
+def _stored_dtype(source: str | None) -> torch.dtype | None:
+    """The dtype most of a checkpoint directory's tensors are stored in (None: no files, a random built-in)."""
+    if source is None:
+        return None
+    from collections import Counter
+
+    from moe_tune.models.hf_io import source_dtypes
+
+    return Counter(source_dtypes(source).values()).most_common(1)[0][0]
+
+
 def _checkpoint_base(checkpoint: str, meta: dict, cfg: Config, base: str | None) -> str | None:
     """The directory a checkpoint's model is built from: ``base`` if given, else the run's source if it is still
     there; a LoRA checkpoint's base must exist and match the fingerprint it was saved with (CheckpointError)."""
@@ -253,12 +264,12 @@ def from_checkpoint(checkpoint: str, base: str | None = None) -> tuple[MoECausal
         from moe_tune.models.presets import preset_config
 
         hf_config = preset_config(cfg.model.name, cfg.model.overrides)
-    # LoRA: the base in its source dtypes (not training's bf16 copy), so that a merged export loses nothing.
+    # LoRA: the frozen base in the dtype its files hold (not training's bf16 copy of an fp32 source, so a merge loses
+    # nothing; not fp32 for a bf16 source, so a 30B model takes 61 GB, not 122); the adapters in fp32.
     lora = lora_spec(cfg)
-    options = ModelOptions(
-        dtype=torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32,
-        lora=None if lora is None else dataclasses.replace(lora, base_dtype=None),
-    )
+    if lora is not None:
+        lora = dataclasses.replace(lora, base_dtype=_stored_dtype(source))
+    options = ModelOptions(dtype=torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32, lora=lora)
 
     def load(model: MoECausalLM) -> None:
         if lora is not None:  # the base from where the run read it, then the checkpoint's adapters
