@@ -258,3 +258,56 @@ def test_expand_by_local_expert_and_weighted_sum():
     gates_NK = torch.tensor([[0.5, 9.0], [0.25, 0.75], [9.0, 9.0]])
     z_ND = weighted_sum_per_token(y_RD, pair_R, gates_NK)
     assert z_ND.tolist() == [[0.0, 0.5], [1.75, 1.5], [0.0, 0.0]]
+
+
+# -- LoRA on the experts through every backend -------------------------------------------------------------
+
+
+def _lora_moe(dispatcher, dev: torch.device, dtype: torch.dtype, D: int):
+    """An MoE layer with rank-8 expert adapters whose weights are rows of the same global tensors on every rank
+    (a rank's experts are its dispatcher's block), B nonzero so every adapter counts."""
+    from moe_tune.lora import LoRASpec
+    from moe_tune.moe.experts import ExpertsSpec
+    from moe_tune.moe.layer import MoE, MoESpec
+    from moe_tune.moe.router import RouterSpec
+
+    spec = MoESpec(router=RouterSpec(num_experts=E, top_k=K), experts=ExpertsSpec(num_experts=E, dim=D, hidden=16))
+    moe = MoE(spec, dispatcher=dispatcher, lora=LoRASpec(rank=8, alpha=16))
+    first, e = moe.experts.first_expert, moe.experts.num_local_experts
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in sorted(moe.named_parameters()):
+            full = torch.randn((E, *p.shape[1:]) if ".experts." in f".{name}" else p.shape, generator=g) * 0.2
+            p.data = (full[first : first + e] if ".experts." in f".{name}" else full).to(dev, dtype)
+    return moe
+
+
+def _lora_body(rank: int, backend: str) -> None:
+    """Each rank's outputs and its experts' adapter gradients under EP=2 equal one process's layer holding every
+    expert, run on both ranks' tokens."""
+    from moe_tune.moe.dispatch.local import LocalDispatcher
+
+    if backend == "symm_mem_emulated":
+        _emulate_symm_mem()
+    gpu = backend in ("symm_mem", "deepep")
+    dev = torch.device("cuda", rank) if gpu else torch.device("cpu")
+    dtype, D, tol = (torch.bfloat16, 256, 2e-2) if gpu else (torch.float32, 16, 1e-5)
+    ep, ref = _lora_moe(_build(backend), dev, dtype, D), _lora_moe(LocalDispatcher(E, K), dev, dtype, D)
+    xs = [torch.randn(T, D, generator=torch.Generator().manual_seed(s)).to(dev, dtype) for s, T in enumerate((9, 6))]
+    out = ep(xs[rank])
+    (out.float().square().sum()).backward()
+    ref_out = ref(torch.cat(xs))
+    ref_out.float().square().sum().backward()
+    mine = ref_out[:9] if rank == 0 else ref_out[9:]
+    assert rel_err(out, mine) < tol, (backend, rel_err(out, mine))
+    first, e = ep.experts.first_expert, ep.experts.num_local_experts
+    for (name, p), (_, q) in zip(ep.experts.lora.named_parameters(), ref.experts.lora.named_parameters()):
+        err = rel_err(p.grad, q.grad[first : first + e])
+        assert err < tol, (backend, name, err)
+    _release(backend)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("backend", _backend_params())
+def test_expert_adapters_through_every_backend(backend):
+    _run(_lora_body, backend)
