@@ -70,7 +70,7 @@ class NeMoCausalLM(nn.Module):
         # Its recipe: balancing-loss gradients averaged over the step's micro-batches.
         MoEAuxLossAutoScaler.main_loss_backward_scale = self.aux_scale
         logits = self.nemo(input_ids=input_ids, position_ids=position_ids).logits
-        shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]  # labels aligned with input_ids, as for the others
+        shifted = F.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()  # aligned with input_ids, as for the others
         ce = self.loss_fn(logits, shifted) / loss_normalizer  # fp32 island: MaskedCrossEntropy upcasts the logits
         return CausalLMOutput(loss=ce, ce_loss=ce)
 
@@ -92,6 +92,9 @@ def build_nemo_model(cfg: Config, env, backend_kwargs: dict, requested_ep: int |
     setup = _distributed_setup(cfg, hf_config, ep, env.world_size)
     backend = BackendConfig(**backend_kwargs, fake_balanced_gate=cfg.train.force_balanced_routing)
     hf_config.router_aux_loss_coef = cfg.train.aux_loss_coef
+    # NeMo picks its own model class by the config's architectures; a preset's config (no checkpoint) has none,
+    # and without it NeMo builds transformers' class and hands it kwargs it does not take (``backend``).
+    hf_config.architectures = hf_config.architectures or [_causal_lm_class(hf_config.model_type)]
     param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     kwargs = dict(dtype=param_dtype, distributed_setup=setup, backend=backend)
     if source is not None:
@@ -111,6 +114,12 @@ def build_nemo_model(cfg: Config, env, backend_kwargs: dict, requested_ep: int |
         clip_grad_norm=functools.partial(_clip_grad_norm, model, setup.mesh_context, cfg.optim.max_grad_norm, env),
         describe=describe(backend_kwargs, cfg.train.force_balanced_routing, ep),
     )
+
+
+def _causal_lm_class(model_type: str) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
 
 
 def _distributed_setup(cfg: Config, hf_config, ep: int, world: int):

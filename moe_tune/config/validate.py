@@ -307,3 +307,11 @@ def _check_kernels(cfg: Config) -> None:
         )
     if k.name != "te" and k.fp8 != "none":
         raise ConfigError(f"kernels.fp8={k.fp8} needs kernels=te; add kernels=te or set kernels.fp8=none")
+    if k.name == "te" and k.compile:
+        # TE's modules (their autograd Functions and FP8 state) fail inside dynamo with torch 2.11 + TE 2.20
+        # (InternalTorchDynamoError: NotImplementedError); compiled around them, every layer would be split at
+        # each TE module anyway.
+        raise ConfigError(
+            "kernels=te with kernels.compile=true is not supported (TransformerEngine's modules do not trace "
+            "under torch.compile); pick one: kernels=torch kernels.compile=true, or kernels=te kernels.compile=false"
+        )

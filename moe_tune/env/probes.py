@@ -156,31 +156,36 @@ def symm_mem_check(group) -> tuple[bool, str]:
     import torch.distributed as dist
     from torch.distributed import _symmetric_memory as symm
 
+    from moe_tune.moe.dispatch.symm_mem import init_nvshmem
+
     rank, world, name = dist.get_rank(group), dist.get_world_size(group), group.group_name
-    symm.set_backend("NVSHMEM")
+    # What the trainer's dispatcher does: its device with an explicit index (NVSHMEM binds its teams to one
+    # device per process; an index-less "cuda" need not be the rank's device) and its NVSHMEM setup.
+    dev = torch.device("cuda", torch.cuda.current_device())
+    init_nvshmem(dev, name)
     send = [16 * (rank + 1) * (p + 1) for p in range(world)]
     recv = [16 * (s + 1) * (rank + 1) for s in range(world)]
     cap = 8 * world * world * (world + 1)  # the most any rank sends or receives
-    inp = symm.empty(cap, dtype=torch.float32, device="cuda")
-    inp.copy_(torch.arange(cap, dtype=torch.float32, device="cuda") + 1e5 * rank)
+    inp = symm.empty(cap, dtype=torch.float32, device=dev)
+    inp.copy_(torch.arange(cap, dtype=torch.float32, device=dev) + 1e5 * rank)
     if world == 1:
-        ok = bool((inp[:4] == torch.arange(4, device="cuda")).all())  # host sync: probe check
+        ok = bool((inp[:4] == torch.arange(4, device=dev)).all())  # host sync: probe check
         return ok, f"NVSHMEM symmetric alloc of {cap * 4} bytes {'ok' if ok else 'WRONG'}; rendezvous not tried"
-    out = symm.empty(cap, dtype=torch.float32, device="cuda").fill_(-1)
-    in_splits = symm.empty(world, dtype=torch.int64, device="cuda")
-    in_splits.copy_(torch.tensor(send, device="cuda"))
-    out_so = symm.empty((2, world), dtype=torch.int64, device="cuda")
+    out = symm.empty(cap, dtype=torch.float32, device=dev).fill_(-1)
+    in_splits = symm.empty(world, dtype=torch.int64, device=dev)
+    in_splits.copy_(torch.tensor(send, device=dev))
+    out_so = symm.empty((2, world), dtype=torch.int64, device=dev)
     for t in (inp, out, in_splits, out_so):
         symm.rendezvous(t, name)
     torch.ops.symm_mem.all_to_all_vdev(inp, out, in_splits, out_so, name)
-    expected = torch.empty(sum(recv), dtype=torch.float32, device="cuda")
+    expected = torch.empty(sum(recv), dtype=torch.float32, device=dev)
     dist.all_to_all_single(expected, inp[: sum(send)].clone(), recv, send, group=group)
     torch.cuda.synchronize()
     offsets = [sum(recv[:i]) for i in range(world)]
     # host sync: the probe reads splits and offsets back to compare them with the expected lists.
     splits_ok = out_so[0].tolist() == recv and out_so[1].tolist() == offsets
     data_ok = bool(torch.equal(out[: sum(recv)], expected))
-    flags = torch.tensor([splits_ok and data_ok], dtype=torch.int32, device="cuda")
+    flags = torch.tensor([splits_ok and data_ok], dtype=torch.int32, device=dev)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
     ok = bool(flags.item())  # host sync: probe result
     return ok, (

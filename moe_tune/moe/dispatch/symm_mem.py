@@ -95,7 +95,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 @functools.cache  # once per (device, group) and process
-def _init_nvshmem(device: torch.device, group_name: str) -> None:
+def init_nvshmem(device: torch.device, group_name: str) -> None:
     from torch.distributed import _symmetric_memory as symm
 
     if not symm.is_nvshmem_available():
@@ -115,7 +115,7 @@ class _Pool:
         self.group_name, self.capacity = group.group_name, rows_to_tokens
         G = dist.get_world_size(group)
         if device.type == "cuda":
-            _init_nvshmem(device, self.group_name)
+            init_nvshmem(device, self.group_name)
 
         def alloc(shape, dt):
             return _symmetric_empty(shape, dt, device, self.group_name).zero_()
