@@ -51,8 +51,11 @@ class Plan:
 
 def parse_variants(spec: str | None) -> list[tuple[str, list[str]]]:
     """``'a2a:comm=all_to_all,parallel.ep=2;comm=deepep,parallel.ep=2'`` -> [(name, overrides)], names
-    defaulting to the overrides' leaf keys and values (``comm=deepep,ep=2``), made unique."""
+    defaulting to the overrides' leaf keys and values (``comm=deepep,ep=2``), made unique. ``'none'``: no
+    moe_tune row (a run of baselines or the peer only)."""
     out: list[tuple[str, list[str]]] = []
+    if (spec or "").strip() == "none":
+        return out
     for part in (spec or "").split(";"):
         part = part.strip()
         if not part:
@@ -217,7 +220,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("overrides", nargs="*", help="Hydra overrides shared by every row (the workload)")
-    p.add_argument("--variants", default=None, help="'name:k=v,k=v;k=v' moe_tune variants (default: one, as given)")
+    p.add_argument(
+        "--variants", default=None, help="'name:k=v,k=v;k=v' moe_tune variants (default: one, as given; none: no row)"
+    )
     p.add_argument("--baselines", default="grouped_mm,eager", help="plain Transformers rows: grouped_mm,eager or none")
     p.add_argument(
         "--reference", default=None, help="row whose loss curve the others are compared with (default: first baseline)"

@@ -1,13 +1,23 @@
-"""``train.profile=true``: torch.profiler over steps 6-8 on rank 0; writes the top kernels by device time to
-``profile_rank0.txt`` and a Chrome trace to ``trace_rank0.json`` in the run directory."""
+"""``train.profile=true``: torch.profiler over steps 6-8 on rank 0. Writes to the run directory:
+``profile_rank0.txt`` (a step summary, then the top ops by device time), ``profile_rank0.json`` (the summary)
+and a Chrome trace ``trace_rank0.json``.
+
+The summary answers "is the GPU idle, and is communication exposed?" per traced step: the wall time, the time
+any kernel runs (the union over streams), the communication kernels' time (NCCL, NVSHMEM, DeepEP) and the part
+of it no compute kernel runs beside (exposed), the kernel launches and the host syncs.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 
 import torch
 
 WAIT, WARMUP, ACTIVE = 5, 1, 3  # steps counted from 0: 0-4 untraced, 5 warms the profiler up, 6-8 traced
+COMM_KERNEL = re.compile(r"nccl|nvshmem|deep_ep|all_to_all|alltoall", re.IGNORECASE)
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
 class NoProfiler:
@@ -20,6 +30,75 @@ class NoProfiler:
         pass
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the union ``a`` outside the union ``b`` (both sorted, disjoint)."""
+    outside, j = 0.0, 0
+    for start, end in a:
+        cursor = start
+        while j < len(b) and b[j][1] <= cursor:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            outside += max(0.0, min(b[k][0], end) - cursor)
+            cursor = max(cursor, b[k][1])
+            k += 1
+        outside += max(0.0, end - cursor)
+    return outside
+
+
+def timeline_summary(
+    kernels: list[tuple[str, float, float]], wall: tuple[float, float], steps: int, host_syncs: int
+) -> dict:
+    """Per-step figures from device kernels ``(name, start_us, end_us)`` over ``steps`` steps spanning ``wall``
+    (start_us, end_us). Communication kernels are those named like NCCL's, NVSHMEM's or DeepEP's."""
+    comm = _union([(s, e) for n, s, e in kernels if COMM_KERNEL.search(n)])
+    compute = _union([(s, e) for n, s, e in kernels if not COMM_KERNEL.search(n)])
+    busy = _union(comm + compute)
+    wall_us = max(wall[1] - wall[0], 1e-9)
+    per_step = 1e3 * steps  # us over all steps -> ms per step
+    return {
+        "steps": steps,
+        "wall_ms_per_step": round(wall_us / per_step, 2),
+        "gpu_busy_ms_per_step": round(_length(busy) / per_step, 2),
+        "gpu_busy_fraction": round(_length(busy) / wall_us, 3),
+        "compute_ms_per_step": round(_length(compute) / per_step, 2),
+        "communication_ms_per_step": round(_length(comm) / per_step, 2),
+        "exposed_communication_ms_per_step": round(_minus(comm, compute) / per_step, 2),
+        "kernels_per_step": round(len(kernels) / steps),
+        "host_syncs_per_step": round(host_syncs / steps, 1),
+    }
+
+
+def summarize(prof) -> dict | None:
+    """``timeline_summary`` of a finished profile (None without device kernels or step markers)."""
+    kernels, steps, syncs = [], [], 0
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            kernels.append((e.name, e.time_range.start, e.time_range.end))
+        elif e.name.startswith("ProfilerStep#"):
+            steps.append((e.time_range.start, e.time_range.end))
+        elif e.name in SYNC_EVENTS:
+            syncs += 1
+    if not kernels or not steps:
+        return None
+    wall = (min(s for s, _ in steps), max(max(e for _, e in steps), max(e for _, _, e in kernels)))
+    return timeline_summary(kernels, wall, len(steps), syncs)
+
+
 def build_profiler(enabled: bool, rank: int, output_dir: str):
     """A started profiler (``step()`` after each optimizer step, ``stop()`` at the end) on rank 0 when
     ``enabled``, else a ``NoProfiler``."""
@@ -29,9 +108,14 @@ def build_profiler(enabled: bool, rank: int, output_dir: str):
 
     def on_ready(prof) -> None:
         table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=60)
+        summary = summarize(prof)
         os.makedirs(output_dir, exist_ok=True)
         with open(os.path.join(output_dir, "profile_rank0.txt"), "w") as f:
+            if summary is not None:
+                f.write("".join(f"{k}: {v}\n" for k, v in summary.items()) + "\n")
             f.write(table)
+        with open(os.path.join(output_dir, "profile_rank0.json"), "w") as f:
+            json.dump(summary, f, indent=2)
         prof.export_chrome_trace(os.path.join(output_dir, "trace_rank0.json"))
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -44,4 +128,4 @@ def build_profiler(enabled: bool, rank: int, output_dir: str):
     return prof
 
 
-__all__ = ["NoProfiler", "build_profiler"]
+__all__ = ["NoProfiler", "build_profiler", "summarize", "timeline_summary"]

@@ -51,6 +51,7 @@ def test_parse_variants_names():
         ("comm=deepep,ep=2-2", ["comm=deepep", "parallel.ep=2"]),
     ]
     assert parse_variants(None) == [("moe_tune", [])]
+    assert parse_variants("none") == []  # baselines or the peer only
     assert parse_variants("data.path=/a:b") == [("path=/a:b", ["data.path=/a:b"])]  # ':' after '=' is no name
 
 

@@ -1,0 +1,43 @@
+"""train.profile=true: the step summary (GPU busy, exposed communication) from device-kernel intervals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe_tune.train.profile import timeline_summary
+
+
+def test_busy_and_exposed_communication_from_intervals():
+    # Two steps over 0..100 ms (times in us). Compute: 0-30 and 50-60 on one stream, 20-40 on another (union
+    # 0-40, 50-60). Communication: 35-55 (hidden 35-40 and 50-55, exposed 40-50) and 90-95 (exposed).
+    ms = 1000
+    kernels = [
+        ("ampere_bf16_gemm", 0, 30 * ms),
+        ("flash_fwd", 20 * ms, 40 * ms),
+        ("vectorized_elementwise", 50 * ms, 60 * ms),
+        ("ncclDevKernel_SendRecv", 35 * ms, 55 * ms),
+        ("ncclDevKernel_AllGather", 90 * ms, 95 * ms),
+    ]
+    s = timeline_summary(kernels, wall=(0, 100 * ms), steps=2, host_syncs=3)
+    assert s["gpu_busy_fraction"] == pytest.approx(0.65)  # any kernel: 0-60 and 90-95
+    assert s["compute_ms_per_step"] == pytest.approx(50 / 2)
+    assert s["communication_ms_per_step"] == pytest.approx(25 / 2)
+    assert s["exposed_communication_ms_per_step"] == pytest.approx(15 / 2)
+    assert s["wall_ms_per_step"] == pytest.approx(50)
+    assert s["host_syncs_per_step"] == 1.5
+
+
+def test_fully_hidden_communication_is_not_exposed():
+    kernels = [("gemm", 0, 100), ("ncclKernel_AllToAll", 10, 90), ("deep_ep::combine", 20, 30)]
+    s = timeline_summary(kernels, wall=(0, 200), steps=1, host_syncs=0)
+    assert s["exposed_communication_ms_per_step"] == 0
+    assert s["gpu_busy_fraction"] == pytest.approx(0.5)
+
+
+def test_profiled_run_writes_its_tables(tmp_path, make_trainer):
+    """On CPU the trace has no device kernels: the table is written and the summary is null."""
+    make_trainer("train.steps=9", "train.profile=true").fit()
+    assert "Self CPU" in (tmp_path / "profile_rank0.txt").read_text()
+    assert json.loads((tmp_path / "profile_rank0.json").read_text()) is None
