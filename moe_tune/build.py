@@ -23,7 +23,7 @@ from moe_tune.config import CheckpointError, Config, ConfigError, ParallelDims, 
 from moe_tune.dist.mesh import ParallelMesh, build_mesh
 from moe_tune.lora import LoRASpec
 from moe_tune.metrics import flops_per_token
-from moe_tune.models.families import num_experts
+from moe_tune.models.families import expert_dims, num_experts
 from moe_tune.models.hf_io import load_state
 from moe_tune.models.init import init_random
 from moe_tune.models.lora import init_lora
@@ -192,7 +192,9 @@ def build_training_model(cfg: Config, env) -> Built:
             f"model.family={cfg.model.family} but the checkpoint's model_type is {hf_config.model_type}; "
             f"set model.family={hf_config.model_type} or model.family=auto"
         )
-    dims = validate(cfg, world_size=env.world_size, num_experts=num_experts(hf_config))
+    dims = validate(
+        cfg, world_size=env.world_size, num_experts=num_experts(hf_config), expert_dims=expert_dims(hf_config)
+    )
     mesh = build_mesh(dims, env.device.type)
     load = source_loader(source, cfg.train.seed)
     model = assemble(hf_config, model_options(cfg, dims), load, env.device, source, (mesh, cfg))

@@ -14,7 +14,7 @@ from typing import Any
 
 PRECISIONS = ("fp32", "amp_bf16", "bf16_fp32_master", "bf16")
 KERNEL_SETS = ("torch", "te")
-EXPERT_KERNELS = ("grouped_mm", "loop")
+EXPERT_KERNELS = ("grouped_mm", "grouped_mm_fp8", "loop")
 FP8_MODES = ("none", "current", "delayed", "blockwise", "mxfp8")
 FP8_BACKWARDS = ("fp8", "high_precision", "dequantized")
 FP8_FORMATS = ("hybrid", "e4m3")
@@ -111,6 +111,9 @@ COMM_CONFIGS: dict[str, type[CommConfig]] = {
 @dataclass
 class KernelsConfig:
     name: str = "torch"
+    # Routed experts: "grouped_mm" (bf16 grouped GEMMs), "grouped_mm_fp8" (the same GEMMs in FP8 E4M3 with row-wise
+    # scales, forward and backward, through torch._scaled_grouped_mm: needs an sm90+ GPU and expert dims that are
+    # multiples of 16; LoRA deltas and biases stay bf16), "loop" (one matmul per expert: the reference).
     experts: str = "grouped_mm"
     fp8: str = "none"
     # fp8=delayed only: the scale comes from the amax over this many past steps ("max") or the last ("most_recent").

@@ -40,14 +40,22 @@ def _choice(value: str, allowed, key: str) -> None:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}; pick one of those")
 
 
-def validate(cfg: Config, world_size: int | None = None, num_experts: int | None = None) -> ParallelDims:
+def validate(
+    cfg: Config,
+    world_size: int | None = None,
+    num_experts: int | None = None,
+    expert_dims: tuple[int, int] | None = None,
+) -> ParallelDims:
     """Check ``cfg`` for ``world_size`` ranks (default: from the launcher's environment) and, once the model is
-    known, its ``num_experts``. Returns the resolved parallel layout. Raises ConfigError with one line."""
+    known, its ``num_experts`` and routed experts' (dim, hidden). Returns the resolved parallel layout. Raises
+    ConfigError with one line."""
     world_size = world_size_from_env() if world_size is None else world_size
     check_values(cfg)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     if num_experts is not None:
         dims.check_experts(num_experts)
+    if expert_dims is not None:
+        check_expert_dims(cfg.kernels.experts, *expert_dims)
     _check_batch(cfg, dims)
     if cfg.comm.name != "all_to_all" and dims.ep == 1:
         raise ConfigError(f"comm={cfg.comm.name} needs expert parallelism; set parallel.ep>1 or comm=all_to_all")
@@ -57,6 +65,16 @@ def validate(cfg: Config, world_size: int | None = None, num_experts: int | None
             "set parallel.ep>1 or comm.overlap=false"
         )
     return dims
+
+
+def check_expert_dims(experts: str, dim: int, hidden: int) -> None:
+    """kernels.experts=grouped_mm_fp8: FP8 rows of every GEMM operand must start on 16-byte boundaries, so the
+    model dim and the expert hidden dim must be multiples of 16."""
+    if experts == "grouped_mm_fp8" and (dim % 16 or hidden % 16):
+        raise ConfigError(
+            f"kernels.experts=grouped_mm_fp8 needs the model dim ({dim}) and the expert hidden dim ({hidden}) to be "
+            "multiples of 16 (the FP8 grouped GEMM's alignment); use kernels.experts=grouped_mm for this model"
+        )
 
 
 def check_values(cfg: Config) -> None:
@@ -197,7 +215,7 @@ def _check_peft(cfg: Config) -> None:
         return
     if not p.target:
         raise ConfigError("peft.target is empty: name what LoRA adapts, e.g. peft.target=[attention,experts]")
-    if "experts" in p.target and cfg.kernels.experts == "grouped_mm" and p.rank % 8:
+    if "experts" in p.target and cfg.kernels.experts in ("grouped_mm", "grouped_mm_fp8") and p.rank % 8:
         raise ConfigError(
             f"peft.rank={p.rank} with peft.target including experts: the grouped GEMMs need the rank to be a "
             "multiple of 8 (16-byte rows in bf16); try peft.rank=8 or peft.rank=16"

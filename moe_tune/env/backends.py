@@ -18,6 +18,7 @@ from moe_tune.config import Config, ConfigError
 
 BACKENDS = (
     "grouped_mm",
+    "grouped_mm_fp8",
     "deepep",
     "symm_mem",
     "transformer_engine",
@@ -29,7 +30,13 @@ BACKENDS = (
 
 TE_HOWTO = "TransformerEngine is not installed: pip install 'moe_tune[te]' (transformer-engine[pytorch]); or pick kernels=torch"
 # Lowest compute capability per backend.
-_MIN_CC = {"deepep": (9, 0), "symm_mem": (8, 0), "transformer_engine": (8, 0), "grouped_mm": (8, 0)}
+_MIN_CC = {
+    "deepep": (9, 0),
+    "symm_mem": (8, 0),
+    "transformer_engine": (8, 0),
+    "grouped_mm": (8, 0),
+    "grouped_mm_fp8": (9, 0),
+}
 
 
 def _cuda() -> tuple[str, tuple[int, int]] | None:
@@ -75,6 +82,8 @@ def unusable_reason(name: str) -> str | None:
     if name == "grouped_mm":
         return _grouped_mm_reason()
     gpu = _cuda()
+    if name == "grouped_mm_fp8":
+        return _grouped_mm_fp8_reason(gpu)
     if name == "deepep":
         if not _installed("deep_ep"):
             from moe_tune.moe.dispatch.deepep import DEEPEP_HOWTO  # lazy: that module imports torch
@@ -121,6 +130,20 @@ def _grouped_mm_reason() -> str | None:
     return None
 
 
+def _grouped_mm_fp8_reason(gpu) -> str | None:
+    import torch
+
+    key = "kernels.experts=grouped_mm_fp8"
+    reason = _needs_gpu(
+        "row-wise scaled FP8 grouped GEMMs (torch._scaled_grouped_mm)", key, gpu, _MIN_CC["grouped_mm_fp8"]
+    )
+    if reason:
+        return f"{reason}; use kernels.experts=grouped_mm"
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"{key} needs torch._scaled_grouped_mm (torch >= 2.9); this is torch {torch.__version__}"
+    return None
+
+
 def _te_reason(key: str, gpu) -> str | None:
     if not _installed("transformer_engine"):
         return f"{key}: {TE_HOWTO}"
@@ -158,6 +181,8 @@ def _symm_mem_reason(gpu) -> str | None:
 def backends_needed(cfg: Config) -> list[str]:
     """The backends of ``BACKENDS`` that ``cfg`` asks for (the defaults, all_to_all and torch, need none)."""
     needed = []
+    if cfg.kernels.experts == "grouped_mm_fp8":
+        needed.append("grouped_mm_fp8")
     if cfg.comm.name in ("deepep", "symm_mem"):
         needed.append(cfg.comm.name)
     if cfg.kernels.name == "te":

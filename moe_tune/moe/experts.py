@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_tune.lora import ExpertsAdapter, LoRASpec
+from moe_tune.moe.fp8_grouped import fp8_grouped_mm
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,9 @@ class ExpertsSpec:
 class ExpertsOptions:
     """How this run computes the experts (not the family's maths, which is ``ExpertsSpec``)."""
 
-    # "grouped_mm": one grouped GEMM per projection; "loop": the per-expert reference.
+    # "grouped_mm": one grouped GEMM per projection; "grouped_mm_fp8": the same GEMMs in FP8 E4M3 with row-wise
+    # scales, forward and backward (``moe.fp8_grouped``; LoRA deltas and biases stay bf16); "loop": the
+    # per-expert reference.
     impl: str = "grouped_mm"
     # Experts outside FSDP2 (each ep rank alone holds them, ``ParallelDims.experts_outside_fsdp``): the dtype the
     # weights are cast to for the GEMMs (FSDP's mixed precision would do it otherwise), and the data-parallel
@@ -136,16 +139,17 @@ class GroupedExperts(nn.Module):
     def _forward(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
         if self.options.impl == "loop":
             return self.forward_loop(x_RD, counts_e)
+        gemm = fp8_grouped_mm if self.options.impl == "grouped_mm_fp8" else grouped_mm
         w1, w2 = self._weights_KN()
         offs_e = torch.cumsum(counts_e, dim=0, dtype=torch.int32)
-        h = grouped_mm(x_RD, w1.to(x_RD.dtype), offs_e)
+        h = gemm(x_RD, w1.to(x_RD.dtype), offs_e)
         if self.lora is not None:
             h = h + self.lora.delta("gate_up", x_RD, offs_e)
         if self.spec.bias:
             row_expert_R = self._row_experts(counts_e, x_RD.shape[0])
             h = h + _with_zero_row(self.gate_up_proj_bias, h.dtype)[row_expert_R]
         a = self._activation(h)
-        y = grouped_mm(a, w2.to(x_RD.dtype), offs_e)
+        y = gemm(a, w2.to(x_RD.dtype), offs_e)
         if self.lora is not None:
             y = y + self.lora.delta("down", a, offs_e)
         if self.spec.bias:

@@ -1,0 +1,189 @@
+"""The routed experts' grouped GEMMs in FP8 (E4M3) with row-wise scales: ``kernels.experts=grouped_mm_fp8``.
+
+``fp8_grouped_mm(x_RK, w_eKN, offs_e)`` is a drop-in for ``experts.grouped_mm``: each of its three GEMMs
+(forward, input gradient, weight gradient) quantizes both operands to E4M3 on the fly and runs
+``torch._scaled_grouped_mm`` (a CUTLASS kernel for Hopper, sm90). Every scale is a power of two, so scaling and
+unscaling add no rounding of their own, and every scale is computed on the device: no host sync.
+
+The kernel's contract (the same checks as its meta function, which the CPU emulation runs): the left operand
+row-major, the right one column-major, fp32 scales holding what to multiply the FP8 values by, row counts and
+contraction dims whose FP8 rows are 16-byte aligned (K and N multiples of 16), bf16 output.
+
+Legend (the moe/ one): R routed rows, K and N a GEMM's in and out dims, e local experts (groups), P rows after
+padding each group to a multiple of 16, B = P / 16 blocks of 16 rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max  # 448
+# FP8 rows start on 16-byte boundaries for the kernel's bulk copies: the weight-gradient GEMM contracts over
+# tokens, so each expert's group of rows is padded to this many.
+ROW_ALIGN = 16
+
+# (a, b, scale_a, scale_b, offs, fast_accum) -> bf16 out: the real kernel or its emulation.
+ScaledGroupedMM = Callable[..., torch.Tensor]
+
+
+def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The largest power of two that maps ``amax`` to at most E4M3's largest value. All-zero rows (empty groups,
+    padding) get a finite scale: their values are zero whatever it is."""
+    return torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax.float().clamp(min=1e-30))))
+
+
+def _to_e4m3(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (t.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def quantize_rows(t_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per row over the last dim (batched over leading dims). Returns the E4M3 values, contiguous, and
+    the dequantization scales ``[..., R]`` (what the kernel multiplies by)."""
+    scale = _pow2_scale(t_RC.abs().amax(dim=-1, keepdim=True))
+    return _to_e4m3(t_RC, scale).contiguous(), scale.reciprocal().squeeze(-1)
+
+
+def quantize_group_columns(t_PC: torch.Tensor, group_B: torch.Tensor, num_groups: int):
+    """One scale per (group, column): rows come in blocks of 16 that each belong to one group (``group_B``, a
+    block's group; ``num_groups`` counts a last group of padding). Returns the E4M3 values and the
+    dequantization scales ``[num_groups, C]``."""
+    P, C = t_PC.shape
+    blocks_BLC = t_PC.view(P // ROW_ALIGN, ROW_ALIGN, C)
+    amax_BC = blocks_BLC.abs().amax(dim=1).float()
+    index_BC = group_B.unsqueeze(1).expand(-1, C)
+    amax_GC = amax_BC.new_zeros(num_groups, C).scatter_reduce_(0, index_BC, amax_BC, "amax")
+    scale_GC = _pow2_scale(amax_GC)
+    q_PC = _to_e4m3(blocks_BLC, scale_GC[group_B].unsqueeze(1)).view(P, C)
+    return q_PC, scale_GC.reciprocal()
+
+
+def pad_groups(offs_e: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Where each of ``num_rows`` rows goes when every group is padded to a multiple of 16 rows, all on the device
+    (output sizes are bounded on the host: no sync). Rows past ``offs_e[-1]`` (a dispatcher's fixed-capacity
+    padding) land after the last group, where the kernel never reads.
+
+    Returns (dest_R: each row's padded index, group_B: each 16-row block's group, e for the tail,
+    padded offs_e (int32), P: the padded row count)."""
+    e = offs_e.shape[0]
+    num_padded = -(-(num_rows + (ROW_ALIGN - 1) * e) // ROW_ALIGN) * ROW_ALIGN
+    offs = offs_e.long()
+    counts_e = torch.diff(offs, prepend=offs.new_zeros(1))
+    padded_counts_e = (counts_e + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+    padded_offs_e = torch.cumsum(padded_counts_e, 0)
+    # Group e is the tail: rows past offs_e[-1], placed after the last padded group.
+    tail = (num_rows - offs[-1:]).clamp(min=0)
+    starts = torch.cat([offs - counts_e, offs[-1:]])
+    padded_starts = torch.cat([padded_offs_e - padded_counts_e, padded_offs_e[-1:]])
+    ids = torch.arange(e + 1, device=offs.device)
+    group_R = torch.repeat_interleave(ids, torch.cat([counts_e, tail]), output_size=num_rows)
+    dest_R = padded_starts[group_R] + torch.arange(num_rows, device=offs.device) - starts[group_R]
+    num_blocks = num_padded // ROW_ALIGN
+    blocks_e = padded_counts_e // ROW_ALIGN
+    tail_blocks = num_blocks - blocks_e.sum(0, keepdim=True)
+    group_B = torch.repeat_interleave(ids, torch.cat([blocks_e, tail_blocks]), output_size=num_blocks)
+    return dest_R, group_B, padded_offs_e.to(torch.int32), num_padded
+
+
+def scaled_grouped_mm(a, b, scale_a, scale_b, offs, fast_accum: bool) -> torch.Tensor:
+    """The CUDA kernel."""
+    return torch._scaled_grouped_mm(
+        a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=fast_accum
+    )
+
+
+def emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs, fast_accum: bool) -> torch.Tensor:
+    """What the kernel computes, in fp32 from the dequantized operands, group by group (tests; CPU). First runs
+    the kernel's meta function, so operands the kernel would refuse (layout, dtypes, scale shapes) fail here too."""
+
+    def meta(t):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    torch._scaled_grouped_mm(
+        *map(meta, (a, b, scale_a, scale_b)), offs=meta(offs), out_dtype=torch.bfloat16, use_fast_accum=fast_accum
+    )
+    bounds = [0, *offs.tolist()]  # host sync: the emulation loops over the groups in Python
+    groups = list(zip(bounds[:-1], bounds[1:]))
+    if b.dim() == 3:  # 2d x 3d: a row-scaled, b scaled per (group, column); rows past the last group stay 0
+        a32, b32 = a.float() * scale_a[:, None], b.float() * scale_b[:, None, :]
+        out = a32.new_zeros(a.shape[0], b.shape[2])
+        for j, (s, t) in enumerate(groups):
+            out[s:t] = a32[s:t] @ b32[j]
+    else:  # 2d x 2d, grouped along the contraction dim: a scaled per (group, row), b per (group, column)
+        sa, sb = scale_a.view(len(groups), -1), scale_b.view(len(groups), -1)
+        out = torch.stack(
+            [(a[:, s:t].float() * sa[j, :, None]) @ (b[s:t].float() * sb[j]) for j, (s, t) in enumerate(groups)]
+        )
+    return out.to(torch.bfloat16)
+
+
+class FP8GroupedMM(torch.autograd.Function):
+    """``out_RN = x_RK @ w_eKN[j]`` for the rows of group j, every GEMM in E4M3 with fp32 power-of-two scales.
+
+    - forward: x per row (one scale per token row, over K); w per (expert, output column n), over K. Each
+      scale spans exactly the values one dot product contracts, so an outlier token or column costs precision
+      to itself only.
+    - input gradient ``dx = dy @ w_j^T``: dy per row (over N); w per (expert, input row k), over N: the
+      other axis, for the same reason (the contraction is now over N).
+    - weight gradient ``dw_j = x_j^T @ dy_j``: contracts over expert j's tokens, so x and dy are scaled per
+      (expert, column), over that expert's rows ("2d x 2d" kernel, groups along the tokens). Each group is first
+      padded with zero rows to a multiple of 16 (the kernel's alignment); the zeros add nothing.
+    E4M3 everywhere (not E5M2 for gradients): row-wise scales already fit each row's range, and E4M3's extra
+    mantissa bit is the better trade. Saved for backward: x and w as given (bf16), as for ``F.grouped_mm``.
+    """
+
+    @staticmethod
+    def forward(ctx, x_RK, w_eKN, offs_e, kernel: ScaledGroupedMM, fast_accum: bool):
+        ctx.save_for_backward(x_RK, w_eKN, offs_e)
+        ctx.kernel, ctx.fast_accum = kernel, fast_accum
+        xq_RK, sx_R = quantize_rows(x_RK)
+        wq_eNK, sw_eN = quantize_rows(w_eKN.transpose(-2, -1))
+        out = kernel(xq_RK, wq_eNK.transpose(-2, -1), sx_R, sw_eN, offs_e, fast_accum)
+        return out.to(x_RK.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_RN):
+        x_RK, w_eKN, offs_e = ctx.saved_tensors
+        kernel, fast_accum = ctx.kernel, ctx.fast_accum
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dyq_RN, sdy_R = quantize_rows(dy_RN)
+            wq_eKN, sw_eK = quantize_rows(w_eKN)
+            dx = kernel(dyq_RN, wq_eKN.transpose(-2, -1), sdy_R, sw_eK, offs_e, fast_accum).to(x_RK.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = _weight_grad(x_RK, dy_RN, offs_e, kernel, fast_accum).to(w_eKN.dtype)
+        return dx, dw, None, None, None
+
+
+def _weight_grad(x_RK, dy_RN, offs_e, kernel: ScaledGroupedMM, fast_accum: bool) -> torch.Tensor:
+    """``dw[j] = x_j^T @ dy_j`` as ``[e, K, N]``, computed as ``(dy_j^T @ x_j)^T``: the kernel's output
+    ``[e, N, K]`` is then the layout of the "out_in" weights' own gradient (a transposed view, no copy)."""
+    e, R = offs_e.shape[0], x_RK.shape[0]
+    dest_R, group_B, padded_offs_e, P = pad_groups(offs_e, R)
+    x_PK = x_RK.new_zeros(P, x_RK.shape[1]).index_copy_(0, dest_R, x_RK)
+    dy_PN = dy_RN.new_zeros(P, dy_RN.shape[1]).index_copy_(0, dest_R, dy_RN)
+    xq_PK, sx_GK = quantize_group_columns(x_PK, group_B, e + 1)
+    dyq_PN, sdy_GN = quantize_group_columns(dy_PN, group_B, e + 1)
+    a_NP = dyq_PN.t().contiguous()  # row-major left operand
+    b_PK = xq_PK.t().contiguous().t()  # column-major right operand
+    sa = sdy_GN[:e].contiguous().view(-1)
+    sb = sx_GK[:e].contiguous().view(-1)
+    return kernel(a_NP, b_PK, sa, sb, padded_offs_e, fast_accum).transpose(-2, -1)
+
+
+def fp8_grouped_mm(
+    x_RK: torch.Tensor,
+    w_eKN: torch.Tensor,
+    offs_e: torch.Tensor,
+    kernel: ScaledGroupedMM | None = None,
+    fast_accum: bool = True,
+) -> torch.Tensor:
+    """``experts.grouped_mm`` in FP8. ``kernel``: None picks the CUDA kernel for CUDA tensors and the emulation
+    otherwise (``validate`` refuses the option for runs without an sm90 GPU; CPU tests use the emulation).
+    ``fast_accum``: Hopper's faster FP8 accumulation (no periodic promotion to fp32), as torchao's FP8 MoE
+    training uses."""
+    if kernel is None:
+        kernel = scaled_grouped_mm if x_RK.is_cuda else emulated_scaled_grouped_mm
+    return FP8GroupedMM.apply(x_RK, w_eKN, offs_e, kernel, fast_accum)

@@ -1,0 +1,250 @@
+"""kernels.experts=grouped_mm_fp8: the FP8 grouped GEMM's autograd Function against fp32 grouped_mm, run on CPU
+with the emulated kernel (dequantized operands in fp32, after the real kernel's meta checks); on an sm90 GPU with
+torch._scaled_grouped_mm. The quantizers round-trip, and configs that cannot run it are refused in one line.
+
+Tolerance: E4M3 keeps 3 mantissa bits (relative rounding error up to 2^-4 per value), and both operands of each
+GEMM are quantized: on random data the relative error of a product is about 4e-2, so outputs and the three
+gradients must be within 5e-2 of fp32 (bf16 alone stays near 4e-3; a wrong scale or group is off by far more).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_tune.cli import compose, to_config
+from moe_tune.config import ConfigError, validate
+from moe_tune.env import backends, require_backends
+from moe_tune.lora import LoRASpec
+from moe_tune.moe.experts import ExpertsOptions, ExpertsSpec, GroupedExperts
+from moe_tune.moe.fp8_grouped import (
+    E4M3_MAX,
+    ROW_ALIGN,
+    FP8GroupedMM,
+    emulated_scaled_grouped_mm,
+    fp8_grouped_mm,
+    pad_groups,
+    quantize_group_columns,
+    quantize_rows,
+)
+from tests.tiny import rel_err
+
+FP8_TOL = 5e-2
+K, N = 64, 48
+COUNTS = {
+    "uneven_with_empty": [5, 0, 37, 16, 1, 0],
+    "balanced": [16, 16, 16, 16],
+    "one_group": [23],
+}
+
+
+def _operands(counts: list[int], extra_rows: int = 0, device: str = "cpu", seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    rows = sum(counts) + extra_rows
+    x = torch.randn(rows, K, generator=g)
+    # Stored [e, N, K] (the "out_in" layout) and read as [e, K, N], as GroupedExperts does.
+    w = (torch.randn(len(counts), N, K, generator=g) / 8).transpose(-2, -1)
+    dy = torch.randn(rows, N, generator=g)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    return x.to(device), w.to(device), dy.to(device), offs.to(device)
+
+
+def _run(mm, x, w, dy, offs, dtype):
+    xi = x.to(dtype).requires_grad_()
+    wi = w.to(dtype).detach().requires_grad_()
+    y = mm(xi, wi, offs)
+    y.backward(dy.to(dtype))
+    return y, xi.grad, wi.grad
+
+
+def _fp32_grouped_mm(x, w, offs):
+    return F.grouped_mm(x, w, offs=offs)
+
+
+@pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
+def test_fp8_gemm_and_its_gradients_match_fp32(counts):
+    x, w, dy, offs = _operands(counts)
+    fp8 = _run(
+        lambda a, b, o: fp8_grouped_mm(a, b, o, kernel=emulated_scaled_grouped_mm), x, w, dy, offs, torch.bfloat16
+    )
+    ref = _run(_fp32_grouped_mm, x, w, dy, offs, torch.float32)
+    for name, a, b in zip(("y", "dx", "dw"), fp8, ref):
+        assert a.dtype == torch.bfloat16, name
+        err = rel_err(a, b)
+        assert err < FP8_TOL, f"{name}: rel err {err:.3f}"
+        assert err > 1e-3, f"{name}: rel err {err:.1e} is too small for FP8: did the FP8 path run?"
+    for j, n in enumerate(counts):
+        if n == 0:  # an expert without rows gets an exactly zero weight gradient
+            assert (fp8[2][j] == 0).all()
+
+
+def test_rows_past_the_last_offset_change_nothing():
+    """A fixed-capacity dispatcher (symm_mem) hands rows past offs[-1]: they must not reach the weight gradient."""
+    counts = COUNTS["uneven_with_empty"]
+    x, w, dy, offs = _operands(counts, extra_rows=7)
+    mm = lambda a, b, o: fp8_grouped_mm(a, b, o, kernel=emulated_scaled_grouped_mm)  # noqa: E731
+    _, _, dw = _run(mm, x, w, dy, offs, torch.bfloat16)
+    T = sum(counts)
+    x[T:], dy[T:] = 1e4, 1e4  # stale buffer contents, far larger than the real rows
+    _, _, dw_stale = _run(mm, x, w, dy, offs, torch.bfloat16)
+    torch.testing.assert_close(dw_stale, dw, rtol=0, atol=0)
+
+
+def test_only_needed_gradients_are_computed():
+    """A frozen base (LoRA) gives no weight gradient: the weight-gradient GEMM must not run."""
+    x, w, dy, offs = _operands(COUNTS["balanced"])
+    calls = []
+
+    def kernel(a, b, *rest):
+        calls.append(b.dim())
+        return emulated_scaled_grouped_mm(a, b, *rest)
+
+    xi = x.to(torch.bfloat16).requires_grad_()
+    FP8GroupedMM.apply(xi, w.to(torch.bfloat16), offs, kernel, True).backward(dy.to(torch.bfloat16))
+    assert calls == [3, 3]  # forward and input gradient; no 2d x 2d call
+
+
+def test_quantize_rows_round_trips():
+    t = torch.randn(33, 80) * torch.logspace(-3, 3, 33).unsqueeze(1)  # rows of very different ranges
+    t[5] = 0
+    q, inv_scale = quantize_rows(t)
+    assert q.dtype == torch.float8_e4m3fn and q.is_contiguous() and inv_scale.shape == (33,)
+    assert torch.equal(torch.exp2(torch.log2(inv_scale).round()), inv_scale)  # powers of two
+    back = q.float() * inv_scale[:, None]
+    # Round to nearest with 3 mantissa bits: at most 2^-4 relative (values near the row's max, normal range).
+    big = t.abs() > t.abs().amax(1, keepdim=True) / 8
+    assert ((back - t).abs() <= t.abs() * 2**-4 + 1e-30)[big].all()
+    assert (q.float().abs().amax(1)[t.abs().amax(1) > 0] >= E4M3_MAX / 2).all()  # each row uses the top octave
+    assert (back[5] == 0).all()
+    # Batched over experts along the last dim, from a transposed view: the result is contiguous.
+    w = torch.randn(3, 16, 32).transpose(-2, -1)
+    qw, sw = quantize_rows(w)
+    assert qw.is_contiguous() and sw.shape == (3, 32)
+    assert rel_err(qw.float() * sw[..., None], w) < FP8_TOL
+
+
+def test_pad_groups_places_every_row_in_its_padded_group():
+    counts = [5, 0, 37, 16, 1]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    rows = sum(counts) + 4  # four rows of a dispatcher's padding
+    dest, group_B, padded_offs, P = pad_groups(offs, rows)
+    assert P % ROW_ALIGN == 0 and P >= rows + (ROW_ALIGN - 1) * len(counts) - ROW_ALIGN
+    assert padded_offs.tolist() == [16, 16, 64, 80, 96] and padded_offs.dtype == torch.int32
+    assert len(set(dest.tolist())) == rows and int(dest.max()) < P
+    starts = [0, 16, 16, 64, 80]
+    i = 0
+    for j, n in enumerate(counts):
+        assert dest[i : i + n].tolist() == list(range(starts[j], starts[j] + n))
+        i += n
+    assert (dest[i:] >= 96).all()  # padding rows after the last group
+    block_groups = group_B.tolist()
+    assert block_groups[:6] == [0, 2, 2, 2, 3, 4] and set(block_groups[6:]) == {5}
+
+
+def test_quantize_group_columns_scales_each_group_alone():
+    counts = [16, 0, 32]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    t = torch.randn(48, 24)
+    t[16:] *= 1000  # group 2's range must not squash group 0's values
+    dest, group_B, _, P = pad_groups(offs, 48)
+    t_P = t.new_zeros(P, 24).index_copy_(0, dest, t)
+    q, inv_scale = quantize_group_columns(t_P, group_B, len(counts) + 1)
+    assert inv_scale.shape == (4, 24)
+    back = q.float().view(-1, ROW_ALIGN, 24) * inv_scale[group_B].unsqueeze(1)
+    back = back.view(P, 24)[dest]
+    assert rel_err(back[:16], t[:16]) < FP8_TOL and rel_err(back[16:], t[16:]) < FP8_TOL
+
+
+def test_emulation_refuses_what_the_kernel_refuses():
+    """The CPU emulation runs the kernel's own checks: a row-major right operand fails as it would on the GPU."""
+    x, w, _, offs = _operands(COUNTS["balanced"])
+    xq, sx = quantize_rows(x)
+    wq, sw = quantize_rows(w)  # [e, K, N] row-major: the kernel wants the right operand column-major
+    with pytest.raises(RuntimeError, match="column major"):
+        emulated_scaled_grouped_mm(xq, wq, sx, sw, offs, True)
+
+
+def _experts(impl: str, lora: LoRASpec | None):
+    torch.manual_seed(0)
+    m = GroupedExperts(ExpertsSpec(num_experts=4, dim=32, hidden=16), ExpertsOptions(impl=impl), lora=lora)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.2)
+    return m.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("lora", [None, LoRASpec(rank=8, alpha=16)], ids=["full", "lora"])
+def test_grouped_experts_pick_the_fp8_gemm(lora):
+    """GroupedExperts(impl=grouped_mm_fp8) runs the FP8 GEMMs (not bitwise bf16) and stays within FP8 tolerance,
+    adapters included (their deltas stay bf16 grouped_mm). The block chains two FP8 GEMMs: twice the tolerance."""
+    fp8, bf16 = _experts("grouped_mm_fp8", lora), _experts("grouped_mm", lora)
+    counts = torch.tensor([7, 0, 21, 12])
+    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    y_fp8, y_bf16 = fp8(x, counts), bf16(x, counts)
+    assert not torch.equal(y_fp8, y_bf16)
+    assert rel_err(y_fp8, y_bf16) < 2 * FP8_TOL
+    y_fp8.float().square().sum().backward()
+    y_bf16.float().square().sum().backward()
+    for (name, a), (_, b) in zip(fp8.named_parameters(), bf16.named_parameters()):
+        if b.grad is not None:
+            assert rel_err(a.grad, b.grad) < 2 * FP8_TOL, name
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs a CUDA GPU of compute capability >= 9.0 (Hopper) for FP8 grouped GEMMs")
+@pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
+def test_cuda_kernel_matches_bf16_and_the_emulation(counts):
+    x, w, dy, offs = _operands(counts, device="cuda")
+    real = _run(lambda a, b, o: fp8_grouped_mm(a, b, o, fast_accum=False), x, w, dy, offs, torch.bfloat16)
+    emulated = _run(
+        lambda a, b, o: fp8_grouped_mm(a, b, o, kernel=emulated_scaled_grouped_mm), x, w, dy, offs, torch.bfloat16
+    )
+    ref = _run(_fp32_grouped_mm, x, w, dy, offs, torch.bfloat16)
+    for name, r, e, b in zip(("y", "dx", "dw"), real, emulated, ref):
+        assert rel_err(r, b) < FP8_TOL, name
+        assert rel_err(r, e) < 1e-2, name  # same quantized operands: only accumulation order and bf16 rounding
+
+
+def test_config_refuses_unaligned_expert_dims():
+    cfg = to_config(compose(["kernels.experts=grouped_mm_fp8"]))
+    validate(cfg, world_size=1, expert_dims=(2048, 768))
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=1, expert_dims=(2048, 776 + 4))
+    assert str(e.value) == (
+        "kernels.experts=grouped_mm_fp8 needs the model dim (2048) and the expert hidden dim (780) to be multiples "
+        "of 16 (the FP8 grouped GEMM's alignment); use kernels.experts=grouped_mm for this model"
+    )
+    validate(to_config(compose([])), world_size=1, expert_dims=(2048, 780))  # bf16 grouped_mm has no such rule
+
+
+@pytest.mark.parametrize(
+    "gpu,message",
+    [
+        (None, "kernels.experts=grouped_mm_fp8 needs a CUDA GPU and none is visible here"),
+        (("NVIDIA A100", (8, 0)), "kernels.experts=grouped_mm_fp8 needs compute capability >= 9.0"),
+    ],
+)
+def test_backend_check_refuses_without_sm90(monkeypatch, gpu, message):
+    monkeypatch.setattr(backends, "_cuda", lambda: gpu)
+    cfg = to_config(compose(["kernels.experts=grouped_mm_fp8"]))
+    assert "grouped_mm_fp8" in backends.backends_needed(cfg)
+    with pytest.raises(ConfigError) as e:
+        require_backends(cfg)
+    assert message in str(e.value) and str(e.value).endswith("use kernels.experts=grouped_mm")
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(backends, "_cuda", lambda: ("NVIDIA H200", (9, 0)))
+    require_backends(cfg)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cli_exits_2_without_a_gpu(cli_env, tmp_path):
+    from tests.test_cli_args import _moe_tune
+
+    r = _moe_tune([f"output_dir={tmp_path / 'run'}", "kernels.experts=grouped_mm_fp8"], cli_env, tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "kernels.experts=grouped_mm_fp8 needs a CUDA GPU" in r.stderr
