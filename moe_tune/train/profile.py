@@ -17,7 +17,7 @@ import torch
 
 WAIT, WARMUP, ACTIVE = 5, 1, 3  # steps counted from 0: 0-4 untraced, 5 warms the profiler up, 6-8 traced
 COMM_KERNEL = re.compile(r"nccl|nvshmem|deep_ep|all_to_all|alltoall", re.IGNORECASE)
-SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")  # prefixes
 
 
 class NoProfiler:
@@ -83,15 +83,25 @@ def timeline_summary(
     }
 
 
-def summarize(prof) -> dict | None:
-    """``timeline_summary`` of a finished profile (None without device kernels or step markers)."""
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # Chrome-trace categories of device work (not annotations)
+
+
+def summarize_trace(path: str) -> dict | None:
+    """``timeline_summary`` of a Chrome trace written by torch.profiler (None without device work or steps).
+    Steps are the ``ProfilerStep#N`` annotations; host syncs the CUDA runtime calls that wait for the device."""
+    with open(path) as f:
+        events = json.load(f).get("traceEvents", [])
     kernels, steps, syncs = [], [], 0
-    for e in prof.events():
-        if str(getattr(e, "device_type", "")).endswith("CUDA"):
-            kernels.append((e.name, e.time_range.start, e.time_range.end))
-        elif e.name.startswith("ProfilerStep#"):
-            steps.append((e.time_range.start, e.time_range.end))
-        elif e.name in SYNC_EVENTS:
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat, name, start = e.get("cat", ""), e.get("name", ""), float(e.get("ts", 0))
+        end = start + float(e.get("dur", 0))
+        if cat in DEVICE_WORK:
+            kernels.append((name, start, end))
+        elif cat == "user_annotation" and name.startswith("ProfilerStep#"):
+            steps.append((start, end))
+        elif cat == "cuda_runtime" and name.startswith(SYNC_EVENTS):
             syncs += 1
     if not kernels or not steps:
         return None
@@ -108,15 +118,16 @@ def build_profiler(enabled: bool, rank: int, output_dir: str):
 
     def on_ready(prof) -> None:
         table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=60)
-        summary = summarize(prof)
         os.makedirs(output_dir, exist_ok=True)
+        trace = os.path.join(output_dir, "trace_rank0.json")
+        prof.export_chrome_trace(trace)
+        summary = summarize_trace(trace)
         with open(os.path.join(output_dir, "profile_rank0.txt"), "w") as f:
             if summary is not None:
                 f.write("".join(f"{k}: {v}\n" for k, v in summary.items()) + "\n")
             f.write(table)
         with open(os.path.join(output_dir, "profile_rank0.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        prof.export_chrome_trace(os.path.join(output_dir, "trace_rank0.json"))
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof = profile(
@@ -128,4 +139,10 @@ def build_profiler(enabled: bool, rank: int, output_dir: str):
     return prof
 
 
-__all__ = ["NoProfiler", "build_profiler", "summarize", "timeline_summary"]
+__all__ = ["NoProfiler", "build_profiler", "summarize_trace", "timeline_summary"]
+
+
+if __name__ == "__main__":  # python -m moe_tune.train.profile TRACE.json: the step summary of any torch trace
+    import sys
+
+    print(json.dumps(summarize_trace(sys.argv[1]), indent=2))

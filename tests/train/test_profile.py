@@ -41,3 +41,29 @@ def test_profiled_run_writes_its_tables(tmp_path, make_trainer):
     make_trainer("train.steps=9", "train.profile=true").fit()
     assert "Self CPU" in (tmp_path / "profile_rank0.txt").read_text()
     assert json.loads((tmp_path / "profile_rank0.json").read_text()) is None
+
+
+def test_summary_of_a_chrome_trace(tmp_path):
+    """Device work is kernels, memcpys and memsets; device-side annotations (a step's span on the GPU row) are
+    not work; steps are the ProfilerStep# annotations; host syncs the runtime's waiting calls."""
+    from moe_tune.train.profile import summarize_trace
+
+    def x(cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        x("user_annotation", "ProfilerStep#6", 0, 1000),
+        x("gpu_user_annotation", "ProfilerStep#6", 0, 1000),  # would make the GPU look always busy
+        x("kernel", "sm90_xmma_gemm", 100, 300),
+        x("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 400, 100),
+        x("kernel", "ncclDevKernel_AllToAll", 450, 250),  # 500-700 exposed
+        x("cuda_runtime", "cudaStreamSynchronize", 800, 10),
+        x("cuda_runtime", "cudaLaunchKernel", 810, 5),
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 5},
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    s = summarize_trace(str(path))
+    assert s["steps"] == 1 and s["kernels_per_step"] == 3 and s["host_syncs_per_step"] == 1
+    assert s["gpu_busy_fraction"] == pytest.approx(0.6)  # 100-700 of 0-1000
+    assert s["exposed_communication_ms_per_step"] == pytest.approx(0.2)
