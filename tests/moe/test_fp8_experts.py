@@ -222,6 +222,12 @@ def test_config_refuses_unaligned_expert_dims():
     validate(to_config(compose([])), world_size=1, expert_dims=(2048, 780))  # bf16 grouped_mm has no such rule
 
 
+def test_config_refuses_fp8_experts_compiled():
+    cfg = to_config(compose(["kernels.experts=grouped_mm_fp8", "kernels.compile=true"]))
+    with pytest.raises(ConfigError, match="kernels.experts=grouped_mm_fp8 with kernels.compile=true is refused"):
+        validate(cfg, world_size=1)
+
+
 @pytest.mark.parametrize(
     "gpu,message",
     [
