@@ -31,11 +31,12 @@ def round_stochastic_(out: torch.Tensor, x: torch.Tensor, noise: torch.Tensor) -
 
 def adamw_chunk_(p, g, m, v, noise, hyper):
     """One AdamW update of bf16 chunks p, m, v from gradient g, computed in fp32, written back rounded.
-    ``hyper``: fp32 tensor [lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2, skip] (a
-    tensor, so a changing learning rate does not recompile, and skip can come from the device); ``noise``: int32
-    [3, n] in [0, 2^16). With skip > 0 every value is written back unchanged (a bf16 value rounds to itself)."""
-    lr, beta1, beta2, eps, wd, bc1, bc2, skip = hyper.unbind()
-    g32 = g.float()
+    ``hyper``: fp32 tensor [lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2, skip,
+    grad_scale] (a tensor, so a changing learning rate does not recompile, and skip and the gradients' divisor can
+    come from the device); ``noise``: int32 [3, n] in [0, 2^16). With skip > 0 every value is written back
+    unchanged (a bf16 value rounds to itself)."""
+    lr, beta1, beta2, eps, wd, bc1, bc2, skip, grad_scale = hyper.unbind()
+    g32 = g.float() / grad_scale
     m32 = m.float() * beta1 + g32 * (1 - beta1)
     v32 = v.float() * beta2 + g32 * g32 * (1 - beta2)
     p32 = p.float() * (1 - lr * wd) - (lr / bc1) * m32 / ((v32 / bc2).sqrt() + eps)
@@ -58,7 +59,8 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) over bf16 parameters, rounding stochastically.
 
     Like torch's fused AdamW it honours ``found_inf`` (a 0-dim tensor set on the optimizer before ``step``; 1
-    skips the update on the device, no host sync). A skipped step still counts in the bias correction.
+    skips the update on the device, no host sync) and ``grad_scale`` (a 0-dim tensor every gradient is divided
+    by: gradient clipping). A skipped step still counts in the bias correction.
     """
 
     def __init__(self, params, lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, seed=0, shard_index=0, chunk=_CHUNK):
@@ -89,7 +91,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found_inf = getattr(self, "found_inf", None)
+        found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
         index = -1
         for group in self.param_groups:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
@@ -110,11 +112,13 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                 gen = self._generator(device, step, index)
                 hyper = hypers.get((device, step))
                 if hyper is None:
-                    values = torch.tensor([lr, beta1, beta2, eps, wd, 1 - beta1**step, 1 - beta2**step, 0.0])
+                    values = torch.tensor([lr, beta1, beta2, eps, wd, 1 - beta1**step, 1 - beta2**step, 0.0, 1.0])
                     if device.type == "cuda":  # from pinned memory without blocking: no host sync per step
                         values = values.pin_memory().to(device, non_blocking=True)
-                    if found_inf is not None:  # stays on the device
-                        values = torch.cat([values[:-1], found_inf.to(device, torch.float32).reshape(1)])
+                    on_device = [values[:-2]]  # found_inf and grad_scale stay on the device
+                    for given, default in ((found_inf, values[-2:-1]), (grad_scale, values[-1:])):
+                        on_device.append(default if given is None else given.to(device, torch.float32).reshape(1))
+                    values = torch.cat(on_device)
                     hyper = hypers[(device, step)] = values
                 update = self._kernel(device)
                 for start in range(0, views[0].numel(), self.chunk):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from moe_tune.dist.mesh import ParallelMesh
 from moe_tune.parallel.activation_checkpoint import apply_ac
-from moe_tune.parallel.clip import clip_grad_norm_, global_grad_norm
+from moe_tune.parallel.clip import clip_divisor, clip_grad_norm_, global_grad_norm
 from moe_tune.parallel.compile import apply_compile
 from moe_tune.parallel.expert_parallel import ep_dispatchers
 from moe_tune.parallel.fsdp import apply_fsdp, experts_options, mixed_precision_policy
@@ -52,6 +52,7 @@ __all__ = [
     "apply_ac",
     "apply_compile",
     "apply_fsdp",
+    "clip_divisor",
     "clip_grad_norm_",
     "ep_dispatchers",
     "experts_options",

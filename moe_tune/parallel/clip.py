@@ -64,6 +64,13 @@ def global_grad_norm(model, mesh: ParallelMesh) -> torch.Tensor:
 
 
 @torch.no_grad()
+def clip_divisor(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What clipping divides every gradient by: ``max(1, (norm + 1e-6) / max_norm)``, the inverse of
+    ``torch.nn.utils.clip_grad_norm_``'s coefficient. The trainer hands it to the optimizer as ``grad_scale``:
+    its kernel divides each gradient as it reads it, instead of one more pass over all gradients."""
+    return ((total_norm + 1e-6) / max_norm).clamp(min=1.0)
+
+
 def clip_grad_norm_(model, max_norm: float, mesh: ParallelMesh) -> torch.Tensor:
     """Scale all gradients by ``min(1, max_norm / (norm + 1e-6))`` as ``torch.nn.utils.clip_grad_norm_`` does,
     with the norm taken over the whole model across ranks. Returns the norm before clipping (fp32, the same

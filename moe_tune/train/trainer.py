@@ -172,9 +172,12 @@ class Trainer:
     def _clip_grad_norm(self) -> torch.Tensor:
         if self.built.clip_grad_norm is not None:
             return self.built.clip_grad_norm()
-        from moe_tune.parallel import clip_grad_norm_
+        from moe_tune.parallel import clip_divisor, global_grad_norm
 
-        return clip_grad_norm_(self.model, self.cfg.optim.max_grad_norm, self.mesh)
+        norm = global_grad_norm(self.model, self.mesh)
+        if self.cfg.optim.max_grad_norm > 0:  # clipped inside the optimizer's kernel (clip_divisor)
+            self.optimizer.grad_scale = clip_divisor(norm, self.cfg.optim.max_grad_norm)
+        return norm
 
     def _biased_moes(self) -> list:
         return [m for m in self.moe_layers if m.router.e_score_correction_bias is not None]

@@ -179,3 +179,19 @@ def test_found_inf_skips_the_update_bitwise():
     opt.found_inf = torch.tensor(0.0)
     opt.step()
     assert not torch.equal(p.detach(), before[0]) and p.isfinite().all()
+
+
+def test_grad_scale_divides_the_gradients():
+    """grad_scale (the trainer's gradient clipping) acts as gradients divided by it beforehand: the same
+    parameters and moments bit for bit, with the same random bits."""
+    init, grads = _params(seed=3)
+    scaled, divided = (torch.nn.Parameter(init.bfloat16()) for _ in range(2))
+    opts = [StochasticRoundingAdamW([p], lr=1e-2, weight_decay=0.1, seed=5) for p in (scaled, divided)]
+    scaled.grad = grads[0].bfloat16()
+    opts[0].grad_scale = torch.tensor(4.0)
+    divided.grad = (grads[0].bfloat16().float() / 4.0).bfloat16()  # exact: a power of two
+    for opt in opts:
+        opt.step()
+    assert torch.equal(scaled.detach(), divided.detach())
+    assert torch.equal(opts[0].state[scaled]["exp_avg_sq"], opts[1].state[divided]["exp_avg_sq"])
+    assert not torch.equal(scaled.detach(), init.bfloat16())

@@ -61,3 +61,35 @@ def test_step_loss_is_the_mean_over_label_tokens(trainer):
         for ids, labels, pos in batches:
             after += trainer.model(ids, labels=labels, position_ids=pos, loss_normalizer=label_tokens).ce_loss.item()
     assert after < reference, (after, reference)
+
+
+def test_clipped_step_equals_torch_clip_then_adamw(tmp_path):
+    """Gradient clipping done inside the optimizer (its grad_scale) updates the weights as
+    ``torch.nn.utils.clip_grad_norm_`` followed by AdamW does; the norm is clipped here (max_norm 0.05). A large
+    eps makes the update depend on the gradients' scale (Adam's first step is otherwise scale-free)."""
+    import copy
+
+    from moe_tune.dist.env import destroy_distributed
+    from moe_tune.train import Trainer
+
+    overrides = ["optim.max_grad_norm=0.05", "optim.eps=0.01", "train.aux_loss_coef=0", "train.z_loss_coef=0"]
+    cfg = to_config(compose([f"output_dir={tmp_path}", "checkpoint.export_hf=false", *FAST, *overrides]))
+    trainer = Trainer(cfg)
+    try:
+        reference = copy.deepcopy(trainer.model)
+        batches = step_batches(trainer, 0)
+        normalizer = trainer._loss_normalizer(batches)
+        for ids, labels, pos in batches:
+            reference(ids, labels=labels, position_ids=pos, loss_normalizer=normalizer).ce_loss.backward()
+        params = [p for p in reference.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, 0.05)
+        g = trainer.optimizer.param_groups[0]
+        opt = torch.optim.AdamW(params, lr=g["lr"], betas=g["betas"], eps=0.01, weight_decay=g["weight_decay"])
+        opt.step()
+
+        out = trainer.train_step(0)
+        assert float(out["grad_norm"]) == pytest.approx(float(norm), rel=1e-5) and float(norm) > 0.5
+        for (name, a), b in zip(trainer.model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-7, msg=name)
+    finally:
+        destroy_distributed()
