@@ -17,7 +17,8 @@ import torch
 
 WAIT, WARMUP, ACTIVE = 5, 1, 3  # steps counted from 0: 0-4 untraced, 5 warms the profiler up, 6-8 traced
 COMM_KERNEL = re.compile(r"nccl|nvshmem|deep_ep|all_to_all|alltoall", re.IGNORECASE)
-SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")  # prefixes
+# CUDA runtime calls that block the host until the device is done (cudaMemcpy: the synchronous copy only).
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
 class NoProfiler:
@@ -101,7 +102,7 @@ def summarize_trace(path: str) -> dict | None:
             kernels.append((name, start, end))
         elif cat == "user_annotation" and name.startswith("ProfilerStep#"):
             steps.append((start, end))
-        elif cat == "cuda_runtime" and name.startswith(SYNC_EVENTS):
+        elif cat == "cuda_runtime" and name in SYNC_EVENTS:
             syncs += 1
     if not kernels or not steps:
         return None

@@ -59,6 +59,7 @@ def test_summary_of_a_chrome_trace(tmp_path):
         x("kernel", "ncclDevKernel_AllToAll", 450, 250),  # 500-700 exposed
         x("cuda_runtime", "cudaStreamSynchronize", 800, 10),
         x("cuda_runtime", "cudaLaunchKernel", 810, 5),
+        x("cuda_runtime", "cudaMemcpyAsync", 820, 5),  # does not wait for the device
         {"ph": "i", "cat": "kernel", "name": "instant", "ts": 5},
     ]
     path = tmp_path / "trace.json"
