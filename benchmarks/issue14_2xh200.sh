@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Issue 14's rows on 2 x H200, in two calls of under 10 minutes each:
+#   PART=1: moe-tune-env, and the three stacks at micro-batch 4 and 1 (EP=2 + FSDP2, bf16 parameters; moe_tune
+#           all_to_all compiled, with and without comm.overlap; NeMo AutoModel with its torch dispatcher).
+#   PART=2: moe_tune with fp32 master weights at micro-batch 1; the 24-layer workload against Transformers + FSDP2
+#           and NeMo; profiles of moe_tune at micro-batch 1 and 4 (GPU busy, exposed all-to-all).
+# NeMo's DeepEP row also needs TransformerEngine and DeepEP (three_stacks_h200.sh with PEER_DEEPEP=1, later call).
+#   NEMO_SITE=<dir with nemo_automodel> OUT=<results directory> PART=1|2 bash benchmarks/issue14_2xh200.sh
+set -euo pipefail
+OUT=${OUT:?OUT=<results directory>}
+NEMO_SITE=${NEMO_SITE:?NEMO_SITE=<directory where nemo_automodel is installed>}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$(pwd):${PYTHONPATH:-}"
+PART=${PART:?PART=1 or 2}
+mkdir -p "$OUT"
+if [ "$PART" = 1 ]; then
+python -m moe_tune.env > "$OUT/env.txt" 2>&1 || true
+VARIANTS='moe_tune_compile:kernels.compile=true;overlap_compile:kernels.compile=true,comm.overlap=true' \
+  NEMO_SITE="$NEMO_SITE" OUT="$OUT/three_stacks" MBS="4 1" NPROC=2 TIMEOUT=200 bash benchmarks/three_stacks_h200.sh
+else
+python -m moe_tune.bench experiment=qwen3_30b_a3b_ep2_fast train.micro_batch_size=1 --nproc 2 --baselines grouped_mm \
+  --variants 'fp32_master_compile:kernels.compile=true' --timeout-s 200 --out "$OUT/fp32_master_mb1"
+python -m moe_tune.bench experiment=qwen3_30b_a3b_24l_ep2 --nproc 2 --baselines grouped_mm --peer automodel \
+  --peer-pythonpath "$NEMO_SITE" --variants 'moe_tune_24l:' --timeout-s 240 --out "$OUT/24_layers"
+for mb in 1 4; do
+  torchrun --nproc-per-node 2 -m moe_tune experiment=qwen3_30b_a3b_ep2_fast train.precision=bf16 \
+    train.micro_batch_size="$mb" train.steps=10 train.profile=true output_dir="/tmp/profile_mb$mb" > "$OUT/profile_mb$mb.log" 2>&1
+  cp "/tmp/profile_mb$mb/profile_rank0.txt" "/tmp/profile_mb$mb/profile_rank0.json" "$OUT/" 2>/dev/null || true
+  mv "$OUT/profile_rank0.json" "$OUT/profile_mb$mb.json" 2>/dev/null || true
+  mv "$OUT/profile_rank0.txt" "$OUT/profile_mb$mb.txt" 2>/dev/null || true
+done
+fi
+python - "$OUT" <<'PY'
+import glob, json, sys
+print(f"{'run':<18}{'mb':>3}  {'row':<26}{'status':<8}{'tokens/s/GPU':>13}{'TFLOP/s':>9}{'GiB':>7}")
+for path in sorted(glob.glob(f"{sys.argv[1]}/**/bench-*.json", recursive=True)):
+    d, run = json.load(open(path)), path.split("/")[-2]
+    for r in d["rows"]:
+        t, f, m = r.get("tokens_per_s_per_gpu") or 0, r.get("tflops_per_gpu") or 0, r.get("peak_mem_gib") or 0
+        print(f"{run:<18}{d['workload']['micro_batch_size']:>3}  {r['variant']:<26}{r['status'][:7]:<8}{t:>13,.0f}{f:>9.0f}{m:>7.1f}")
+for mb in (1, 4):
+    try:
+        print(f"profile mb{mb}:", json.load(open(f"{sys.argv[1]}/profile_mb{mb}.json")))
+    except (OSError, ValueError):
+        print(f"profile mb{mb}: missing")
+PY
