@@ -13,17 +13,21 @@ FSDP2Config(mp_policy), parallelism_sizes=ParallelismSizes(ep_size), moe_paralle
   - ``train.aux_loss_coef`` -> the config's ``router_aux_loss_coef``;
   - ``--dispatcher torch|deepep`` and ``--backend k=v,...`` (default attn=sdpa, linear=torch, experts=torch_mm,
     rope_fusion=False: no TransformerEngine), ``--ep`` (default parallel.ep if > 1, else every rank).
-Its weights are its own random init (parameter names differ from Hugging Face's), so its losses are not expected to
-match the baseline's step for step. FLOPs per token are counted on the Hugging Face model of the same config.
+It starts from the same weights as the other rows: the checkpoint, or for a random preset the same draw written
+as a Hugging Face checkpoint first (``_preset_checkpoint``), loaded through NeMo's state-dict adapter. FLOPs per
+token are counted on the Hugging Face model of the same config.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
+import shutil
 import sys
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -97,10 +101,12 @@ def build_nemo_model(cfg: Config, env, backend_kwargs: dict, requested_ep: int |
     hf_config.architectures = hf_config.architectures or [_causal_lm_class(hf_config.model_type)]
     param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     kwargs = dict(dtype=param_dtype, distributed_setup=setup, backend=backend)
-    if source is not None:
-        model = NeMoAutoModelForCausalLM.from_pretrained(source, **kwargs)
-    else:
-        model = NeMoAutoModelForCausalLM.from_config(hf_config, **kwargs)
+    weights = source if source is not None else _preset_checkpoint(cfg, hf_config, param_dtype, env.rank)
+    model = NeMoAutoModelForCausalLM.from_pretrained(weights, **kwargs)
+    if source is None:
+        _barrier()  # every rank has loaded it
+        if env.rank == 0:
+            shutil.rmtree(weights)
     model.train()
     t = cfg.train
     accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.micro_batch_size * env.world_size)
@@ -114,6 +120,34 @@ def build_nemo_model(cfg: Config, env, backend_kwargs: dict, requested_ep: int |
         clip_grad_norm=functools.partial(_clip_grad_norm, model, setup.mesh_context, cfg.optim.max_grad_norm, env),
         describe=describe(backend_kwargs, cfg.train.force_balanced_routing, ep),
     )
+
+
+def _preset_checkpoint(cfg: Config, hf_config, dtype: torch.dtype, rank: int) -> str:
+    """A random preset's starting weights as a Hugging Face checkpoint (``output_dir/peer_init``, removed once
+    loaded): the Transformers model with ``init_random``'s draw by tensor name, which is what moe_tune and the
+    Transformers baseline start from. NeMo's module names differ, so it loads them through its own Hugging Face
+    state-dict adapter, as it loads any checkpoint; its ``from_config`` would draw weights of its own."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_tune.bench.baseline import _num_experts
+    from moe_tune.models.init import init_random
+    from moe_tune.models.model import materialize
+
+    path = os.path.join(cfg.output_dir, "peer_init")
+    if rank == 0:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        materialize(model, "cpu")
+        init_random(model, seed=cfg.train.seed, num_experts=_num_experts(hf_config))
+        model.save_pretrained(path)
+        del model
+    _barrier()  # the other ranks read what rank 0 wrote
+    return path
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _causal_lm_class(model_type: str) -> str:

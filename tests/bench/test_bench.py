@@ -154,6 +154,30 @@ def test_the_baseline_keeps_no_copy_of_the_step():
         assert not {"train_step", "fit", "_loop", "_metrics_row"} & set(vars(row))
 
 
+def test_the_peer_starts_from_the_preset_draw_of_the_other_rows(tmp_path):
+    """A random preset reaches NeMo AutoModel as a Hugging Face checkpoint holding init_random's draw (NeMo's own
+    from_config would draw other weights): read back, it equals the baseline's initialisation, in the run's
+    parameter dtype. (With NeMo installed on CPU, the peer's loss curve matched moe_tune's to 2e-5 from it.)"""
+    from moe_tune.bench.baseline import _num_experts
+    from moe_tune.bench.peer import _preset_checkpoint
+    from moe_tune.cli import compose, to_config
+    from moe_tune.models.init import init_random
+
+    small = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32}
+    small |= {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "vocab_size": 256}
+    cfg = to_config(compose([f"output_dir={tmp_path}", "model=qwen3_30b_a3b", "train.seed=3", "train.precision=bf16"]))
+    hf_config = preset_config("qwen3_30b_a3b", small)
+    path = _preset_checkpoint(cfg, hf_config, torch.bfloat16, rank=0)
+    saved = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).state_dict()
+    reference = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+    init_random(reference, seed=3, num_experts=_num_experts(hf_config))
+    expected = reference.state_dict()
+    assert saved.keys() == expected.keys()
+    for name, t in expected.items():
+        assert saved[name].dtype == torch.bfloat16 or not t.is_floating_point(), name
+        assert torch.equal(saved[name], t), name
+
+
 def test_forced_balanced_routing_refuses_biased_routers():
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(
