@@ -170,7 +170,8 @@ def build_plans(args, common: list[str]) -> tuple[list[Plan], list[dict]]:
         if importlib.util.find_spec("nemo_automodel") is None and not args.peer_pythonpath:
             skipped.append(
                 {"variant": "nemo_automodel", "kind": "peer", "reason": "nemo_automodel is not importable here "
-                 "(pip install nemo_automodel, or give --peer-pythonpath DIR where it is installed)"}
+                 "(install it into a directory of its own, e.g. pip install --target DIR nemo_automodel==0.7.0, since it brings "
+                 "its own transformers, and give --peer-pythonpath DIR)"}
             )  # fmt: skip
         else:
             peer_args = ["--dispatcher", args.peer_dispatcher, "--backend", args.peer_backend]
@@ -223,7 +224,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--variants", default=None, help="'name:k=v,k=v;k=v' moe_tune variants (default: one, as given; none: no row)"
     )
-    p.add_argument("--baselines", default="grouped_mm,eager", help="plain Transformers rows: grouped_mm,eager or none")
+    p.add_argument(
+        "--baselines",
+        default="grouped_mm,eager",
+        help=f"plain Transformers rows, comma-separated: {', '.join(BASELINES)} (_nofsdp: without FSDP2, one "
+        "process), or none",
+    )
     p.add_argument(
         "--reference", default=None, help="row whose loss curve the others are compared with (default: first baseline)"
     )
@@ -261,6 +267,12 @@ def main(argv: list[str] | None = None) -> int:
     num_gpus = nproc if _cuda() else 0
     out = args.out or os.path.join("benchmarks", "results", f"{now:%Y-%m-%d}-{hardware_label(num_gpus)}")
     plans, skipped = build_plans(args, common)
+    problem = _plans_problem(plans, skipped, cfg, nproc)
+    if problem:
+        print(f"moe-tune-bench: error: {problem}", file=sys.stderr)
+        return 2
+    for s in skipped:
+        print(f"[bench] {s['variant']}: not run, {s['reason']}", flush=True)
     if args.dry_run:
         return _print_plans(plans, skipped, out, nproc)
     if not _has_matplotlib():  # before any row runs: the chart is drawn after the last one
@@ -282,6 +294,21 @@ def main(argv: list[str] | None = None) -> int:
     md, png = write_report(result, json_path)
     print(f"[bench] wrote {json_path}, {md}, {png}", flush=True)
     return 0
+
+
+def _plans_problem(plans: list[Plan], skipped: list[dict], cfg, nproc: int) -> str | None:
+    """What makes the asked rows unrunnable as a whole, before any runs: nothing to run, or a plain-model
+    baseline (``_nofsdp``) where it cannot run."""
+    if not plans and not skipped:
+        return "no rows to run (--baselines none and --variants none, no --peer); ask for at least one"
+    nofsdp = [p.name for p in plans if "--no-fsdp" in p.args]
+    if nofsdp and (nproc > 1 or cfg.train.precision == "bf16_fp32_master"):
+        return (
+            f"{', '.join(nofsdp)}: the plain Transformers model without FSDP2 runs on one process (got --nproc "
+            f"{nproc}) with parameters in their compute dtype, train.precision bf16, fp32 or amp_bf16 (got "
+            f"{cfg.train.precision}); use --baselines grouped_mm or set train.precision=bf16"
+        )
+    return None
 
 
 def new_result(args, argv: list[str], cfg, common: list[str], nproc: int, num_gpus: int, now) -> dict:

@@ -113,8 +113,10 @@ def markdown(result: dict) -> str:
         if peak
         else "- MFU: no peak known for this hardware.",
         "",
-        f"Speed-up and loss differences are against `{result.get('reference_variant')}`; a loss difference is the "
-        "largest over all steps (relative: divided by the reference's loss at that step).",
+        f"Speed-up and loss differences are against `{result['reference_variant']}`; a loss difference is the "
+        "largest over all steps (relative: divided by the reference's loss at that step)."
+        if result.get("reference_variant")
+        else "No reference row ran (no baseline, no --reference): no speed-ups or loss differences.",
         "",
         "| variant | kind | status | comm | kernels | precision | ep | tokens/s/GPU | speed-up | TFLOP/s/GPU | MFU | "
         "peak alloc GiB | peak reserved GiB | wall s | final loss | max loss diff (abs) | max loss diff (rel) |",

@@ -211,6 +211,7 @@ class OptimConfig:
     warmup_steps: int = 10
     schedule: str = "cosine"
     min_lr_ratio: float = 0.1
+    # Gradients are scaled so their global norm is at most this (inside the optimizer's kernel); 0: no clipping.
     max_grad_norm: float = 1.0
     # train.precision=bf16 only: AdamW in fp32 per chunk, rounded stochastically back to the bf16 parameters and
     # moments (moe_tune/optim/stochastic.py), so updates below bf16's resolution are not lost.

@@ -182,7 +182,13 @@ def _optim_ranges(cfg: Config) -> list[tuple[str, object, bool, str, str]]:
         ("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0 (steps of linear warmup)", "10"),
         ("optim.eps", o.eps, math.isfinite(o.eps) and o.eps > 0, "> 0", "1e-8"),
         ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0", "0.0"),
-        ("optim.max_grad_norm", o.max_grad_norm, o.max_grad_norm > 0, "> 0 (the gradient clipping norm)", "1.0"),
+        (
+            "optim.max_grad_norm",
+            o.max_grad_norm,
+            math.isfinite(o.max_grad_norm) and o.max_grad_norm >= 0,
+            ">= 0 (the gradient clipping norm; 0: no clipping)",
+            "1.0",
+        ),
         (
             "optim.betas",
             list(o.betas),
@@ -229,6 +235,15 @@ def _check_train(cfg: Config) -> None:
             f"train.steps ({t.steps}), train.seq_len ({t.seq_len}) and train.micro_batch_size "
             f"({t.micro_batch_size}) must be positive (seq_len >= 2)"
         )
+    if t.profile:
+        from moe_tune.train.profile import MIN_STEPS, WAIT, WARMUP
+
+        if t.steps < MIN_STEPS:
+            raise ConfigError(
+                f"train.profile=true traces steps {WAIT + WARMUP + 1}-{MIN_STEPS} (after {WAIT} untraced steps and "
+                f"{WARMUP} that warms the profiler up), so it needs train.steps >= {MIN_STEPS} (got {t.steps}); "
+                f"set train.steps={MIN_STEPS + 1}"
+            )
     if t.log_every < 1:
         raise ConfigError(
             f"train.log_every ({t.log_every}) must be >= 1 (steps between logged rows, which are the only steps "

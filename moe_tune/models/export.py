@@ -103,6 +103,15 @@ def write_checkpoint(
         dist.barrier()
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """``safetensors.torch.save_file``, readable as any other file the run writes: safetensors creates its files
+    0600, which would keep the exported weights from the rest of a shared cluster's group."""
+    save_file(tensors, path, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_checkpoint_atomic(model, out_dir: str, writer=None, **options) -> None:
     """``writer(model, dir, **options)`` (default ``write_checkpoint``; ``peft_export.write_adapter`` for a LoRA
     adapter) into a temporary sibling of ``out_dir`` (same filesystem), then swapped in by rank 0
@@ -172,7 +181,7 @@ class _ShardWriter:
             return
         part = len(set(self.files.values()))
         fname = f"model-rank{self.rank:05d}-part{part:03d}.safetensors"
-        save_file(self.pending, os.path.join(self.out_dir, fname), metadata={"format": "pt"})
+        save_safetensors(self.pending, os.path.join(self.out_dir, fname))
         self.files.update(dict.fromkeys(self.pending, fname))
         self.pending, self.size = {}, 0
 

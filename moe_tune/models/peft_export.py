@@ -16,11 +16,10 @@ import os
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
 from moe_tune.dist.env import rank_world
 from moe_tune.lora import ADAPTER, is_adapter
-from moe_tune.models.export import full_tensor, gather_experts
+from moe_tune.models.export import full_tensor, gather_experts, save_safetensors
 from moe_tune.models.hf_io import EXPERT_PARAM, expert_offsets
 
 PREFIX = "base_model.model."
@@ -105,7 +104,7 @@ def write_adapter(model, out_dir: str, ep_group=None, dtype=None) -> None:
             if name.rsplit(".", 1)[0] in routers:
                 tensors[PREFIX + name] = buf.detach().to(dtype or buf.dtype).cpu().contiguous()
         os.makedirs(out_dir, exist_ok=True)
-        save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
         with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
             json.dump(adapter_config(model, names, sorted(set(routers))), f, indent=2, sort_keys=True)
     if world > 1:

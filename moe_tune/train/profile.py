@@ -1,6 +1,7 @@
-"""``train.profile=true``: torch.profiler over steps 6-8 on rank 0. Writes to the run directory:
-``profile_rank0.txt`` (a step summary, then the top ops by device time), ``profile_rank0.json`` (the summary)
-and a Chrome trace ``trace_rank0.json``.
+"""``train.profile=true``: torch.profiler over steps 6-8 (counted from 0; the run needs at least 9 steps) on rank
+0. Writes to the run directory: ``profile_rank0.txt`` (a step summary, then the top ops by device time, by CPU
+time without a GPU), ``profile_rank0.json`` (the summary; null without GPU kernels) and a Chrome trace
+``trace_rank0.json``. The step after the traced ones also pays for writing them (its tokens/s reads low).
 
 The summary answers "is the GPU idle, and is communication exposed?" per traced step: the wall time, the time
 any kernel runs (the union over streams), the communication kernels' time (NCCL, NVSHMEM, DeepEP) and the part
@@ -16,6 +17,7 @@ import re
 import torch
 
 WAIT, WARMUP, ACTIVE = 5, 1, 3  # steps counted from 0: 0-4 untraced, 5 warms the profiler up, 6-8 traced
+MIN_STEPS = WAIT + WARMUP + ACTIVE
 COMM_KERNEL = re.compile(r"nccl|nvshmem|deep_ep|all_to_all|alltoall", re.IGNORECASE)
 # CUDA runtime calls that block the host until the device is done (cudaMemcpy: the synchronous copy only).
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -118,7 +120,8 @@ def build_profiler(enabled: bool, rank: int, output_dir: str):
     from torch.profiler import ProfilerActivity, profile, schedule
 
     def on_ready(prof) -> None:
-        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=60)
+        key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60)
         os.makedirs(output_dir, exist_ok=True)
         trace = os.path.join(output_dir, "trace_rank0.json")
         prof.export_chrome_trace(trace)
@@ -141,9 +144,3 @@ def build_profiler(enabled: bool, rank: int, output_dir: str):
 
 
 __all__ = ["NoProfiler", "build_profiler", "summarize_trace", "timeline_summary"]
-
-
-if __name__ == "__main__":  # python -m moe_tune.train.profile TRACE.json: the step summary of any torch trace
-    import sys
-
-    print(json.dumps(summarize_trace(sys.argv[1]), indent=2))

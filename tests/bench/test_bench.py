@@ -208,6 +208,7 @@ def test_markdown_states_failures_and_skips():
     text = markdown(result)
     assert "| deepep | moe_tune | oom | deepep |" in text
     assert "8 layers (of 48)" in text and "989 TFLOP/s" in text and "nemo_automodel (peer): not importable" in text
+    assert "No reference row ran" in text and "against `None`" not in text
 
 
 @pytest.mark.slow
@@ -248,3 +249,20 @@ def importlib_missing(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is None
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--baselines", "none", "--variants", "none"], "no rows to run"),
+        (["--baselines", "grouped_mm_nofsdp", "--nproc", "2"], "hf_grouped_mm_nofsdp: the plain Transformers model"),
+        (["--baselines", "grouped_mm_nofsdp", "--nproc", "1"], "got bf16_fp32_master"),  # the default precision
+    ],
+)
+def test_unrunnable_row_sets_stop_before_any_row(argv, words, tmp_path, capsys):
+    from moe_tune.bench import main
+
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    assert words in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+

@@ -29,7 +29,7 @@ CASES = {
     "kernels.loss_chunk_size=0": "kernels.loss_chunk_size=0 is out of range: it must be >= 1",
     "+model.overrides.num_hidden_layers=abc": "model.overrides.num_hidden_layers='abc' must be a int",
     "train.steps=abc": "train.steps='abc' is not an integer",
-    "optim.max_grad_norm=0": "optim.max_grad_norm=0.0 is out of range: it must be > 0",
+    "optim.max_grad_norm=-1": "optim.max_grad_norm=-1.0 is out of range: it must be >= 0",
     "train.global_batch_size=0": "train.global_batch_size=0 is out of range",
 }
 

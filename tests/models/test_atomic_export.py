@@ -68,3 +68,16 @@ def test_run_and_export_cli_replace_an_earlier_export(tmp_path, cli_env):
     assert sorted(os.listdir(run / "hf")) == first
     assert not [n for n in os.listdir(run) if n.startswith(".hf")]
     assert_hf_logits_equal(str(run / "hf"))
+
+
+def test_exported_weights_are_readable_like_other_files(tmp_path):
+    """safetensors writes its files 0600; exported weights follow the umask like the config beside them."""
+    out = tmp_path / "hf"
+    old_umask = os.umask(0o022)
+    try:
+        write_checkpoint_atomic(_model(str(tmp_path / "a"), seed=0), str(out))
+    finally:
+        os.umask(old_umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
+    assert any(name.endswith(".safetensors") for name in modes)
+    assert set(modes.values()) == {0o644}, modes

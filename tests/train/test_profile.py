@@ -65,6 +65,30 @@ def test_summary_of_a_chrome_trace(tmp_path):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     s = summarize_trace(str(path))
+    assert _trace_summary([str(path)]) == 0  # benchmarks/trace_summary.py prints it
     assert s["steps"] == 1 and s["kernels_per_step"] == 3 and s["host_syncs_per_step"] == 1
     assert s["gpu_busy_fraction"] == pytest.approx(0.6)  # 100-700 of 0-1000
     assert s["exposed_communication_ms_per_step"] == pytest.approx(0.2)
+
+
+def _trace_summary(argv: list[str]) -> int:
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "trace_summary.py"
+    spec = importlib.util.spec_from_file_location("trace_summary", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
+def test_trace_summary_refuses_what_it_cannot_summarise(tmp_path, capsys):
+    cpu_only = tmp_path / "cpu.json"
+    cpu_only.write_text(
+        json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1}]})
+    )
+    not_a_trace = tmp_path / "summary.json"
+    not_a_trace.write_text("null")
+    for path, words in ((cpu_only, "no GPU kernels"), (not_a_trace, "not a readable Chrome trace")):
+        assert _trace_summary([str(path)]) == 2
+        assert words in capsys.readouterr().err

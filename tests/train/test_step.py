@@ -63,16 +63,17 @@ def test_step_loss_is_the_mean_over_label_tokens(trainer):
     assert after < reference, (after, reference)
 
 
-def test_clipped_step_equals_torch_clip_then_adamw(tmp_path):
+@pytest.mark.parametrize("max_norm", [0.05, 0.0])
+def test_clipped_step_equals_torch_clip_then_adamw(tmp_path, max_norm):
     """Gradient clipping done inside the optimizer (its grad_scale) updates the weights as
-    ``torch.nn.utils.clip_grad_norm_`` followed by AdamW does; the norm is clipped here (max_norm 0.05). A large
+    ``torch.nn.utils.clip_grad_norm_`` followed by AdamW does (max_norm 0.05 clips here; 0 turns clipping off). A large
     eps makes the update depend on the gradients' scale (Adam's first step is otherwise scale-free)."""
     import copy
 
     from moe_tune.dist.env import destroy_distributed
     from moe_tune.train import Trainer
 
-    overrides = ["optim.max_grad_norm=0.05", "optim.eps=0.01", "train.aux_loss_coef=0", "train.z_loss_coef=0"]
+    overrides = [f"optim.max_grad_norm={max_norm}", "optim.eps=0.01", "train.aux_loss_coef=0", "train.z_loss_coef=0"]
     cfg = to_config(compose([f"output_dir={tmp_path}", "checkpoint.export_hf=false", *FAST, *overrides]))
     trainer = Trainer(cfg)
     try:
@@ -82,7 +83,7 @@ def test_clipped_step_equals_torch_clip_then_adamw(tmp_path):
         for ids, labels, pos in batches:
             reference(ids, labels=labels, position_ids=pos, loss_normalizer=normalizer).ce_loss.backward()
         params = [p for p in reference.parameters() if p.requires_grad]
-        norm = torch.nn.utils.clip_grad_norm_(params, 0.05)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
         g = trainer.optimizer.param_groups[0]
         opt = torch.optim.AdamW(params, lr=g["lr"], betas=g["betas"], eps=0.01, weight_decay=g["weight_decay"])
         opt.step()
