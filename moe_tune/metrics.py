@@ -76,8 +76,8 @@ def step_row(
     device: torch.device,
     **extra,
 ) -> dict:
-    """One metrics.jsonl line (the CONTRACT.md fields, then ``extra``); ``dt``: seconds per step, averaged over the
-    logging interval the row closes."""
+    """One metrics.jsonl line (the fields README.md lists under Outputs, then ``extra``); ``dt``: seconds per step,
+    averaged over the logging interval the row closes."""
     alloc, reserved = peak_memory_gib(device)
     tps = tokens / dt
     return {

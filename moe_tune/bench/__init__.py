@@ -9,7 +9,7 @@ Positional arguments are moe_tune's Hydra overrides, shared by every row (the wo
 own process group lifetime (``torchrun --standalone`` or, for one process, plain ``python -m``), writing
 ``<out>/runs/<stamp>/<variant>/{metrics.jsonl,summary.json,stdout.log,stderr.log}``; a row that fails is
 recorded as ``oom`` or ``error: <reason>`` and the benchmark goes on. Results: ``<out>/bench-<stamp>.json``
-(schema in CONTRACT.md), ``.md`` (table) and ``.png`` (chart) beside it; see benchmarks/README.md.
+(its fields: benchmarks/README.md), ``.md`` (table) and ``.png`` (chart) beside it; see benchmarks/README.md.
 """
 
 from __future__ import annotations

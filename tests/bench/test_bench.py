@@ -265,4 +265,3 @@ def test_unrunnable_row_sets_stop_before_any_row(argv, words, tmp_path, capsys):
     assert main([*argv, "--out", str(tmp_path / "out")]) == 2
     assert words in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
-
