@@ -26,6 +26,30 @@ def _exit_with(code: int) -> None:
     os._exit(code)
 
 
+# A job stopped by a signal (Slurm's time-limit warning, preemption): every rank saved the step they agreed on.
+STOPPED = 128 + 15
+
+
+def _requeue(env) -> bool:
+    """``hydra.launcher.max_num_timeout`` > 0: requeue this stopped job (it resumes from the step it saved, with
+    ``checkpoint.resume=auto``), one requeue fewer left in its submission. False when none are left."""
+    from submitit.core import utils
+
+    paths = env.paths
+    delayed = utils.DelayedSubmission.load(paths.submitted_pickle)
+    countdown = delayed._timeout_countdown - 1
+    if countdown < 0:
+        return False
+    delayed.set_timeout(delayed._timeout_min, countdown)
+    with utils.temporary_save_path(paths.submitted_pickle) as tmp:
+        delayed.dump(tmp)
+    env._requeue(countdown)  # scontrol requeue: Slurm ends this attempt's tasks and runs the job again
+    print(
+        f"moe-tune: job {env.job_id} requeued ({countdown} requeues left); it resumes from its checkpoint", flush=True
+    )
+    return True
+
+
 if _SubmititLauncher is None:
 
     class SlurmLauncher(Launcher):
@@ -58,6 +82,9 @@ else:
             register_configs()  # before Hydra composes the job's config here, as the submitter did
             submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
             env = submitit.JobEnvironment()
+            # A requeued attempt: the task's result of the attempt before is stale (the submitter must wait for
+            # this attempt's, not read that one).
+            env.paths.result_pickle.unlink(missing_ok=True)
             ret, exc = JobReturn(), None
             try:
                 ret = super().__call__(*args, **kwargs)
@@ -67,6 +94,8 @@ else:
             except SystemExit as e:
                 exc = e
             code, message = exit_of(exc)
+            if code == STOPPED and env.global_rank == 0 and _requeue(env):
+                _exit_with(code)  # no result for this attempt: the submitter waits for the requeued one
             if code:
                 atexit.register(_exit_with, code)
             ret.status = JobStatus.COMPLETED

@@ -59,3 +59,23 @@ def test_time_limit_signal_saves_and_is_the_submitters_143(slurm, tmp_path):
     assert submitter.returncode == 143, err[-3000:]
     assert re.search(r"moe-tune: error: job \d+: ranks 0,1 exited with code 143\n", err), err[-3000:]
     assert [d.name for d in (job_dir / "checkpoints").iterdir() if (d / "COMPLETE").exists()], err[-3000:]
+
+
+def test_with_requeues_left_a_stopped_job_requeues_and_finishes(slurm, tmp_path):
+    """``hydra.launcher.max_num_timeout=1``: the time-limit warning (here at once by scancel) makes every rank save,
+    rank 0 requeue the job with one requeue fewer, and the job's second attempt resume from that checkpoint and
+    finish; the submitter waits through it and exits 0 (each step's metrics row once across both attempts)."""
+    job_dir = tmp_path / "multirun" / "0"
+    cmd = [PY, "-m", "moe_tune", "hydra/launcher=submitit_slurm_cpu", f"output_dir={tmp_path}", *FAST_RUN]
+    cmd += ["checkpoint.export_hf=false", "parallel.ep=2", "train.steps=120", "hydra.launcher.max_num_timeout=1", "-m"]
+    env = {**cli_env(), "SLURM_CONF": slurm.env["SLURM_CONF"]}
+    submitter = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    wait_rows(job_dir, 2)
+    (script,) = (tmp_path / "multirun" / ".submitit").glob("*/*_submission.sh")
+    job = script.name.split("_")[0]
+    slurm.run(["scancel", "--signal=TERM", job])
+    _, err = submitter.communicate(timeout=240)
+    assert submitter.returncode == 0, err[-3000:]
+    assert [row["step"] for row in read_metrics(job_dir)] == list(range(1, 121)), err[-3000:]
+    logs = "".join(p.read_text() for p in sorted((tmp_path / "multirun" / ".submitit").glob("*/*_0_log.*")))
+    assert "requeued (0 requeues left)" in logs and "resuming from" in logs, logs[-3000:]
