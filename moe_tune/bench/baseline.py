@@ -16,7 +16,7 @@ summary.json fields, timing and FLOP formula are the trainer's; and
   - loss: label-token sum / global label tokens of the step (``num_items_in_batch``), averaged by FSDP over ranks;
   - FSDP2 ``fully_shard`` per decoder layer and the root over all ranks, moe_tune's MixedPrecisionPolicy for
     ``train.precision`` and ``parallel.reshard_after_forward``;
-  - optimizer, schedule and clipping: ``moe_tune.optim`` (PyTorch fused AdamW) and ``clip_grad_norm_``;
+  - optimizer, schedule and clipping: the Trainer's (PyTorch fused AdamW, clipping by its ``grad_scale``);
   - activation checkpointing: ``full`` is Hugging Face's ``gradient_checkpointing_enable``; ``selective`` (which
     transformers lacks) wraps each layer's attention with moe_tune's ``apply_ac``;
   - forced balanced routing (``train.force_balanced_routing``): the softmax top-k routers pick experts

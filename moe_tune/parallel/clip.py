@@ -71,6 +71,7 @@ def clip_divisor(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return ((total_norm + 1e-6) / max_norm).clamp(min=1.0)
 
 
+@torch.no_grad()
 def clip_grad_norm_(model, max_norm: float, mesh: ParallelMesh) -> torch.Tensor:
     """Scale all gradients by ``min(1, max_norm / (norm + 1e-6))`` as ``torch.nn.utils.clip_grad_norm_`` does,
     with the norm taken over the whole model across ranks. Returns the norm before clipping (fp32, the same
