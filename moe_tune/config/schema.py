@@ -218,6 +218,11 @@ class OptimConfig:
     stochastic_rounding: bool = False
 
 
+# train.profile's schedule, in steps from 0: untraced, warming the profiler up, then traced.
+PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 5, 1, 3
+PROFILE_STEPS = PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE  # the run needs at least this many
+
+
 @dataclass
 class TrainConfig:
     steps: int = 60
@@ -238,7 +243,8 @@ class TrainConfig:
     # Held-out loss and perplexity every this many steps and at the end (0: at the end only), when data has a
     # validation set (data.val_path or data.val_fraction).
     eval_every: int = 0
-    # torch.profiler over steps 6-8 on rank 0: profile_rank0.txt (top kernels) and trace_rank0.json in output_dir.
+    # torch.profiler on rank 0 over steps PROFILE_WAIT + PROFILE_WARMUP .. PROFILE_STEPS - 1 (from 0; 6-8): a step
+    # summary and top ops in profile_rank0.{txt,json}, the trace in trace_rank0.json (moe_tune/train/profile.py).
     profile: bool = False
     warmup_steps_excluded: int = 3
     # A step whose global gradient norm is NaN/inf is skipped on the device (weights and optimizer state untouched);

@@ -24,6 +24,9 @@ from moe_tune.config.schema import (
     OVERLAP_BACKENDS,
     PEFT_METHODS,
     PRECISIONS,
+    PROFILE_STEPS,
+    PROFILE_WAIT,
+    PROFILE_WARMUP,
     TRAIN_ON,
     Config,
     ConfigError,
@@ -235,15 +238,13 @@ def _check_train(cfg: Config) -> None:
             f"train.steps ({t.steps}), train.seq_len ({t.seq_len}) and train.micro_batch_size "
             f"({t.micro_batch_size}) must be positive (seq_len >= 2)"
         )
-    if t.profile:
-        from moe_tune.train.profile import MIN_STEPS, WAIT, WARMUP
-
-        if t.steps < MIN_STEPS:
-            raise ConfigError(
-                f"train.profile=true traces steps {WAIT + WARMUP + 1}-{MIN_STEPS} (after {WAIT} untraced steps and "
-                f"{WARMUP} that warms the profiler up), so it needs train.steps >= {MIN_STEPS} (got {t.steps}); "
-                f"set train.steps={MIN_STEPS + 1}"
-            )
+    if t.profile and t.steps < PROFILE_STEPS:
+        first = PROFILE_WAIT + PROFILE_WARMUP + 1
+        raise ConfigError(
+            f"train.profile=true traces steps {first}-{PROFILE_STEPS} (after {PROFILE_WAIT} untraced steps and "
+            f"{PROFILE_WARMUP} that warms the profiler up), so it needs train.steps >= {PROFILE_STEPS} (got "
+            f"{t.steps}); set train.steps={PROFILE_STEPS + 1}"
+        )
     if t.log_every < 1:
         raise ConfigError(
             f"train.log_every ({t.log_every}) must be >= 1 (steps between logged rows, which are the only steps "

@@ -16,8 +16,8 @@ import re
 
 import torch
 
-WAIT, WARMUP, ACTIVE = 5, 1, 3  # steps counted from 0: 0-4 untraced, 5 warms the profiler up, 6-8 traced
-MIN_STEPS = WAIT + WARMUP + ACTIVE
+from moe_tune.config.schema import PROFILE_ACTIVE, PROFILE_WAIT, PROFILE_WARMUP
+
 COMM_KERNEL = re.compile(r"nccl|nvshmem|deep_ep|all_to_all|alltoall", re.IGNORECASE)
 # CUDA runtime calls that block the host until the device is done (cudaMemcpy: the synchronous copy only).
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -136,7 +136,7 @@ def build_profiler(enabled: bool, rank: int, output_dir: str):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof = profile(
         activities=activities,
-        schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE, repeat=1),
+        schedule=schedule(wait=PROFILE_WAIT, warmup=PROFILE_WARMUP, active=PROFILE_ACTIVE, repeat=1),
         on_trace_ready=on_ready,
     )
     prof.start()

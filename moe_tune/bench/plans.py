@@ -1,0 +1,95 @@
+"""What one ``moe-tune-bench`` run is made of: its rows (``Plan``: baselines, moe_tune variants, the peer), parsed
+from the command line and checked as a whole before any row runs."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+
+from moe_tune.bench.runner import split_overrides
+
+# Plain Transformers rows: experts_implementation, and "_nofsdp" for the model without FSDP (one process only).
+BASELINES = ("grouped_mm", "eager", "grouped_mm_nofsdp", "eager_nofsdp")
+
+
+@dataclass
+class Plan:
+    name: str
+    kind: str  # baseline | moe_tune | peer
+    module: str
+    args: list[str]
+    overrides: list[str] = field(default_factory=list)
+
+
+def parse_variants(spec: str | None) -> list[tuple[str, list[str]]]:
+    """``'a2a:comm=all_to_all,parallel.ep=2;comm=deepep,parallel.ep=2'`` -> [(name, overrides)], names
+    defaulting to the overrides' leaf keys and values (``comm=deepep,ep=2``), made unique. ``'none'``: no
+    moe_tune row (a run of baselines or the peer only)."""
+    out: list[tuple[str, list[str]]] = []
+    if (spec or "").strip() == "none":
+        return out
+    for part in (spec or "").split(";"):
+        part = part.strip()
+        if not part:
+            continue
+        name, sep, rest = part.partition(":")
+        if not sep or "=" in name:
+            name, rest = "", part
+        overrides = split_overrides(rest)
+        name = name.strip() or ",".join(
+            f"{o.partition('=')[0].rsplit('.', 1)[-1]}={o.partition('=')[2]}" for o in overrides
+        )
+        out.append((name or "moe_tune", overrides))
+    if not out:
+        out = [("moe_tune", [])]
+    seen: dict[str, int] = {}
+    unique = []
+    for name, overrides in out:
+        seen[name] = seen.get(name, 0) + 1
+        unique.append((name if seen[name] == 1 else f"{name}-{seen[name]}", overrides))
+    return unique
+
+
+def build_plans(args, common: list[str]) -> tuple[list[Plan], list[dict]]:
+    plans, skipped = [], []
+    baselines = [] if args.baselines.strip() == "none" else [b.strip() for b in args.baselines.split(",") if b.strip()]
+    for b in baselines:
+        if b not in BASELINES:
+            raise SystemExit(f"moe-tune-bench: error: --baselines {b!r} is not one of {', '.join(BASELINES)}, none")
+        flags = ["--experts", b.removesuffix("_nofsdp")] + (["--no-fsdp"] if b.endswith("_nofsdp") else [])
+        plans.append(Plan(f"hf_{b}", "baseline", "moe_tune.bench.baseline", flags, common))
+    for name, overrides in parse_variants(args.variants):
+        plans.append(Plan(name, "moe_tune", "moe_tune", [], common + overrides))
+    if args.peer == "automodel":
+        if importlib.util.find_spec("nemo_automodel") is None and not args.peer_pythonpath:
+            skipped.append(
+                {"variant": "nemo_automodel", "kind": "peer", "reason": "nemo_automodel is not importable here "
+                 "(install it into a directory of its own, e.g. pip install --target DIR nemo_automodel==0.7.0, since it brings "
+                 "its own transformers, and give --peer-pythonpath DIR)"}
+            )  # fmt: skip
+        else:
+            peer_args = ["--dispatcher", args.peer_dispatcher, "--backend", args.peer_backend]
+            peer_args += ["--ep", str(args.peer_ep)] if args.peer_ep else []
+            plans.append(
+                Plan(f"nemo_automodel_{args.peer_dispatcher}", "peer", "moe_tune.bench.peer", peer_args, common)
+            )
+    return plans, skipped
+
+
+def plans_problem(plans: list[Plan], skipped: list[dict], cfg, nproc: int) -> str | None:
+    """What makes the asked rows unrunnable as a whole, before any runs: nothing to run, or a plain-model
+    baseline (``_nofsdp``) where it cannot run."""
+    if not plans and not skipped:
+        return "no rows to run (--baselines none and --variants none, no --peer); ask for at least one"
+    nofsdp = [p.name for p in plans if "--no-fsdp" in p.args]
+    if nofsdp and (nproc > 1 or cfg.train.precision == "bf16_fp32_master"):
+        return (
+            f"{', '.join(nofsdp)}: the plain Transformers model without FSDP2 runs on one process (got --nproc "
+            f"{nproc}) with parameters in their compute dtype, train.precision bf16, fp32 or amp_bf16 (got "
+            f"{cfg.train.precision}); use --baselines grouped_mm or set train.precision=bf16"
+        )
+    return None
+
+
+def experts_arg(plan: Plan) -> str | None:
+    return plan.args[plan.args.index("--experts") + 1] if "--experts" in plan.args else None
