@@ -30,17 +30,7 @@ for mb in 1 4; do
   mv "$OUT/profile_rank0.txt" "$OUT/profile_mb$mb.txt" 2>/dev/null || true
 done
 fi
-python - "$OUT" <<'PY'
-import glob, json, sys
-print(f"{'run':<18}{'mb':>3}  {'row':<26}{'status':<8}{'tokens/s/GPU':>13}{'TFLOP/s':>9}{'GiB':>7}")
-for path in sorted(glob.glob(f"{sys.argv[1]}/**/bench-*.json", recursive=True)):
-    d, run = json.load(open(path)), path.split("/")[-2]
-    for r in d["rows"]:
-        t, f, m = r.get("tokens_per_s_per_gpu") or 0, r.get("tflops_per_gpu") or 0, r.get("peak_mem_gib") or 0
-        print(f"{run:<18}{d['workload']['micro_batch_size']:>3}  {r['variant']:<26}{r['status'][:7]:<8}{t:>13,.0f}{f:>9.0f}{m:>7.1f}")
-for mb in (1, 4):
-    try:
-        print(f"profile mb{mb}:", json.load(open(f"{sys.argv[1]}/profile_mb{mb}.json")))
-    except (OSError, ValueError):
-        print(f"profile mb{mb}: missing")
-PY
+python benchmarks/rows_table.py "$OUT"
+for mb in 1 4; do
+  echo "profile mb$mb: $(cat "$OUT/profile_mb$mb.json" 2>/dev/null || echo missing)"
+done

@@ -26,13 +26,4 @@ else
   python -m moe_tune.bench "${workload[@]}" parallel.activation_checkpointing=full "${opts[@]}" --variants "$ep2" \
     --out "$OUT/ep2_ac_full"
 fi
-python - "$OUT" <<'PY'
-import glob, json, sys
-print(f"{'row':<20}{'AC':<6}{'status':<8}{'tokens/s/GPU':>14}{'peak GiB':>10}{'final loss':>12}")
-for path in sorted(glob.glob(f"{sys.argv[1]}/*/bench-*.json")):
-    d = json.load(open(path))
-    for r in d["rows"]:
-        t, m, l = r.get("tokens_per_s_per_gpu") or 0, r.get("peak_mem_gib") or 0, r.get("final_loss") or 0
-        ac = d["workload"]["activation_checkpointing"]
-        print(f"{r['variant']:<20}{ac:<6}{r['status'][:7]:<8}{t:>14,.0f}{m:>10.1f}{l:>12.4f}")
-PY
+python benchmarks/rows_table.py "$OUT"

@@ -33,13 +33,4 @@ for mb in $MBS; do
       --out "$OUT/mb${mb}_deepep"
   fi
 done
-python - "$OUT" <<'PY'
-import glob, json, sys
-print(f"{'micro-batch':<12}{'row':<26}{'status':<8}{'tokens/s/GPU':>14}{'TFLOP/s':>9}{'peak GiB':>10}")
-for path in sorted(glob.glob(f"{sys.argv[1]}/*/bench-*.json")):
-    d = json.load(open(path))
-    for r in d["rows"]:
-        t, m, f = r.get("tokens_per_s_per_gpu") or 0, r.get("peak_mem_gib") or 0, r.get("tflops_per_gpu") or 0
-        mb = d["workload"]["micro_batch_size"]
-        print(f"{mb:<12}{r['variant']:<26}{r['status'][:7]:<8}{t:>14,.0f}{f:>9.0f}{m:>10.1f}")
-PY
+python benchmarks/rows_table.py "$OUT"

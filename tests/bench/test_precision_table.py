@@ -120,3 +120,21 @@ def test_main_writes_json_markdown_and_chart(tmp_path):
     assert "| te_fp8_current | 2.00% | +1.00% | +3.00% | 2.00% | 1 of 2 |" in md
     assert json.loads((tmp_path / "precision.json").read_text())
     assert (tmp_path / "precision.png").stat().st_size > 10_000
+
+
+def test_rows_table_prints_every_row_of_every_run(tmp_path, capsys):
+    """benchmarks/rows_table.py, the benchmark scripts' last output: one line per row, runs found recursively."""
+    import json
+
+    spec = importlib.util.spec_from_file_location("rows_table", _PATH.parent / "rows_table.py")
+    rows_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rows_table)
+    workload = {"micro_batch_size": 4, "activation_checkpointing": "none"}
+    for run, variant, tps in (("a", "hf_grouped_mm", 42406.0), ("b/mb4", "moe_tune_compile", 60706.0)):
+        (tmp_path / run).mkdir(parents=True)
+        row = {"variant": variant, "status": "ok", "tokens_per_s_per_gpu": tps, "tflops_per_gpu": 1.0}
+        result = {"commit": "bef7ddf0", "workload": workload, "rows": [row]}
+        (tmp_path / run / "bench-1.json").write_text(json.dumps(result))
+    assert rows_table.main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and "42,406" in lines[1] and "mb4" in lines[2] and "60,706" in lines[2]
