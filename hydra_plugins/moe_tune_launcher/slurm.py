@@ -26,8 +26,9 @@ def _exit_with(code: int) -> None:
     os._exit(code)
 
 
-# A job stopped by a signal (Slurm's time-limit warning, preemption): every rank saved the step they agreed on.
-STOPPED = 128 + 15
+# The exit codes of a job stopped by a signal it saves on (StopSignal.SIGNALS: SIGTERM, SIGUSR1; Slurm's time-limit
+# warning, preemption): every rank saved the step they agreed on.
+STOPPED = {128 + 15, 128 + 10}
 
 
 def _requeue(env) -> bool:
@@ -94,7 +95,7 @@ else:
             except SystemExit as e:
                 exc = e
             code, message = exit_of(exc)
-            if code == STOPPED and env.global_rank == 0 and _requeue(env):
+            if code in STOPPED and env.global_rank == 0 and _requeue(env):
                 _exit_with(code)  # no result for this attempt: the submitter waits for the requeued one
             if code:
                 atexit.register(_exit_with, code)

@@ -131,14 +131,16 @@ def get_family(model_type: str, architectures: list[str] | None = None) -> Famil
     return FAMILIES[model_type]
 
 
+def _moe_spec(config):
+    return get_family(config.model_type, getattr(config, "architectures", None)).moe_spec(config)
+
+
 def num_experts(config) -> int:
     """Routed experts per MoE layer of a Hugging Face config (known before any model is built)."""
-    family = get_family(config.model_type, getattr(config, "architectures", None))
-    return family.moe_spec(config).router.num_experts
+    return _moe_spec(config).router.num_experts
 
 
 def expert_dims(config) -> tuple[int, int]:
     """(model dim, expert hidden dim) of the routed experts of a Hugging Face config."""
-    family = get_family(config.model_type, getattr(config, "architectures", None))
-    experts = family.moe_spec(config).experts
+    experts = _moe_spec(config).experts
     return experts.dim, experts.hidden
