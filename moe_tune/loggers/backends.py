@@ -66,6 +66,10 @@ class WandbLogger(Logger):
 
     def close(self) -> None:
         self.run.finish()
+        if self.wandb.run is None:
+            # finish() can return before wandb's service has written the run file (seen with wandb 0.31 offline:
+            # read right after, the file held only its header); teardown waits for it, as it would at exit.
+            self.wandb.teardown()
 
 
 class MlflowLogger(Logger):
