@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 14's rows on 2 x H200, in two calls of under 10 minutes each:
 #   PART=1: moe-tune-env, and the three stacks at micro-batch 4 and 1 (EP=2 + FSDP2, bf16 parameters; moe_tune
-#           all_to_all compiled, with and without comm.overlap; NeMo AutoModel with its torch dispatcher).
+#           all_to_all compiled, with and without comm.overlap, and deepep compiled where DeepEP is importable;
+#           NeMo AutoModel with its torch dispatcher).
 #   PART=2: moe_tune with fp32 master weights at micro-batch 1; the 24-layer workload against Transformers + FSDP2
 #           and NeMo; profiles of moe_tune at micro-batch 1 and 4 (GPU busy, exposed all-to-all).
 # NeMo's DeepEP row also needs TransformerEngine and DeepEP (three_stacks_h200.sh with PEER_DEEPEP=1, later call).
@@ -15,7 +16,10 @@ PART=${PART:?PART=1 or 2}
 mkdir -p "$OUT"
 if [ "$PART" = 1 ]; then
 python -m moe_tune.env > "$OUT/env.txt" 2>&1 || true
-VARIANTS='moe_tune_compile:kernels.compile=true;overlap_compile:kernels.compile=true,comm.overlap=true' \
+VARIANTS='moe_tune_compile:kernels.compile=true;overlap_compile:kernels.compile=true,comm.overlap=true'
+# moe_tune's deepep dispatcher too, where DeepEP is importable (it is built on the machine, not shipped).
+if python -c 'import deep_ep' 2>/dev/null; then VARIANTS="$VARIANTS;deepep_compile:comm=deepep,kernels.compile=true"; fi
+VARIANTS="$VARIANTS" \
   NEMO_SITE="$NEMO_SITE" OUT="$OUT/three_stacks" MBS="4 1" NPROC=2 TIMEOUT=200 bash benchmarks/three_stacks_h200.sh
 else
 python -m moe_tune.bench experiment=qwen3_30b_a3b_ep2_fast train.micro_batch_size=1 --nproc 2 --baselines grouped_mm \
