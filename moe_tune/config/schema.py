@@ -78,9 +78,12 @@ OVERLAP_BACKENDS = ("all_to_all",)
 
 @dataclass
 class AllToAllConfig(CommConfig):
-    """NCCL/gloo ``all_to_all_single`` (split sizes cross the host once per layer); ``overlap`` only."""
+    """NCCL/gloo ``all_to_all_single`` (split sizes cross the host once per layer)."""
 
     name: str = "all_to_all"
+    # Send each token once to every ep rank holding any of its experts (weighted and summed there), instead of
+    # once per routed expert: with top-8 of 128 experts on 2 ranks, about 4x fewer rows on the wire.
+    dedup: bool = True
 
 
 @dataclass

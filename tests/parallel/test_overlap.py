@@ -1,7 +1,8 @@
 """comm.overlap=true on the tiny Qwen3-MoE under EP=2 + FSDP (2 gloo ranks, fp32): the same losses and the same
 gradients (this rank's shards of every parameter) as comm.overlap=false on two batches, within 1e-6 (each
 parameter alone within 1e-5, see ``_compare``; in fp64 the two paths agree to 1e-12: tests/moe/dispatch); also
-under full activation checkpointing, whose recompute runs the overlapped dispatch again. Each rank holds an odd
+under full activation checkpointing, whose recompute runs the overlapped dispatch again; and comm.dedup=false
+(one row per routed expert) against the default (one row per token and ep rank), with and without overlap. Each rank holds an odd
 and different number of tokens, so the halves differ in size and the ranks' splits are uneven. (The layer on
 empty splits and single tokens: tests/moe/dispatch/test_overlap.py.)"""
 
@@ -22,13 +23,13 @@ pytestmark = pytest.mark.dist
 BATCHES, LENGTHS = 2, (15, 9)  # tokens on rank 0 and rank 1: halves 8/7 and 5/4
 
 
-def _build(path: str, overlap: bool, ac: str = "none"):
+def _build(path: str, overlap: bool, ac: str = "none", dedup: bool = True):
     from transformers import AutoConfig
 
     cfg = Config()
     cfg.train.precision, cfg.parallel.activation_checkpointing = "fp32", ac
     cfg.train.aux_loss_coef = 0.01
-    cfg.comm = AllToAllConfig(overlap=overlap)
+    cfg.comm = AllToAllConfig(overlap=overlap, dedup=dedup)
     dims = ParallelDims(dp_replicate=1, dp_shard=2, ep=2, world_size=2)
     mesh = build_mesh(dims, "cpu")
     model = assemble(
@@ -80,6 +81,9 @@ def _body(rank: int, path: str) -> None:
     plain = _grads(_build(path, overlap=False), rank)
     failures = _compare(_grads(_build(path, overlap=True), rank), plain, "overlap")
     failures += _compare(_grads(_build(path, overlap=True, ac="full"), rank), plain, "overlap + full AC")
+    # comm.dedup=false (one row per routed expert, summed at home) against the default (one row per ep rank).
+    failures += _compare(_grads(_build(path, overlap=False, dedup=False), rank), plain, "dedup=false")
+    failures += _compare(_grads(_build(path, overlap=True, dedup=False), rank), plain, "overlap, dedup=false")
     dist.barrier()
     assert not failures, f"rank {rank}: " + "; ".join(failures)
 

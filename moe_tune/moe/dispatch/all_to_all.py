@@ -1,7 +1,16 @@
 """``comm=all_to_all``: expert parallelism over ``torch.distributed.all_to_all_single`` (NCCL or gloo).
 
 Experts are split in contiguous blocks: ep rank s owns global experts [s*e, (s+1)*e), e = E / ep.
-Dispatch, on each rank of the ep group:
+
+``comm.dedup=true`` (the default): each token crosses to an ep rank once, however many of its K experts live
+there (DeepEP's layout). With top-8 of 128 experts on 2 ranks a token has about 4 experts on each rank, so the
+rows on the wire drop about 4x. Dispatch sends the token and, per slot k, its local expert id there (``e``: held
+elsewhere); the expert's rank expands each token to its local experts' rows (a gather), and its combine weights
+and sums them (the gates travel with the combine, a K-float exchange), so one partial sum per (token, rank)
+comes home, where the ranks' partials are added. Every expansion and reduction is a gather, forward and
+backward (``base.take_rows``, ``base.gather_rows``).
+
+``comm.dedup=false``: one row per (token, expert). Dispatch, on each rank of the ep group:
   1. sort the T*K routed rows by global expert; this also groups them by destination rank;
   2. all-to-all the per-expert row counts (E ints) so every rank learns counts_Ge, the rows it will
      receive from source s for each of its local experts;
@@ -31,10 +40,12 @@ from moe_tune.config import AllToAllConfig
 from moe_tune.moe.dispatch.base import (
     Dispatcher,
     expert_major_positions,
+    gather_rows,
     inverse_permutation,
     permute_rows,
     repeat_tokens,
     sort_by_expert,
+    take_rows,
     weighted_sum,
 )
 from moe_tune.moe.dispatch.streams import Pending, launch
@@ -77,6 +88,22 @@ class _Route:
     counts_e: torch.Tensor  # rows received per local expert
 
 
+@dataclass
+class _RankRoute:
+    """comm.dedup=true: one row per (token, destination ep rank). S rows sent (rank-major, token order within a
+    rank), R tokens received (source-major), expanded to N rows in local-expert-major order."""
+
+    token_S: torch.Tensor  # sent row s is token token_S[s]
+    inverse_TG: torch.Tensor  # token t's row for ep rank g is inverse_TG[t, g] (S: t has no expert there)
+    home_S: torch.Tensor  # sent row s sits at home_S[s] in inverse_TG.reshape(-1)
+    local_RK: torch.Tensor  # received token r's slot k: local expert id, e where the expert is elsewhere
+    order_N: torch.Tensor  # expert-major row n expands slot order_N[n] of local_RK.reshape(-1)
+    slot_RK: torch.Tensor  # slot (r, k)'s row in expert-major order (N: the slot is elsewhere)
+    send_splits: list[int]  # tokens to each ep rank
+    recv_splits: list[int]  # tokens from each ep rank
+    counts_e: torch.Tensor  # rows per local expert
+
+
 class AllToAllDispatcher(Dispatcher):
     def __init__(
         self,
@@ -91,12 +118,15 @@ class AllToAllDispatcher(Dispatcher):
         self.num_experts, self.top_k, self.ep_group, self.ep = num_experts, top_k, ep_group, ep
         self.num_local_experts = num_experts // ep
         self.first_local_expert = dist.get_rank(ep_group) * self.num_local_experts
-        self.overlap = (options or AllToAllConfig()).overlap
+        options = options or AllToAllConfig()
+        self.overlap, self.dedup = options.overlap, options.dedup
 
-    def _routes(self, ids: list[torch.Tensor], counts: list[torch.Tensor]) -> list[_Route]:
+    def _routes(self, ids: list[torch.Tensor], counts: list[torch.Tensor]) -> list[_Route] | list[_RankRoute]:
         """The routes of one or more chunks of this rank's tokens (``ids[i]``, ``counts[i]``: chunk i's experts
         and rows per global expert), with one counts exchange and one host sync for all of them."""
         G, e, n = self.ep, self.num_local_experts, len(ids)
+        if self.dedup:
+            return self._rank_routes(ids, counts)
         orders = [sort_by_expert(ids_TK)[0] for ids_TK in ids]
         # [G, n, e]: for each ep rank, every chunk's counts of the experts it owns.
         send_Gne = torch.stack(counts).view(n, G, e).transpose(0, 1).contiguous()
@@ -113,12 +143,85 @@ class AllToAllDispatcher(Dispatcher):
             routes.append(_Route(order_R, inv_order_R, dest_R, src_R, send_nG[i], recv_nG[i], counts_Ge.sum(0)))
         return routes
 
-    def _send(self, x_TD: torch.Tensor, route: _Route) -> torch.Tensor:
+    def _rank_routes(self, ids: list[torch.Tensor], counts: list[torch.Tensor]) -> list[_RankRoute]:
+        """``_routes`` for comm.dedup=true: per chunk, which tokens go to which ep rank, exchanged with the
+        per-expert counts (one exchange, one host sync for all chunks), then each chunk's local expert ids."""
+        G, e, n, K = self.ep, self.num_local_experts, len(ids), self.top_k
+        device = ids[0].device
+        ranks = torch.arange(G, device=device)
+        # hit_GT[g, t]: token t has at least one of its K experts on ep rank g.
+        hits = [((ids_TK // e).unsqueeze(0) == ranks.view(G, 1, 1)).any(-1) for ids_TK in ids]
+        # [G, n, e + 1]: for each ep rank, every chunk's rows for each expert it owns, then the chunk's tokens.
+        send = torch.cat([torch.stack(counts).view(n, G, e), torch.stack([h.sum(1) for h in hits]).unsqueeze(-1)], 2)
+        send = send.transpose(0, 1).contiguous()
+        recv = torch.empty_like(send)
+        # Collective over the ep mesh axis: n*(e+1) counts to each ep rank.
+        dist.all_to_all_single(recv, send, group=self.ep_group)
+        # host sync: split sizes as Python ints (the one sync per layer, all chunks).
+        send_nG, recv_nG, rows_nG = torch.stack([send[..., e].t(), recv[..., e].t(), recv[..., :e].sum(2).t()]).tolist()
+        routes = []
+        for i, (ids_TK, hit_GT) in enumerate(zip(ids, hits)):
+            T, S, R, N = ids_TK.shape[0], sum(send_nG[i]), sum(recv_nG[i]), sum(rows_nG[i])
+            flat_M = hit_GT.reshape(-1)  # (rank, token), rank-major: the send order
+            picked_S = torch.argsort(flat_M.logical_not().to(torch.uint8), stable=True)[:S]
+            token_S, rank_S = picked_S % max(T, 1), picked_S // max(T, 1)
+            inverse_TG = torch.where(flat_M, torch.cumsum(flat_M, 0) - 1, S).view(G, T).t()
+            ids_SK = ids_TK[token_S]
+            local_SK = torch.where(ids_SK // e == rank_S.unsqueeze(1), ids_SK - rank_S.unsqueeze(1) * e, e)
+            local_RK = _exchange(local_SK, recv_nG[i], send_nG[i], self.ep_group)
+            # Expert-major rows: slots sorted by local expert (e, "elsewhere", last), sources then tokens within.
+            order_N = torch.argsort(local_RK.reshape(-1), stable=True)[:N]
+            slot_RK = torch.full((R * K,), N, dtype=order_N.dtype, device=device)
+            slot_RK[order_N] = torch.arange(N, device=device)
+            home_S = token_S * G + rank_S
+            routes.append(
+                _RankRoute(
+                    token_S,
+                    inverse_TG,
+                    home_S,
+                    local_RK,
+                    order_N,
+                    slot_RK.view(R, K),
+                    send_nG[i],
+                    recv_nG[i],
+                    recv[:, i, :e].sum(0),
+                )
+            )
+        return routes
+
+    def _send(self, x_TD: torch.Tensor, route: _Route | _RankRoute) -> torch.Tensor:
+        if isinstance(route, _RankRoute):
+            return take_rows(x_TD, route.token_S, route.inverse_TG)
         return repeat_tokens(x_TD, route.order_R, route.inv_order_R, self.top_k)
 
-    def _arrived(self, routed_RD: torch.Tensor, route: _Route):
+    def _arrived(self, routed_RD: torch.Tensor, route: _Route | _RankRoute):
+        if isinstance(route, _RankRoute):  # each token to its local experts' rows, expert-major (a gather)
+            return take_rows(routed_RD, route.order_N // self.top_k, route.slot_RK), route.counts_e, route
         # Into expert-major order: a gather (its backward too; no scatter).
         return permute_rows(routed_RD, route.src_R, route.dest_R), route.counts_e, route
+
+    def _partial_sums(self, y_ND: torch.Tensor, gates_RK: torch.Tensor, route: _RankRoute) -> torch.Tensor:
+        """On the experts' rank: each received token's gate-weighted sum over its local experts' rows. A slot
+        held elsewhere reads row 0 with a zero gate (cheaper than copying y to pad it with a zero row)."""
+        R, K = route.slot_RK.shape
+        here_RK = route.local_RK < self.num_local_experts
+        index_M = torch.where(here_RK, route.slot_RK, 0).reshape(-1)
+        y_RKD = gather_rows(y_ND, index_M, route.order_N).view(R, K, y_ND.shape[-1])
+        gates_RK = torch.where(here_RK, gates_RK, 0).to(y_RKD.dtype)
+        return torch.bmm(gates_RK.unsqueeze(1), y_RKD).squeeze(1)
+
+    def _home(self, back_SD: torch.Tensor, route: _RankRoute) -> torch.Tensor:
+        """On the tokens' rank: the sum of each token's partial sums from the ep ranks."""
+        T, G = route.inverse_TG.shape
+        return (
+            gather_rows(back_SD, route.inverse_TG.reshape(-1), route.home_S, pad=True)
+            .view(T, G, back_SD.shape[-1])
+            .sum(1)
+        )
+
+    def _gates(self, weights_TK: torch.Tensor, route: _RankRoute) -> torch.Tensor:
+        """Each sent token's K gates (those of slots held elsewhere are zeroed there)."""
+        return take_rows(weights_TK, route.token_S, route.inverse_TG)
 
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor | None = None):
         counts_E = expert_counts(ids_TK, self.num_experts) if counts_E is None else counts_E
@@ -126,7 +229,13 @@ class AllToAllDispatcher(Dispatcher):
         routed_RD = all_to_all(self._send(x_TD, route), route.recv_splits, route.send_splits, self.ep_group)
         return self._arrived(routed_RD, route)
 
-    def combine(self, y_RD: torch.Tensor, weights_TK: torch.Tensor, ctx: _Route) -> torch.Tensor:
+    def combine(self, y_RD: torch.Tensor, weights_TK: torch.Tensor, ctx: _Route | _RankRoute) -> torch.Tensor:
+        if isinstance(ctx, _RankRoute):  # gates to the experts' rank, partial sums home (ep mesh axis)
+            gates_RK = all_to_all(self._gates(weights_TK, ctx), ctx.recv_splits, ctx.send_splits, self.ep_group)
+            back_SD = all_to_all(
+                self._partial_sums(y_RD, gates_RK, ctx), ctx.send_splits, ctx.recv_splits, self.ep_group
+            )
+            return self._home(back_SD, ctx)
         # Back to source-rank-major order, then the reverse all-to-all (ep mesh axis) returns each row home.
         back_RD = all_to_all(permute_rows(y_RD, ctx.dest_R, ctx.src_R), ctx.send_splits, ctx.recv_splits, self.ep_group)
         return weighted_sum(back_RD, ctx.order_R, ctx.inv_order_R, weights_TK)
@@ -141,7 +250,14 @@ class AllToAllDispatcher(Dispatcher):
             pending.append(sent)
         return pending
 
-    def combine_async(self, y_RD: torch.Tensor, weights_TK: torch.Tensor, ctx: _Route) -> Pending:
+    def combine_async(self, y_RD: torch.Tensor, weights_TK: torch.Tensor, ctx: _Route | _RankRoute) -> Pending:
+        if isinstance(ctx, _RankRoute):
+            # Both exchanges (ep mesh axis) on the side stream; the partial and home sums on the compute stream.
+            gates = launch(all_to_all, self._gates(weights_TK, ctx), ctx.recv_splits, ctx.send_splits, self.ep_group)
+            partial_RD = self._partial_sums(y_RD, gates.wait(), ctx)
+            sent = launch(all_to_all, partial_RD, ctx.send_splits, ctx.recv_splits, self.ep_group)
+            sent.finish = functools.partial(self._home, route=ctx)
+            return sent
         # As combine: the permutation on the compute stream, the all-to-all (ep mesh axis) on the side stream,
         # the weighted sum on the compute stream once the rows are home.
         back_RD = permute_rows(y_RD, ctx.dest_R, ctx.src_R)

@@ -78,18 +78,53 @@ class _PermuteRows(torch.autograd.Function):
         return grad_RD[inverse_R], None, None
 
 
-class _RepeatTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TD, order_R, inv_R, top_k: int):
-        ctx.save_for_backward(inv_R)
-        ctx.top_k = top_k
-        return x_TD[order_R // top_k]
+class _GatherRows(torch.autograd.Function):
+    """``x_ND[index_M]`` (with ``pad``: an index ``N`` reads a zero row); backward gathers the gradient rows back
+    through ``source_N`` (where each of x's rows was read: every row is read exactly once that counts, and any
+    other read must meet a zero gradient)."""
 
     @staticmethod
-    def backward(ctx, grad_RD):
-        (inv_R,) = ctx.saved_tensors
-        K = ctx.top_k
-        return grad_RD[inv_R].view(-1, K, grad_RD.shape[-1]).sum(1), None, None, None
+    def forward(ctx, x_ND, index_M, source_N, pad: bool):
+        ctx.save_for_backward(source_N)
+        if pad:
+            x_ND = torch.cat([x_ND, x_ND.new_zeros(1, x_ND.shape[-1])])
+        return x_ND[index_M]
+
+    @staticmethod
+    def backward(ctx, grad_MD):
+        (source_N,) = ctx.saved_tensors
+        return grad_MD[source_N], None, None, None
+
+
+class _TakeRows(torch.autograd.Function):
+    """``x_TD[index_S]`` where token t is read at the rows ``inverse_TM[t]`` (with ``pad``: at most M times, the
+    entries ``S`` for fewer): backward gathers those rows (a zero row for the missing ones) and sums them, without
+    a scatter."""
+
+    @staticmethod
+    def forward(ctx, x_TD, index_S, inverse_TM, pad: bool):
+        ctx.save_for_backward(inverse_TM)
+        ctx.pad = pad
+        return x_TD[index_S]
+
+    @staticmethod
+    def backward(ctx, grad_SD):
+        (inverse_TM,) = ctx.saved_tensors
+        T, M = inverse_TM.shape
+        if ctx.pad:
+            grad_SD = torch.cat([grad_SD, grad_SD.new_zeros(1, grad_SD.shape[-1])])
+        return grad_SD[inverse_TM.reshape(-1)].view(T, M, grad_SD.shape[-1]).sum(1), None, None, None
+
+
+def gather_rows(x_ND: torch.Tensor, index_M: torch.Tensor, source_N: torch.Tensor, pad: bool = False):
+    """Rows ``x_ND[index_M]`` where ``index_M[source_N] == arange(N)``; ``pad``: an index ``N`` gives a zero row.
+    Reads at other positions than ``source_N`` get no gradient: the caller makes sure theirs is zero."""
+    return _GatherRows.apply(x_ND, index_M, source_N, pad)
+
+
+def take_rows(x_TD: torch.Tensor, index_S: torch.Tensor, inverse_TM: torch.Tensor, pad: bool = True):
+    """Rows ``x_TD[index_S]``, token t read at the rows listed in ``inverse_TM[t]`` (padded with ``S``)."""
+    return _TakeRows.apply(x_TD, index_S, inverse_TM, pad)
 
 
 def permute_rows(x_RD: torch.Tensor, index_R: torch.Tensor, inverse_R: torch.Tensor) -> torch.Tensor:
@@ -99,7 +134,7 @@ def permute_rows(x_RD: torch.Tensor, index_R: torch.Tensor, inverse_R: torch.Ten
 
 def repeat_tokens(x_TD: torch.Tensor, order_R: torch.Tensor, inv_R: torch.Tensor, top_k: int) -> torch.Tensor:
     """The routed rows in sorted order, ``x_TD[order_R // top_k]`` (``sort_by_expert``), for all T*K rows."""
-    return _RepeatTokens.apply(x_TD, order_R, inv_R, top_k)
+    return take_rows(x_TD, order_R // top_k, inv_R.view(-1, top_k), pad=False)
 
 
 def weighted_sum(y_RD: torch.Tensor, order_R: torch.Tensor, inv_R: torch.Tensor, weights_TK: torch.Tensor):

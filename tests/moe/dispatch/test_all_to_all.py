@@ -1,5 +1,5 @@
 """comm=all_to_all: the dispatcher on 2 gloo ranks with uneven and empty splits (rows, order, combine and
-gradients), its expert-major permutation, and the local dispatcher as the EP=1 case. (The MoE layer under EP=2:
+gradients; rows on the wire), with comm.dedup on and off, its expert-major permutation, and the local dispatcher as the EP=1 case. (The MoE layer under EP=2:
 tests/moe/test_layer.py.)"""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _ids(case: str, rank: int, T: int, g: torch.Generator) -> torch.Tensor:
     return torch.stack(rows) if rows else torch.empty(0, K, dtype=torch.long)
 
 
-def _dispatcher_body(rank: int) -> None:
+def _dispatcher_body(rank: int, dedup: bool) -> None:
     group = dist.group.WORLD
     for case in ("random", "one_rank", "sparse"):
         for T in ((5, 11), (7, 0)):
@@ -45,9 +45,12 @@ def _dispatcher_body(rank: int) -> None:
             x_TD = torch.randn(T[rank], D, generator=g, requires_grad=True)
             w_TK = torch.rand(T[rank], K, generator=g, requires_grad=True)
             scale_E = torch.arange(1.0, E + 1)  # "expert" j multiplies its rows by j + 1
-            d = AllToAllDispatcher(E, K, group)
+            d = AllToAllDispatcher(E, K, group, AllToAllConfig(dedup=dedup))
             x_RD, counts_e, ctx = d.dispatch(x_TD, ids_TK)
             assert counts_e.sum().item() == x_RD.shape[0]
+            # On the wire: one row per (token, ep rank holding any of its experts) with dedup, else per expert.
+            pairs = {(t, j // d.num_local_experts) for t, row in enumerate(ids_TK.tolist()) for j in row}
+            assert sum(ctx.send_splits) == (len(pairs) if dedup else ids_TK.numel())
             local_ids = torch.repeat_interleave(torch.arange(d.num_local_experts), counts_e)
             out = d.combine(x_RD * scale_E[rank * d.num_local_experts + local_ids].unsqueeze(1), w_TK, ctx)
             ref = (w_TK.unsqueeze(-1) * x_TD.unsqueeze(1) * scale_E[ids_TK].unsqueeze(-1)).sum(1)
@@ -73,8 +76,9 @@ def _dispatcher_body(rank: int) -> None:
                 (out * out).sum().backward()  # rank 1 has no tokens but still serves the backward all-to-all
 
 
-def test_dispatcher_uneven_and_empty_splits():
-    run_ranks(_dispatcher_body, 2)
+@pytest.mark.parametrize("dedup", [True, False], ids=["one_row_per_rank", "one_row_per_expert"])
+def test_dispatcher_uneven_and_empty_splits(dedup):
+    run_ranks(_dispatcher_body, 2, dedup)
 
 
 def test_local_dispatcher_is_the_ep1_case():

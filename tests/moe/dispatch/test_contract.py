@@ -9,7 +9,7 @@ Where each backend runs:
   - ``all_to_all``: gloo on CPU (the CPU suite).
   - ``symm_mem_emulated``: symm_mem's own permutation, capacity and autograd code on gloo (CPU), with
     NVSHMEM's ``all_to_all_vdev`` and symmetric allocation replaced by a gloo equivalent.
-  - ``symm_mem`` and ``deepep``: NCCL on 2 GPUs, bf16 rows of 256 (``gpu`` marker; skipped with the reason
+  - ``all_to_all_nccl`` (its default, comm.dedup=true, on NCCL), ``symm_mem`` and ``deepep``: NCCL on 2 GPUs, bf16 rows of 256 (``gpu`` marker; skipped with the reason
     otherwise). On 2 x H200 with torch 2.11 and DeepEP 1.2.1 the three ``gpu`` tests pass:
     benchmarks/results/2026-11-30-2xH200/dispatch-gpu-tests.log.
 Nothing here imports deep_ep unless the deepep case runs.
@@ -31,6 +31,7 @@ from tests.harness import run_ranks
 from tests.tiny import rel_err
 
 E, K = 8, 2
+GPU_BACKENDS = ("all_to_all_nccl", "symm_mem", "deepep")
 CASES = ("random", "one_rank", "sparse")
 TOKENS = ((5, 11), (7, 0))  # uneven batches, and a rank without tokens
 
@@ -50,12 +51,12 @@ def _gpu_skip(backend: str) -> str | None:
 
 def _run(body, backend: str) -> None:
     """``body(rank, backend)`` on 2 ranks: gloo on CPU, NCCL (one GPU per rank) for symm_mem and deepep."""
-    run_ranks(body, 2, backend, backend="nccl" if backend in ("symm_mem", "deepep") else "gloo")
+    run_ranks(body, 2, backend, backend="nccl" if backend in GPU_BACKENDS else "gloo")
 
 
 def _backend_params():
     params = [pytest.param("all_to_all", id="all_to_all"), pytest.param("symm_mem_emulated", id="symm_mem_emulated")]
-    for name in ("symm_mem", "deepep"):
+    for name in GPU_BACKENDS:
         reason = _gpu_skip(name)
         marks = [pytest.mark.gpu] + ([pytest.mark.skip(reason=reason)] if reason else [])
         params.append(pytest.param(name, id=name, marks=marks))
@@ -87,6 +88,7 @@ def _build(backend: str, checked_after_step: bool = False, **options):
     if backend.startswith("symm_mem"):
         options = {"capacity_factor": 2.0, "max_tokens": 16, **options}
         backend = "symm_mem"
+    backend = backend.removesuffix("_nccl")
     comm = comm_config({"name": backend, **options})
     return build_dispatcher(comm, E, K, dist.group.WORLD, checked_after_step)
 
@@ -123,7 +125,7 @@ def _sorted_rows(x: torch.Tensor) -> torch.Tensor:
 def _contract_body(rank: int, backend: str) -> None:
     if backend == "symm_mem_emulated":
         _emulate_symm_mem()
-    gpu = backend in ("symm_mem", "deepep")
+    gpu = backend in GPU_BACKENDS
     dev = torch.device("cuda", rank) if gpu else torch.device("cpu")
     dtype, D = (torch.bfloat16, 256) if gpu else (torch.float32, 16)
     tol = 1e-2 if gpu else 1e-6
@@ -289,7 +291,7 @@ def _lora_body(rank: int, backend: str) -> None:
 
     if backend == "symm_mem_emulated":
         _emulate_symm_mem()
-    gpu = backend in ("symm_mem", "deepep")
+    gpu = backend in GPU_BACKENDS
     dev = torch.device("cuda", rank) if gpu else torch.device("cpu")
     dtype, D, tol = (torch.bfloat16, 256, 2e-2) if gpu else (torch.float32, 16, 1e-5)
     ep, ref = _lora_moe(_build(backend), dev, dtype, D), _lora_moe(LocalDispatcher(E, K), dev, dtype, D)
