@@ -6,13 +6,16 @@
 #   PART=2: moe_tune with fp32 master weights at micro-batch 1; the 24-layer workload against Transformers + FSDP2
 #           and NeMo; profiles of moe_tune at micro-batch 1 and 4 (GPU busy, exposed all-to-all).
 # NeMo's DeepEP row also needs TransformerEngine and DeepEP (three_stacks_h200.sh with PEER_DEEPEP=1, later call).
-#   NEMO_SITE=<dir with nemo_automodel> OUT=<results directory> PART=1|2 bash benchmarks/issue14_2xh200.sh
+#   PART=3: comm.dedup (one row per token and ep rank) against one row per routed expert: the NCCL contract test,
+#           then the three stacks at micro-batch 4 (both dedup settings) and 1 (dedup, and dedup with
+#           parallel.reshard_after_forward=false: no backward all-gather of the dense layers).
+#   NEMO_SITE=<dir with nemo_automodel> OUT=<results directory> PART=1|2|3 bash benchmarks/issue14_2xh200.sh
 set -euo pipefail
 OUT=${OUT:?OUT=<results directory>}
 NEMO_SITE=${NEMO_SITE:?NEMO_SITE=<directory where nemo_automodel is installed>}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$(pwd):${PYTHONPATH:-}"
-PART=${PART:?PART=1 or 2}
+PART=${PART:?PART=1, 2 or 3}
 mkdir -p "$OUT"
 if [ "$PART" = 1 ]; then
 python -m moe_tune.env > "$OUT/env.txt" 2>&1 || true
@@ -21,6 +24,16 @@ VARIANTS='moe_tune_compile:kernels.compile=true;overlap_compile:kernels.compile=
 if python -c 'import deep_ep' 2>/dev/null; then VARIANTS="$VARIANTS;deepep_compile:comm=deepep,kernels.compile=true"; fi
 VARIANTS="$VARIANTS" \
   NEMO_SITE="$NEMO_SITE" OUT="$OUT/three_stacks" MBS="4 1" NPROC=2 TIMEOUT=200 bash benchmarks/three_stacks_h200.sh
+elif [ "$PART" = 3 ]; then
+timeout 150 python -m pytest -q -p no:cacheprovider tests/moe/dispatch/test_contract.py -k all_to_all_nccl \
+  > "$OUT/gpu_tests.log" 2>&1 || true
+tail -3 "$OUT/gpu_tests.log"
+bench=(python -m moe_tune.bench experiment=qwen3_30b_a3b_ep2_fast train.precision=bf16 --nproc 2 --baselines grouped_mm
+       --peer automodel --peer-pythonpath "$NEMO_SITE" --timeout-s 200)
+"${bench[@]}" train.micro_batch_size=4 --out "$OUT/mb4" \
+  --variants 'moe_tune_compile:kernels.compile=true;per_expert_rows_compile:kernels.compile=true,comm.dedup=false'
+"${bench[@]}" train.micro_batch_size=1 --out "$OUT/mb1" --variants \
+  'moe_tune_compile:kernels.compile=true;no_reshard_compile:kernels.compile=true,parallel.reshard_after_forward=false'
 else
 python -m moe_tune.bench experiment=qwen3_30b_a3b_ep2_fast train.micro_batch_size=1 --nproc 2 --baselines grouped_mm \
   --variants 'fp32_master_compile:kernels.compile=true' --timeout-s 200 --out "$OUT/fp32_master_mb1"
