@@ -168,6 +168,7 @@ class AllToAllDispatcher(Dispatcher):
             inverse_TG = torch.where(flat_M, torch.cumsum(flat_M, 0) - 1, S).view(G, T).t()
             ids_SK = ids_TK[token_S]
             local_SK = torch.where(ids_SK // e == rank_S.unsqueeze(1), ids_SK - rank_S.unsqueeze(1) * e, e)
+            local_SK = local_SK.to(torch.int32)  # half the bytes of int64 on the wire (e + 1 values)
             local_RK = _exchange(local_SK, recv_nG[i], send_nG[i], self.ep_group)
             # Expert-major rows: slots sorted by local expert (e, "elsewhere", last), sources then tokens within.
             order_N = torch.argsort(local_RK.reshape(-1), stable=True)[:N]
