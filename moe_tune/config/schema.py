@@ -134,6 +134,10 @@ class KernelsConfig:
     # and mxfp8: E4M3). "e4m3": E4M3 throughout (measured: no smaller loss difference than hybrid on an H200).
     fp8_format: str | None = None
     compile: bool = False
+    # torch.compile's ``dynamic`` for each layer. None (automatic): a graph first compiled for the shapes it met,
+    # recompiled once with symbolic sizes where they change (the expert-parallel rows per step, packed sequence
+    # lengths). False: one graph per shape, and past torch's recompile limit (8) that part runs eagerly.
+    compile_dynamic: bool | None = None
     # Chunked linear cross-entropy that never materialises the full logits.
     fused_loss: bool = True
     loss_chunk_size: int = 4096

@@ -18,12 +18,16 @@ import torch
 from moe_tune.parallel.activation_checkpoint import checkpoint_forward_
 
 
-def apply_compile(model, enabled: bool) -> None:
+def apply_compile(model, enabled: bool, dynamic: bool | None = None) -> None:
+    """``dynamic``: torch.compile's. The default (None) lets the regions after the dispatch's host sync, whose
+    row counts change every step, compile once with symbolic sizes; with False they recompile for each new
+    count until torch's recompile limit and then run eagerly (seen in the compiled rows' logs on 2 x H200, EP=2:
+    "hit config.recompile_limit (8)" for the frames after the dispatch's sync)."""
     if not enabled:
         return
     for layer in model.layers:
         inner = getattr(layer.forward, "checkpointed", None)
         if inner is not None:
-            checkpoint_forward_(layer, torch.compile(inner, fullgraph=False, dynamic=False))
+            checkpoint_forward_(layer, torch.compile(inner, fullgraph=False, dynamic=dynamic))
         else:
-            layer.compile(fullgraph=False, dynamic=False)
+            layer.compile(fullgraph=False, dynamic=dynamic)

@@ -15,6 +15,10 @@ from tests.tiny import VOCAB, save_tiny
 peft = pytest.importorskip("peft", reason="the PEFT round trip needs peft (in the dev extra)")
 
 TOL = 1e-5
+# The merged export rounds each W + scale * B @ A to fp32 once, where PEFT and moe_tune add the delta to the
+# activations; measured up to 1.5e-5 on logits of magnitude ~4 (DeepSeek-V3 with a trained router, transformers 5.24),
+# the others below 1e-5; the adapters themselves move them by more than 100 x TOL (asserted below).
+MERGED_TOL = 5e-5
 # Families with dense MLPs or shared experts get adapters there too (peft.target=mlp names nothing elsewhere).
 WITH_MLP = {"deepseek_v3", "qwen2_moe", "glm4_moe"}
 
@@ -69,7 +73,7 @@ def test_peft_adapter_and_merged_export_give_our_logits(tmp_path, family, train_
     assert not any(".lora." in n for n, _ in model.named_parameters())
     model.save_pretrained(str(tmp_path / "merged"))
     merged = _hf(str(tmp_path / "merged"))(input_ids=ids).logits
-    assert (merged - ours).abs().max() <= TOL
+    assert (merged - ours).abs().max() <= MERGED_TOL
 
 
 @torch.no_grad()

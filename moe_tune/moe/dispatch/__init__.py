@@ -8,9 +8,10 @@ there, and a parity test in the dispatcher contract test.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
-from moe_tune.config import CommConfig
+from moe_tune.config import CommConfig, comm_config
 from moe_tune.moe.dispatch.base import Dispatcher
 
 DISPATCHERS = {
@@ -32,6 +33,8 @@ def build_dispatcher(
         return LocalDispatcher(num_experts, top_k)
     if options.name not in DISPATCHERS:
         raise ValueError(f"unknown comm backend {options.name!r}; use one of {', '.join(DISPATCHERS)}")
+    if type(options) is CommConfig:  # Config()'s default, built in code: the backend's own options, defaulted
+        options = comm_config(dataclasses.asdict(options))
     module, _, cls = DISPATCHERS[options.name].partition(":")
     return getattr(importlib.import_module(module), cls)(num_experts, top_k, ep_group, options, checked_after_step)
 
