@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 import traceback
 
@@ -24,6 +25,15 @@ def _exit_with(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _term_before_training(signum, frame) -> None:
+    """SIGTERM in a task before the trainer takes it over (its StopSignal replaces this handler): nothing is saved
+    yet, so there is nothing to stop for; the task carries on to its own end (a job whose other rank failed: this
+    rank's own error, or Slurm's SIGKILL after KillWait). submitit's handler of it (SUBMITIT_PREEMPT_SIGNAL=TERM)
+    would take it for a preemption and requeue the job on rank 0, running a job whose rank failed again (seen in
+    the failing-job test: Restarts=1 and Slurm's exit 0); exiting 143 instead would record a stop for a failure."""
+    print(f"moe-tune: SIGTERM ({signum}) before training started: nothing to save; not stopping here", file=sys.stderr)
 
 
 # The exit codes of a job stopped by a signal it saves on (StopSignal.SIGNALS: SIGTERM, SIGUSR1; Slurm's time-limit
@@ -86,6 +96,7 @@ else:
             # A requeued attempt: the task's result of the attempt before is stale (the submitter must wait for
             # this attempt's, not read that one).
             env.paths.result_pickle.unlink(missing_ok=True)
+            signal.signal(signal.SIGTERM, _term_before_training)  # the trainer's StopSignal replaces it
             ret, exc = JobReturn(), None
             try:
                 ret = super().__call__(*args, **kwargs)

@@ -40,7 +40,10 @@ def test_a_failing_job_is_the_submitters_exit_2(slurm, tmp_path):
     assert re.search(r"ranks? [01,]+ exited with code 2: train.global_batch_size \(3\) must be a multiple", errors[0])
     assert "Traceback" not in r.stderr
     job = re.search(r"job (\d+):", errors[0]).group(1)
-    assert slurm.job(job).exit_code == 2  # each task exits with its rank's code, as Slurm records it
+    # Each task exits with its rank's code, as Slurm records it; and the failed job is not requeued (the rank that
+    # Slurm sends SIGTERM once the other failed must not take it for a preemption, as submitit would).
+    state = slurm.wait(job)
+    assert (state.exit_code, state.restarts) == (2, 0), state
 
 
 def test_time_limit_signal_saves_and_is_the_submitters_143(slurm, tmp_path):
