@@ -82,8 +82,9 @@ class AllToAllConfig(CommConfig):
 
     name: str = "all_to_all"
     # Send each token once to every ep rank holding any of its experts (weighted and summed there), instead of
-    # once per routed expert: with top-8 of 128 experts on 2 ranks, about 4x fewer rows on the wire.
-    dedup: bool = True
+    # once per routed expert: with top-8 of 128 experts on 2 ranks, about 4x fewer rows on the wire. Off by
+    # default until measured on GPUs (tested on CPU only; benchmarks/README.md, issue 14).
+    dedup: bool = False
 
 
 @dataclass

@@ -2,9 +2,9 @@
 gradients (this rank's shards of every parameter) as comm.overlap=false on two batches, within 1e-6 (each
 parameter alone within 1e-5, see ``_compare``; in fp64 the two paths agree to 1e-12: tests/moe/dispatch); also
 under full activation checkpointing, whose recompute runs the overlapped dispatch again; and comm.dedup=false
-(one row per routed expert) against the default (one row per token and ep rank), with and without overlap. Each rank holds an odd
-and different number of tokens, so the halves differ in size and the ranks' splits are uneven. (The layer on
-empty splits and single tokens: tests/moe/dispatch/test_overlap.py.)"""
+(one row per routed expert) against dedup=true (one row per token and ep rank), with and without overlap. Each
+rank holds an odd and different number of tokens, so the halves differ in size and the ranks' splits are uneven.
+(The layer on empty splits and single tokens: tests/moe/dispatch/test_overlap.py.)"""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def _body(rank: int, path: str) -> None:
     plain = _grads(_build(path, overlap=False), rank)
     failures = _compare(_grads(_build(path, overlap=True), rank), plain, "overlap")
     failures += _compare(_grads(_build(path, overlap=True, ac="full"), rank), plain, "overlap + full AC")
-    # comm.dedup=false (one row per routed expert, summed at home) against the default (one row per ep rank).
+    # comm.dedup=false (one row per routed expert, summed at home) against dedup=true (one row per ep rank).
     failures += _compare(_grads(_build(path, overlap=False, dedup=False), rank), plain, "dedup=false")
     failures += _compare(_grads(_build(path, overlap=True, dedup=False), rank), plain, "overlap, dedup=false")
     dist.barrier()

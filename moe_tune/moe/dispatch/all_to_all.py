@@ -2,7 +2,7 @@
 
 Experts are split in contiguous blocks: ep rank s owns global experts [s*e, (s+1)*e), e = E / ep.
 
-``comm.dedup=true`` (the default): each token crosses to an ep rank once, however many of its K experts live
+``comm.dedup=true``: each token crosses to an ep rank once, however many of its K experts live
 there (DeepEP's layout). With top-8 of 128 experts on 2 ranks a token has about 4 experts on each rank, so the
 rows on the wire drop about 4x. Dispatch sends the token and, per slot k, its local expert id there (``e``: held
 elsewhere); the expert's rank expands each token to its local experts' rows (a gather), and its combine weights
@@ -10,7 +10,7 @@ and sums them (the gates travel with the combine, a K-float exchange), so one pa
 comes home, where the ranks' partials are added. Every expansion and reduction is a gather, forward and
 backward (``base.take_rows``, ``base.gather_rows``).
 
-``comm.dedup=false``: one row per (token, expert). Dispatch, on each rank of the ep group:
+``comm.dedup=false`` (the default): one row per (token, expert). Dispatch, on each rank of the ep group:
   1. sort the T*K routed rows by global expert; this also groups them by destination rank;
   2. all-to-all the per-expert row counts (E ints) so every rank learns counts_Ge, the rows it will
      receive from source s for each of its local experts;

@@ -6,10 +6,10 @@ rank (rows past the sum are padding: symm_mem returns a fixed capacity to avoid 
 ``combine(y_RD, weights_TK, ctx) -> out_TD = sum_k weights * y``; both differentiable.
 
 Where each backend runs:
-  - ``all_to_all``: gloo on CPU (the CPU suite).
+  - ``all_to_all`` and ``all_to_all_dedup`` (comm.dedup=true): gloo on CPU (the CPU suite).
   - ``symm_mem_emulated``: symm_mem's own permutation, capacity and autograd code on gloo (CPU), with
     NVSHMEM's ``all_to_all_vdev`` and symmetric allocation replaced by a gloo equivalent.
-  - ``all_to_all_nccl`` (its default, comm.dedup=true, on NCCL), ``symm_mem`` and ``deepep``: NCCL on 2 GPUs, bf16 rows of 256 (``gpu`` marker; skipped with the reason
+  - ``all_to_all_nccl`` (with comm.dedup=true, on NCCL), ``symm_mem`` and ``deepep``: NCCL on 2 GPUs, bf16 rows of 256 (``gpu`` marker; skipped with the reason
     otherwise). On 2 x H200 with torch 2.11 and DeepEP 1.2.1 the three ``gpu`` tests pass:
     benchmarks/results/2026-11-30-2xH200/dispatch-gpu-tests.log.
 Nothing here imports deep_ep unless the deepep case runs.
@@ -55,7 +55,11 @@ def _run(body, backend: str) -> None:
 
 
 def _backend_params():
-    params = [pytest.param("all_to_all", id="all_to_all"), pytest.param("symm_mem_emulated", id="symm_mem_emulated")]
+    params = [
+        pytest.param("all_to_all", id="all_to_all"),
+        pytest.param("all_to_all_dedup", id="all_to_all_dedup"),
+        pytest.param("symm_mem_emulated", id="symm_mem_emulated"),
+    ]
     for name in GPU_BACKENDS:
         reason = _gpu_skip(name)
         marks = [pytest.mark.gpu] + ([pytest.mark.skip(reason=reason)] if reason else [])
@@ -88,7 +92,8 @@ def _build(backend: str, checked_after_step: bool = False, **options):
     if backend.startswith("symm_mem"):
         options = {"capacity_factor": 2.0, "max_tokens": 16, **options}
         backend = "symm_mem"
-    backend = backend.removesuffix("_nccl")
+    if backend in ("all_to_all_dedup", "all_to_all_nccl"):
+        backend, options = "all_to_all", {"dedup": True, **options}
     comm = comm_config({"name": backend, **options})
     return build_dispatcher(comm, E, K, dist.group.WORLD, checked_after_step)
 
