@@ -150,7 +150,7 @@ def test_compiled_cuda_update_matches_eager_cpu_with_the_same_bits():
     p, grad, m = (torch.randn(n, generator=g).bfloat16() for _ in range(3))
     v = torch.rand(n, generator=g).bfloat16()
     noise = torch.randint(0, 1 << 16, (3, n), dtype=torch.int32, generator=g)
-    hyper = torch.tensor([1e-3, 0.9, 0.95, 1e-8, 0.1, 0.19, 0.0975, 0.0])
+    hyper = torch.tensor([1e-3, 0.9, 0.95, 1e-8, 0.1, 0.19, 0.0975, 0.0, 2.0])  # skip 0, gradients divided by 2
     cpu = [t.clone() for t in (p, grad, m, v)]
     cuda = [t.cuda() for t in (p, grad, m, v)]
     adamw_chunk_(*cpu, noise, hyper)
