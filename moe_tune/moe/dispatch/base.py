@@ -66,18 +66,6 @@ def inverse_permutation(order_R: torch.Tensor) -> torch.Tensor:
 # for the K copies of each token a gather back to token-major order and a sum over K.
 
 
-class _PermuteRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_RD, index_R, inverse_R):
-        ctx.save_for_backward(inverse_R)
-        return x_RD[index_R]
-
-    @staticmethod
-    def backward(ctx, grad_RD):
-        (inverse_R,) = ctx.saved_tensors
-        return grad_RD[inverse_R], None, None
-
-
 class _GatherRows(torch.autograd.Function):
     """``x_ND[index_M]`` (with ``pad``: an index ``N`` reads a zero row); backward gathers the gradient rows back
     through ``source_N`` (where each of x's rows was read: every row is read exactly once that counts, and any
@@ -129,7 +117,7 @@ def take_rows(x_TD: torch.Tensor, index_S: torch.Tensor, inverse_TM: torch.Tenso
 
 def permute_rows(x_RD: torch.Tensor, index_R: torch.Tensor, inverse_R: torch.Tensor) -> torch.Tensor:
     """``x_RD[index_R]`` for a permutation ``index_R`` whose inverse is ``inverse_R``."""
-    return _PermuteRows.apply(x_RD, index_R, inverse_R)
+    return gather_rows(x_RD, index_R, inverse_R)
 
 
 def repeat_tokens(x_TD: torch.Tensor, order_R: torch.Tensor, inv_R: torch.Tensor, top_k: int) -> torch.Tensor:
