@@ -121,6 +121,15 @@ class AllToAllDispatcher(Dispatcher):
         options = options or AllToAllConfig()
         self.overlap, self.dedup = options.overlap, options.dedup
 
+    def _exchange_counts(self, counts_nGc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``counts_nGc[i, g]``: chunk i's c counts for ep rank g. Returns (sent, received) as [G, n, c]: what this
+        rank sent to each ep rank and what each ep rank sent to it, one collective for all chunks."""
+        send_Gnc = counts_nGc.transpose(0, 1).contiguous()
+        recv_Gnc = torch.empty_like(send_Gnc)
+        # Collective over the ep mesh axis: n*c counts to each ep rank.
+        dist.all_to_all_single(recv_Gnc, send_Gnc, group=self.ep_group)
+        return send_Gnc, recv_Gnc
+
     def _routes(self, ids: list[torch.Tensor], counts: list[torch.Tensor]) -> list[_Route] | list[_RankRoute]:
         """The routes of one or more chunks of this rank's tokens (``ids[i]``, ``counts[i]``: chunk i's experts
         and rows per global expert), with one counts exchange and one host sync for all of them."""
@@ -128,11 +137,7 @@ class AllToAllDispatcher(Dispatcher):
         if self.dedup:
             return self._rank_routes(ids, counts)
         orders = [sort_by_expert(ids_TK)[0] for ids_TK in ids]
-        # [G, n, e]: for each ep rank, every chunk's counts of the experts it owns.
-        send_Gne = torch.stack(counts).view(n, G, e).transpose(0, 1).contiguous()
-        recv_Gne = torch.empty_like(send_Gne)
-        # Collective over the ep mesh axis: n*e counts to each ep rank, for the experts it owns.
-        dist.all_to_all_single(recv_Gne, send_Gne, group=self.ep_group)
+        send_Gne, recv_Gne = self._exchange_counts(torch.stack(counts).view(n, G, e))
         # host sync: all_to_all_single needs its split sizes as Python ints (the one sync per layer, all chunks).
         send_nG, recv_nG = torch.stack([send_Gne.sum(2).t(), recv_Gne.sum(2).t()]).tolist()
         routes = []
@@ -151,12 +156,9 @@ class AllToAllDispatcher(Dispatcher):
         ranks = torch.arange(G, device=device)
         # hit_GT[g, t]: token t has at least one of its K experts on ep rank g.
         hits = [((ids_TK // e).unsqueeze(0) == ranks.view(G, 1, 1)).any(-1) for ids_TK in ids]
-        # [G, n, e + 1]: for each ep rank, every chunk's rows for each expert it owns, then the chunk's tokens.
-        send = torch.cat([torch.stack(counts).view(n, G, e), torch.stack([h.sum(1) for h in hits]).unsqueeze(-1)], 2)
-        send = send.transpose(0, 1).contiguous()
-        recv = torch.empty_like(send)
-        # Collective over the ep mesh axis: n*(e+1) counts to each ep rank.
-        dist.all_to_all_single(recv, send, group=self.ep_group)
+        # Per ep rank and chunk: the rows for each expert it owns, then the chunk's tokens it receives.
+        tokens_nG1 = torch.stack([h.sum(1) for h in hits]).unsqueeze(-1)
+        send, recv = self._exchange_counts(torch.cat([torch.stack(counts).view(n, G, e), tokens_nG1], 2))
         # host sync: split sizes as Python ints (the one sync per layer, all chunks).
         send_nG, recv_nG, rows_nG = torch.stack([send[..., e].t(), recv[..., e].t(), recv[..., :e].sum(2).t()]).tolist()
         routes = []
@@ -192,12 +194,12 @@ class AllToAllDispatcher(Dispatcher):
 
     def _send(self, x_TD: torch.Tensor, route: _Route | _RankRoute) -> torch.Tensor:
         if isinstance(route, _RankRoute):
-            return take_rows(x_TD, route.token_S, route.inverse_TG)
+            return take_rows(x_TD, route.token_S, route.inverse_TG, pad=True)
         return repeat_tokens(x_TD, route.order_R, route.inv_order_R, self.top_k)
 
     def _arrived(self, routed_RD: torch.Tensor, route: _Route | _RankRoute):
         if isinstance(route, _RankRoute):  # each token to its local experts' rows, expert-major (a gather)
-            return take_rows(routed_RD, route.order_N // self.top_k, route.slot_RK), route.counts_e, route
+            return take_rows(routed_RD, route.order_N // self.top_k, route.slot_RK, pad=True), route.counts_e, route
         # Into expert-major order: a gather (its backward too; no scatter).
         return permute_rows(routed_RD, route.src_R, route.dest_R), route.counts_e, route
 
@@ -222,7 +224,7 @@ class AllToAllDispatcher(Dispatcher):
 
     def _gates(self, weights_TK: torch.Tensor, route: _RankRoute) -> torch.Tensor:
         """Each sent token's K gates (those of slots held elsewhere are zeroed there)."""
-        return take_rows(weights_TK, route.token_S, route.inverse_TG)
+        return take_rows(weights_TK, route.token_S, route.inverse_TG, pad=True)
 
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor | None = None):
         counts_E = expert_counts(ids_TK, self.num_experts) if counts_E is None else counts_E

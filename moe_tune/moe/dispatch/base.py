@@ -110,8 +110,8 @@ def gather_rows(x_ND: torch.Tensor, index_M: torch.Tensor, source_N: torch.Tenso
     return _GatherRows.apply(x_ND, index_M, source_N, pad)
 
 
-def take_rows(x_TD: torch.Tensor, index_S: torch.Tensor, inverse_TM: torch.Tensor, pad: bool = True):
-    """Rows ``x_TD[index_S]``, token t read at the rows listed in ``inverse_TM[t]`` (padded with ``S``)."""
+def take_rows(x_TD: torch.Tensor, index_S: torch.Tensor, inverse_TM: torch.Tensor, pad: bool = False):
+    """Rows ``x_TD[index_S]``, token t read at the rows listed in ``inverse_TM[t]`` (``pad``: padded with ``S``)."""
     return _TakeRows.apply(x_TD, index_S, inverse_TM, pad)
 
 
@@ -122,7 +122,7 @@ def permute_rows(x_RD: torch.Tensor, index_R: torch.Tensor, inverse_R: torch.Ten
 
 def repeat_tokens(x_TD: torch.Tensor, order_R: torch.Tensor, inv_R: torch.Tensor, top_k: int) -> torch.Tensor:
     """The routed rows in sorted order, ``x_TD[order_R // top_k]`` (``sort_by_expert``), for all T*K rows."""
-    return take_rows(x_TD, order_R // top_k, inv_R.view(-1, top_k), pad=False)
+    return take_rows(x_TD, order_R // top_k, inv_R.view(-1, top_k))
 
 
 def weighted_sum(y_RD: torch.Tensor, order_R: torch.Tensor, inv_R: torch.Tensor, weights_TK: torch.Tensor):
