@@ -7,8 +7,8 @@
 #           and NeMo; profiles of moe_tune at micro-batch 1 and 4 (GPU busy, exposed all-to-all).
 # NeMo's DeepEP row also needs TransformerEngine and DeepEP (three_stacks_h200.sh with PEER_DEEPEP=1, later call).
 #   PART=3: comm.dedup (one row per token and ep rank) against one row per routed expert: the NCCL contract test,
-#           then the three stacks at micro-batch 4 (both dedup settings) and 1 (dedup, and dedup with
-#           parallel.reshard_after_forward=false: no backward all-gather of the dense layers).
+#           then the three stacks at micro-batch 4 and 1 with comm.dedup false (the default) and true, and at
+#           micro-batch 1 dedup with parallel.reshard_after_forward=false (no backward all-gather of the dense layers).
 #   NEMO_SITE=<dir with nemo_automodel> OUT=<results directory> PART=1|2|3 bash benchmarks/issue14_2xh200.sh
 set -euo pipefail
 OUT=${OUT:?OUT=<results directory>}
@@ -31,9 +31,9 @@ tail -3 "$OUT/gpu_tests.log"
 bench=(python -m moe_tune.bench experiment=qwen3_30b_a3b_ep2_fast train.precision=bf16 --nproc 2 --baselines grouped_mm
        --peer automodel --peer-pythonpath "$NEMO_SITE" --timeout-s 200)
 "${bench[@]}" train.micro_batch_size=4 --out "$OUT/mb4" \
-  --variants 'moe_tune_compile:kernels.compile=true;per_expert_rows_compile:kernels.compile=true,comm.dedup=false'
+  --variants 'moe_tune_compile:kernels.compile=true;dedup_compile:kernels.compile=true,comm.dedup=true'
 "${bench[@]}" train.micro_batch_size=1 --out "$OUT/mb1" --variants \
-  'moe_tune_compile:kernels.compile=true;no_reshard_compile:kernels.compile=true,parallel.reshard_after_forward=false'
+  'moe_tune_compile:kernels.compile=true;dedup_compile:kernels.compile=true,comm.dedup=true;dedup_no_reshard_compile:kernels.compile=true,comm.dedup=true,parallel.reshard_after_forward=false'
 else
 python -m moe_tune.bench experiment=qwen3_30b_a3b_ep2_fast train.micro_batch_size=1 --nproc 2 --baselines grouped_mm \
   --variants 'fp32_master_compile:kernels.compile=true' --timeout-s 200 --out "$OUT/fp32_master_mb1"
