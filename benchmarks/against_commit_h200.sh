@@ -6,7 +6,7 @@
 #   git archive <commit> | tar -x -C .gpu/old          # here, .gpu/ listed in .git/info/exclude
 #   OLD=.gpu/old OLD_COMMIT=<commit> OUT=$OUT bash benchmarks/against_commit_h200.sh [overrides...]
 #
-# Defaults: Qwen3-30B-A3B shapes with 8 layers, seq 4096, bf16 parameters, micro-batch 4 per GPU, EP=2 with
+# Defaults: Qwen3-30B-A3B shapes with 8 layers, seq 4096, bf16 parameters, micro-batch MB=4 per GPU, EP=2 with
 # all_to_all and torch.compile (experiment=qwen3_30b_a3b_ep2_fast), real routing, 20 steps, medians of 6-20.
 # Needs hydra/omegaconf importable (PYTHONPATH) and NPROC GPUs. Prints one line per row at the end.
 set -euo pipefail
@@ -19,7 +19,8 @@ TIMEOUT=${TIMEOUT:-150}
 BASELINE=${BASELINE:-grouped_mm}  # the Transformers row run with the first new row; none to skip it
 NPROC=${NPROC:-2}
 EXPERIMENT=${EXPERIMENT:-qwen3_30b_a3b_ep2_fast}  # qwen3_30b_a3b_1gpu with NPROC=1
-workload=(experiment="$EXPERIMENT" train.precision=bf16 train.micro_batch_size=4 "$@")
+MB=${MB:-4}  # micro-batch per GPU
+workload=(experiment="$EXPERIMENT" train.precision=bf16 train.micro_batch_size="$MB" "$@")
 new=$(pwd)
 old=$(cd "$OLD" && pwd)
 mkdir -p "$OUT"

@@ -141,7 +141,9 @@ def model_options(cfg: Config, dims: ParallelDims) -> ModelOptions:
         aux_loss_coef=t.aux_loss_coef if balancing else 0.0,
         z_loss_coef=t.z_loss_coef if balancing else 0.0,
         force_balanced_routing=t.force_balanced_routing,
-        packed_attention=cfg.data.packing,
+        # Packed rows or not: with moe_tune's attention function transformers builds no mask, and its mask
+        # building checks the position ids for packed sequences with a host sync on every forward.
+        packed_attention=True,
         lora=lora,
     )
 

@@ -10,14 +10,15 @@ For Qwen3-30B-A3B shapes with 8 layers at S=4096 this gives about 5.4 GFLOP/toke
 LoRA (a frozen base): the base matmuls cost forward + the input gradient only, 4 * N_active instead of 6; the
 adapters' own FLOPs (about 2% at rank 16 on attention and experts of Qwen3-30B-A3B) are not counted.
 
-Timing is per logging interval (``train.log_every`` steps, fewer for the last): the host synchronizes with the
-device only at the interval's last step, so a row's ``step_time_s`` is the interval's wall time divided by its
-``interval_steps``, and ``tokens_per_s``, ``tokens_per_s_per_gpu`` and ``tflops_per_gpu`` are averages over the
-interval. Checkpoint saves and the logging itself are left out of the wall time. ``peak_mem_gib`` is the peak
-over the interval. ``loss`` and ``grad_norm`` are those of the row's own step. With ``log_every=1`` every row is
-one step, as before. A row of an evaluation step also has ``val_loss`` (mean cross-entropy over every validation
-label token of all ranks) and ``val_ppl`` (its exp); the evaluation is left out of the row's wall time, not of
-its ``peak_mem_gib`` (no_grad forwards: below a training step's peak).
+Timing is per step without a host sync per step: on a GPU a CUDA event is recorded on the compute stream as each
+step's work is queued, and the device time between consecutive events (idle gaps included: it is the step's
+share of the wall clock) is read at the next step where the host waits anyway (every ``train.log_every``-th,
+checkpoint and last steps). So every optimizer step has its own row, written at those steps. Checkpoint saves,
+evaluation and the logging itself are left out of the times (the clock restarts after them). ``peak_mem_gib`` is
+the step's peak (the caching allocator's, read on the host as the step is queued); an evaluation step's row
+also counts the evaluation's (no_grad forwards: below a training step's peak). A row of an evaluation step also
+has ``val_loss`` (mean cross-entropy over every validation label token of all ranks) and ``val_ppl`` (its exp);
+the row of a step where the host waits has the expert loads of that step's last micro-batch.
 """
 
 from __future__ import annotations
@@ -73,12 +74,11 @@ def step_row(
     dt: float,
     world: int,
     flops_per_token: float,
-    device: torch.device,
+    peak: tuple[float, float],
     **extra,
 ) -> dict:
-    """One metrics.jsonl line (the fields README.md lists under Outputs, then ``extra``); ``dt``: seconds per step,
-    averaged over the logging interval the row closes."""
-    alloc, reserved = peak_memory_gib(device)
+    """One metrics.jsonl line (the fields README.md lists under Outputs, then ``extra``); ``dt``: the step's
+    seconds; ``peak``: its peak allocated and reserved GiB (``peak_memory_gib``)."""
     tps = tokens / dt
     return {
         "step": step,
@@ -88,45 +88,62 @@ def step_row(
         "tokens_per_s": tps,
         "tokens_per_s_per_gpu": tps / world,
         "tflops_per_gpu": tps / world * flops_per_token / 1e12,
-        "peak_mem_gib": alloc,
-        "peak_reserved_gib": reserved,
+        "peak_mem_gib": peak[0],
+        "peak_reserved_gib": peak[1],
         "step_time_s": dt,
         **extra,
     }
 
 
-class IntervalTimer:
-    """Wall time of the steps of one logging interval, with one host sync where the interval's timing pauses.
+class StepTimer:
+    """Each step's time and peak memory, with one host sync where timing pauses (not one per step).
 
-    ``start`` (re)starts the clock, ``tick`` counts a step, ``pause`` waits for the device and adds the time
-    since ``start``; the caller pauses around what is not training (metrics, checkpoint saves) and reads
-    ``seconds_per_step`` at a logging step, then ``new_interval`` clears the counts and the peak memory."""
+    ``start`` begins timing (again, after what is not training: metrics, checkpoints, evaluation); ``tick``
+    marks the end of a step's queued work (a CUDA event on the current stream; on a CPU, where work runs as it
+    is queued, the host clock) and reads the step's peak memory; ``pause`` waits for the last mark and turns the
+    marks since ``start`` into per-step seconds; ``take`` returns ``(seconds, peak)`` per step since the last
+    ``take`` and forgets them."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.seconds, self.steps = 0.0, 0
-        self._t0: float | None = None
+        self.cuda = device.type == "cuda"
+        self._marks: list = []
+        self._peaks: list[tuple[float, float]] = []
+        self._done: list[tuple[float, tuple[float, float]]] = []
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def start(self) -> None:
-        self._t0 = time.perf_counter()
+        self._marks = [self._mark()]
+        self._reset_peak()
 
     def tick(self) -> None:
-        self.steps += 1
+        self._marks.append(self._mark())
+        self._peaks.append(peak_memory_gib(self.device))
+        self._reset_peak()
 
     def pause(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # host sync: the interval's queued work ends here
-        if self._t0 is not None:
-            self.seconds += time.perf_counter() - self._t0
-        self._t0 = None
+        marks = self._marks
+        if self.cuda:
+            marks[-1].synchronize()  # host sync: the queued steps' work ends here
+            seconds = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+        else:
+            seconds = [b - a for a, b in zip(marks, marks[1:])]
+        self._done += zip(seconds, self._peaks)
+        self._marks, self._peaks = [], []
 
-    def seconds_per_step(self) -> float:
-        return self.seconds / max(self.steps, 1)
-
-    def new_interval(self) -> None:
-        self.seconds, self.steps = 0.0, 0
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+    def take(self) -> list[tuple[float, tuple[float, float]]]:
+        done, self._done = self._done, []
+        return done
 
 
 def _row_step(line: str) -> float:
@@ -138,8 +155,7 @@ def _row_step(line: str) -> float:
 
 
 class MetricsWriter:
-    """Rank 0 appends one JSON object per logged step; ``summary`` aggregates the rows whose interval started
-    after the warm-up steps (``interval_steps``, 1 when absent)."""
+    """Rank 0 appends one JSON object per step; ``summary`` aggregates the rows after the warm-up steps."""
 
     def __init__(self, output_dir: str, enabled: bool, warmup_steps: int):
         self.enabled, self.warmup = enabled, warmup_steps
@@ -171,7 +187,7 @@ class MetricsWriter:
                 f.write(json.dumps(row) + "\n")
 
     def summary(self) -> dict:
-        timed = [r for r in self.rows if r["step"] - r.get("interval_steps", 1) >= self.warmup] or self.rows
+        timed = [r for r in self.rows if r["step"] > self.warmup] or self.rows
         med = lambda k: statistics.median(r[k] for r in timed) if timed else 0.0  # noqa: E731
         return {
             "final_loss": self.rows[-1]["loss"] if self.rows else None,

@@ -44,7 +44,9 @@ class ModelOptions:
     attn_implementation: str | None = None
     # Rows hold several packed sequences (position ids restart at 0): attention runs per sequence through a
     # variable-length kernel (``moe_tune.kernels.attention``; kernels=te: TE's thd layout) instead of a dense
-    # block mask; the model then takes no attention_mask. Applies where the family's attention is SDPA.
+    # block mask; rows of one sequence run SDPA's causal kernel. The model then takes no attention_mask, and
+    # transformers builds none (no host sync to look for packed sequences). Applies where the family's attention
+    # is SDPA. Training builds set it whether or not the data is packed.
     packed_attention: bool = False
     # LoRA adapters (``peft=lora``), the base frozen; None: every weight trains.
     lora: LoRASpec | None = None

@@ -3,7 +3,8 @@
 The optimizer is PyTorch's fused AdamW (``torch.optim.AdamW(fused=True)``), the current form of Apex's
 FusedAdam: one kernel updates all parameters of a dtype/device group. Its state is fp32 whenever the
 parameters are (the default ``bf16_fp32_master`` precision keeps fp32 parameters as the master copy). With bf16
-parameters, ``optim.stochastic_rounding=true`` swaps in ``moe_tune.optim.stochastic.StochasticRoundingAdamW``.
+parameters, ``optim.stochastic_rounding=true`` swaps in ``moe_tune.optim.stochastic.StochasticRoundingAdamW``;
+``optim.compiled=true`` runs the same AdamW as one compiled kernel per parameter (``moe_tune.optim.adamw``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ def build_optimizer(params, cfg: OptimConfig, lr: float, seed: int = 0, shard_in
         return StochasticRoundingAdamW(
             param_groups(params), lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay, seed=seed, shard_index=shard_index
         )
+    if cfg.compiled:
+        from moe_tune.optim.adamw import CompiledAdamW
+
+        return CompiledAdamW(param_groups(params), lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay)
     return torch.optim.AdamW(
         param_groups(params),
         lr=lr,

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from moe_tune.optim.adamw import _local, adamw_values, run_closure
+
 _CHUNK = 1 << 25
 
 
@@ -35,24 +37,10 @@ def adamw_chunk_(p, g, m, v, noise, hyper):
     grad_scale] (a tensor, so a changing learning rate does not recompile, and skip and the gradients' divisor can
     come from the device); ``noise``: int32 [3, n] in [0, 2^16). With skip > 0 every value is written back
     unchanged (a bf16 value rounds to itself)."""
-    lr, beta1, beta2, eps, wd, bc1, bc2, skip, grad_scale = hyper.unbind()
-    g32 = g.float() / grad_scale
-    m32 = m.float() * beta1 + g32 * (1 - beta1)
-    v32 = v.float() * beta2 + g32 * g32 * (1 - beta2)
-    p32 = p.float() * (1 - lr * wd) - (lr / bc1) * m32 / ((v32 / bc2).sqrt() + eps)
-    keep = skip > 0
-    p32, m32, v32 = (
-        torch.where(keep, p.float(), p32),
-        torch.where(keep, m.float(), m32),
-        torch.where(keep, v.float(), v32),
-    )
+    p32, m32, v32 = adamw_values(p, g, m, v, *hyper.unbind())
     round_stochastic_(p, p32, noise[0])
     round_stochastic_(m, m32, noise[1])
     round_stochastic_(v, v32, noise[2])
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor: this rank's shard, same storage
 
 
 class StochasticRoundingAdamW(torch.optim.Optimizer):
@@ -87,10 +75,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
         index = -1
         for group in self.param_groups:

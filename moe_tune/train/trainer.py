@@ -2,13 +2,14 @@
 
 Everything else the loop needs is a small object it calls: ``Cadence`` (which steps log, evaluate, draw, save
 and synchronize), ``NonFiniteGuard`` (device-side counts of skipped steps), ``StopSignal`` (SIGTERM/SIGUSR1,
-agreed by all ranks), the profiler, ``IntervalTimer`` and ``MetricsWriter`` (metrics per logging interval),
+agreed by all ranks), the profiler, ``StepTimer`` and ``MetricsWriter`` (a metrics row per step),
 ``evaluate`` (held-out loss), the experiment ``Logger`` (moe_tune.loggers), and moe_tune.checkpoint.
 
 Host syncs: only at the cadence's sync steps (every ``train.log_every``-th, every ``train.eval_every``-th when
 there is a validation set, every ``logger.expert_load_image_every``-th, every ``checkpoint.every``-th and the
-last): the timer's synchronize, the dispatchers' checks, the guard's counts, the metrics row (with the validation
-loss), the expert-load image, the signal agreement. Other steps queue their work on the device and go on.
+last): the timer's synchronize, the dispatchers' checks, the guard's counts, the metrics rows of the steps since
+the last such step (with the validation loss), the expert-load image, the signal agreement. Other steps queue
+their work on the device and go on.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict
@@ -28,7 +30,7 @@ from moe_tune.build import Built, build_training_model, check_model_source
 from moe_tune.config import Config, validate
 from moe_tune.env import require_backends
 from moe_tune.loggers import build_logger, require_logger
-from moe_tune.metrics import IntervalTimer, MetricsWriter, step_row
+from moe_tune.metrics import MetricsWriter, StepTimer, peak_memory_gib, step_row
 from moe_tune.run_record import setup_logging, write_config, write_run_summary
 from moe_tune.train.cadence import Cadence
 from moe_tune.train.evaluate import evaluate, perplexity
@@ -223,25 +225,27 @@ class Trainer:
 
     def _loop(self, stop: StopSignal, profiler, progress: Progress) -> bool:
         """Train to ``train.steps``; True if every rank agreed to stop early on a signal."""
-        timer = IntervalTimer(self.device)
-        timer.new_interval()
+        timer = StepTimer(self.device)
         timer.start()
+        pending = []  # (step, lr, train_step's device tensors) of the steps without a metrics row yet
         while self.step < self.cfg.train.steps:
             out = self.train_step(self.step)
             self.step += 1
             self.guard.record(out["grad_norm"], self.step)  # on the device
             profiler.step()
             timer.tick()
+            pending.append((self.step, self.scheduler.get_last_lr()[0], out))
             if not self.cadence.syncs(self.step):
                 continue  # no host sync: the next step queues behind this one
-            timer.pause()  # host sync: the interval's work is done
-            if self._sync_step(out, timer, progress, stop):
+            timer.pause()  # host sync: the queued steps' work is done
+            if self._sync_step(pending, timer, progress, stop):
                 return True
+            pending = []
             timer.start()
         return False
 
-    def _sync_step(self, out: dict, timer: IntervalTimer, progress: Progress, stop: StopSignal) -> bool:
-        """Checks, metrics row and checkpoint of a sync step (the same steps on every rank); True to stop early
+    def _sync_step(self, pending: list, timer: StepTimer, progress: Progress, stop: StopSignal) -> bool:
+        """Checks, metrics rows and checkpoint of a sync step (the same steps on every rank); True to stop early
         on a signal that any rank got."""
         for dispatcher in self._dispatchers:
             dispatcher.check()  # after the sync: every rank sees the same device-side verdicts
@@ -250,13 +254,13 @@ class Trainer:
         counts_LE = torch.stack([m.counts_E for m in self.moe_layers]) if self.moe_layers else None
         if self.cadence.draws(self.step):
             self._draw_expert_load(counts_LE)
-        if diverged or self.cadence.logs(self.step):
-            val_loss = self._evaluate() if self.cadence.evals(self.step) else None
-            row, layers = self._metrics_row(out, timer, counts_LE, val_loss)
+        val_loss = self._evaluate() if self.cadence.evals(self.step) else None
+        rows, layers = self._metrics_rows(pending, timer.take(), counts_LE, val_loss)
+        for row in rows:
             self.metrics.log(row)
-            progress.report(row)
-            self.logger.log(self.step, {**row, **layers})
-            timer.new_interval()
+            self.logger.log(row["step"], {**row, **layers} if row is rows[-1] else row)
+        if diverged or self.cadence.logs(self.step):
+            progress.report(rows[-1])
         if diverged:
             self._stop_diverged(diverged)  # before any save: no checkpoint after the limit was passed
         if self.cadence.saves(self.step):
@@ -283,12 +287,15 @@ class Trainer:
         image = expert_load_image(counts_LE.cpu().numpy(), self.step)
         self.logger.log_image(self.step, "expert_load", image)
 
-    def _metrics_row(
-        self, out: dict, timer: IntervalTimer, counts_LE: torch.Tensor | None, val_loss: torch.Tensor | None
-    ) -> tuple[dict, dict]:
-        """The metrics.jsonl row, and the per-layer expert load (max over mean, ``expert_load/layer_<i>`` for
-        the i-th MoE layer) for the experiment logger."""
-        values = [out["loss"].float(), out["grad_norm"].float().to(self.device)]
+    def _metrics_rows(
+        self, pending: list, timed: list, counts_LE: torch.Tensor | None, val_loss: torch.Tensor | None
+    ) -> tuple[list[dict], dict]:
+        """The metrics.jsonl rows of the ``pending`` steps (``timed``: their seconds and peaks), the last with the
+        validation loss and the expert load (max over mean; per layer as ``expert_load/layer_<i>``, the second
+        value returned, for the experiment logger)."""
+        n = len(pending)
+        outs = [out for *_, out in pending]
+        values = [o["loss"].float() for o in outs] + [o["grad_norm"].float().to(self.device) for o in outs]
         if val_loss is not None:
             values.append(val_loss.float())
         num_layers = 0
@@ -297,8 +304,9 @@ class Trainer:
             ratio_L = (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1)).to(self.device)
             values += [ratio_L.mean(), *ratio_L]
             num_layers = len(ratio_L)
-        # host sync: one .tolist() per logged step for the metrics line (the device is idle: the timer synced)
-        loss, grad_norm, *rest = torch.stack(values).tolist()
+        # host sync: one .tolist() per sync step for its rows (the device is idle: the timer synced)
+        flat = torch.stack(values).tolist()
+        losses, norms, rest = flat[:n], flat[n : 2 * n], flat[2 * n :]
         extra = {}
         if val_loss is not None:
             val = rest.pop(0)
@@ -307,20 +315,19 @@ class Trainer:
             extra["expert_load_max_over_mean"] = rest[0]
         layers = {f"expert_load/layer_{i}": v for i, v in enumerate(rest[1 : 1 + num_layers])}
         t = self.cfg.train
-        return step_row(
-            self.step,
-            loss,
-            grad_norm,
-            self.scheduler.get_last_lr()[0],
-            t.seq_len * t.micro_batch_size * self.accum * self.dp_size,
-            timer.seconds_per_step(),
-            self.world,
-            self.flops_per_token,
-            self.device,
-            **extra,
-            skipped_steps=self.guard.skipped,
-            interval_steps=timer.steps,
-        ), layers
+        tokens = t.seq_len * t.micro_batch_size * self.accum * self.dp_size
+        skipped = self.guard.skipped - sum(not math.isfinite(g) for g in norms)  # as of before the first
+        rows = []
+        for (step, lr, _), loss, grad_norm, (seconds, peak) in zip(pending, losses, norms, timed):
+            skipped += not math.isfinite(grad_norm)  # the guard's rule: a non-finite norm skipped the update
+            row = step_row(step, loss, grad_norm, lr, tokens, seconds, self.world, self.flops_per_token, peak)
+            rows.append({**row, "skipped_steps": skipped})
+        # The sync step's row: its evaluation's memory too, its validation loss and expert loads.
+        rows[-1]["peak_mem_gib"], rows[-1]["peak_reserved_gib"] = map(
+            max, zip(timed[-1][1], peak_memory_gib(self.device))
+        )
+        rows[-1].update(extra)
+        return rows, layers
 
     def _stop_diverged(self, diverged: Diverged) -> None:
         first, last = diverged.first, diverged.last

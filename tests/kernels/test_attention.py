@@ -55,15 +55,28 @@ def test_packed_attention_equals_transformers_packed_mask(checkpoint):
         varlen(input_ids=ids, attention_mask=torch.ones(B, S, dtype=torch.long))
 
 
-def test_training_config_turns_it_on_for_packed_data_only():
+def test_training_builds_take_no_mask_packed_or_not(checkpoint, monkeypatch):
+    """Training builds use the registered function for unpacked rows too: transformers then builds no mask, whose
+    search for packed sequences in the position ids is a host sync on every forward."""
+    import transformers.masking_utils as masking
+
     from moe_tune.build import model_options
     from moe_tune.config import Config, ParallelDims
 
     cfg = Config()
     dims = ParallelDims(1, 1, 1, 1)
-    assert cfg.data.packing and model_options(cfg, dims).packed_attention
-    cfg.data.packing = False
-    assert not model_options(cfg, dims).packed_attention
+    for packing in (True, False):
+        cfg.data.packing = packing
+        assert model_options(cfg, dims).packed_attention
+    searched = []
+    original = masking.find_packed_sequence_indices
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda p: (searched.append(1), original(p))[1])
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    for packed, expected in ((True, []), (False, [1])):
+        searched.clear()
+        model = moe_tune.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, packed_attention=packed)
+        model(input_ids=ids, labels=ids)
+        assert searched == expected
 
 
 @pytest.mark.gpu

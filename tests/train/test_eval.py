@@ -124,19 +124,19 @@ def test_evaluate_reduces_sums_and_counts_over_ranks(tmp_path):
 
 # -- the trainer -----------------------------------------------------------------------------------------
 def test_trainer_evaluates_on_eval_steps_only_with_host_syncs_there(tmp_path, make_trainer, monkeypatch):
-    from moe_tune.metrics import IntervalTimer
+    from moe_tune.metrics import StepTimer
 
     trainer = make_trainer("train.steps=5", "train.log_every=3", "train.eval_every=2", "data.val_fraction=0.1")
     assert trainer.val_data is not None
     paused, evaluated = [], []
-    pause, run_eval = IntervalTimer.pause, trainer._evaluate
-    monkeypatch.setattr(IntervalTimer, "pause", lambda self: (paused.append(trainer.step), pause(self))[1])
+    pause, run_eval = StepTimer.pause, trainer._evaluate
+    monkeypatch.setattr(StepTimer, "pause", lambda self: (paused.append(trainer.step), pause(self))[1])
     monkeypatch.setattr(trainer, "_evaluate", lambda: (evaluated.append(trainer.step), run_eval())[1])
     summary = trainer.fit()
     assert paused == [2, 3, 4, 5] and evaluated == [2, 4, 5]
     rows = _rows(tmp_path)
-    assert [r["step"] for r in rows] == [2, 3, 4, 5]  # an evaluation step writes a row, logging step or not
-    assert ["val_loss" in r for r in rows] == [True, False, True, True]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # every step's row; evaluation steps are sync steps
+    assert ["val_loss" in r for r in rows] == [False, True, False, True, True]
     for r in rows:
         if "val_loss" in r:
             assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]), rel=1e-12)

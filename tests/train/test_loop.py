@@ -1,11 +1,13 @@
 """The trainer's loop with train.log_every > 1: the host waits for the device only on logging, checkpoint and
-last steps; metrics rows average their interval; non-finite runs and signals are acted on at those steps."""
+last steps, where it writes a metrics row for every step since, each with its own time; non-finite runs and
+signals are acted on at those steps."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -20,12 +22,12 @@ def _saved(tmp_path) -> list[str]:
 
 
 def test_host_syncs_only_on_logging_checkpoint_and_last_steps(tmp_path, make_trainer, monkeypatch):
-    from moe_tune.metrics import IntervalTimer
+    from moe_tune.metrics import StepTimer
     from moe_tune.train import StopSignal
 
     trainer = make_trainer("train.steps=7", "train.log_every=3", "checkpoint.every=5")
-    synced = {"timer": [], "guard": [], "signal": []}
-    pause, check, agreed = IntervalTimer.pause, trainer.guard.check, StopSignal.agreed
+    synced = {"timer": [], "guard": [], "signal": [], "rows": []}
+    pause, check, agreed, log = StepTimer.pause, trainer.guard.check, StopSignal.agreed, trainer.metrics.log
 
     def record(key, fn):
         def wrapped(*args, **kwargs):
@@ -34,15 +36,40 @@ def test_host_syncs_only_on_logging_checkpoint_and_last_steps(tmp_path, make_tra
 
         return wrapped
 
-    monkeypatch.setattr(IntervalTimer, "pause", record("timer", pause))
+    monkeypatch.setattr(StepTimer, "pause", record("timer", pause))
     monkeypatch.setattr(trainer.guard, "check", record("guard", check))
     monkeypatch.setattr(StopSignal, "agreed", record("signal", agreed))
+    monkeypatch.setattr(trainer.metrics, "log", record("rows", log))
     trainer.fit()
-    assert synced == {"timer": [3, 5, 6, 7], "guard": [3, 5, 6, 7], "signal": [3, 5, 6, 7]}
+    # Every step's row, written at the steps where the host waits anyway: steps 1-3 at 3, 4-5 at 5, 6, 7.
+    assert synced == {
+        "timer": [3, 5, 6, 7],
+        "guard": [3, 5, 6, 7],
+        "signal": [3, 5, 6, 7],
+        "rows": [3, 3, 3, 5, 5, 6, 7],
+    }
     rows = _rows(tmp_path)
-    assert [(r["step"], r["interval_steps"]) for r in rows] == [(3, 3), (6, 3), (7, 1)]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7]
     assert all(r["step_time_s"] > 0 and r["tokens_per_s"] > 0 for r in rows)
     assert _saved(tmp_path) == ["step_5"]
+
+
+def test_every_row_times_its_own_step(tmp_path, make_trainer):
+    """Step 2 of an interval of three takes 0.3 s longer: its row says so, its neighbours' rows do not."""
+    trainer = make_trainer("train.steps=3", "train.log_every=3")
+    original = trainer.train_step
+
+    def step(i):
+        out = original(i)
+        if i == 1:
+            time.sleep(0.3)
+        return out
+
+    trainer.train_step = step
+    trainer.fit()
+    seconds = [r["step_time_s"] for r in _rows(tmp_path)]
+    assert seconds[1] >= 0.3 and seconds[1] - 0.3 < 2 * max(seconds[0], seconds[2]) + 0.1
+    assert seconds[0] < 0.3 and seconds[2] < 0.3
 
 
 def _poison_from(trainer, index: int, snapshots: list):
@@ -67,7 +94,14 @@ def test_a_divergence_is_found_at_the_next_sync_step_and_never_saved(tmp_path, m
     with pytest.raises(SystemExit) as e:
         trainer.fit()
     assert e.value.code == 1
-    assert [(r["step"], r["skipped_steps"]) for r in _rows(tmp_path)] == [(4, 1), (6, 3)]
+    assert [(r["step"], r["skipped_steps"]) for r in _rows(tmp_path)] == [
+        (1, 0),
+        (2, 0),
+        (3, 0),
+        (4, 1),
+        (5, 2),
+        (6, 3),
+    ]
     assert _saved(tmp_path) == ["step_2", "step_4"]
     assert all(torch.equal(a, b) for a, b in zip(before[0], trainer.model.parameters()))
     err = capfd.readouterr().err
@@ -89,6 +123,6 @@ def test_a_signal_stops_at_the_next_logging_step_with_a_checkpoint(tmp_path, mak
     with pytest.raises(SystemExit) as e:
         trainer.fit()
     assert e.value.code == 128 + signal.SIGUSR1
-    assert [r["step"] for r in _rows(tmp_path)] == [4, 8]
+    assert [r["step"] for r in _rows(tmp_path)] == list(range(1, 9))
     assert _saved(tmp_path) == ["step_8"]
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # the handler is restored

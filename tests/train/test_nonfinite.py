@@ -39,7 +39,7 @@ def test_a_nonfinite_step_leaves_weights_and_optimizer_state_bitwise(make_traine
 
 
 def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path, make_trainer, capfd):
-    trainer = make_trainer("train.steps=10", "train.max_nonfinite_steps=2")
+    trainer = make_trainer("train.steps=10", "train.max_nonfinite_steps=2", "train.log_every=1")
     original = trainer.train_step
 
     def step(i):

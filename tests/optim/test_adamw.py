@@ -1,0 +1,108 @@
+"""optim.compiled: AdamW as one compiled kernel per parameter, against torch's fused AdamW (the default)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_tune.config import OptimConfig
+from moe_tune.optim import build_optimizer
+from moe_tune.optim.adamw import CompiledAdamW
+
+HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _shapes_and_grads(dtype, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(64, 48), (4, 16, 8), (37,)]
+    init = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+    grads = [[torch.randn(s, generator=g).to(dtype) for s in shapes] for _ in range(steps)]
+    return init, grads
+
+
+def _run(make, init, grads, device="cpu", skip_step=None, grad_scale=None, opt_state=None):
+    params = [torch.nn.Parameter(t.clone().to(device)) for t in init]
+    opt = make(params)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+    for i, step_grads in enumerate(grads):
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone().to(device)
+        opt.found_inf = torch.tensor(float(i == skip_step), device=device)
+        if grad_scale is not None:
+            opt.grad_scale = torch.tensor(grad_scale, device=device)
+        opt.step()
+    return params, opt
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    """Equal to ``tol`` of b's largest magnitude (moments near zero differ in their last bits by cancellation)."""
+    return float((a.float() - b.float()).abs().max()) <= tol * float(b.float().abs().max())
+
+
+def _fused(params):
+    return torch.optim.AdamW(params, **HYPER, fused=True)
+
+
+def _compiled(params):
+    return CompiledAdamW(params, **HYPER)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 2**-7)])
+def test_matches_torch_fused_adamw_with_a_skipped_step_and_clipping(dtype, tol):
+    """Four steps, the second skipped on the device (found_inf) and every gradient divided by grad_scale:
+    parameters, moments and step counts as torch's fused AdamW (fp32 to 1e-6 of each tensor's scale; bf16 to one
+    rounding step at that scale: the kernels round fp32 results of differently ordered sums)."""
+    init, grads = _shapes_and_grads(dtype, 4)
+    ref, ref_opt = _run(_fused, init, grads, skip_step=1, grad_scale=2.0)
+    got, got_opt = _run(_compiled, init, grads, skip_step=1, grad_scale=2.0)
+    for a, b in zip(got, ref):
+        assert a.dtype == dtype
+        assert _close(a, b, tol)
+        sa, sb = got_opt.state[a], ref_opt.state[b]
+        assert float(sa["step"]) == float(sb["step"]) == 3.0  # the skipped step is not counted
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert sa[key].dtype == sb[key].dtype
+            assert _close(sa[key], sb[key], tol), key
+    # The skipped step changed nothing: a run without it (three steps) lands on the same values.
+    again, _ = _run(_compiled, init, [grads[0], *grads[2:]], grad_scale=2.0)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+def test_checkpoints_move_between_it_and_torch_fused_adamw():
+    """Two steps with one optimizer, its state dict loaded into the other, two more steps: the same as four
+    steps of torch's fused AdamW throughout (the state layout is torch's)."""
+    init, grads = _shapes_and_grads(torch.float32, 4)
+    ref, _ = _run(_fused, init, grads)
+    for first, second in ((_compiled, _fused), (_fused, _compiled)):
+        half, opt = _run(first, init, grads[:2])
+        state = opt.state_dict()
+        assert set(state["state"][0]) == {"step", "exp_avg", "exp_avg_sq"} and state["param_groups"][0]["fused"]
+        got, _ = _run(second, [p.detach() for p in half], grads[2:], opt_state=state)
+        for a, b in zip(got, ref):
+            assert _close(a, b, 1e-6)
+
+
+def test_optim_compiled_builds_it_and_refuses_stochastic_rounding():
+    from moe_tune.config import Config, ConfigError, validate
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    assert isinstance(build_optimizer(params, OptimConfig(compiled=True), 1e-3), CompiledAdamW)
+    assert not isinstance(build_optimizer(params, OptimConfig(), 1e-3), CompiledAdamW)
+    cfg = Config()
+    cfg.train.precision = "bf16"
+    cfg.optim.compiled = cfg.optim.stochastic_rounding = True
+    with pytest.raises(ConfigError, match="drop optim.compiled"):
+        validate(cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel runs on CUDA only (CPU runs eagerly)")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 2**-7)])
+def test_compiled_kernel_matches_torch_fused_on_cuda(dtype, tol):
+    init, grads = _shapes_and_grads(dtype, 3)
+    ref, _ = _run(_fused, init, grads, device="cuda", skip_step=1, grad_scale=2.0)
+    got, opt = _run(_compiled, init, grads, device="cuda", skip_step=1, grad_scale=2.0)
+    assert opt._update is not None and opt._update is not opt._kernel  # torch.compile'd
+    for a, b in zip(got, ref):
+        assert _close(a, b, tol)
