@@ -4,8 +4,7 @@ The optimizer is PyTorch's fused AdamW (``torch.optim.AdamW(fused=True)``), the 
 FusedAdam: one kernel updates all parameters of a dtype/device group. Its state is fp32 whenever the
 parameters are (the default ``bf16_fp32_master`` precision keeps fp32 parameters as the master copy). With bf16
 parameters, ``optim.stochastic_rounding=true`` swaps in ``moe_tune.optim.stochastic.StochasticRoundingAdamW``.
-``optim.compiled`` runs the same AdamW as one compiled kernel per parameter (``moe_tune.optim.adamw``); by
-default where every trained parameter is fp32 on a GPU (the fp32 master weights), where it is the faster.
+``optim.compiled=true`` runs the same AdamW as one compiled kernel per parameter (``moe_tune.optim.adamw``).
 """
 
 from __future__ import annotations
@@ -26,16 +25,6 @@ def param_groups(params) -> list[dict]:
     return [{"params": g} for g in (sharded, plain) if g]
 
 
-def use_compiled(cfg: OptimConfig, params: list) -> bool:
-    """``optim.compiled``, with None decided by the parameters: compiled where every trained one is fp32 on a
-    GPU (measured on an H200: 1.38x torch's fused AdamW per step), torch's fused kernel otherwise (bf16: the
-    compiled kernel ran at 0.60x)."""
-    if cfg.compiled is not None:
-        return cfg.compiled
-    trained = [p for p in params if p.requires_grad]
-    return bool(trained) and all(p.dtype == torch.float32 and p.device.type == "cuda" for p in trained)
-
-
 def build_optimizer(params, cfg: OptimConfig, lr: float, seed: int = 0, shard_index: int = 0) -> torch.optim.Optimizer:
     """``seed`` and ``shard_index`` (this rank's position within its data-parallel replica) seed stochastic
     rounding's random bits, with each parameter's step and index."""
@@ -47,8 +36,7 @@ def build_optimizer(params, cfg: OptimConfig, lr: float, seed: int = 0, shard_in
         return StochasticRoundingAdamW(
             param_groups(params), lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay, seed=seed, shard_index=shard_index
         )
-    params = list(params)
-    if use_compiled(cfg, params):
+    if cfg.compiled:
         from moe_tune.optim.adamw import CompiledAdamW
 
         return CompiledAdamW(param_groups(params), lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay)
