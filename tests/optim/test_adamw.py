@@ -1,4 +1,4 @@
-"""optim.compiled: AdamW as one compiled kernel per parameter, against torch's fused AdamW (the default)."""
+"""optim.compiled: AdamW as one kernel per parameter (Triton on a GPU), against torch's fused AdamW (the default)."""
 
 from __future__ import annotations
 
@@ -97,12 +97,16 @@ def test_optim_compiled_builds_it_and_refuses_stochastic_rounding():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel runs on CUDA only (CPU runs eagerly)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA only (a CPU runs adamw_ eagerly)"
+)
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 2**-7)])
 def test_compiled_kernel_matches_torch_fused_on_cuda(dtype, tol):
     init, grads = _shapes_and_grads(dtype, 3)
     ref, _ = _run(_fused, init, grads, device="cuda", skip_step=1, grad_scale=2.0)
     got, opt = _run(_compiled, init, grads, device="cuda", skip_step=1, grad_scale=2.0)
-    assert opt._update is not None and opt._update is not opt._kernel  # torch.compile'd
+    from moe_tune.optim.adamw import _triton_update
+
+    assert _triton_update.cache_info().currsize == 1  # the Triton kernel ran (a CPU runs adamw_ eagerly)
     for a, b in zip(got, ref):
         assert _close(a, b, tol)

@@ -1,5 +1,6 @@
 """Where the step synchronizes the host: torch.cuda sync debug mode, each warning's stack (moe_tune/torch frames)
 counted. Usage: python syncs.py <moe-tune overrides>."""
+
 import collections
 import sys
 import traceback
@@ -14,8 +15,11 @@ def show(message, category, filename, lineno, file=None, line=None):
     if "synchroniz" not in str(message):
         return
     frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
-    keep = [f"{f.filename.split('site-packages/')[-1].split('/work/')[-1]}:{f.lineno}:{f.name}" for f in frames
-            if "moe_tune" in f.filename or "torch/" in f.filename][-6:]
+    keep = [
+        f"{f.filename.split('site-packages/')[-1].split('/work/')[-1]}:{f.lineno}:{f.name}"
+        for f in frames
+        if "moe_tune" in f.filename or "torch/" in f.filename
+    ][-6:]
     SITES[" <- ".join(reversed(keep))] += 1
 
 
