@@ -14,7 +14,7 @@ HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 def _shapes_and_grads(dtype, steps, seed=0):
     g = torch.Generator().manual_seed(seed)
-    shapes = [(64, 48), (4, 16, 8), (37,)]
+    shapes = [(64, 48), (4, 16, 8), (37,), (1 << 12,)]  # the last at _compiled's one_kernel_min: its own kernel
     init = [torch.randn(s, generator=g).to(dtype) for s in shapes]
     grads = [[torch.randn(s, generator=g).to(dtype) for s in shapes] for _ in range(steps)]
     return init, grads
@@ -45,7 +45,7 @@ def _fused(params):
 
 
 def _compiled(params):
-    return CompiledAdamW(params, **HYPER)
+    return CompiledAdamW(params, **HYPER, one_kernel_min=1 << 12)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 2**-7)])
