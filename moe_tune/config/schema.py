@@ -224,10 +224,10 @@ class OptimConfig:
     # train.precision=bf16 only: AdamW in fp32 per chunk, rounded stochastically back to the bf16 parameters and
     # moments (moe_tune/optim/stochastic.py), so updates below bf16's resolution are not lost.
     stochastic_rounding: bool = False
-    # AdamW as one torch.compile'd kernel per parameter instead of torch's fused multi-tensor kernel: the same
-    # maths and state (moe_tune/optim/adamw.py). On an H200 its step is 1.38x faster for fp32 parameters (3.99
-    # against 2.88 TB/s) and 0.60x for bf16; whole fp32-master runs were too noisy there to show the gain, so it
-    # is off by default. stochastic_rounding=true is compiled already.
+    # AdamW as one Triton kernel per large parameter (torch's fused kernel for the rest) instead of torch's fused
+    # kernel alone: the same maths and state (moe_tune/optim/adamw.py). On an H200 the update alone is 1.66x faster
+    # for bf16 and 1.37x for fp32, but whole runs were not faster yet (benchmarks/README.md), so it is off by
+    # default. stochastic_rounding=true runs its own compiled kernel.
     compiled: bool = False
 
 

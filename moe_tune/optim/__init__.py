@@ -4,7 +4,7 @@ The optimizer is PyTorch's fused AdamW (``torch.optim.AdamW(fused=True)``), the 
 FusedAdam: one kernel updates all parameters of a dtype/device group. Its state is fp32 whenever the
 parameters are (the default ``bf16_fp32_master`` precision keeps fp32 parameters as the master copy). With bf16
 parameters, ``optim.stochastic_rounding=true`` swaps in ``moe_tune.optim.stochastic.StochasticRoundingAdamW``.
-``optim.compiled=true`` runs the same AdamW as one compiled kernel per parameter (``moe_tune.optim.adamw``).
+``optim.compiled=true`` runs the same AdamW as one Triton kernel per large parameter (``moe_tune.optim.adamw``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""AdamW with one Triton kernel per parameter on a GPU (``optim.compiled=true``).
+"""AdamW with one Triton kernel per large parameter on a GPU (``optim.compiled=true``).
 
 torch's fused AdamW updates bf16 parameters and moments at about 2.3 TB/s on an H200 (34.6 ms per step for the
 5.6 B parameters of the 8-layer Qwen3-30B-A3B workload, where reading p, g, m, v and writing p, m, v moves 78 GB),
