@@ -53,8 +53,11 @@ def check_inputs(dict_cfg, world_known: bool) -> None:
 
         Trainer.check_config(cfg)
     else:
+        from moe_tune.data import check_data_sources
+
         check_values(cfg)
         check_model_source(cfg)
+        check_data_sources(cfg)
 
 
 def run(dict_cfg) -> None:

@@ -167,12 +167,14 @@ class MetricsWriter:
     def drop_after(self, step: int) -> None:
         """Before a run starts (or resumes) at ``step``: remove the rows of later steps, which a run that crashed
         after its last checkpoint logged and this one replays; rewritten atomically (a temporary file renamed), so
-        metrics.jsonl never loses the rows it keeps. Rank 0 only (``enabled``)."""
+        metrics.jsonl never loses the rows it keeps. The kept rows count in ``summary`` (the whole run's first
+        loss and medians, not only the resumed part's). Rank 0 only (``enabled``)."""
         if not self.enabled or not os.path.isfile(self.path):
             return
         with open(self.path) as f:
             lines = f.readlines()
         kept = [line for line in lines if _row_step(line) <= step]
+        self.rows = [json.loads(line) for line in kept]
         if len(kept) == len(lines):
             return
         tmp = self.path + ".tmp"

@@ -161,6 +161,23 @@ def test_cli_bad_input_exits_2_with_one_line(args, message, cli_env, tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["data=jsonl", "data.path=/nonexistent/chat.jsonl"], "data.path=/nonexistent/chat.jsonl does not exist"),
+        (["checkpoint.resume=/nonexistent/step_5"], "checkpoint.resume=/nonexistent/step_5 does not exist"),
+    ],
+)
+def test_cli_missing_input_path_exits_2_before_output_dir_exists(args, message, cli_env, tmp_path):
+    run_dir = tmp_path / "run"
+    r = subprocess.run(
+        [PY, "-m", "moe_tune", f"output_dir={run_dir}", *args], capture_output=True, text=True, env=cli_env, timeout=120
+    )
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr
+    assert not run_dir.exists()  # no lock, no base model, no config written
+
+
 def test_cli_unsupported_architecture_exits_2(tmp_path, cli_env, tiny_checkpoint):
     """A dense (Llama) checkpoint: one line naming it and the supported families, exit 2."""
     from moe_tune.models.presets import build_tokenizer

@@ -84,14 +84,20 @@ def check_values(cfg: Config) -> None:
     """Every check that needs neither the world size nor the model: choices, ranges, combinations within a
     group. The CLI runs it before Hydra creates the run directory, so a bad value leaves nothing behind."""
     _check_choices(cfg)
+    if cfg.data.path is None and cfg.data.name not in ("arithmetic", "random"):  # before num_samples' range
+        raise ConfigError(
+            f"data={cfg.data.name!r} is not built in (arithmetic, random); pick one or set data.path=<jsonl|parquet|dir>"
+        )
     _check_ranges(cfg)
     _check_train(cfg)
     _check_kernels(cfg)
     _check_data(cfg)
     _check_peft(cfg)
-    if cfg.data.path is None and cfg.data.name not in ("arithmetic", "random"):
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "none") and not os.path.isdir(resume):
         raise ConfigError(
-            f"data={cfg.data.name!r} is not built in (arithmetic, random); pick one or set data.path=<jsonl|parquet|dir>"
+            f"checkpoint.resume={resume} does not exist; give a checkpoint directory (<output_dir>/checkpoints/"
+            "step_<N>), auto (the newest in output_dir) or none"
         )
     if cfg.model.path is not None and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
         raise ConfigError(

@@ -7,5 +7,15 @@ see its docstring for the two objects' APIs."""
 
 from moe_tune.data.loader import build_dataset, build_datasets
 from moe_tune.data.packing import PackedDataset, ValDataset
+from moe_tune.data.sources import resolve
 
-__all__ = ["PackedDataset", "ValDataset", "build_dataset", "build_datasets"]
+
+def check_data_sources(cfg) -> None:
+    """``data.path`` and ``data.val_path`` name files, directories or hub datasets that exist (DataError naming
+    the path otherwise): checked before a run writes anything. Hub names are checked when loaded."""
+    for path in (cfg.data.path, cfg.data.val_path):
+        if path is not None:
+            resolve(path)
+
+
+__all__ = ["PackedDataset", "ValDataset", "build_dataset", "build_datasets", "check_data_sources"]

@@ -93,8 +93,11 @@ class Trainer:
     def check_config(cfg: Config) -> None:
         """Cross-group checks and the named backends' availability, before any process group exists (the CLI runs
         it too, before Hydra creates the run directory)."""
+        from moe_tune.data import check_data_sources
+
         validate(cfg)
         check_model_source(cfg)
+        check_data_sources(cfg)
         require_backends(cfg)
         require_logger(cfg.logger)
 

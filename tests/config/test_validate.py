@@ -126,6 +126,9 @@ def test_overlap_validates_for_all_to_all():
         (["train.log_every=0"], 1, "train.log_every (0) must be >= 1"),
         (["optim.schedule=linear"], 1, "optim.schedule='linear' is not one of cosine, constant"),
         (["data.name=wiki"], 1, "data='wiki' is not built in (arithmetic, random)"),
+        # data=jsonl without a path: what is missing, not data.num_samples' range (which it fails too).
+        (["data=jsonl"], 1, "data='jsonl' is not built in (arithmetic, random); pick one or set data.path="),
+        (["checkpoint.resume=/nonexistent/step_5"], 1, "checkpoint.resume=/nonexistent/step_5 does not exist"),
     ],
 )
 def test_validation_errors(overrides, world, message):

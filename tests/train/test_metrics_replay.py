@@ -22,6 +22,24 @@ def test_resume_after_a_crash_logs_each_step_once_in_order(tmp_path, make_traine
     assert [r["loss"] for r in rows] == [r["loss"] for r in reference]  # the replayed steps, bitwise
 
 
+def test_a_resumed_or_rerun_run_summarises_every_step(tmp_path, make_trainer):
+    """summary.json after a resume covers the whole run (first loss of step 1, medians over every row), and
+    running a finished run again keeps its summary instead of writing one of no steps."""
+    make_trainer("train.steps=4", "checkpoint.every=2").fit()
+    first = json.load(open(tmp_path / "summary.json"))
+    shutil.rmtree(tmp_path / "checkpoints" / "step_4")
+    make_trainer("train.steps=4", "checkpoint.every=2").fit()  # resumes at step 2
+    rows = read_metrics(tmp_path)
+    resumed = json.load(open(tmp_path / "summary.json"))
+    assert resumed["first_loss"] == rows[0]["loss"] == first["first_loss"]
+    assert resumed["final_loss"] == rows[-1]["loss"] and resumed["steps_timed"] == first["steps_timed"]
+    finished = make_trainer("train.steps=4", "checkpoint.every=2")
+    assert finished.step == 4
+    finished.fit()
+    again = json.load(open(tmp_path / "summary.json"))
+    assert (again["first_loss"], again["final_loss"]) == (resumed["first_loss"], resumed["final_loss"])
+
+
 def test_drop_after_keeps_earlier_rows_and_drops_a_torn_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "lo')
