@@ -104,9 +104,14 @@ def write_checkpoint(
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
-    """``safetensors.torch.save_file``, readable as any other file the run writes: safetensors creates its files
-    0600, which would keep the exported weights from the rest of a shared cluster's group."""
+    """``safetensors.torch.save_file``, readable as any other file the run writes (``as_umask_allows``)."""
     save_file(tensors, path, metadata={"format": "pt"})
+    as_umask_allows(path)
+
+
+def as_umask_allows(path: str) -> None:
+    """The mode an ordinary file gets under the process umask: safetensors creates its files 0600, which would
+    keep the weights from the rest of a shared cluster's group."""
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)

@@ -293,5 +293,10 @@ def build_tiny_checkpoint(
     hf_logging.disable_progress_bar()  # our own progress and log lines only
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    from moe_tune.models.export import as_umask_allows
+
+    for name in os.listdir(tmp):
+        if name.endswith(".safetensors"):
+            as_umask_allows(os.path.join(tmp, name))
     os.replace(tmp, out_dir)
     return out_dir

@@ -81,3 +81,17 @@ def test_exported_weights_are_readable_like_other_files(tmp_path):
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
     assert any(name.endswith(".safetensors") for name in modes)
     assert set(modes.values()) == {0o644}, modes
+
+
+def test_built_in_base_model_weights_are_readable_like_other_files(tmp_path):
+    """A built-in preset written as a checkpoint (``output_dir/base_model/`` of a LoRA run) follows the umask too."""
+    from moe_tune.models.presets import build_tiny_checkpoint
+
+    old_umask = os.umask(0o022)
+    try:
+        out = build_tiny_checkpoint(str(tmp_path / "base_model"), "tiny_qwen3_moe", seed=0)
+    finally:
+        os.umask(old_umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in os.scandir(out) if p.is_file()}
+    assert any(name.endswith(".safetensors") for name in modes)
+    assert set(modes.values()) == {0o644}, modes
