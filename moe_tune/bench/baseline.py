@@ -16,7 +16,8 @@ summary.json fields, timing and FLOP formula are the trainer's; and
   - loss: label-token sum / global label tokens of the step (``num_items_in_batch``), averaged by FSDP over ranks;
   - FSDP2 ``fully_shard`` per decoder layer and the root over all ranks, moe_tune's MixedPrecisionPolicy for
     ``train.precision`` and ``parallel.reshard_after_forward``;
-  - optimizer, schedule and clipping: the Trainer's (PyTorch fused AdamW, clipping by its ``grad_scale``);
+  - optimizer, schedule and clipping: the Trainer's, with PyTorch's fused AdamW (``optim.compiled=false``: what
+    a transformers user runs; ``peer_optimizer``), clipping by its ``grad_scale``;
   - activation checkpointing: ``full`` is Hugging Face's ``gradient_checkpointing_enable``; ``selective`` (which
     transformers lacks) wraps each layer's attention with moe_tune's ``apply_ac``;
   - forced balanced routing (``train.force_balanced_routing``): the softmax top-k routers pick experts
@@ -273,6 +274,14 @@ def check_workload(cfg: Config, fsdp: bool = True) -> None:
         )
 
 
+def peer_optimizer(cfg: Config) -> Config:
+    """The baseline's and the peer's optimizer: PyTorch's fused AdamW, as their users run it, not moe_tune's
+    compiled update (stochastic rounding, moe_tune's own, keeps its compiled kernel)."""
+    if cfg.optim.stochastic_rounding:
+        return cfg
+    return replace(cfg, optim=replace(cfg.optim, compiled=False))
+
+
 class Baseline(Trainer):
     """moe_tune's Trainer (its step, loop, metrics and summary) on the Hugging Face model (``build_hf_model``),
     sharded with FSDP2 or, on one GPU, plain."""
@@ -284,7 +293,7 @@ class Baseline(Trainer):
             )
         self.experts_implementation, self.fsdp = experts_implementation, fsdp
         builder = functools.partial(build_hf_model, experts_implementation=experts_implementation, fsdp=fsdp)
-        super().__init__(cfg, builder=builder)
+        super().__init__(peer_optimizer(cfg), builder=builder)
 
     def check_config(self, cfg: Config) -> None:
         check_workload(cfg, self.fsdp)
@@ -325,6 +334,7 @@ __all__ = [
     "check_workload",
     "hf_flops_per_token",
     "main",
+    "peer_optimizer",
 ]
 
 if __name__ == "__main__":

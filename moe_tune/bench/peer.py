@@ -11,6 +11,7 @@ FSDP2Config(mp_policy), parallelism_sizes=ParallelismSizes(ep_size), moe_paralle
   - ``train.force_balanced_routing`` -> ``BackendConfig(fake_balanced_gate=True)`` (its balanced gate, which is not
     moe_tune's assignment but balances the same way);
   - ``train.aux_loss_coef`` -> the config's ``router_aux_loss_coef``;
+  - the optimizer: PyTorch's fused AdamW (``peer_optimizer``), as the Transformers baseline's;
   - ``--dispatcher torch|deepep`` and ``--backend k=v,...`` (default attn=sdpa, linear=torch, experts=torch_mm,
     rope_fusion=False: no TransformerEngine), ``--ep`` (default parallel.ep if > 1, else every rank).
 It starts from the same weights as the other rows: the checkpoint, or for a random preset the same draw written
@@ -31,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moe_tune.bench.baseline import check_workload, hf_flops_per_token
+from moe_tune.bench.baseline import check_workload, hf_flops_per_token, peer_optimizer
 from moe_tune.build import Built
 from moe_tune.config import Config, ConfigError, UserError
 from moe_tune.train import Trainer
@@ -235,7 +236,7 @@ class Peer(Trainer):
     def __init__(self, cfg: Config, dispatcher: str = "torch", ep: int | None = None, backend: str = ""):
         self.backend_kwargs = parse_backend(backend, dispatcher)
         builder = functools.partial(build_nemo_model, backend_kwargs=self.backend_kwargs, requested_ep=ep)
-        super().__init__(cfg, builder=builder)
+        super().__init__(peer_optimizer(cfg), builder=builder)
 
     def check_config(self, cfg: Config) -> None:
         check_workload(cfg)

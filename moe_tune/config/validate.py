@@ -266,11 +266,6 @@ def _check_train(cfg: Config) -> None:
             f"optim.stochastic_rounding=true rounds bf16 parameters (got train.precision={t.precision}, "
             "whose master weights are not bf16); set train.precision=bf16 or drop optim.stochastic_rounding"
         )
-    if cfg.optim.stochastic_rounding and cfg.optim.compiled:
-        raise ConfigError(
-            "optim.compiled=true and optim.stochastic_rounding=true: stochastic rounding runs its own compiled "
-            "kernel; drop optim.compiled"
-        )
     comm = cfg.comm
     if comm.overlap and comm.name not in OVERLAP_BACKENDS:
         raise ConfigError(

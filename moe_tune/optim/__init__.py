@@ -1,10 +1,12 @@
 """Optimizer and learning-rate schedule.
 
-The optimizer is PyTorch's fused AdamW (``torch.optim.AdamW(fused=True)``), the current form of Apex's
-FusedAdam: one kernel updates all parameters of a dtype/device group. Its state is fp32 whenever the
-parameters are (the default ``bf16_fp32_master`` precision keeps fp32 parameters as the master copy). With bf16
-parameters, ``optim.stochastic_rounding=true`` swaps in ``moe_tune.optim.stochastic.StochasticRoundingAdamW``.
-``optim.compiled=true`` runs the same AdamW as one Triton kernel per large parameter (``moe_tune.optim.adamw``).
+The optimizer is AdamW with torch's state layout; its state is fp32 whenever the parameters are (the default
+``bf16_fp32_master`` precision keeps fp32 parameters as the master copy). ``optim.compiled=true`` (the default)
+runs ``moe_tune.optim.adamw.CompiledAdamW``: one Triton kernel per large parameter on a GPU, torch's fused
+multi-tensor kernel for the rest; ``optim.compiled=false`` runs torch's fused AdamW alone
+(``torch.optim.AdamW(fused=True)``, one kernel per dtype/device group). Checkpoints move between the two. With
+bf16 parameters, ``optim.stochastic_rounding=true`` swaps in ``moe_tune.optim.stochastic.StochasticRoundingAdamW``
+(its update a torch.compile'd kernel on a GPU, eager with ``optim.compiled=false``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,14 @@ def build_optimizer(params, cfg: OptimConfig, lr: float, seed: int = 0, shard_in
         from moe_tune.optim.stochastic import StochasticRoundingAdamW
 
         return StochasticRoundingAdamW(
-            param_groups(params), lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay, seed=seed, shard_index=shard_index
+            param_groups(params),
+            lr,
+            tuple(cfg.betas),
+            cfg.eps,
+            cfg.weight_decay,
+            seed=seed,
+            shard_index=shard_index,
+            compiled=cfg.compiled,
         )
     if cfg.compiled:
         from moe_tune.optim.adamw import CompiledAdamW

@@ -11,7 +11,7 @@ The random bits come from a generator seeded per parameter by (``seed``, its ste
 so a run resumed from a checkpoint (which holds the steps) draws the same bits as one that never stopped, and
 replicas of one shard (HSDP, ``parallel.dp_replicate > 1``: same shard index) round identically and stay equal.
 Work is done per chunk of ``chunk`` elements to bound the fp32 temporaries; on CUDA the per-chunk arithmetic is
-one compiled kernel.
+one compiled kernel (eager with ``optim.compiled=false``).
 """
 
 from __future__ import annotations
@@ -51,19 +51,31 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
     by: gradient clipping). A skipped step still counts in the bias correction.
     """
 
-    def __init__(self, params, lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, seed=0, shard_index=0, chunk=_CHUNK):
+    def __init__(
+        self,
+        params,
+        lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.0,
+        seed=0,
+        shard_index=0,
+        chunk=_CHUNK,
+        compiled=True,
+    ):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype != torch.bfloat16:
                     raise ValueError(f"stochastic rounding AdamW needs bf16 parameters, got {p.dtype}")
-        self.seed, self.shard_index, self.chunk = seed, shard_index, chunk
+        self.seed, self.shard_index, self.chunk, self.compiled = seed, shard_index, chunk, compiled
         self._generators: dict[torch.device, torch.Generator] = {}  # reseeded per parameter and step
         self._update = None
 
     def _kernel(self, device: torch.device):
         if self._update is None:
-            self._update = torch.compile(adamw_chunk_, dynamic=True) if device.type == "cuda" else adamw_chunk_
+            on_gpu = device.type == "cuda" and self.compiled
+            self._update = torch.compile(adamw_chunk_, dynamic=True) if on_gpu else adamw_chunk_
         return self._update
 
     def _generator(self, device: torch.device, step: int, index: int) -> torch.Generator:

@@ -235,6 +235,9 @@ def test_bench_end_to_end_tiny(tmp_path, cli_env):
         assert {"comm", "kernels", "ep"} <= set(row["config"])
         assert row["tokens_per_s_per_gpu"] > 0 and len(row["losses"]) == 2
         assert os.path.isfile(os.path.join(row["run_dir"], "metrics.jsonl"))
+    # The baseline trains with PyTorch's fused AdamW (what its users run), moe_tune with its compiled update.
+    optims = {v: json.load(open(os.path.join(rows[v]["run_dir"], "config.json")))["optim"] for v in rows}
+    assert not optims["hf_grouped_mm"]["compiled"] and optims["a2a"]["compiled"]
     # Same weights, data and loss in fp32: the two stacks agree closely; same FLOP formula for both.
     assert rows["a2a"]["max_loss_diff_vs_baseline"] < 1e-3
     assert rows["a2a"]["flops_per_token"] == pytest.approx(rows["hf_grouped_mm"]["flops_per_token"])

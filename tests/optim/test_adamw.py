@@ -1,4 +1,5 @@
-"""optim.compiled: AdamW as one kernel per parameter (Triton on a GPU), against torch's fused AdamW (the default)."""
+"""optim.compiled (the default): AdamW as one kernel per large parameter (Triton on a GPU), against torch's fused
+AdamW (optim.compiled=false)."""
 
 from __future__ import annotations
 
@@ -83,17 +84,24 @@ def test_checkpoints_move_between_it_and_torch_fused_adamw():
             assert _close(a, b, 1e-6)
 
 
-def test_optim_compiled_builds_it_and_refuses_stochastic_rounding():
-    from moe_tune.config import Config, ConfigError, validate
+def test_optim_compiled_chooses_the_kernels():
+    """optim.compiled (default true) builds CompiledAdamW, false torch's fused AdamW; with stochastic rounding
+    it decides whether that optimizer's update is torch.compile'd on a GPU (no refusal either way)."""
+    from moe_tune.config import Config, validate
+    from moe_tune.optim.stochastic import StochasticRoundingAdamW
 
     params = [torch.nn.Parameter(torch.zeros(3))]
-    assert isinstance(build_optimizer(params, OptimConfig(compiled=True), 1e-3), CompiledAdamW)
-    assert not isinstance(build_optimizer(params, OptimConfig(), 1e-3), CompiledAdamW)  # torch's fused
-    cfg = Config()
-    cfg.train.precision = "bf16"
-    cfg.optim.compiled = cfg.optim.stochastic_rounding = True
-    with pytest.raises(ConfigError, match="drop optim.compiled"):
+    assert OptimConfig().compiled
+    assert isinstance(build_optimizer(params, OptimConfig(), 1e-3), CompiledAdamW)
+    fused = build_optimizer(params, OptimConfig(compiled=False), 1e-3)
+    assert type(fused) is torch.optim.AdamW and fused.param_groups[0]["fused"]
+    bf16 = [torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))]
+    for compiled in (True, False):
+        cfg = Config()
+        cfg.train.precision, cfg.optim.stochastic_rounding, cfg.optim.compiled = "bf16", True, compiled
         validate(cfg)
+        opt = build_optimizer(bf16, cfg.optim, 1e-3)
+        assert isinstance(opt, StochasticRoundingAdamW) and opt.compiled is compiled
 
 
 @pytest.mark.gpu
@@ -110,3 +118,38 @@ def test_compiled_kernel_matches_torch_fused_on_cuda(dtype, tol):
     assert _triton_update.cache_info().currsize == 1  # the Triton kernel ran (a CPU runs adamw_ eagerly)
     for a, b in zip(got, ref):
         assert _close(a, b, tol)
+
+
+def _fsdp_steps(rank: int, result_path: str) -> None:
+    """Three steps of a 2-layer MLP sharded by FSDP2 over 2 ranks, once with torch's fused AdamW and once with
+    CompiledAdamW updating each parameter's local shard on its own (one_kernel_min below every size); rank 0
+    saves both models' full parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for name, make in (("fused", _fused), ("compiled", lambda p: CompiledAdamW(p, **HYPER, one_kernel_min=1))):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+        fully_shard(model)
+        opt = make(list(model.parameters()))
+        g = torch.Generator().manual_seed(1 + rank)
+        for _ in range(3):
+            model(torch.randn(4, 16, generator=g)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    if rank == 0:
+        torch.save(out, result_path)
+
+
+def test_fsdp2_sharded_parameters_update_like_torch_fused(tmp_path):
+    """FSDP2 DTensor parameters (2 gloo ranks): each rank's shard updated in place by CompiledAdamW's own-kernel
+    path gives the same full parameters as torch's fused AdamW, to 1e-6 of each tensor's scale."""
+    from tests.harness import run_ranks
+
+    path = tmp_path / "params.pt"
+    run_ranks(_fsdp_steps, 2, str(path))
+    got = torch.load(path)
+    for key, ref in got["fused"].items():
+        assert _close(got["compiled"][key], ref, 1e-6), key
+        assert not torch.equal(ref, torch.zeros_like(ref))
