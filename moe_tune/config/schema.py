@@ -227,7 +227,7 @@ class OptimConfig:
     # The update as compiled kernels on a GPU: AdamW as one Triton kernel per large parameter (torch's fused
     # kernel for the rest; same maths and state as torch's fused AdamW, moe_tune/optim/adamw.py), stochastic
     # rounding as its torch.compile'd kernel. On an H200, bf16, 8-layer Qwen3 shapes: the update 39.5 -> 20.3 ms,
-    # micro-batch 1 +6-15%, micro-batch 4 +0.5-1.7% (benchmarks/README.md). false: torch's fused AdamW (and
+    # micro-batch 1 +22%, micro-batch 4 +0.3-1.7% (benchmarks/README.md). false: torch's fused AdamW (and
     # stochastic rounding eagerly).
     compiled: bool = True
 

@@ -10,7 +10,9 @@ stochastically). torch.compile's kernel for it reached only 1.34 TB/s with bf16 
 It is ``torch.optim.AdamW`` with another ``step``: the same parameter groups and state (``step`` a float32
 tensor on the parameter's device, ``exp_avg``, ``exp_avg_sq``), so checkpoints move between the two, and the
 same ``found_inf`` (1 skips the update on the device and does not count the step, as torch's fused kernel) and
-``grad_scale`` (every gradient is divided by it: clipping).
+``grad_scale`` (every gradient is divided by it: clipping). A step only queues work on the device: the
+hyperparameters go by value with each launch and the step counts add device tensors, so nothing is read back
+(one such read per step cost 9% of a micro-batch-1 step on an H200: benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -58,31 +60,29 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 BLOCK = 4096  # elements per Triton program: a bandwidth-bound pass, 8 warps of 16-byte accesses
-# Parameters this large get their own kernel; smaller ones go through torch's fused multi-tensor kernel. Launching
-# a Triton kernel from Python costs the host about 0.3 ms (measured in a training step: one kernel for each of the
-# 114 parameters left the GPU waiting 14 ms for the next forward, more than the 15.5 ms the update saved). In the
-# 8-layer Qwen3 workload 18 parameters (experts, embeddings, lm_head) hold 97% of the elements.
+# Parameters this large get their own kernel; smaller ones go through torch's fused multi-tensor kernel (a few
+# launches for all of them). In the 8-layer Qwen3 workload 18 parameters (experts, embeddings, lm_head) hold 97% of
+# the elements. (One Triton launch for each of its 114 parameters measured slower in whole steps than torch's fused
+# kernel alone, in a version that also read a step scalar to the host every step; not re-measured since.)
 ONE_KERNEL_MIN = 1 << 24
 
 
 @functools.cache
 def _triton_update():
     """The Triton kernel (imported on first use: CPU installs have no Triton). One program per BLOCK elements of
-    p, g, m, v; ``hyper`` as ``adamw_``'s; ``bc``: this parameter's two bias corrections."""
+    p, g, m, v; ``skip`` and ``scale`` are 0-dim fp32 device tensors (``adamw_``'s skip and grad_scale), ``bc`` this
+    parameter's two bias corrections on the device; the hyperparameters are passed by value with the launch, so a
+    step copies nothing from the host (a copy of them per step was a host sync)."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, hyper_ptr, bc_ptr, n, BLOCK: tl.constexpr):
+    def adamw_kernel(
+        p_ptr, g_ptr, m_ptr, v_ptr, skip_ptr, scale_ptr, bc_ptr, n, lr, beta1, beta2, eps, wd, BLOCK: tl.constexpr
+    ):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        lr, beta1, beta2 = tl.load(hyper_ptr), tl.load(hyper_ptr + 1), tl.load(hyper_ptr + 2)
-        eps, wd, skip, scale = (
-            tl.load(hyper_ptr + 3),
-            tl.load(hyper_ptr + 4),
-            tl.load(hyper_ptr + 5),
-            tl.load(hyper_ptr + 6),
-        )
+        skip, scale = tl.load(skip_ptr), tl.load(scale_ptr)
         bc1, bc2 = tl.load(bc_ptr), tl.load(bc_ptr + 1)
         p0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
         m0 = tl.load(m_ptr + offs, mask=mask, other=0.0)
@@ -96,9 +96,10 @@ def _triton_update():
         tl.store(m_ptr + offs, tl.where(keep, m0, m.to(m0.dtype)), mask=mask)
         tl.store(v_ptr + offs, tl.where(keep, v0, v.to(v0.dtype)), mask=mask)
 
-    def update(p, g, m, v, hyper, bc) -> None:
+    def update(p, g, m, v, skip, scale, bc, lr, beta1, beta2, eps, wd) -> None:
         n = p.numel()
-        adamw_kernel[(triton.cdiv(n, BLOCK),)](p, g, m, v, hyper, bc, n, BLOCK=BLOCK, num_warps=8)
+        grid = (triton.cdiv(n, BLOCK),)
+        adamw_kernel[grid](p, g, m, v, skip, scale, bc, n, lr, beta1, beta2, eps, wd, BLOCK=BLOCK, num_warps=8)
 
     return update
 
@@ -159,13 +160,12 @@ class CompiledAdamW(torch.optim.AdamW):
             skip = torch.zeros((), device=device) if found_inf is None else found_inf.to(device, torch.float32)
             scale = torch.ones((), device=device) if grad_scale is None else grad_scale.to(device, torch.float32)
             beta1, beta2 = group["betas"]
-            scalars = torch.tensor([group["lr"], beta1, beta2, group["eps"], group["weight_decay"]])
-            if device.type == "cuda":  # pinned and non_blocking: no host sync for the step's scalars
-                scalars = scalars.pin_memory()
-            hyper = torch.cat([scalars.to(device, non_blocking=True), skip.reshape(1), scale.reshape(1)])
+            scalars = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
             states = [self._state(p) for p in params]
             steps = [s["step"] for s in states]
-            torch._foreach_add_(steps, 1 - skip)  # as torch's fused kernel: a skipped update is not counted
+            # As torch's fused kernel: a skipped update is not counted. A list of device tensors: foreach's
+            # single-tensor overload reads a CUDA scalar to the host (a sync per step).
+            torch._foreach_add_(steps, [1 - skip] * len(steps))
             big = [i for i, p in enumerate(params) if p.numel() >= self.one_kernel_min]
             if len(big) < len(params):
                 self._fused_small(
@@ -179,8 +179,9 @@ class CompiledAdamW(torch.optim.AdamW):
                 state = states[i]
                 views = [_local(t).view(-1) for t in (params[i], params[i].grad, state["exp_avg"], state["exp_avg_sq"])]
                 if device.type == "cuda":
-                    _triton_update()(*views, hyper, bc_B2[j])
+                    _triton_update()(*views, skip, scale, bc_B2[j], *scalars)
                 else:
+                    hyper = torch.cat([torch.tensor(scalars), skip.reshape(1), scale.reshape(1)])
                     adamw_(*views, hyper, state["step"])
         return loss
 
