@@ -93,6 +93,17 @@ def run(dict_cfg) -> None:
     destroy_distributed()
 
 
+def register_launcher() -> None:
+    """Hydra finds launchers by listing the ``hydra_plugins`` namespace package, and an editable install
+    (setuptools' import hook, ``pip install -e .``) is invisible to that listing although the module imports:
+    register moe_tune's launcher by its class, so ``hydra/launcher=submitit_slurm`` works from any install."""
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.moe_tune_launcher.slurm import SlurmLauncher
+
+    Plugins.instance().register(SlurmLauncher)
+
+
 def main() -> None:
     import hydra
 
@@ -100,6 +111,7 @@ def main() -> None:
 
     sys.argv[1:] = precheck(sys.argv[1:])
     register_configs()
+    register_launcher()
     hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(run)()
 
 

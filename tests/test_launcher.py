@@ -41,3 +41,21 @@ def test_a_ranks_exit_2_is_the_launchers(tmp_path, cli_env):
     )
     assert r.returncode == 2, r.stderr[-3000:]
     assert BAD_FAMILY_LINE in r.stderr
+
+
+def test_the_slurm_launcher_is_found_from_an_installed_moe_tune(tmp_path):
+    """Outside the clone, as an installed moe_tune runs (the suite's own install is editable, whose import hook
+    Hydra's listing of hydra_plugins does not see): the CLI's registration makes the class that
+    hydra/launcher=submitit_slurm names one Hydra can instantiate."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = (
+        "from hydra.core.plugins import Plugins\n"
+        "from moe_tune.cli import register_launcher\n"
+        "register_launcher()\n"
+        "print(sorted(n for n in Plugins.instance().class_name_to_class if 'moe_tune_launcher' in n))\n"
+    )
+    r = subprocess.run([PY, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "['hydra_plugins.moe_tune_launcher.slurm.SlurmLauncher']", r.stdout

@@ -12,11 +12,13 @@ from tests.slurm.cluster import wait_rows
 
 
 def submit(slurm, run_dir, *overrides: str) -> subprocess.CompletedProcess:
-    """``moe-tune`` submitting one job through the launcher and waiting for it, as a user runs it."""
+    """``moe-tune`` submitting one job through the launcher and waiting for it, as a user runs it: the installed
+    package (the suite's editable install), from a directory outside the clone."""
     cmd = [PY, "-m", "moe_tune", "hydra/launcher=submitit_slurm_cpu", f"output_dir={run_dir}", *FAST_RUN]
     cmd += ["checkpoint.export_hf=false", *overrides, "-m"]
-    env = {**cli_env(), "SLURM_CONF": slurm.env["SLURM_CONF"]}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+    env = {k: v for k, v in cli_env().items() if k != "PYTHONPATH"}
+    env["SLURM_CONF"] = slurm.env["SLURM_CONF"]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=240)
 
 
 def test_ep2_job_runs_two_ranks(slurm, tmp_path):
