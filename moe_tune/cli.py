@@ -85,6 +85,9 @@ def run(dict_cfg) -> None:
         fail(str(e))
     try:
         trainer.fit()
+    except UserError as e:  # found while training (a streamed record): on this rank alone, so no group teardown
+        release_held()
+        fail(str(e))
     except SystemExit:
         release_held()
         destroy_distributed()

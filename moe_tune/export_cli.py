@@ -5,6 +5,8 @@ Runs in one process on the CPU; the checkpoint may come from any parallel layout
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 
@@ -45,8 +47,11 @@ def export(checkpoint: str, out: str, merge: bool = False, base: str | None = No
         raise ConfigError(f"--merge applies to LoRA runs; {checkpoint} is from a full fine-tune (peft={cfg.peft.name})")
     if merge:
         merge_lora(model)
+    with open(os.path.join(checkpoint, "meta.json")) as f:  # read and checked by from_checkpoint
+        chat_template = json.load(f).get("chat_template")  # data.chat_template's text, as training used it
     # OUT is replaced as a whole: no file of an earlier export into it remains
-    write_checkpoint_atomic(model, out, writer=write_adapter if lora and not merge else None, dtype=dtype)
+    writer = write_adapter if lora and not merge else None
+    write_checkpoint_atomic(model, out, writer=writer, dtype=dtype, chat_template=chat_template)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,13 @@ needs_te = pytest.mark.skipif(
     importlib.util.find_spec("transformer_engine") is None,
     reason="TransformerEngine is not installed (pip install 'moe_tune[te]' on a CUDA machine)",
 )
+
+
+def checkpoint_trainer(**fields):
+    """What ``moe_tune.checkpoint`` reads of a Trainer, for a model built without one: ``fields`` (model,
+    optimizer, scheduler, step, cfg) over one rank, no source, one micro-batch per step, no custom chat template."""
+    data = types.SimpleNamespace(chat_template=None)
+    return types.SimpleNamespace(**{"rank": 0, "source": None, "accum": 1, "dp_size": 1, "data": data, **fields})
 
 
 # -- ranks in processes -------------------------------------------------------------------------------------

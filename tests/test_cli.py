@@ -1,6 +1,7 @@
 """The ``moe-tune`` command: the default run end to end (the files README.md lists under Outputs), under torchrun with 2 ranks,
 bad input as one line with exit 2 (before and after the process group exists), and Hydra's multirun."""
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -50,6 +51,7 @@ def test_default_run_end_to_end(tmp_path, cli_env):
         assert summary["config"] == json.load(f)
     assert summary["config"]["model"]["name"] == "tiny_qwen3_moe"
     assert summary["versions"]["torch"] == torch.__version__
+    assert summary["versions"]["moe_tune"] == importlib.metadata.version("moe_tune")  # what ran, from a wheel too
     assert summary["commit"] in commits, (summary["commit"], commits)
     assert summary["hardware"].startswith("cpu (") and summary["hardware"].endswith("x 1 processes")
     assert summary["final_loss"] == rows[-1]["loss"]

@@ -28,5 +28,8 @@ def test_rerun_is_refused_overwritten_on_request_or_resumed(tmp_path, cli_env):
 
     r = run_cli([*base, "train.steps=3"], cli_env)
     resumed = [line.split("] ", 1)[-1] for line in r.stderr.splitlines() if "resuming" in line]
-    assert resumed == [f"resuming from {run / 'checkpoints' / 'step_2'}"], r.stderr[-2000:]
+    assert resumed == [
+        f"resuming from {run / 'checkpoints' / 'step_2'}",
+        "resuming with this run's train.steps 2 -> 3 (the checkpoint had the former)",  # a longer schedule
+    ], r.stderr[-2000:]
     assert _steps(run) == [1, 2, 3]

@@ -8,6 +8,17 @@ import torch
 from tests.harness import FAST_RUN, PY, assert_hf_logits_equal, read_hf_tensors, run_cli
 
 
+def _export(checkpoint, out, env) -> None:
+    r = subprocess.run(
+        [PY, "-m", "moe_tune.export_cli", str(checkpoint), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 @pytest.mark.dist
 def test_export_cli_from_ep2_checkpoint(tmp_path, cli_env):
     """moe-tune-export of an EP=2 checkpoint (2 ranks) equals the run's own hf/ export, bit for bit."""
@@ -15,14 +26,7 @@ def test_export_cli_from_ep2_checkpoint(tmp_path, cli_env):
         [f"output_dir={tmp_path}", "train.steps=2", "checkpoint.every=2", "parallel.ep=2", *FAST_RUN], cli_env, nproc=2
     )
     out = tmp_path / "exported"
-    r = subprocess.run(
-        [PY, "-m", "moe_tune.export_cli", str(tmp_path / "checkpoints" / "step_2"), str(out)],
-        capture_output=True,
-        text=True,
-        env=cli_env,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    _export(tmp_path / "checkpoints" / "step_2", out, cli_env)
     a, b = read_hf_tensors(tmp_path / "hf"), read_hf_tensors(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert_hf_logits_equal(str(out))
@@ -36,3 +40,27 @@ def test_export_cli_bad_input_exits_2(tmp_path, cli_env):
         env=cli_env,
     )
     assert r.returncode == 2 and "not a complete moe-tune checkpoint" in r.stderr
+
+
+def test_a_custom_chat_template_is_exported_with_the_model(tmp_path, cli_env):
+    """data.chat_template renders the training records, so the exported model carries it (chat_template.jinja,
+    which transformers prefers to the tokenizer's): in the run's hf/ and, from the checkpoint's own copy even once
+    the file is gone, in moe-tune-export's output; AutoTokenizer renders with it."""
+    from transformers import AutoTokenizer
+
+    from tests.data.test_formats import PLAIN_CHATML
+
+    template = tmp_path / "custom.jinja"
+    template.write_text("{#- custom -#}" + PLAIN_CHATML)
+    data = tmp_path / "chat.jsonl"
+    record = '{"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}\n'
+    data.write_text(record * 8)
+    run = tmp_path / "run"
+    args = [f"output_dir={run}", "data=jsonl", f"data.path={data}", f"data.chat_template={template}"]
+    run_cli([*args, "train.steps=2", "checkpoint.every=2", *FAST_RUN], cli_env)
+    assert (run / "hf" / "chat_template.jinja").read_text() == template.read_text()
+    template.unlink()
+    out = tmp_path / "exported"
+    _export(run / "checkpoints" / "step_2", out, cli_env)
+    assert (out / "chat_template.jinja").read_text() == "{#- custom -#}" + PLAIN_CHATML
+    assert AutoTokenizer.from_pretrained(out).chat_template.startswith("{#- custom -#}")

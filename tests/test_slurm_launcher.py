@@ -89,7 +89,8 @@ def test_without_the_slurm_extra_one_line_and_exit_2(tmp_path, cli_env):
     )
     assert r.returncode == 2, r.stderr[-3000:]
     assert r.stderr.splitlines()[-1] == (
-        "moe-tune: error: hydra/launcher=submitit_slurm needs Hydra's submitit launcher: pip install 'moe_tune[slurm]'"
+        "moe-tune: error: hydra/launcher=submitit_slurm and submitit_slurm_cpu need Hydra's submitit launcher: "
+        "pip install 'moe_tune[slurm]'"
     )
     assert not (tmp_path / "run" / "multirun" / "0").exists()
 

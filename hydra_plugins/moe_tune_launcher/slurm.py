@@ -68,7 +68,7 @@ if _SubmititLauncher is None:
 
         def __init__(self, **params) -> None:
             print(
-                "moe-tune: error: hydra/launcher=submitit_slurm needs Hydra's submitit launcher: "
+                "moe-tune: error: hydra/launcher=submitit_slurm and submitit_slurm_cpu need Hydra's submitit launcher: "
                 "pip install 'moe_tune[slurm]'",
                 file=sys.stderr,
             )

@@ -98,6 +98,8 @@ def _save(trainer, path: str) -> None:
             "param_groups": optim_sd["param_groups"],
             "source": trainer.source,
             "config": asdict(trainer.cfg),
+            "rows_per_step": rows_per_step(trainer),  # the global batch, which a resume keeps (the data order)
+            "chat_template": trainer.data.chat_template,  # data.chat_template's text: moe-tune-export writes it
         }
         if trainer.source is not None and frozen_names(trainer.model):  # LoRA: what the adapters belong to
             from moe_tune.models.source_check import base_fingerprint
@@ -169,6 +171,7 @@ def load(trainer, path: str) -> None:
     flat, model_sd, optim_sd = flat_state(trainer.model, trainer.optimizer)
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
+    keep_global_batch(trainer, meta, path)
     if frozen_names(trainer.model):  # adapters only: the base is the run's own, and must be the one they fit
         from dataclasses import asdict
 
@@ -197,6 +200,82 @@ def load(trainer, path: str) -> None:
     num_saved = len(meta["param_groups"])
     trainer.scheduler.load_state_dict(scheduler_by_name(meta["scheduler"], group_of, num_saved, path))
     trainer.step = meta["step"]
+    apply_new_hyperparameters(trainer, meta["config"])
+
+
+def apply_new_hyperparameters(trainer, saved: dict) -> None:
+    """Hyperparameters given anew on a resume take effect from the resumed step, logged (the checkpoint restores
+    the groups' and scheduler's values, which would otherwise silently win): ``train.lr`` rescales the schedule's
+    peak and the current rate; ``optim.betas``, ``eps`` and ``weight_decay`` replace the groups'. The schedule's
+    shape (``optim.warmup_steps``, ``schedule``, ``min_lr_ratio``, ``train.steps``) is always this run's config;
+    a change is logged too, as the rate follows the new shape from the next step."""
+    t, o, groups = trainer.cfg.train, trainer.cfg.optim, trainer.optimizer.param_groups
+    changes = []
+    if saved["train"]["lr"] != t.lr:
+        ratio = t.lr / saved["train"]["lr"]
+        trainer.scheduler.base_lrs = [lr * ratio for lr in trainer.scheduler.base_lrs]
+        for group in groups:
+            group["initial_lr"], group["lr"] = group["initial_lr"] * ratio, group["lr"] * ratio
+        trainer.scheduler._last_lr = [group["lr"] for group in groups]
+        changes.append(f"train.lr {saved['train']['lr']} -> {t.lr}")
+    for key in ("betas", "eps", "weight_decay"):
+        new = getattr(o, key)
+        old = saved["optim"].get(key, new)
+        if key == "betas":
+            old, new = tuple(old), tuple(new)
+        if old != new:
+            for group in groups:
+                group[key] = new
+            changes.append(f"optim.{key} {old} -> {new}")
+    shape = []  # a longer run (train.steps) is the usual reason: logged as information, not as a warning
+    for section, key in [("optim", k) for k in ("warmup_steps", "schedule", "min_lr_ratio")] + [("train", "steps")]:
+        new = getattr(getattr(trainer.cfg, section), key)
+        old = saved[section].get(key, new)
+        if old != new:
+            shape.append(f"{section}.{key} {old} -> {new}")
+    if trainer.rank == 0:
+        for report, items in ((log.warning, changes), (log.info, shape)):
+            if items:
+                report("resuming with this run's %s (the checkpoint had the former)", "; ".join(items))
+
+
+def rows_per_step(trainer) -> int:
+    return trainer.cfg.train.micro_batch_size * trainer.accum * trainer.dp_size
+
+
+def keep_global_batch(trainer, meta: dict, path: str) -> None:
+    """A resume continues the run's data order: step s reads the rows after those of steps 0..s-1, s x the rows
+    per step, so the global batch must stay what it was (another layout with train.global_batch_size=-1 would
+    silently replay or skip rows, and change the batch). With train.global_batch_size=-1 the trainer takes the
+    checkpoint's by accumulating micro-batches; a global batch it cannot keep, or another one set on purpose, is
+    one line (CheckpointError)."""
+    t = trainer.cfg.train
+    saved = meta.get("rows_per_step") or meta["config"]["train"].get("global_batch_size", -1)
+    per_micro = t.micro_batch_size * trainer.dp_size
+    if saved == -1 or saved == rows_per_step(trainer):  # a checkpoint older than rows_per_step with -1: unknown
+        return
+    if t.global_batch_size == -1 and saved % per_micro == 0:
+        trainer.accum = saved // per_micro
+        if trainer.rank == 0:
+            log.info(
+                "keeping the checkpoint's global batch of %d rows: %d micro-batches of %d per rank x %d ranks",
+                saved,
+                trainer.accum,
+                t.micro_batch_size,
+                trainer.dp_size,
+            )
+        return
+    if t.global_batch_size != -1:
+        fix = f"set train.global_batch_size={saved} (or -1 to keep the checkpoint's)"
+    elif saved % trainer.dp_size == 0:
+        fix = f"set train.micro_batch_size to a divisor of {saved // trainer.dp_size}"
+    else:
+        fix = f"resume on a number of data-parallel ranks that divides {saved}"
+    raise CheckpointError(
+        f"checkpoint {path} was trained with {saved} rows per optimizer step and this run would take "
+        f"{rows_per_step(trainer)} (train.micro_batch_size={t.micro_batch_size} x {trainer.dp_size} data-parallel "
+        f"ranks x {trainer.accum} micro-batches), which would replay or skip data; {fix}"
+    )
 
 
 def read_meta(path: str):

@@ -9,7 +9,7 @@ import torch
 
 from moe_tune.config import DataConfig, DataError
 from moe_tune.data import cache
-from moe_tune.data.encode import Encoder
+from moe_tune.data.encode import Encoder, read_template
 from moe_tune.data.packing import PackedDataset, ValDataset, pack_rows, random_dataset
 from moe_tune.data.pipeline import RecordSource, Tally, encode_all, parsed, report_stats
 
@@ -45,13 +45,16 @@ def build_datasets(
         from moe_tune.data.streaming import StreamingDataset
 
         sources = record_sources(cfg, cfg.path, seed, streaming=True)
-        train = StreamingDataset(sources, cfg, Encoder(tokenizer, cfg, seq_len), pad, seed)
+        encoder = Encoder(tokenizer, cfg, seq_len)
+        train = StreamingDataset(sources, cfg, encoder, pad, seed)
         val = _cached(cfg, tokenizer, seq_len, seed, with_train=False)
-        return train, (ValDataset(*val["val"], pad, val["val_stats"]) if val["val"] is not None else None)
-    entry = _cached(cfg, tokenizer, seq_len, seed, with_train=True)
-    train = PackedDataset(*entry["train"], seed, entry["train_stats"])
-    val = ValDataset(*entry["val"], pad, entry["val_stats"]) if entry["val"] is not None else None
-    return train, val
+        val_set = ValDataset(*val["val"], pad, val["val_stats"]) if val["val"] is not None else None
+    else:
+        entry = _cached(cfg, tokenizer, seq_len, seed, with_train=True)
+        train = PackedDataset(*entry["train"], seed, entry["train_stats"])
+        val_set = ValDataset(*entry["val"], pad, entry["val_stats"]) if entry["val"] is not None else None
+    train.chat_template = read_template(cfg.chat_template) if cfg.chat_template else None
+    return train, val_set
 
 
 def build_dataset(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size: int | None = None) -> PackedDataset:
@@ -142,8 +145,21 @@ def _rows(items: list, cfg: DataConfig, encoder: Encoder, tally: Tally, where: s
     rows = pack_rows(encode_all(items, cfg, encoder, tally), encoder.seq_len, pad, cfg.packing)
     tally.stats["rows"] = int(rows[0].shape[0])
     if not tally.stats["rows"]:
-        raise DataError(f"{where}: no usable records ({_counts(tally.stats)}); see data.on_bad_record")
+        raise DataError(f"{where}: no usable records ({_counts(tally.stats)}); {_fix(tally.stats, encoder)}")
     return rows
+
+
+def _fix(stats: dict, encoder: Encoder) -> str:
+    """What to change when no record was usable: records to read, a longer row, or the skipped records."""
+    skipped = stats["records_skipped"]
+    if not stats["records_read"]:
+        return "give a source with records"
+    if set(skipped) == {"no_trainable_token"}:
+        return (
+            f"no record has a token that carries loss within train.seq_len={encoder.seq_len}: raise train.seq_len "
+            f"or check data.train_on={encoder.train_on}"
+        )
+    return "see data.on_bad_record"
 
 
 def _counts(stats: dict) -> str:

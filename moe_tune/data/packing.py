@@ -70,6 +70,10 @@ class MicroBatches:
     rank ``dp_rank`` holds the global rows ``row_indices(...)``, so the rows of a step depend on the step alone (an
     exact resume) and the ranks' rows together are the step's. Subclasses give ``rows(...)`` -> CPU tensors."""
 
+    # The data.chat_template text the chat records were rendered with (None: the tokenizer's own, or no chat
+    # records): the exported model carries it, so inference formats prompts as training did.
+    chat_template: str | None = None
+
     @staticmethod
     def row_indices(step: int, micro: int, micro_batch_size: int, accum: int, dp_rank: int, dp_size: int) -> range:
         per_step = micro_batch_size * accum * dp_size

@@ -21,6 +21,7 @@ from importlib import metadata
 from moe_tune.env.backends import BACKENDS, probe
 
 _PACKAGES = {
+    "moe_tune": ("moe_tune", "moe-tune"),  # a wheel install has no git commit: its version says what ran
     "transformers": ("transformers",),
     "hydra": ("hydra-core",),
     "omegaconf": ("omegaconf",),

@@ -47,9 +47,12 @@ def require_logger(cfg: LoggerConfig) -> None:
         )
 
 
-def build_logger(cfg: LoggerConfig, output_dir: str, rank: int, config_dict: dict) -> Logger:
+def build_logger(cfg: LoggerConfig, output_dir: str, rank: int, config_dict: dict, start_step: int = 0) -> Logger:
     """Rank 0's logger for ``cfg.name`` writing under ``cfg.log_dir`` (default ``<output_dir>/<name>``), with
-    ``config_dict`` (the resolved config) as the run's parameters; the do-nothing ``Logger`` elsewhere."""
+    ``config_dict`` (the resolved config) as the run's parameters; the do-nothing ``Logger`` elsewhere.
+    ``start_step``: the step training resumes after (0: a fresh start). A resumed run continues the tracker's run
+    of the same ``log_dir`` (W&B and MLflow by the run id kept there), and TensorBoard hides what an interrupted
+    attempt logged past the checkpoint, so each step is shown once."""
     if rank != 0 or cfg.name == "none":
         return Logger()
     require_logger(cfg)
@@ -57,7 +60,7 @@ def build_logger(cfg: LoggerConfig, output_dir: str, rank: int, config_dict: dic
 
     log_dir = cfg.log_dir or os.path.join(output_dir, cfg.name)
     os.makedirs(log_dir, exist_ok=True)
-    return BACKENDS[cfg.name](cfg, log_dir, config_dict)
+    return BACKENDS[cfg.name](cfg, log_dir, config_dict, start_step)
 
 
 __all__ = ["INSTALL", "Logger", "build_logger", "flatten", "require_logger", "scalars"]

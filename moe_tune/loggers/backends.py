@@ -9,6 +9,22 @@ import time
 from moe_tune.config import LoggerConfig
 from moe_tune.loggers.base import Logger, flatten, scalars
 
+RUN_ID = "run_id"  # the tracker's run id in log_dir: a resumed training run continues that run
+
+
+def _run_id(log_dir: str, start_step: int) -> str | None:
+    """The id kept in ``log_dir`` when training resumes (None on a fresh start, or if none was kept)."""
+    path = os.path.join(log_dir, RUN_ID)
+    if start_step == 0 or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read().strip() or None
+
+
+def _keep_run_id(log_dir: str, run_id: str) -> None:
+    with open(os.path.join(log_dir, RUN_ID), "w") as f:
+        f.write(run_id + "\n")
+
 
 def _rgb(image):
     """An HxWx3 uint8 array from an array or a matplotlib Figure."""
@@ -21,14 +37,15 @@ def _rgb(image):
 
 class TensorBoardLogger(Logger):
     """Event files in ``log_dir`` (``tensorboard --logdir <log_dir>``); each metrics field is a scalar tag of its
-    own name, the config a text summary."""
+    own name, the config a text summary (at the step the run starts from). ``purge_step``: TensorBoard drops
+    the events of earlier files at steps after ``start_step`` (an interrupted attempt's, or an earlier run's)."""
 
-    def __init__(self, cfg: LoggerConfig, log_dir: str, config: dict):
+    def __init__(self, cfg: LoggerConfig, log_dir: str, config: dict, start_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=log_dir)
+        self.writer = SummaryWriter(log_dir=log_dir, purge_step=start_step + 1)
         lines = "\n".join(f"    {k} = {v!r}" for k, v in flatten(config).items())  # indented: markdown code block
-        self.writer.add_text("config", lines, 0)
+        self.writer.add_text("config", lines, start_step)
 
     def log(self, step: int, row: dict) -> None:
         for key, value in scalars(row).items():
@@ -43,20 +60,25 @@ class TensorBoardLogger(Logger):
 
 class WandbLogger(Logger):
     """A W&B run in ``log_dir/wandb``: ``logger.mode=offline`` (the default) writes it locally with no network
-    (``wandb sync <dir>`` uploads it later); ``online`` needs a login."""
+    (``wandb sync <dir>`` uploads it later); ``online`` needs a login. A resumed training run resumes the W&B run
+    whose id ``log_dir/run_id`` keeps."""
 
-    def __init__(self, cfg: LoggerConfig, log_dir: str, config: dict):
+    def __init__(self, cfg: LoggerConfig, log_dir: str, config: dict, start_step: int = 0):
         import wandb
 
         self.wandb = wandb
+        run_id = _run_id(log_dir, start_step)
         self.run = wandb.init(
             project=cfg.project,
             name=cfg.run_name,
             dir=log_dir,
             mode=cfg.mode,
             config=config,
+            id=run_id,
+            resume="allow" if run_id else None,
             settings=wandb.Settings(console="off", silent=True),  # leave stdout/stderr to moe_tune's own logging
         )
+        _keep_run_id(log_dir, self.run.id)
 
     def log(self, step: int, row: dict) -> None:
         self.run.log(scalars(row), step=step)
@@ -77,9 +99,10 @@ class MlflowLogger(Logger):
     <log_dir>``): experiment ``logger.project``, the flattened config as parameters.
 
     MLflow 3 refuses a file store unless ``MLFLOW_ALLOW_FILE_STORE=true`` (its database stores need SQLAlchemy,
-    which mlflow-skinny lacks); this sets it for this process unless it is set already."""
+    which mlflow-skinny lacks); this sets it for this process unless it is set already. A resumed training run
+    logs into the MLflow run whose id ``log_dir/run_id`` keeps (running again)."""
 
-    def __init__(self, cfg: LoggerConfig, log_dir: str, config: dict):
+    def __init__(self, cfg: LoggerConfig, log_dir: str, config: dict, start_step: int = 0):
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
@@ -87,7 +110,12 @@ class MlflowLogger(Logger):
         self.client = MlflowClient(tracking_uri="file:" + os.path.abspath(log_dir))
         exp = self.client.get_experiment_by_name(cfg.project)
         exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(cfg.project)
+        self.run_id = _run_id(log_dir, start_step)
+        if self.run_id is not None:
+            self.client.update_run(self.run_id, status="RUNNING")
+            return  # its parameters are logged (MLflow refuses to change a logged parameter)
         self.run_id = self.client.create_run(exp_id, run_name=cfg.run_name).info.run_id
+        _keep_run_id(log_dir, self.run_id)
         params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items()]  # MLflow's value length limit
         for i in range(0, len(params), 100):  # at most 100 parameters per batch
             self.client.log_batch(self.run_id, params=params[i : i + 100])

@@ -57,8 +57,10 @@ def write_checkpoint(
     expert_writer: bool | None = None,
     dtype=None,
     ep_group=None,
+    chat_template: str | None = None,
 ) -> None:
-    """``expert_writer``: whether this rank writes its local experts (one rank per ep group; the caller
+    """``chat_template``: written as chat_template.jinja over the source's (the template training rendered with).
+    ``expert_writer``: whether this rank writes its local experts (one rank per ep group; the caller
     decides, e.g. the efsdp/dp_replicate rank 0). Dense tensors are written round-robin over all ranks.
     ``ep_group``: under EP, experts that the checkpoint stores as one stacked key are gathered over it."""
     rank, world = rank_world()
@@ -99,6 +101,9 @@ def write_checkpoint(
         _write_index(out_dir, gathered, world)
         _write_config(model, out_dir)
         copy_side_files(model.source_dir, out_dir)
+        if chat_template is not None:
+            with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
+                f.write(chat_template)
     if world > 1:
         dist.barrier()
 

@@ -76,9 +76,10 @@ def adapter_config(model, lora_names: list[str], router_names: list[str]) -> dic
 
 
 @torch.no_grad()
-def write_adapter(model, out_dir: str, ep_group=None, dtype=None) -> None:
+def write_adapter(model, out_dir: str, ep_group=None, dtype=None, chat_template: str | None = None) -> None:
     """Every rank calls it: adapters are gathered (FSDP shards, then experts over the ep mesh axis) one tensor at
-    a time; rank 0 writes them. Trained routers (``train_router``) are saved whole, as PEFT's modules_to_save."""
+    a time; rank 0 writes them. Trained routers (``train_router``) are saved whole, as PEFT's modules_to_save.
+    ``chat_template`` (data.chat_template's text) is written beside them as chat_template.jinja."""
     rank, world = rank_world()
     offsets = expert_offsets(model)
     tensors: dict[str, torch.Tensor] = {}
@@ -107,5 +108,8 @@ def write_adapter(model, out_dir: str, ep_group=None, dtype=None) -> None:
         save_safetensors(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
         with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
             json.dump(adapter_config(model, names, sorted(set(routers))), f, indent=2, sort_keys=True)
+        if chat_template is not None:
+            with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
+                f.write(chat_template)
     if world > 1:
         dist.barrier()

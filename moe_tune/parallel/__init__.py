@@ -19,14 +19,17 @@ def parallelize(model, mesh: ParallelMesh, cfg) -> None:
     apply_fsdp(model, mesh, cfg.train.precision, cfg.parallel.reshard_after_forward)
 
 
-def export_hf(model, out_dir: str, mesh: ParallelMesh, dtype=None, max_shard_bytes: int = 4 << 30) -> None:
+def export_hf(
+    model, out_dir: str, mesh: ParallelMesh, dtype=None, max_shard_bytes: int = 4 << 30, chat_template=None
+) -> None:
     """Write a parallelized model as a Hugging Face checkpoint, streaming (a LoRA model: its PEFT adapter
     directory); every rank must call it.
     ``out_dir`` is replaced as a whole once every rank has written (``write_checkpoint_atomic``).
 
     Expert slices are written by efsdp rank 0 of dp_replicate rank 0 of each ep rank; full_tensor() gathers
     them over efsdp only. ``dtype``: a torch dtype or name forcing every tensor's dtype (default: the source
-    checkpoint's dtypes, else the in-memory ones)."""
+    checkpoint's dtypes, else the in-memory ones). ``chat_template``: the template the data was rendered with when
+    it was not the tokenizer's (data.chat_template), written as chat_template.jinja."""
     import torch
 
     from moe_tune.models.export import write_checkpoint_atomic
@@ -36,7 +39,9 @@ def export_hf(model, out_dir: str, mesh: ParallelMesh, dtype=None, max_shard_byt
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if has_lora(model):  # a PEFT adapter directory (the merged model: moe-tune-export --merge)
-        write_checkpoint_atomic(model, out_dir, writer=write_adapter, ep_group=mesh.group("ep"), dtype=dtype)
+        write_checkpoint_atomic(
+            model, out_dir, writer=write_adapter, ep_group=mesh.group("ep"), dtype=dtype, chat_template=chat_template
+        )
         return
     write_checkpoint_atomic(
         model,
@@ -45,6 +50,7 @@ def export_hf(model, out_dir: str, mesh: ParallelMesh, dtype=None, max_shard_byt
         expert_writer=mesh.is_expert_writer(),
         dtype=dtype,
         ep_group=mesh.group("ep"),
+        chat_template=chat_template,
     )
 
 

@@ -45,8 +45,8 @@ log = logging.getLogger("moe_tune")
 
 class Trainer:
     """``builder(cfg, env) -> Built`` makes the model on its mesh (default: moe_tune's own); the trainer adds the
-    optimizer, data, metrics and the loop. ``moe_tune.checkpoint`` reads ``model``, ``optimizer``,
-    ``scheduler``, ``step``, ``rank``, ``source`` and ``cfg``."""
+    optimizer, data, metrics and the loop. ``moe_tune.checkpoint`` reads ``model``, ``optimizer``, ``scheduler``,
+    ``step``, ``rank``, ``source``, ``cfg``, ``accum``, ``dp_size`` and ``data.chat_template``."""
 
     def __init__(
         self,
@@ -87,7 +87,8 @@ class Trainer:
         if self.rank == 0 and write_run_files:
             write_config(cfg)  # only once the config, model, data and checkpoint are known to be usable
         # Last: a tracker's run starts only once everything else could be built.
-        self.logger = build_logger(cfg.logger, cfg.output_dir, self.rank if write_run_files else -1, asdict(cfg))
+        rank = self.rank if write_run_files else -1
+        self.logger = build_logger(cfg.logger, cfg.output_dir, rank, asdict(cfg), start_step=self.step)
 
     @staticmethod
     def check_config(cfg: Config) -> None:
@@ -377,9 +378,8 @@ class Trainer:
     def export(self, out_dir: str) -> None:
         from moe_tune.parallel import export_hf
 
-        export_hf(
-            self.model, out_dir, self.mesh, dtype=None if self.cfg.model.dtype == "source" else self.cfg.model.dtype
-        )
+        dtype = None if self.cfg.model.dtype == "source" else self.cfg.model.dtype
+        export_hf(self.model, out_dir, self.mesh, dtype=dtype, chat_template=self.data.chat_template)
 
     def write_summary(self) -> dict:
         # data_stats: records read, used and skipped per reason, tokens and rows (moe_tune.data's ``stats``)

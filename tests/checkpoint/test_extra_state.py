@@ -4,7 +4,6 @@ whose length changes once FP8 runs) must not break saving or resuming a checkpoi
 from __future__ import annotations
 
 import os
-import types
 
 import torch
 
@@ -13,6 +12,7 @@ from moe_tune.config import Config
 from moe_tune.models.init import init_random
 from moe_tune.models.model import build_model, materialize
 from moe_tune.models.presets import preset_config
+from tests.harness import checkpoint_trainer
 
 
 class _ExtraState(torch.nn.Module):
@@ -38,7 +38,7 @@ def _trainer(seed: int, nbytes: int):
     model.model.layers[0].te_like = _ExtraState(nbytes)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return types.SimpleNamespace(model=model, optimizer=opt, scheduler=sched, step=3, rank=0, source=None, cfg=Config())
+    return checkpoint_trainer(model=model, optimizer=opt, scheduler=sched, step=3, cfg=Config())
 
 
 def test_checkpoint_with_variable_size_extra_state_saves_and_resumes(tmp_path, monkeypatch):

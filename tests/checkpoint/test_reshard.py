@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import FAST_TRAINER, read_hf_tensors, run_ranks
+from tests.harness import FAST_TRAINER, checkpoint_trainer, read_hf_tensors, run_ranks
 
 STEPS = 5
 COMMON = [
@@ -102,12 +102,49 @@ def test_ep2_to_one_process_to_ep2_to_dp_shard2_to_one_process(tmp_path, no_laun
     _chain(tmp_path, [ep2, one, ep2, dp_shard2, one])
 
 
+def test_the_global_batch_is_kept_across_a_resume_with_another_micro_batch(tmp_path, no_launcher):
+    """train.global_batch_size=-1 (one micro-batch per rank): a run of micro-batch 2 resumed at micro-batch 1
+    accumulates two, so its step trains the reference's rows (not half of them, shifted)."""
+    auto = "train.global_batch_size=-1"
+    _chain(tmp_path, [(1, [auto]), (1, [auto, "train.micro_batch_size=1"])])
+
+
+@pytest.mark.parametrize(
+    "global_batch, micro_batch, dp, saved, expect",
+    [
+        (-1, 1, 2, 8, 4),  # kept: 4 micro-batches of 1 on each of 2 ranks
+        (-1, 4, 1, 4, 1),  # the same layout
+        (-1, 4, 1, None, 1),  # a checkpoint older than rows_per_step, saved with -1: nothing to keep
+        (-1, 4, 1, 6, "set train.micro_batch_size to a divisor of 6"),
+        (-1, 1, 4, 6, "resume on a number of data-parallel ranks that divides 6"),
+        (8, 1, 2, 4, "set train.global_batch_size=4 (or -1 to keep the checkpoint's)"),
+    ],
+)
+def test_keep_global_batch(global_batch, micro_batch, dp, saved, expect):
+    import types
+
+    from moe_tune.checkpoint import keep_global_batch
+    from moe_tune.config import CheckpointError, Config
+
+    cfg = Config()
+    cfg.train.global_batch_size, cfg.train.micro_batch_size = global_batch, micro_batch
+    accum = 1 if global_batch == -1 else global_batch // (micro_batch * dp)
+    trainer = types.SimpleNamespace(cfg=cfg, dp_size=dp, accum=accum, rank=0)
+    meta = {"config": {"train": {"global_batch_size": -1}}, **({} if saved is None else {"rows_per_step": saved})}
+    if isinstance(expect, int):
+        keep_global_batch(trainer, meta, "ckpt")
+        assert trainer.accum == expect
+    else:
+        with pytest.raises(CheckpointError, match="replay or skip data") as e:
+            keep_global_batch(trainer, meta, "ckpt")
+        assert str(e.value).endswith(expect), str(e.value)
+
+
 def _plain_trainer(steps: int = 1, split: bool = False, stochastic: bool = False, **overrides):
     """A one-process model, optimizer and scheduler after ``steps`` steps, without a process group (what
     moe_tune.checkpoint reads of a trainer). ``split``: the experts in a param group of their own, after the
     others' (as with EP: FSDP2 DTensors first, plain expert tensors second); ``stochastic``: bf16 parameters and
     the stochastic-rounding AdamW."""
-    import types
 
     from moe_tune.config import Config
     from moe_tune.models.init import init_random
@@ -129,7 +166,7 @@ def _plain_trainer(steps: int = 1, split: bool = False, stochastic: bool = False
     opt_class = StochasticRoundingAdamW if stochastic else torch.optim.AdamW
     opt = opt_class([{"params": g} for g in groups], **hyper)
     sched = build_scheduler(opt, cfg.optim, total_steps=10)
-    trainer = types.SimpleNamespace(model=model, optimizer=opt, scheduler=sched, step=0, rank=0, source=None, cfg=cfg)
+    trainer = checkpoint_trainer(model=model, optimizer=opt, scheduler=sched, step=0, cfg=cfg)
     for _ in range(steps):
         _plain_step(trainer)
     return trainer
@@ -174,6 +211,35 @@ def test_param_groups_and_optimizer_state_are_matched_by_name(tmp_path, stochast
         params = dict(saved.model.named_parameters())
         assert all(torch.equal(p, params[n]) for n, p in resumed.model.named_parameters())
     assert resumed.scheduler.get_last_lr() == [saved.scheduler.get_last_lr()[0]] * (1 + resumed_split)
+
+
+def test_hyperparameters_given_anew_on_resume_take_effect(tmp_path, caplog):
+    """train.lr, optim.weight_decay and train.steps changed for the resume: the peak and current rates scale by the
+    lr ratio, the decay is the new one, the next step follows the new schedule; each change logged."""
+    from moe_tune import checkpoint as ckpt
+
+    saved = _plain_trainer(steps=2, num_hidden_layers=1)
+    ckpt.save(saved, str(tmp_path / "step_2"))
+    resumed = _plain_trainer(steps=0, num_hidden_layers=1)
+    resumed.cfg.train.lr, resumed.cfg.optim.weight_decay = saved.cfg.train.lr / 4, 0.05
+    resumed.cfg.train.steps = saved.cfg.train.steps + 10
+    with caplog.at_level("INFO", logger="moe_tune"):
+        ckpt.load(resumed, str(tmp_path / "step_2"))
+    (group,), (before,) = resumed.optimizer.param_groups, saved.optimizer.param_groups
+    assert group["lr"] == pytest.approx(before["lr"] / 4) and group["initial_lr"] == pytest.approx(
+        before["initial_lr"] / 4
+    )
+    assert resumed.scheduler.base_lrs == pytest.approx([b / 4 for b in saved.scheduler.base_lrs])
+    assert resumed.scheduler.get_last_lr() == pytest.approx([before["lr"] / 4])
+    assert group["weight_decay"] == 0.05 and group["betas"] == before["betas"]
+    for change in ("train.lr", "optim.weight_decay 0.0 -> 0.05", "train.steps"):
+        assert change in caplog.text, caplog.text
+    # Nothing changed: nothing logged, the checkpoint's values exactly.
+    caplog.clear()
+    again = _plain_trainer(steps=0, num_hidden_layers=1)
+    with caplog.at_level("INFO", logger="moe_tune"):
+        ckpt.load(again, str(tmp_path / "step_2"))
+    assert "resuming with" not in caplog.text and again.optimizer.param_groups[0]["lr"] == before["lr"]
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import pickle
 import subprocess
-import types
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch
 from moe_tune import checkpoint as ckpt
 from moe_tune.checkpoint import safe
 from moe_tune.config import CheckpointError
-from tests.harness import FAST_RUN, PY, run_cli
+from tests.harness import FAST_RUN, PY, checkpoint_trainer, run_cli
 
 
 class _Payload:
@@ -112,7 +111,7 @@ def _trainer(tmp_path, state):
     model.model.layers[0].te_like = _TELike(state)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return types.SimpleNamespace(model=model, optimizer=opt, scheduler=sched, step=1, rank=0, source=None, cfg=Config())
+    return checkpoint_trainer(model=model, optimizer=opt, scheduler=sched, step=1, cfg=Config())
 
 
 def test_te_extra_state_is_screened_before_te_may_unpickle_it(tmp_path):

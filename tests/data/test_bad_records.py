@@ -128,3 +128,10 @@ def test_a_step_without_label_tokens_is_not_nan(tmp_path):
         assert float(out["loss"]) == 0.0 and torch.isfinite(out["grad_norm"])
     finally:
         destroy_distributed()
+
+
+def test_no_trainable_token_anywhere_names_train_seq_len(tmp_path):
+    """Every record cut before its first label (train.seq_len too small): the fix named is the row length."""
+    record = json.dumps({"prompt": "1234567890" * 4, "response": "x"}).encode()
+    with pytest.raises(DataError, match=r"within train\.seq_len=32: raise train\.seq_len or check data\.train_on"):
+        build(tmp_path, [record, record], on_bad_record="skip")

@@ -24,7 +24,8 @@ def test_an_empty_file_is_a_data_error_naming_it(tmp_path):
     with pytest.raises(DataError) as e:
         _build(tmp_path, [])
     assert (
-        str(e.value) == f"{tmp_path / 'data.jsonl'}: no usable records (0 read, skipped none); see data.on_bad_record"
+        str(e.value)
+        == f"{tmp_path / 'data.jsonl'}: no usable records (0 read, skipped none); give a source with records"
     )
 
 

@@ -154,3 +154,50 @@ def test_mlflow_file_store_holds_the_logged_rows(tmp_path):
     assert run.data.params == {k: str(v) for k, v in flatten(CONFIG).items()}
     images = [a.path for a in client.list_artifacts(run.info.run_id, "images")]
     assert any(p.startswith("images/expert_load+step+2+") and p.endswith(".png") for p in images)
+
+
+RESUMED = [{"step": 2, "loss": 1.75, "lr": 2e-3}, {"step": 3, "loss": 1.5, "lr": 3e-3}]
+
+
+def _interrupted_then_resumed(name: str, tmp_path, **cfg) -> str:
+    """ROWS logged by an attempt that was stopped after step 2 but checkpointed at step 1; the resumed attempt
+    (start_step=1) logs steps 2 and 3 again into the same log_dir."""
+    _write(name, tmp_path, **cfg)
+    logger = build_logger(LoggerConfig(name=name, **cfg), str(tmp_path), 0, CONFIG, start_step=1)
+    for row in RESUMED:
+        logger.log(row["step"], row)
+    logger.close()
+    return str(tmp_path / name)
+
+
+def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path):
+    """TensorBoard's reader drops what the interrupted attempt logged after the checkpoint (step 2)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(_interrupted_then_resumed("tensorboard", tmp_path))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 2.5), (2, 1.75), (3, 1.5)]
+
+
+@_needs("mlflow")
+def test_mlflow_resume_continues_the_run(tmp_path):
+    from mlflow import MlflowClient
+
+    log_dir = _interrupted_then_resumed("mlflow", tmp_path, project="proj")
+    client = MlflowClient(tracking_uri=f"file:{log_dir}")
+    (run,) = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
+    assert run.info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert sorted(steps) == [1, 2, 2, 3]  # MLflow keeps every value; the resumed one at step 2 is the later
+
+
+@_needs("wandb")
+def test_wandb_resume_continues_the_run(tmp_path, monkeypatch):
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb_home"))
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    log_dir = _interrupted_then_resumed("wandb", tmp_path)
+    files = sorted(glob.glob(f"{log_dir}/wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 2 and len({f.rsplit("run-", 1)[1] for f in files}) == 1, files  # one run id, two attempts
+    runs = [r.run for f in files for r in _wandb_records(f) if r.WhichOneof("record_type") == "run"]
+    assert runs[1].resumed or runs[1].run_id == runs[0].run_id
