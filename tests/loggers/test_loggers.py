@@ -140,14 +140,20 @@ def test_wandb_offline_run_holds_the_logged_rows(tmp_path, monkeypatch):
     assert run.display_name == "tiny" and config["train"] == CONFIG["train"], config
 
 
-@_needs("mlflow")
-def test_mlflow_file_store_holds_the_logged_rows(tmp_path):
+def _mlflow_run(log_dir: str):
+    """(client, the one finished run) of experiment "proj" in the file store at ``log_dir``."""
     from mlflow import MlflowClient
 
-    log_dir = _write("mlflow", tmp_path, project="proj")
     client = MlflowClient(tracking_uri=f"file:{log_dir}")
     (run,) = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
     assert run.info.status == "FINISHED"
+    return client, run
+
+
+@_needs("mlflow")
+def test_mlflow_file_store_holds_the_logged_rows(tmp_path):
+
+    client, run = _mlflow_run(_write("mlflow", tmp_path, project="proj"))
     for key in ("loss", "lr", "grad_norm", "expert_load/layer_0", "val_loss", "val_ppl"):
         history = client.get_metric_history(run.info.run_id, key)
         assert [(m.step, m.value) for m in history] == [(r["step"], r[key]) for r in ROWS if key in r], key
@@ -181,12 +187,8 @@ def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path):
 
 @_needs("mlflow")
 def test_mlflow_resume_continues_the_run(tmp_path):
-    from mlflow import MlflowClient
 
-    log_dir = _interrupted_then_resumed("mlflow", tmp_path, project="proj")
-    client = MlflowClient(tracking_uri=f"file:{log_dir}")
-    (run,) = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
-    assert run.info.status == "FINISHED"
+    client, run = _mlflow_run(_interrupted_then_resumed("mlflow", tmp_path, project="proj"))
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
     assert sorted(steps) == [1, 2, 2, 3]  # MLflow keeps every value; the resumed one at step 2 is the later
 
