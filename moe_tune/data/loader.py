@@ -45,8 +45,7 @@ def build_datasets(
         from moe_tune.data.streaming import StreamingDataset
 
         sources = record_sources(cfg, cfg.path, seed, streaming=True)
-        encoder = Encoder(tokenizer, cfg, seq_len)
-        train = StreamingDataset(sources, cfg, encoder, pad, seed)
+        train = StreamingDataset(sources, cfg, Encoder(tokenizer, cfg, seq_len), pad, seed)
         val = _cached(cfg, tokenizer, seq_len, seed, with_train=False)
         val_set = ValDataset(*val["val"], pad, val["val_stats"]) if val["val"] is not None else None
     else:

@@ -101,11 +101,17 @@ def write_checkpoint(
         _write_index(out_dir, gathered, world)
         _write_config(model, out_dir)
         copy_side_files(model.source_dir, out_dir)
-        if chat_template is not None:
-            with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
-                f.write(chat_template)
+        write_chat_template(out_dir, chat_template)
     if world > 1:
         dist.barrier()
+
+
+def write_chat_template(out_dir: str, text: str | None) -> None:
+    """chat_template.jinja (which transformers prefers to a tokenizer_config.json's template), unless ``text`` is
+    None."""
+    if text is not None:
+        with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
+            f.write(text)
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from moe_tune.dist.env import rank_world
 from moe_tune.lora import ADAPTER, is_adapter
-from moe_tune.models.export import full_tensor, gather_experts, save_safetensors
+from moe_tune.models.export import full_tensor, gather_experts, save_safetensors, write_chat_template
 from moe_tune.models.hf_io import EXPERT_PARAM, expert_offsets
 
 PREFIX = "base_model.model."
@@ -108,8 +108,6 @@ def write_adapter(model, out_dir: str, ep_group=None, dtype=None, chat_template:
         save_safetensors(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
         with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
             json.dump(adapter_config(model, names, sorted(set(routers))), f, indent=2, sort_keys=True)
-        if chat_template is not None:
-            with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
-                f.write(chat_template)
+        write_chat_template(out_dir, chat_template)
     if world > 1:
         dist.barrier()
