@@ -17,6 +17,7 @@ def _export(checkpoint, out, env) -> None:
         timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "Warning" not in r.stderr, r.stderr  # one process is intended: DCP's single-process warning is not shown
 
 
 @pytest.mark.dist

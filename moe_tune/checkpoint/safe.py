@@ -22,6 +22,7 @@ import logging
 import os
 import pickle
 import shutil
+import warnings
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -158,7 +159,10 @@ def dcp_load(state_dict: dict, checkpoint: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     read_metadata(checkpoint)  # its errors as CheckpointError here, not wrapped by DCP's collectives
-    dcp.load(state_dict, storage_reader=SafeReader(checkpoint), planner=SafePlanner())
+    with warnings.catch_warnings():
+        # One process without a group (moe-tune-export, from_pretrained) is intended: DCP warns that it assumes so.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(state_dict, storage_reader=SafeReader(checkpoint), planner=SafePlanner())
 
 
 def check_extra_state(state: dict, path: str) -> None:
