@@ -52,12 +52,27 @@ def check_inputs(dict_cfg, world_known: bool) -> None:
         from moe_tune.train import Trainer
 
         Trainer.check_config(cfg)
+        check_records(cfg)
     else:
         from moe_tune.data import check_data_sources
 
         check_values(cfg)
         check_model_source(cfg)
         check_data_sources(cfg)
+
+
+def check_records(cfg) -> None:
+    """Read and encode the training and validation records (not a streamed set, read as the run goes): a bad
+    record is one line and exit 2 with nothing written. The tokenized set lands in data.cache_dir, where the
+    trainer finds it (same records, options and tokenizer: the model's own, or the built-in one a preset's
+    base_model/ holds a copy of)."""
+    from moe_tune.build import build_tokenizer
+    from moe_tune.data import build_datasets
+
+    data = cfg.data
+    if data.streaming or (data.name == "random" and data.path is None):
+        return
+    build_datasets(data, build_tokenizer(cfg.model.path), cfg.train.seq_len, cfg.train.seed)
 
 
 def run(dict_cfg) -> None:

@@ -180,6 +180,26 @@ def test_cli_missing_input_path_exits_2_before_output_dir_exists(args, message, 
     assert not run_dir.exists()  # no lock, no base model, no config written
 
 
+def test_cli_malformed_record_exits_2_before_output_dir_exists(cli_env, tmp_path):
+    """A bad JSONL line (data.on_bad_record=error, the default) is found before the run's lock or a preset's
+    base_model/ is written: one line naming file:line and the fix, exit 2, no output_dir."""
+    data = tmp_path / "chat.jsonl"
+    good = '{"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}'
+    data.write_text(good + "\n" + '{"messages": [' + "\n")
+    run_dir = tmp_path / "run"
+    r = subprocess.run(
+        [PY, "-m", "moe_tune", f"output_dir={run_dir}", "data=jsonl", f"data.path={data}", "train.seq_len=64"],
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        timeout=120,
+    )
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert f"{data}:2" in lines[0] and "data.on_bad_record=skip" in lines[0], lines[0]
+    assert not run_dir.exists()  # no lock, no base model, no config written
+
+
 def test_cli_unsupported_architecture_exits_2(tmp_path, cli_env, tiny_checkpoint):
     """A dense (Llama) checkpoint: one line naming it and the supported families, exit 2."""
     from moe_tune.models.presets import build_tokenizer
