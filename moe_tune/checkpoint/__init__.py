@@ -267,6 +267,8 @@ def keep_global_batch(trainer, meta: dict, path: str) -> None:
         return
     if t.global_batch_size != -1:
         fix = f"set train.global_batch_size={saved} (or -1 to keep the checkpoint's)"
+    elif saved == trainer.dp_size:
+        fix = "set train.micro_batch_size=1"
     elif saved % trainer.dp_size == 0:
         fix = f"set train.micro_batch_size to a divisor of {saved // trainer.dp_size}"
     else:

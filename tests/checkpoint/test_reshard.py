@@ -117,6 +117,7 @@ def test_the_global_batch_is_kept_across_a_resume_with_another_micro_batch(tmp_p
         (-1, 4, 1, None, 1),  # a checkpoint older than rows_per_step, saved with -1: nothing to keep
         (-1, 4, 1, 6, "set train.micro_batch_size to a divisor of 6"),
         (-1, 1, 4, 6, "resume on a number of data-parallel ranks that divides 6"),
+        (-1, 2, 2, 2, "set train.micro_batch_size=1"),
         (8, 1, 2, 4, "set train.global_batch_size=4 (or -1 to keep the checkpoint's)"),
     ],
 )
