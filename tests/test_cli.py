@@ -149,18 +149,15 @@ def test_bad_value_after_the_process_group_exists_tears_it_down(tmp_path, monkey
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(args, message, cli_env, tmp_path):
-    r = subprocess.run(
-        [PY, "-m", "moe_tune", f"output_dir={tmp_path}", *args],
-        capture_output=True,
-        text=True,
-        env=cli_env,
-        timeout=120,
-    )
-    assert r.returncode == 2, r.stderr
+    assert message in _one_error_line([f"output_dir={tmp_path}", *args], cli_env)
+
+
+def _one_error_line(args: list[str], env) -> str:
+    """``moe-tune args`` exits 2 with exactly one non-empty stderr line (no traceback): that line."""
+    r = subprocess.run([PY, "-m", "moe_tune", *args], capture_output=True, text=True, env=env, timeout=120)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, r.stderr
-    assert message in lines[0]
-    assert "Traceback" not in r.stderr
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
 
 
 @pytest.mark.parametrize(
@@ -172,11 +169,7 @@ def test_cli_bad_input_exits_2_with_one_line(args, message, cli_env, tmp_path):
 )
 def test_cli_missing_input_path_exits_2_before_output_dir_exists(args, message, cli_env, tmp_path):
     run_dir = tmp_path / "run"
-    r = subprocess.run(
-        [PY, "-m", "moe_tune", f"output_dir={run_dir}", *args], capture_output=True, text=True, env=cli_env, timeout=120
-    )
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr
+    assert message in _one_error_line([f"output_dir={run_dir}", *args], cli_env)
     assert not run_dir.exists()  # no lock, no base model, no config written
 
 
@@ -187,16 +180,8 @@ def test_cli_malformed_record_exits_2_before_output_dir_exists(cli_env, tmp_path
     good = '{"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}'
     data.write_text(good + "\n" + '{"messages": [' + "\n")
     run_dir = tmp_path / "run"
-    r = subprocess.run(
-        [PY, "-m", "moe_tune", f"output_dir={run_dir}", "data=jsonl", f"data.path={data}", "train.seq_len=64"],
-        capture_output=True,
-        text=True,
-        env=cli_env,
-        timeout=120,
-    )
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert f"{data}:2" in lines[0] and "data.on_bad_record=skip" in lines[0], lines[0]
+    line = _one_error_line([f"output_dir={run_dir}", "data=jsonl", f"data.path={data}", "train.seq_len=64"], cli_env)
+    assert f"{data}:2" in line and "data.on_bad_record=skip" in line, line
     assert not run_dir.exists()  # no lock, no base model, no config written
 
 
@@ -206,16 +191,8 @@ def test_cli_unsupported_architecture_exits_2(tmp_path, cli_env, tiny_checkpoint
 
     llama = tiny_checkpoint("llama")
     build_tokenizer(llama)
-    r = subprocess.run(
-        [PY, "-m", "moe_tune", f"output_dir={tmp_path / 'run'}", "model=hf", f"model.path={llama}"],
-        capture_output=True,
-        text=True,
-        env=cli_env,
-        timeout=120,
-    )
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert "model_type 'llama' (LlamaForCausalLM) is not a supported MoE family" in lines[0] and "qwen3_moe" in lines[0]
+    line = _one_error_line([f"output_dir={tmp_path / 'run'}", "model=hf", f"model.path={llama}"], cli_env)
+    assert "model_type 'llama' (LlamaForCausalLM) is not a supported MoE family" in line and "qwen3_moe" in line
 
 
 def test_hydra_multirun_gives_each_job_its_own_run_directory(tmp_path, cli_env):

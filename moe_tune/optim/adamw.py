@@ -175,14 +175,15 @@ class CompiledAdamW(torch.optim.AdamW):
                 continue
             step_B = torch.stack([steps[i] for i in big])
             bc_B2 = torch.stack([1 - beta1**step_B, 1 - beta2**step_B], dim=1)  # each parameter's own step
+            on_cpu = device.type != "cuda"
+            hyper = torch.cat([torch.tensor(scalars), skip.reshape(1), scale.reshape(1)]) if on_cpu else None
             for j, i in enumerate(big):
                 state = states[i]
                 views = [_local(t).view(-1) for t in (params[i], params[i].grad, state["exp_avg"], state["exp_avg_sq"])]
-                if device.type == "cuda":
-                    _triton_update()(*views, skip, scale, bc_B2[j], *scalars)
-                else:
-                    hyper = torch.cat([torch.tensor(scalars), skip.reshape(1), scale.reshape(1)])
+                if on_cpu:
                     adamw_(*views, hyper, state["step"])
+                else:
+                    _triton_update()(*views, skip, scale, bc_B2[j], *scalars)
         return loss
 
 
