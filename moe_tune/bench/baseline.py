@@ -276,7 +276,7 @@ def check_workload(cfg: Config, fsdp: bool = True) -> None:
 
 def peer_optimizer(cfg: Config) -> Config:
     """The baseline's and the peer's optimizer: PyTorch's fused AdamW, as their users run it, not moe_tune's
-    compiled update (stochastic rounding, moe_tune's own, keeps its compiled kernel)."""
+    compiled update (stochastic rounding, moe_tune's own, keeps its Triton kernel)."""
     if cfg.optim.stochastic_rounding:
         return cfg
     return replace(cfg, optim=replace(cfg.optim, compiled=False))

@@ -221,14 +221,14 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     # Gradients are scaled so their global norm is at most this (inside the optimizer's kernel); 0: no clipping.
     max_grad_norm: float = 1.0
-    # train.precision=bf16 only: AdamW in fp32 per chunk, rounded stochastically back to the bf16 parameters and
-    # moments (moe_tune/optim/stochastic.py), so updates below bf16's resolution are not lost.
+    # train.precision=bf16 only: AdamW in fp32, rounded stochastically back to the bf16 parameters and moments
+    # (moe_tune/optim/stochastic.py), so updates below bf16's resolution are not lost.
     stochastic_rounding: bool = False
-    # The update as compiled kernels on a GPU: AdamW as one Triton kernel per large parameter (torch's fused
-    # kernel for the rest; same maths and state as torch's fused AdamW, moe_tune/optim/adamw.py), stochastic
-    # rounding as its torch.compile'd kernel. On an H200, bf16, 8-layer Qwen3 shapes: the update 39.5 -> 20.3 ms,
-    # micro-batch 1 +22%, micro-batch 4 +0.3-1.7% (benchmarks/README.md). false: torch's fused AdamW (and
-    # stochastic rounding eagerly).
+    # The update as Triton kernels on a GPU (moe_tune/optim/kernels.py): AdamW as one kernel per large parameter
+    # (torch's fused kernel for the rest; same maths and state as torch's fused AdamW, moe_tune/optim/adamw.py);
+    # stochastic rounding as one kernel per parameter drawing its random bits inside. On an H200, bf16, 8-layer
+    # Qwen3 shapes: the update 39.5 -> 20.3 ms, micro-batch 1 +22%, micro-batch 4 +0.3-1.7% (benchmarks/README.md).
+    # false: torch's fused AdamW (and stochastic rounding eagerly, with torch.randint's bits).
     compiled: bool = True
 
 

@@ -17,9 +17,9 @@ hyperparameters go by value with each launch and the step counts add device tens
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from moe_tune.optim.kernels import nearest_update
 
 
 def adamw_values(p, g, m, v, lr, beta1, beta2, eps, weight_decay, bc1, bc2, skip, grad_scale):
@@ -59,7 +59,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor: this rank's shard, same storage
 
 
-BLOCK = 4096  # elements per Triton program: a bandwidth-bound pass, 8 warps of 16-byte accesses
 # Parameters this large get their own kernel; smaller ones go through torch's fused multi-tensor kernel (a few
 # launches for all of them). In the 8-layer Qwen3 workload 18 parameters (experts, embeddings, lm_head) hold 97% of
 # the elements. (One Triton launch for each of its 114 parameters measured slower in whole steps than torch's fused
@@ -67,46 +66,10 @@ BLOCK = 4096  # elements per Triton program: a bandwidth-bound pass, 8 warps of 
 ONE_KERNEL_MIN = 1 << 24
 
 
-@functools.cache
-def _triton_update():
-    """The Triton kernel (imported on first use: CPU installs have no Triton). One program per BLOCK elements of
-    p, g, m, v; ``skip`` and ``scale`` are 0-dim fp32 device tensors (``adamw_``'s skip and grad_scale), ``bc`` this
-    parameter's two bias corrections on the device; the hyperparameters are passed by value with the launch, so a
-    step copies nothing from the host (a copy of them per step was a host sync)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def adamw_kernel(
-        p_ptr, g_ptr, m_ptr, v_ptr, skip_ptr, scale_ptr, bc_ptr, n, lr, beta1, beta2, eps, wd, BLOCK: tl.constexpr
-    ):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        skip, scale = tl.load(skip_ptr), tl.load(scale_ptr)
-        bc1, bc2 = tl.load(bc_ptr), tl.load(bc_ptr + 1)
-        p0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        m0 = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v0 = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) / scale
-        m = m0.to(tl.float32) * beta1 + g * (1 - beta1)
-        v = v0.to(tl.float32) * beta2 + g * g * (1 - beta2)
-        p = p0.to(tl.float32) * (1 - lr * wd) - (lr / bc1) * m / (tl.sqrt_rn(v) / tl.sqrt_rn(bc2) + eps)
-        keep = skip > 0
-        tl.store(p_ptr + offs, tl.where(keep, p0, p.to(p0.dtype)), mask=mask)
-        tl.store(m_ptr + offs, tl.where(keep, m0, m.to(m0.dtype)), mask=mask)
-        tl.store(v_ptr + offs, tl.where(keep, v0, v.to(v0.dtype)), mask=mask)
-
-    def update(p, g, m, v, skip, scale, bc, lr, beta1, beta2, eps, wd) -> None:
-        n = p.numel()
-        grid = (triton.cdiv(n, BLOCK),)
-        adamw_kernel[grid](p, g, m, v, skip, scale, bc, n, lr, beta1, beta2, eps, wd, BLOCK=BLOCK, num_warps=8)
-
-    return update
-
-
 class CompiledAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` (decoupled weight decay, bias correction, no amsgrad) whose ``step`` runs one
-    Triton kernel per parameter of ``one_kernel_min`` elements or more on a GPU (``adamw_`` eagerly on a CPU)
+    Triton kernel (``kernels.nearest_update``) per parameter of ``one_kernel_min`` elements or more on a GPU
+    (``adamw_`` eagerly on a CPU)
     and torch's fused kernel for the rest."""
 
     def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, one_kernel_min=ONE_KERNEL_MIN):
@@ -183,7 +146,7 @@ class CompiledAdamW(torch.optim.AdamW):
                 if on_cpu:
                     adamw_(*views, hyper, state["step"])
                 else:
-                    _triton_update()(*views, skip, scale, bc_B2[j], *scalars)
+                    nearest_update(*views, skip, scale, bc_B2[j], *scalars)
         return loss
 
 

@@ -7,11 +7,13 @@ Here the update is computed in fp32 and rounded to bf16 up or down with probabil
 so the rounding is unbiased (E[round(x)] = x) and small updates accumulate on average. The two moments are kept in
 bf16 and rounded the same way. State: 4 bytes per parameter, against 12 for fp32 master weights with fp32 moments.
 
-The random bits come from a generator seeded per parameter by (``seed``, its step, ``shard_index``, its index),
-so a run resumed from a checkpoint (which holds the steps) draws the same bits as one that never stopped, and
-replicas of one shard (HSDP, ``parallel.dp_replicate > 1``: same shard index) round identically and stay equal.
-Work is done per chunk of ``chunk`` elements to bound the fp32 temporaries; on CUDA the per-chunk arithmetic is
-one compiled kernel (eager with ``optim.compiled=false``).
+The random bits are seeded per parameter by (``seed``, its step, ``shard_index``, its index), so a run resumed
+from a checkpoint (which holds the steps) draws the same bits as one that never stopped, and replicas of one shard
+(HSDP, ``parallel.dp_replicate > 1``: same shard index) round identically and stay equal. On a GPU (with
+``optim.compiled=true``, the default) each parameter is one Triton pass that draws its bits from Philox inside the
+kernel (``moe_tune.optim.kernels.stochastic_update``); elsewhere, and with ``optim.compiled=false``, the update
+runs eagerly per chunk of ``chunk`` elements (bounding the fp32 temporaries) with bits from ``torch.randint``. The
+two draw different bits from the same seed: a run is reproducible on one kind of device.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from moe_tune.optim.adamw import _local, adamw_values, run_closure
+from moe_tune.optim.kernels import SEGMENT, stochastic_update
 
 _CHUNK = 1 << 25
 
@@ -70,20 +73,33 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                     raise ValueError(f"stochastic rounding AdamW needs bf16 parameters, got {p.dtype}")
         self.seed, self.shard_index, self.chunk, self.compiled = seed, shard_index, chunk, compiled
         self._generators: dict[torch.device, torch.Generator] = {}  # reseeded per parameter and step
-        self._update = None
 
-    def _kernel(self, device: torch.device):
-        if self._update is None:
-            on_gpu = device.type == "cuda" and self.compiled
-            self._update = torch.compile(adamw_chunk_, dynamic=True) if on_gpu else adamw_chunk_
-        return self._update
+    def _seed(self, step: int, index: int, segment: int = 0) -> int:
+        """The random bits' seed of parameter ``index`` at its ``step`` (``segment``: which SEGMENT elements of it,
+        on a GPU)."""
+        mixed = (((self.seed * 1_000_003 + step) * 65_537 + self.shard_index) * 4_099 + index) * 1_009 + segment
+        return mixed % (1 << 62)
 
-    def _generator(self, device: torch.device, step: int, index: int) -> torch.Generator:
+    def _generator(self, device: torch.device, seed: int) -> torch.Generator:
         gen = self._generators.get(device)
         if gen is None:
             gen = self._generators[device] = torch.Generator(device)
-        gen.manual_seed((((self.seed * 1_000_003 + step) * 65_537 + self.shard_index) * 4_099 + index) % (1 << 63))
-        return gen
+        return gen.manual_seed(seed)
+
+    def _eager(self, views, step: int, index: int, scalars: tuple, skip, scale) -> None:
+        """One parameter's update per chunk, with ``torch.randint``'s bits (a CPU, or ``optim.compiled=false``)."""
+        lr, beta1, beta2, eps, wd = scalars
+        values = torch.tensor([lr, beta1, beta2, eps, wd, 1 - beta1**step, 1 - beta2**step])
+        if skip.device.type == "cuda":  # from pinned memory, without blocking
+            values = values.pin_memory()
+        hyper = torch.cat([values.to(skip.device, non_blocking=True), skip.reshape(1), scale.reshape(1)])
+        gen = self._generator(views[0].device, self._seed(step, index))
+        for start in range(0, views[0].numel(), self.chunk):
+            chunk = [t[start : start + self.chunk] for t in views]
+            noise = torch.randint(
+                0, 1 << 16, (3, chunk[0].numel()), dtype=torch.int32, device=skip.device, generator=gen
+            )
+            adamw_chunk_(*chunk, noise, hyper)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -92,7 +108,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         index = -1
         for group in self.param_groups:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            hypers: dict[tuple, torch.Tensor] = {}
+            flags: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
@@ -102,26 +118,23 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
+                state["step"] += 1  # on the host: a skipped step counts too
                 step = int(state["step"])
                 views = [_local(t).view(-1) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
                 device = views[0].device
-                gen = self._generator(device, step, index)
-                hyper = hypers.get((device, step))
-                if hyper is None:
-                    values = torch.tensor([lr, beta1, beta2, eps, wd, 1 - beta1**step, 1 - beta2**step, 0.0, 1.0])
-                    if device.type == "cuda":  # from pinned memory without blocking: no host sync per step
-                        values = values.pin_memory().to(device, non_blocking=True)
-                    on_device = [values[:-2]]  # found_inf and grad_scale stay on the device
-                    for given, default in ((found_inf, values[-2:-1]), (grad_scale, values[-1:])):
-                        on_device.append(default if given is None else given.to(device, torch.float32).reshape(1))
-                    values = torch.cat(on_device)
-                    hyper = hypers[(device, step)] = values
-                update = self._kernel(device)
-                for start in range(0, views[0].numel(), self.chunk):
-                    chunk = [t[start : start + self.chunk] for t in views]
-                    noise = torch.randint(
-                        0, 1 << 16, (3, chunk[0].numel()), dtype=torch.int32, device=device, generator=gen
+                if device not in flags:  # found_inf and grad_scale stay on the device
+                    skip = torch.zeros((), device=device) if found_inf is None else found_inf.to(device, torch.float32)
+                    scale = (
+                        torch.ones((), device=device) if grad_scale is None else grad_scale.to(device, torch.float32)
                     )
-                    update(*chunk, noise, hyper)
+                    flags[device] = (skip, scale)
+                skip, scale = flags[device]
+                if device.type != "cuda" or not self.compiled:
+                    self._eager(views, step, index, (lr, beta1, beta2, eps, wd), skip, scale)
+                    continue
+                bc = (1 - beta1**step, 1 - beta2**step)
+                for segment, start in enumerate(range(0, views[0].numel(), SEGMENT)):
+                    part = [t[start : start + SEGMENT] for t in views]
+                    seed = self._seed(step, index, segment)
+                    stochastic_update(*part, skip, scale, seed, lr, beta1, beta2, eps, wd, *bc)
         return loss

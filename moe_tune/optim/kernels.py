@@ -1,0 +1,123 @@
+"""The optimizers' Triton kernels: one pass over a parameter's flattened storage per launch.
+
+Both compute AdamW in fp32 (``adamw`` below, the same maths as ``moe_tune.optim.adamw.adamw_values``) from
+p, g, m, v of any float dtype and write p, m, v back in their dtypes:
+- ``nearest_update`` rounds to nearest (``optim.compiled=true``, ``CompiledAdamW``);
+- ``stochastic_update`` rounds bf16 stochastically (``optim.stochastic_rounding=true``): each value gets 16 random
+  low bits added before they are cut, from Philox keyed by a per-launch seed and counted by the element's offset,
+  so nothing random is stored or read (drawing the bits with ``torch.randint`` first wrote and read 12 bytes per
+  parameter, more than the update's own 14 with bf16).
+Hyperparameters are passed by value with each launch and ``skip``/``scale`` (found_inf and grad_scale) are 0-dim
+fp32 device tensors, so a launch copies nothing from the host. Triton is imported on first use (CPU installs have
+none).
+"""
+
+from __future__ import annotations
+
+import functools
+
+BLOCK = 4096  # elements per program: a bandwidth-bound pass, 8 warps of 16-byte accesses
+# Philox counters are the elements' 32-bit offsets: a launch covers at most this many elements (the caller splits
+# larger parameters into segments, each with its own seed).
+SEGMENT = 1 << 30
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def adamw(p0, g, m0, v0, scale, lr, beta1, beta2, eps, wd, bc1, bc2):
+        g = g.to(tl.float32) / scale
+        m = m0.to(tl.float32) * beta1 + g * (1 - beta1)
+        v = v0.to(tl.float32) * beta2 + g * g * (1 - beta2)
+        p = p0.to(tl.float32) * (1 - lr * wd) - (lr / bc1) * m / (tl.sqrt_rn(v) / tl.sqrt_rn(bc2) + eps)
+        return p, m, v
+
+    @triton.jit
+    def round_stochastic(x, bits):
+        """x (fp32) to bf16, up or down with probability by distance: 16 random bits added below the cut. NaN
+        stays NaN (CUDA's 0x7FFFFFFF would carry into the sign bit)."""
+        summed = x.to(tl.uint32, bitcast=True) + (bits & 0xFFFF)
+        rounded = ((summed >> 16) << 16).to(tl.float32, bitcast=True)  # low 16 bits zero: exact in bf16
+        return tl.where(x != x, x, rounded).to(tl.bfloat16)
+
+    @triton.jit
+    def nearest_kernel(
+        p_ptr, g_ptr, m_ptr, v_ptr, skip_ptr, scale_ptr, bc_ptr, n, lr, beta1, beta2, eps, wd, BLOCK: tl.constexpr
+    ):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        p0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        m0 = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v0 = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+        bc1, bc2 = tl.load(bc_ptr), tl.load(bc_ptr + 1)
+        p, m, v = adamw(p0, g, m0, v0, tl.load(scale_ptr), lr, beta1, beta2, eps, wd, bc1, bc2)
+        keep = tl.load(skip_ptr) > 0
+        tl.store(p_ptr + offs, tl.where(keep, p0, p.to(p0.dtype)), mask=mask)
+        tl.store(m_ptr + offs, tl.where(keep, m0, m.to(m0.dtype)), mask=mask)
+        tl.store(v_ptr + offs, tl.where(keep, v0, v.to(v0.dtype)), mask=mask)
+
+    @triton.jit(do_not_specialize=["seed"])  # a new seed every launch: one compiled kernel for all
+    def stochastic_kernel(
+        p_ptr,
+        g_ptr,
+        m_ptr,
+        v_ptr,
+        skip_ptr,
+        scale_ptr,
+        n,
+        seed,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        wd,
+        bc1,
+        bc2,
+        BLOCK: tl.constexpr,
+    ):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # int32: n <= SEGMENT
+        mask = offs < n
+        p0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        m0 = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v0 = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+        p, m, v = adamw(p0, g, m0, v0, tl.load(scale_ptr), lr, beta1, beta2, eps, wd, bc1, bc2)
+        bits_p, bits_m, bits_v, _ = tl.randint4x(seed, offs)
+        keep = tl.load(skip_ptr) > 0  # a bf16 value written back as it was
+        tl.store(p_ptr + offs, tl.where(keep, p0, round_stochastic(p, bits_p)), mask=mask)
+        tl.store(m_ptr + offs, tl.where(keep, m0, round_stochastic(m, bits_m)), mask=mask)
+        tl.store(v_ptr + offs, tl.where(keep, v0, round_stochastic(v, bits_v)), mask=mask)
+
+    return triton, nearest_kernel, stochastic_kernel
+
+
+def nearest_update(p, g, m, v, skip, scale, bc, lr, beta1, beta2, eps, wd) -> None:
+    """p, m, v (flat, contiguous) <- one AdamW update by g, rounded to nearest; ``bc``: this parameter's two bias
+    corrections, 1 - beta^step, on the device."""
+    triton, kernel, _ = _kernels()
+    n = p.numel()
+    kernel[(triton.cdiv(n, BLOCK),)](
+        p, g, m, v, skip, scale, bc, n, lr, beta1, beta2, eps, wd, BLOCK=BLOCK, num_warps=8
+    )
+
+
+def stochastic_update(p, g, m, v, skip, scale, seed, lr, beta1, beta2, eps, wd, bc1, bc2) -> None:
+    """p, m, v (flat, contiguous bf16, at most ``SEGMENT`` elements) <- one AdamW update by g, rounded
+    stochastically with the random bits of ``seed`` (an int below 2^63; bit 62 is set so that Triton always
+    passes it as int64 and builds the kernel once)."""
+    triton, _, kernel = _kernels()
+    n = p.numel()
+    if n > SEGMENT:
+        raise ValueError(f"stochastic_update takes at most {SEGMENT} elements per launch, got {n}")
+    kernel[(triton.cdiv(n, BLOCK),)](
+        p, g, m, v, skip, scale, n, seed | (1 << 62), lr, beta1, beta2, eps, wd, bc1, bc2, BLOCK=BLOCK, num_warps=8
+    )
+
+
+def launched() -> bool:
+    """Whether a Triton kernel was built in this process (tests check the GPU path ran, not the eager one)."""
+    return _kernels.cache_info().currsize > 0
