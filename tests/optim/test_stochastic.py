@@ -180,19 +180,27 @@ def test_cuda_kernel_lands_next_to_fp32_adamw():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=_NO_CUDA)
 def test_cuda_kernel_rounds_up_with_the_probability_of_the_distance():
-    """With beta1 = 0 the first moment is the gradient divided by grad_scale: gradients of 1.0 divided by
-    1 / (1 + 2^-9) put every value a quarter of the way from 1.0 to the next bf16 value (1 + 2^-7). Rounded by the
-    kernel, about a quarter go up: the mean is 1 + 2^-9 within 2e-5 (standard error 3.3e-6 over 2^20 values;
-    round-to-nearest would give 1.0 everywhere, 2e-3 off)."""
+    """With betas 0 the moments are g / s and (g / s)^2 and the update is lr: gradients of 1.0 divided by
+    s = 1 / (1 + 2^-9) put every new m a quarter of the way from 1.0 to the next bf16 value (1 + 2^-7), every v
+    about half way, and lr 2^-10 every parameter a quarter of the way down from 1.0 to 1 - 2^-8. Rounded by the
+    kernel, each lands on one of its two neighbours with a mean equal to the exact value within 2e-5 (the
+    standard error over 2^20 values is below 4e-6; round-to-nearest is 1e-3 to 2e-3 off)."""
     n = 1 << 20
     param = torch.nn.Parameter(torch.ones(n, dtype=torch.bfloat16, device="cuda"))
-    opt = StochasticRoundingAdamW([param], lr=1e-4, betas=(0.0, 0.95))
+    opt = StochasticRoundingAdamW([param], lr=2**-10, betas=(0.0, 0.0), eps=0.0)
     param.grad = torch.ones_like(param)
     opt.grad_scale = torch.tensor(1 / (1 + 2**-9), device="cuda")
     opt.step()
-    m = opt.state[param]["exp_avg"].float()
-    assert set(m.unique().tolist()) == {1.0, 1.0 + 2**-7}
-    assert float(m.mean()) == pytest.approx(1 + 2**-9, abs=2e-5)
+    state = opt.state[param]
+    m_exact = 1 / float(opt.grad_scale)
+    for got, exact, below, above in (
+        (param.detach(), 1 - 2**-10, 1 - 2**-8, 1.0),
+        (state["exp_avg"], m_exact, 1.0, 1 + 2**-7),
+        (state["exp_avg_sq"], m_exact**2, 1.0, 1 + 2**-7),
+    ):
+        got = got.float()
+        assert set(got.unique().tolist()) == {below, above}
+        assert float(got.mean()) == pytest.approx(exact, abs=2e-5)
 
 
 @pytest.mark.gpu
