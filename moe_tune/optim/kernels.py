@@ -4,12 +4,13 @@ Both compute AdamW in fp32 (``adamw`` below, the same maths as ``moe_tune.optim.
 p, g, m, v of any float dtype and write p, m, v back in their dtypes:
 - ``nearest_update`` rounds to nearest (``optim.compiled=true``, ``CompiledAdamW``);
 - ``stochastic_update`` rounds bf16 stochastically (``optim.stochastic_rounding=true``): each value gets 16 random
-  low bits added before they are cut, drawn inside the kernel from the element's offset and two per-launch keys,
-  so nothing random is stored or read (drawing the bits with ``torch.randint`` first wrote and read 12 bytes per
+  low bits added before they are cut, drawn inside the kernel from the element's offset and a per-launch key, so
+  nothing random is stored or read (drawing the bits with ``torch.randint`` first wrote and read 12 bytes per
   parameter, more than the update's own 14 with bf16). The bits are murmur3's 32-bit finalizer (a bijection with
-  full avalanche) of offset x golden ratio + key, two per element (p and m share one, halves of 32 bits): 4
-  integer multiplies per element. Triton's Philox (40 per element) made the kernel compute-bound on an H200, 53
-  against 20 ms for the 5.6 B parameters of the 8-layer workload (benchmarks/README.md).
+  full avalanche) of offset x golden ratio + key: p takes the low 16, m the high 16 and v their XOR (independent
+  of each alone, so each rounding is unbiased). Two integer multiplies per element: Triton's Philox (40) made
+  the kernel compute-bound on an H200, 53 against 20 ms for the 5.6 B parameters of the 8-layer workload, and two
+  such hashes per element 32 ms (benchmarks/README.md).
 Hyperparameters are passed by value with each launch and ``skip``/``scale`` (found_inf and grad_scale) are 0-dim
 fp32 device tensors, so a launch copies nothing from the host. Triton is imported on first use (CPU installs have
 none).
@@ -20,6 +21,7 @@ from __future__ import annotations
 import functools
 
 BLOCK = 4096  # elements per program: a bandwidth-bound pass, 8 warps of 16-byte accesses
+STOCHASTIC_BLOCK, STOCHASTIC_WARPS = 4096, 8  # the same for stochastic rounding (more arithmetic per element)
 # The random bits are drawn from the elements' 32-bit offsets: a launch covers at most this many elements (the
 # caller splits larger parameters into segments, each with its own seed).
 SEGMENT = 1 << 30
@@ -37,6 +39,15 @@ def _kernels():
         v = v0.to(tl.float32) * beta2 + g * g * (1 - beta2)
         p = p0.to(tl.float32) * (1 - lr * wd) - (lr / bc1) * m / (tl.sqrt_rn(v) / tl.sqrt_rn(bc2) + eps)
         return p, m, v
+
+    @triton.jit
+    def load4(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask):
+        return (
+            tl.load(p_ptr + offs, mask=mask, other=0.0),
+            tl.load(g_ptr + offs, mask=mask, other=0.0),
+            tl.load(m_ptr + offs, mask=mask, other=0.0),
+            tl.load(v_ptr + offs, mask=mask, other=0.0),
+        )
 
     @triton.jit
     def mix32(x):
@@ -63,10 +74,7 @@ def _kernels():
     ):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        p0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        m0 = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v0 = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+        p0, g, m0, v0 = load4(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask)
         bc1, bc2 = tl.load(bc_ptr), tl.load(bc_ptr + 1)
         p, m, v = adamw(p0, g, m0, v0, tl.load(scale_ptr), lr, beta1, beta2, eps, wd, bc1, bc2)
         keep = tl.load(skip_ptr) > 0
@@ -74,7 +82,7 @@ def _kernels():
         tl.store(m_ptr + offs, tl.where(keep, m0, m.to(m0.dtype)), mask=mask)
         tl.store(v_ptr + offs, tl.where(keep, v0, v.to(v0.dtype)), mask=mask)
 
-    @triton.jit(do_not_specialize=["key_pm", "key_v"])  # new keys every launch: one compiled kernel for all
+    @triton.jit(do_not_specialize=["key"])  # a new key every launch: one compiled kernel for all
     def stochastic_kernel(
         p_ptr,
         g_ptr,
@@ -83,8 +91,7 @@ def _kernels():
         skip_ptr,
         scale_ptr,
         n,
-        key_pm,
-        key_v,
+        key,
         lr,
         beta1,
         beta2,
@@ -96,18 +103,14 @@ def _kernels():
     ):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # int32: n <= SEGMENT
         mask = offs < n
-        p0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        m0 = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v0 = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+        p0, g, m0, v0 = load4(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask)
         p, m, v = adamw(p0, g, m0, v0, tl.load(scale_ptr), lr, beta1, beta2, eps, wd, bc1, bc2)
-        spread = offs.to(tl.uint32) * 0x9E3779B9  # 2^32 / golden ratio: odd, so a bijection of the offsets
-        bits_pm = mix32(spread + key_pm.to(tl.uint32))
-        bits_v = mix32(spread + key_v.to(tl.uint32))
+        # 2^32 / golden ratio is odd: a bijection of the offsets, spread over the 32 bits before mixing.
+        bits = mix32(offs.to(tl.uint32) * 0x9E3779B9 + key.to(tl.uint32))
         keep = tl.load(skip_ptr) > 0  # a bf16 value written back as it was
-        tl.store(p_ptr + offs, tl.where(keep, p0, round_stochastic(p, bits_pm)), mask=mask)
-        tl.store(m_ptr + offs, tl.where(keep, m0, round_stochastic(m, bits_pm >> 16)), mask=mask)
-        tl.store(v_ptr + offs, tl.where(keep, v0, round_stochastic(v, bits_v)), mask=mask)
+        tl.store(p_ptr + offs, tl.where(keep, p0, round_stochastic(p, bits)), mask=mask)
+        tl.store(m_ptr + offs, tl.where(keep, m0, round_stochastic(m, bits >> 16)), mask=mask)
+        tl.store(v_ptr + offs, tl.where(keep, v0, round_stochastic(v, bits ^ (bits >> 16))), mask=mask)
 
     return triton, nearest_kernel, stochastic_kernel
 
@@ -124,13 +127,13 @@ def nearest_update(p, g, m, v, skip, scale, bc, lr, beta1, beta2, eps, wd) -> No
 
 def stochastic_update(p, g, m, v, skip, scale, seed, lr, beta1, beta2, eps, wd, bc1, bc2) -> None:
     """p, m, v (flat, contiguous bf16, at most ``SEGMENT`` elements) <- one AdamW update by g, rounded
-    stochastically with the random bits of ``seed`` (an int below 2^62: two 31-bit keys, so that Triton passes
-    them as int32 whatever their values)."""
+    stochastically with the random bits of ``seed`` (an int, folded to a 31-bit key so that Triton passes it
+    as int32 whatever its value)."""
     triton, _, kernel = _kernels()
     n = p.numel()
     if n > SEGMENT:
         raise ValueError(f"stochastic_update takes at most {SEGMENT} elements per launch, got {n}")
-    kernel[(triton.cdiv(n, BLOCK),)](
+    kernel[(triton.cdiv(n, STOCHASTIC_BLOCK),)](
         p,
         g,
         m,
@@ -138,8 +141,7 @@ def stochastic_update(p, g, m, v, skip, scale, seed, lr, beta1, beta2, eps, wd, 
         skip,
         scale,
         n,
-        seed & 0x7FFFFFFF,
-        (seed >> 31) & 0x7FFFFFFF,
+        (seed ^ (seed >> 31)) & 0x7FFFFFFF,
         lr,
         beta1,
         beta2,
@@ -147,8 +149,8 @@ def stochastic_update(p, g, m, v, skip, scale, seed, lr, beta1, beta2, eps, wd, 
         wd,
         bc1,
         bc2,
-        BLOCK=BLOCK,
-        num_warps=8,
+        BLOCK=STOCHASTIC_BLOCK,
+        num_warps=STOCHASTIC_WARPS,
     )
 
 
