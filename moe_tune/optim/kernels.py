@@ -51,25 +51,10 @@ def stochastic_update(p, g, m, v, skip, scale, seed, lr, beta1, beta2, eps, wd, 
     n = p.numel()
     if n > SEGMENT:
         raise ValueError(f"stochastic_update takes at most {SEGMENT} elements per launch, got {n}")
-    kernel[(triton.cdiv(n, STOCHASTIC_BLOCK),)](
-        p,
-        g,
-        m,
-        v,
-        skip,
-        scale,
-        n,
-        (seed ^ (seed >> 31)) & 0x7FFFFFFF,
-        lr,
-        beta1,
-        beta2,
-        eps,
-        wd,
-        bc1,
-        bc2,
-        BLOCK=STOCHASTIC_BLOCK,
-        num_warps=STOCHASTIC_WARPS,
-    )
+    key = (seed ^ (seed >> 31)) & 0x7FFFFFFF
+    values = (n, key, lr, beta1, beta2, eps, wd, bc1, bc2)
+    grid = (triton.cdiv(n, STOCHASTIC_BLOCK),)
+    kernel[grid](p, g, m, v, skip, scale, *values, BLOCK=STOCHASTIC_BLOCK, num_warps=STOCHASTIC_WARPS)
 
 
 def launched() -> bool:
