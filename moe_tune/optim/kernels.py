@@ -19,8 +19,6 @@ installed).
 
 from __future__ import annotations
 
-import sys
-
 BLOCK = 4096  # elements per program: a bandwidth-bound pass, 8 warps of 16-byte accesses
 # Stochastic rounding has more arithmetic per element: smaller programs (20.8 ms per step vs 31.3 at 4096 on 8 warps).
 STOCHASTIC_BLOCK, STOCHASTIC_WARPS = 1024, 4
@@ -55,8 +53,3 @@ def stochastic_update(p, g, m, v, skip, scale, seed, lr, beta1, beta2, eps, wd, 
     values = (n, key, lr, beta1, beta2, eps, wd, bc1, bc2)
     grid = (triton.cdiv(n, STOCHASTIC_BLOCK),)
     kernel[grid](p, g, m, v, skip, scale, *values, BLOCK=STOCHASTIC_BLOCK, num_warps=STOCHASTIC_WARPS)
-
-
-def launched() -> bool:
-    """Whether a Triton kernel was launched in this process (tests check the kernel path ran, not the eager one)."""
-    return "moe_tune.optim.triton_kernels" in sys.modules
