@@ -116,7 +116,8 @@ class Trainer:
         if self.cfg.train.precision == "bf16" and not self.cfg.optim.stochastic_rounding and self.rank == 0:
             log.warning(
                 "train.precision=bf16 rounds every AdamW update to the nearest bf16 value, and updates below half "
-                "a bf16 step are lost (on an H200 the loss stalled at lr 3e-5); add optim.stochastic_rounding=true"
+                "a bf16 step are lost (on an H200 the loss stalled at lr 3e-5); add optim.stochastic_rounding=true "
+                "(on a GPU its update takes about as long as this one)"
             )
         # Ranks are (dp_replicate, dp_shard) row-major: replicas of one shard share rank % dp_shard, and so draw
         # the same stochastic-rounding bits (their parameters must stay equal). A build without a moe_tune mesh
