@@ -208,7 +208,9 @@ def apply_new_hyperparameters(trainer, saved: dict) -> None:
     the groups' and scheduler's values, which would otherwise silently win): ``train.lr`` rescales the schedule's
     peak and the current rate; ``optim.betas``, ``eps`` and ``weight_decay`` replace the groups'. The schedule's
     shape (``optim.warmup_steps``, ``schedule``, ``min_lr_ratio``, ``train.steps``) is always this run's config;
-    a change is logged too, as the rate follows the new shape from the next step."""
+    a change is logged too, as the rate follows the new shape from the next step. So are ``train.precision`` and
+    ``optim.stochastic_rounding`` (the weights and moments load into this run's dtypes; forgetting them on a
+    resume would otherwise change memory and rounding silently) and ``optim.compiled`` (the same maths)."""
     t, o, groups = trainer.cfg.train, trainer.cfg.optim, trainer.optimizer.param_groups
     changes = []
     if saved["train"]["lr"] != t.lr:
@@ -227,16 +229,25 @@ def apply_new_hyperparameters(trainer, saved: dict) -> None:
             for group in groups:
                 group[key] = new
             changes.append(f"optim.{key} {old} -> {new}")
+    changes += _changed(trainer.cfg, saved, [("train", "precision"), ("optim", "stochastic_rounding")])
     shape = []  # a longer run (train.steps) is the usual reason: logged as information, not as a warning
-    for section, key in [("optim", k) for k in ("warmup_steps", "schedule", "min_lr_ratio")] + [("train", "steps")]:
-        new = getattr(getattr(trainer.cfg, section), key)
-        old = saved[section].get(key, new)
-        if old != new:
-            shape.append(f"{section}.{key} {old} -> {new}")
+    keys = [("optim", k) for k in ("warmup_steps", "schedule", "min_lr_ratio", "compiled")] + [("train", "steps")]
+    shape += _changed(trainer.cfg, saved, keys)
     if trainer.rank == 0:
         for report, items in ((log.warning, changes), (log.info, shape)):
             if items:
                 report("resuming with this run's %s (the checkpoint had the former)", "; ".join(items))
+
+
+def _changed(cfg, saved: dict, keys: list[tuple[str, str]]) -> list[str]:
+    """``"section.key old -> new"`` for each config value that differs from the checkpoint's (absent there: same)."""
+    changed = []
+    for section, key in keys:
+        new = getattr(getattr(cfg, section), key)
+        old = saved[section].get(key, new)
+        if old != new:
+            changed.append(f"{section}.{key} {old} -> {new}")
+    return changed
 
 
 def rows_per_step(trainer) -> int:

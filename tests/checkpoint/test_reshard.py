@@ -243,6 +243,30 @@ def test_hyperparameters_given_anew_on_resume_take_effect(tmp_path, caplog):
     assert "resuming with" not in caplog.text and again.optimizer.param_groups[0]["lr"] == before["lr"]
 
 
+def test_a_resume_into_another_precision_or_rounding_says_so(tmp_path, caplog):
+    """A bf16 + stochastic-rounding checkpoint resumed without those flags loads into this run's dtypes (fp32
+    master weights, round to nearest): allowed, but a warning names both changes, so that a forgotten flag does
+    not change memory and rounding silently; optim.compiled (the same maths) is logged as information."""
+    from moe_tune import checkpoint as ckpt
+
+    saved = _plain_trainer(steps=1, stochastic=True, num_hidden_layers=1)
+    saved.cfg.train.precision, saved.cfg.optim.stochastic_rounding = "bf16", True
+    saved.cfg.optim.compiled = False
+    ckpt.save(saved, str(tmp_path / "step_1"))
+    resumed = _plain_trainer(steps=0, num_hidden_layers=1)
+    with caplog.at_level("INFO", logger="moe_tune"):
+        ckpt.load(resumed, str(tmp_path / "step_1"))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == [
+        "resuming with this run's train.precision bf16 -> bf16_fp32_master; optim.stochastic_rounding True -> "
+        "False (the checkpoint had the former)"
+    ], caplog.text
+    assert "optim.compiled False -> True" in caplog.text
+    params = dict(saved.model.named_parameters())
+    for name, p in resumed.model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, params[name].float()), name
+
+
 @pytest.mark.parametrize(
     ("saved", "resumed", "named"),
     [
