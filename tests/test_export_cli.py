@@ -48,7 +48,7 @@ def test_a_custom_chat_template_is_exported_with_the_model(tmp_path, cli_env, pe
     """data.chat_template renders the training records, so the exported model (or LoRA adapter) carries it
     (chat_template.jinja, which transformers prefers to the tokenizer's): in the run's hf/ and, from the
     checkpoint's own copy even once the file is gone, in moe-tune-export's output."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, GenerationConfig
 
     from tests.data.test_formats import PLAIN_CHATML
 
@@ -66,4 +66,9 @@ def test_a_custom_chat_template_is_exported_with_the_model(tmp_path, cli_env, pe
     _export(run / "checkpoints" / "step_2", out, cli_env)
     assert (out / "chat_template.jinja").read_text() == "{#- custom -#}" + PLAIN_CHATML
     if not peft:  # a full export loads as a tokenizer too (an adapter has no tokenizer files)
-        assert AutoTokenizer.from_pretrained(out).chat_template.startswith("{#- custom -#}")
+        tokenizer = AutoTokenizer.from_pretrained(out)
+        assert tokenizer.chat_template.startswith("{#- custom -#}")
+        # generate() stops where the template ends a turn, in the run's hf/ and in moe-tune-export's output
+        end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        for path in (run / "hf", out):
+            assert end in GenerationConfig.from_pretrained(path).eos_token_id
