@@ -103,7 +103,7 @@ def markdown(result: dict) -> str:
         f"{w['steps']} steps, medians after the first {w['warmup_steps_excluded']}.",
         f"- TFLOP/s per GPU = tokens/s per GPU x FLOPs/token, FLOPs/token = {4 if w.get('peft') else 6} x active "
         "matmul parameters + 6 x layers x seq x (heads x head_dim) (causal attention) = "
-        f"{_num(result.get('flops_per_token'), '.3g')}"
+        f"{_num(result.get('flops_per_token'), '.3g') or 'not counted (no row ran)'}"
         + (
             f"; LoRA {w['peft']}, base frozen (forward + input gradient), adapter FLOPs not counted."
             if w.get("peft")

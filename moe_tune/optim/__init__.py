@@ -6,7 +6,7 @@ runs ``moe_tune.optim.adamw.CompiledAdamW``: one Triton kernel per large paramet
 multi-tensor kernel for the rest; ``optim.compiled=false`` runs torch's fused AdamW alone
 (``torch.optim.AdamW(fused=True)``, one kernel per dtype/device group). Checkpoints move between the two. With
 bf16 parameters, ``optim.stochastic_rounding=true`` swaps in ``moe_tune.optim.stochastic.StochasticRoundingAdamW``
-(its update a torch.compile'd kernel on a GPU, eager with ``optim.compiled=false``).
+(its update one Triton kernel per parameter on a GPU, eager with ``optim.compiled=false`` and on a CPU).
 """
 
 from __future__ import annotations

@@ -209,6 +209,9 @@ def test_markdown_states_failures_and_skips():
     assert "| deepep | moe_tune | oom | deepep |" in text
     assert "8 layers (of 48)" in text and "989 TFLOP/s" in text and "nemo_automodel (peer): not importable" in text
     assert "No reference row ran" in text and "against `None`" not in text
+    assert "(causal attention) = 5.4e+09." in text
+    # No row ran, so nothing counted the FLOPs: the line says so instead of ending in "= ."
+    assert "= not counted (no row ran)." in markdown({**result, "flops_per_token": None})
 
 
 @pytest.mark.slow
