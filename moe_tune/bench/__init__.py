@@ -53,6 +53,16 @@ def compose_config(overrides: list[str]):
         return None, str(e)
 
 
+def _variant_problem(plans, common: list[str]) -> str | None:
+    """The first moe_tune row whose overrides do not compose (a typo, a placeholder), before any row runs."""
+    for plan in plans:
+        if plan.kind == "moe_tune" and plan.overrides != common:
+            error = compose_config(plan.overrides)[1]
+            if error:
+                return f"--variants row {plan.name!r}: {error}"
+    return None
+
+
 def row_config(cfg, kind: str, experts: str | None = None) -> dict:
     if cfg is None:
         return {}
@@ -200,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     num_gpus = nproc if _cuda() else 0
     out = args.out or os.path.join("benchmarks", "results", f"{now:%Y-%m-%d}-{hardware_label(num_gpus)}")
     plans, skipped = build_plans(args, common)
-    problem = plans_problem(plans, skipped, cfg, nproc)
+    problem = plans_problem(plans, skipped, cfg, nproc) or _variant_problem(plans, common)
     if problem:
         print(f"moe-tune-bench: error: {problem}", file=sys.stderr)
         return 2

@@ -55,6 +55,16 @@ def test_parse_variants_names():
     assert parse_variants("data.path=/a:b") == [("path=/a:b", ["data.path=/a:b"])]  # ':' after '=' is no name
 
 
+@pytest.mark.parametrize("variants", ["ok:kernels.compile=true;...", "typo:kernels.compil=true"])
+def test_a_variant_that_does_not_compose_exits_2_before_any_row(tmp_path, cli_env, variants):
+    """A placeholder or a typo in --variants: one line naming the row, exit 2, also for --dry-run (it printed
+    a row named '=' for '...' before), nothing written."""
+    cmd = [PY, "-m", "moe_tune.bench", "model=tiny_qwen3_moe", "--baselines", "none", "--variants", variants]
+    r = subprocess.run([*cmd, "--dry-run", "--out", str(tmp_path / "o")], capture_output=True, text=True, env=cli_env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("moe-tune-bench: error: --variants row ") and not (tmp_path / "o").exists()
+
+
 def test_loss_differences_against_a_named_reference():
     def row(name, kind, losses, status="ok"):
         return {"variant": name, "kind": kind, "status": status, "losses": losses, "tflops_per_gpu": None}
