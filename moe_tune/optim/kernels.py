@@ -8,7 +8,7 @@ p, g, m, v of any float dtype and write p, m, v back in their dtypes:
   nothing random is stored or read (drawing the bits with ``torch.randint`` first wrote and read 12 bytes per
   parameter, more than the update's own 14 with bf16). The bits are murmur3's 32-bit finalizer (a bijection with
   full avalanche) of offset x golden ratio + key: p takes the low 16, m the high 16 and v their XOR (independent
-  of each alone, so each rounding is unbiased). Two integer multiplies per element: Triton's Philox (40) made
+  of each alone, so each rounding is unbiased). Three integer multiplies per element: Triton's Philox (40) made
   the kernel compute-bound on an H200, 53 against 20 ms for the 5.6 B parameters of the 8-layer workload, and two
   such hashes per element 32 ms (benchmarks/README.md).
 Hyperparameters are passed by value with each launch and ``skip``/``scale`` (found_inf and grad_scale) are 0-dim
