@@ -59,7 +59,8 @@ def _variant_problem(plans, common: list[str]) -> str | None:
         if plan.kind == "moe_tune" and plan.overrides != common:
             error = compose_config(plan.overrides)[1]
             if error:
-                return f"--variants row {plan.name!r}: {error}"
+                given = " ".join(plan.overrides[len(common) :])
+                return f"--variants row {plan.name!r} ({given}): {error}"
     return None
 
 
