@@ -87,18 +87,22 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
             gen = self._generators[device] = torch.Generator(device)
         return gen.manual_seed(seed)
 
-    def _eager(self, views, step: int, index: int, scalars: tuple, skip, scale) -> None:
-        """One parameter's update per chunk, with ``torch.randint``'s bits (a CPU, or ``optim.compiled=false``)."""
+    @staticmethod
+    def _hyper(scalars: tuple, step: int, skip, scale) -> torch.Tensor:
+        """``adamw_chunk_``'s hyperparameter tensor on skip's device (from pinned memory, without blocking)."""
         lr, beta1, beta2, eps, wd = scalars
         values = torch.tensor([lr, beta1, beta2, eps, wd, 1 - beta1**step, 1 - beta2**step])
-        if skip.device.type == "cuda":  # from pinned memory, without blocking
+        if skip.device.type == "cuda":
             values = values.pin_memory()
-        hyper = torch.cat([values.to(skip.device, non_blocking=True), skip.reshape(1), scale.reshape(1)])
+        return torch.cat([values.to(skip.device, non_blocking=True), skip.reshape(1), scale.reshape(1)])
+
+    def _eager(self, views, step: int, index: int, hyper: torch.Tensor) -> None:
+        """One parameter's update per chunk, with ``torch.randint``'s bits (a CPU, or ``optim.compiled=false``)."""
         gen = self._generator(views[0].device, self._seed(step, index))
         for start in range(0, views[0].numel(), self.chunk):
             chunk = [t[start : start + self.chunk] for t in views]
             noise = torch.randint(
-                0, 1 << 16, (3, chunk[0].numel()), dtype=torch.int32, device=skip.device, generator=gen
+                0, 1 << 16, (3, chunk[0].numel()), dtype=torch.int32, device=hyper.device, generator=gen
             )
             adamw_chunk_(*chunk, noise, hyper)
 
@@ -110,6 +114,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             flags: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+            hypers: dict[tuple, torch.Tensor] = {}  # the eager update's, one per device and step
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
@@ -131,7 +136,9 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                     flags[device] = (skip, scale)
                 skip, scale = flags[device]
                 if device.type != "cuda" or not self.compiled:
-                    self._eager(views, step, index, (lr, beta1, beta2, eps, wd), skip, scale)
+                    if (device, step) not in hypers:
+                        hypers[(device, step)] = self._hyper((lr, beta1, beta2, eps, wd), step, skip, scale)
+                    self._eager(views, step, index, hypers[(device, step)])
                     continue
                 bc = (1 - beta1**step, 1 - beta2**step)
                 for segment, start in enumerate(range(0, views[0].numel(), SEGMENT)):
