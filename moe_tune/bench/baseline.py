@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from moe_tune.build import Built
-from moe_tune.config import CommConfig, Config, ConfigError, KernelsConfig, UserError, validate
+from moe_tune.config import CommConfig, Config, ConfigError, KernelsConfig, UserError, rounds_stochastically, validate
 from moe_tune.env import require_backends
 from moe_tune.train import Trainer
 
@@ -276,8 +276,9 @@ def check_workload(cfg: Config, fsdp: bool = True) -> None:
 
 def peer_optimizer(cfg: Config) -> Config:
     """The baseline's and the peer's optimizer: PyTorch's fused AdamW, as their users run it, not moe_tune's
-    compiled update (stochastic rounding, moe_tune's own, keeps its Triton kernel)."""
-    if cfg.optim.stochastic_rounding:
+    compiled update. Stochastic rounding (moe_tune's own; automatic for bf16 parameters) keeps its Triton kernel,
+    so a bf16 table compares the stacks under one optimizer."""
+    if rounds_stochastically(cfg.train.precision, cfg.optim.stochastic_rounding):
         return cfg
     return replace(cfg, optim=replace(cfg.optim, compiled=False))
 

@@ -35,7 +35,7 @@ from moe_tune.checkpoint.state import (
     scheduler_by_name,
 )
 from moe_tune.checkpoint.state import is_extra_state as _is_extra_state
-from moe_tune.config import CheckpointError
+from moe_tune.config import CheckpointError, rounds_stochastically
 from moe_tune.run_record import write_json
 
 COMPLETE = "COMPLETE"
@@ -229,7 +229,12 @@ def apply_new_hyperparameters(trainer, saved: dict) -> None:
             for group in groups:
                 group[key] = new
             changes.append(f"optim.{key} {old} -> {new}")
-    changes += _changed(trainer.cfg, saved, [("train", "precision"), ("optim", "stochastic_rounding")])
+    changes += _changed(trainer.cfg, saved, [("train", "precision")])
+    # As each run applied it (automatic: on for bf16 parameters; a checkpoint from before the key: off).
+    was = rounds_stochastically(saved["train"]["precision"], saved["optim"].get("stochastic_rounding", False))
+    now = rounds_stochastically(t.precision, o.stochastic_rounding)
+    if was != now:
+        changes.append(f"optim.stochastic_rounding {was} -> {now}")
     shape = []  # a longer run (train.steps) is the usual reason: logged as information, not as a warning
     keys = [("optim", k) for k in ("warmup_steps", "schedule", "min_lr_ratio", "compiled")] + [("train", "steps")]
     shape += _changed(trainer.cfg, saved, keys)

@@ -261,7 +261,7 @@ def _check_train(cfg: Config) -> None:
             f"train.max_nonfinite_steps ({t.max_nonfinite_steps}) must be >= 0 (0 stops at the first step "
             "with a non-finite gradient norm); try train.max_nonfinite_steps=5"
         )
-    if cfg.optim.stochastic_rounding and t.precision != "bf16":
+    if cfg.optim.stochastic_rounding is True and t.precision != "bf16":
         raise ConfigError(
             f"optim.stochastic_rounding=true rounds bf16 parameters (got train.precision={t.precision}, "
             "whose master weights are not bf16); set train.precision=bf16 or drop optim.stochastic_rounding"

@@ -28,7 +28,8 @@ def param_groups(params) -> list[dict]:
 
 
 def build_optimizer(params, cfg: OptimConfig, lr: float, seed: int = 0, shard_index: int = 0) -> torch.optim.Optimizer:
-    """``seed`` and ``shard_index`` (this rank's position within its data-parallel replica) seed stochastic
+    """``cfg.stochastic_rounding`` as the run applies it (``moe_tune.config.rounds_stochastically``; None here:
+    off). ``seed`` and ``shard_index`` (this rank's position within its data-parallel replica) seed stochastic
     rounding's random bits, with each parameter's step and index."""
     if cfg.name != "adamw":
         raise ConfigError(f"optim={cfg.name!r} is not one of adamw")

@@ -1,4 +1,5 @@
-"""AdamW for bf16 parameters with stochastic rounding (``optim.stochastic_rounding=true``, ``train.precision=bf16``).
+"""AdamW for bf16 parameters with stochastic rounding (``optim.stochastic_rounding``: automatic with
+``train.precision=bf16``).
 
 With bf16 parameters and round-to-nearest, an update smaller than half a bf16 step of the weight is lost: a weight
 near 0.5 has a step of 2^-8 ~ 0.004, while AdamW moves it by about the learning rate (3e-5 in fine-tuning). On an
@@ -6,6 +7,7 @@ H200 such runs stalled (+159% final loss after 100 steps, ``benchmarks/results/2
 Here the update is computed in fp32 and rounded to bf16 up or down with probability proportional to the distance,
 so the rounding is unbiased (E[round(x)] = x) and small updates accumulate on average. The two moments are kept in
 bf16 and rounded the same way. State: 4 bytes per parameter, against 12 for fp32 master weights with fp32 moments.
+An fp32 parameter (DeepSeek-V3's and GLM-4-MoE's routers stay fp32 in a bf16 model) is updated exactly, in fp32.
 
 The random bits are seeded per parameter by (``seed``, its step, ``shard_index``, its index), so a run resumed
 from a checkpoint (which holds the steps) draws the same bits as one that never stopped, and replicas of one shard
@@ -48,7 +50,8 @@ def adamw_chunk_(p, g, m, v, noise, hyper):
 
 
 class StochasticRoundingAdamW(torch.optim.Optimizer):
-    """AdamW (decoupled weight decay, bias correction) over bf16 parameters, rounding stochastically.
+    """AdamW (decoupled weight decay, bias correction) over bf16 parameters, rounding stochastically (fp32 ones
+    exactly).
 
     Like torch's fused AdamW it honours ``found_inf`` (a 0-dim tensor set on the optimizer before ``step``; 1
     skips the update on the device, no host sync) and ``grad_scale`` (a 0-dim tensor every gradient is divided
@@ -70,8 +73,8 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         for group in self.param_groups:
             for p in group["params"]:
-                if p.dtype != torch.bfloat16:
-                    raise ValueError(f"stochastic rounding AdamW needs bf16 parameters, got {p.dtype}")
+                if p.dtype not in (torch.bfloat16, torch.float32):
+                    raise ValueError(f"stochastic rounding AdamW takes bf16 (and fp32) parameters, got {p.dtype}")
         self.seed, self.shard_index, self.chunk, self.compiled = seed, shard_index, chunk, compiled
         self._generators: dict[torch.device, torch.Generator] = {}  # reseeded per parameter and step
 
@@ -106,6 +109,13 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
             )
             adamw_chunk_(*chunk, noise, hyper)
 
+    @staticmethod
+    def _exact(views, hyper: torch.Tensor) -> None:
+        """An fp32 parameter (the routers that DeepSeek-V3 and GLM-4-MoE keep in fp32 in a bf16 model): its
+        update and moments are stored as computed, with nothing to round."""
+        for t, value in zip((views[0], views[2], views[3]), adamw_values(*views, *hyper.unbind())):
+            t.copy_(value)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = run_closure(closure)
@@ -135,10 +145,14 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                     )
                     flags[device] = (skip, scale)
                 skip, scale = flags[device]
-                if device.type != "cuda" or not self.compiled:
+                exact = p.dtype == torch.float32
+                if exact or device.type != "cuda" or not self.compiled:
                     if (device, step) not in hypers:
                         hypers[(device, step)] = self._hyper((lr, beta1, beta2, eps, wd), step, skip, scale)
-                    self._eager(views, step, index, hypers[(device, step)])
+                    if exact:
+                        self._exact(views, hypers[(device, step)])
+                    else:
+                        self._eager(views, step, index, hypers[(device, step)])
                     continue
                 bc = (1 - beta1**step, 1 - beta2**step)
                 for segment, start in enumerate(range(0, views[0].numel(), SEGMENT)):

@@ -127,16 +127,41 @@ def test_same_seed_same_bits_and_a_resumed_optimizer_continues_identically():
     assert not torch.equal(other_seed.detach(), straight)
 
 
-def test_build_optimizer_picks_it_and_it_refuses_fp32_parameters():
+def test_build_optimizer_picks_it_and_it_refuses_fp16_parameters():
     p = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
     opt = build_optimizer([p], OptimConfig(stochastic_rounding=True), 1e-4, seed=3, shard_index=1)
     assert isinstance(opt, StochasticRoundingAdamW) and (opt.seed, opt.shard_index) == (3, 1)
     assert isinstance(build_optimizer([p], OptimConfig(), 1e-4), torch.optim.AdamW)
-    with pytest.raises(ValueError, match="needs bf16 parameters, got torch.float32"):
-        StochasticRoundingAdamW([torch.nn.Parameter(torch.zeros(4))], lr=1e-4)
+    with pytest.raises(ValueError, match="takes bf16 \\(and fp32\\) parameters, got torch.float16"):
+        StochasticRoundingAdamW([torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))], lr=1e-4)
 
 
 _NO_CUDA = "the Triton kernel runs on CUDA only (a CPU runs eagerly)"
+_DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=_NO_CUDA)]),
+]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_fp32_parameters_beside_bf16_ones_update_exactly(device):
+    """A bf16 model's fp32 islands (DeepSeek-V3's and GLM-4-MoE's routers) train under the same optimizer: their
+    update equals torch's fp32 AdamW to fp32 rounding (1e-6 relative), with fp32 moments, while the bf16
+    parameter beside them still lands on a bf16 neighbour of its exact value."""
+    init, grads = _params()
+    router = torch.nn.Parameter(init.to(device))
+    weight = torch.nn.Parameter(init.bfloat16().to(device))
+    ref = torch.nn.Parameter(init.clone())
+    opt = StochasticRoundingAdamW([weight, router], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    for g in grads[:3]:
+        weight.grad, router.grad, ref.grad = g.bfloat16().to(device), g.to(device), g.clone()
+        opt.step()
+        ref_opt.step()
+        assert torch.allclose(router.detach().cpu(), ref.detach(), rtol=1e-6, atol=1e-7)
+    assert opt.state[router]["exp_avg_sq"].dtype == torch.float32
+    assert opt.state[weight]["exp_avg"].dtype == torch.bfloat16
+    assert not torch.equal(weight.detach().float().cpu(), init.bfloat16().float())
 
 
 @pytest.mark.gpu
