@@ -8,13 +8,21 @@ keeps multirun and launchers (``hydra/launcher=submitit_slurm ... -m``) working.
 from __future__ import annotations
 
 import sys
+import time
 
 # compose and to_config: tests and the benchmark compose through moe_tune.cli
 from moe_tune.cli_args import CONF_DIR, compose, to_config  # noqa: F401
 
+QUIET_EXIT_DELAY_S = 5.0
 
-def fail(message: str) -> None:
-    print(f"moe-tune: error: {message}", file=sys.stderr)
+
+def fail(message: str, quiet: bool = False) -> None:
+    """Print the one line and exit 2. ``quiet``: another rank prints the same line; this one exits after it
+    (torchrun stops the other ranks at the first exit, which could otherwise cut the printing rank short)."""
+    if quiet:
+        time.sleep(QUIET_EXIT_DELAY_S)
+    else:
+        print(f"moe-tune: error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
@@ -37,7 +45,11 @@ def precheck(argv: list[str]) -> list[str]:
         if cli_args.runs_job(args):
             check_inputs(cfg, world_known=not args.multirun)
     except UserError as e:
-        fail(str(e))
+        from moe_tune.dist.env import dist_env
+
+        # Before any process group: every rank reads the same command line and files and finds the same error,
+        # so the first rank of each node says it (2 ranks on one node: one line, not two).
+        fail(str(e), quiet=dist_env().local_rank > 0)
     return argv
 
 

@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode  # -N: killed by signal N
-        print(f"moe-tune: rank {rank} exited with code {failure.exitcode}", file=sys.stderr)
+        if failure.exitcode != 2:  # 2: the rank printed the one line that says why
+            print(f"moe-tune: rank {rank} exited with code {failure.exitcode}", file=sys.stderr)
         return code
     return 0
 

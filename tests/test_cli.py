@@ -152,6 +152,20 @@ def test_cli_bad_input_exits_2_with_one_line(args, message, cli_env, tmp_path):
     assert message in _one_error_line([f"output_dir={tmp_path}", *args], cli_env)
 
 
+@pytest.mark.dist
+def test_bad_value_under_two_ranks_is_one_line(tmp_path, cli_env):
+    """A value found bad before any process group exists: only the node's first rank prints the line (each rank
+    found the same error in the same command line), and it is torchrun's root cause: the quiet rank exits after
+    it, so torchrun cannot stop the printing rank first."""
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moe_tune"]
+    out = tmp_path / "run"
+    r = subprocess.run(cmd + [f"output_dir={out}", "train.lr=-1"], capture_output=True, text=True, env=cli_env)
+    assert r.stderr.count("moe-tune: error: train.lr=-1.0 is out of range") == 1, r.stderr[-3000:]
+    root_cause = r.stderr.split("Root Cause", 1)[-1]
+    assert "rank      : 0 " in root_cause and "exitcode  : 2 " in root_cause, r.stderr[-3000:]
+    assert not out.exists()
+
+
 def _one_error_line(args: list[str], env) -> str:
     """``moe-tune args`` exits 2 with exactly one non-empty stderr line (no traceback): that line."""
     r = subprocess.run([PY, "-m", "moe_tune", *args], capture_output=True, text=True, env=env, timeout=120)

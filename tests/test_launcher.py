@@ -43,6 +43,16 @@ def test_a_ranks_exit_2_is_the_launchers(tmp_path, cli_env):
     assert BAD_FAMILY_LINE in r.stderr
 
 
+def test_a_value_both_ranks_find_bad_is_said_once(tmp_path, cli_env):
+    """Found before any process group: the node's first rank prints it, and the launcher adds no line of its own
+    for an exit 2 (the rank said why)."""
+    out = tmp_path / "run"
+    r = subprocess.run(LAUNCH + [f"output_dir={out}", "train.lr=-1"], capture_output=True, text=True, env=cli_env)
+    ours = [line for line in r.stderr.splitlines() if line.startswith("moe-tune:")]
+    assert r.returncode == 2 and len(ours) == 1 and "train.lr=-1.0 is out of range" in ours[0], r.stderr[-3000:]
+    assert not out.exists()
+
+
 def test_the_slurm_launcher_is_found_from_an_installed_moe_tune(tmp_path):
     """Outside the clone, as an installed moe_tune runs (the suite's own install is editable, whose import hook
     Hydra's listing of hydra_plugins does not see): the CLI's registration makes the class that
