@@ -36,10 +36,11 @@ def export(checkpoint: str, out: str, merge: bool = False, base: str | None = No
 
     from moe_tune.build import from_checkpoint
     from moe_tune.config import ConfigError
-    from moe_tune.models.export import write_checkpoint_atomic
+    from moe_tune.models.export import check_export_target, write_checkpoint_atomic
     from moe_tune.models.lora import has_lora, merge_lora
     from moe_tune.models.peft_export import write_adapter
 
+    check_export_target(out)  # before the checkpoint is read: an export replaces OUT as a whole
     model, cfg = from_checkpoint(checkpoint, base=base)
     dtype = None if cfg.model.dtype == "source" else getattr(torch, cfg.model.dtype)
     lora = has_lora(model)

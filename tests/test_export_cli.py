@@ -43,6 +43,33 @@ def test_export_cli_bad_input_exits_2(tmp_path, cli_env):
     assert r.returncode == 2 and "not a complete moe-tune checkpoint" in r.stderr
 
 
+def test_export_refuses_a_directory_it_would_wipe(tmp_path, cli_env):
+    """An export replaces OUT as a whole: a directory holding anything no export writes (notes, the run itself,
+    the working directory) is one line and exit 2, untouched; an earlier export is replaced."""
+    import shutil
+
+    run = tmp_path / "run"
+    run_cli([f"output_dir={run}", "train.steps=1", "checkpoint.every=1", *FAST_RUN], cli_env)
+    step = run / "checkpoints" / "step_1"
+    notes = tmp_path / "mine"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("precious")
+    for out in (notes, run, tmp_path):
+        before = sorted(p.name for p in out.iterdir())
+        r = subprocess.run(
+            [PY, "-m", "moe_tune.export_cli", str(step), str(out)], capture_output=True, text=True, env=cli_env
+        )
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and "which no export writes" in lines[0], r.stderr[-3000:]
+        assert sorted(p.name for p in out.iterdir()) == before
+    assert (notes / "notes.txt").read_text() == "precious"
+    earlier = tmp_path / "earlier"
+    shutil.copytree(run / "hf", earlier)
+    (earlier / "model.safetensors").write_bytes(b"stale")
+    _export(step, earlier, cli_env)
+    assert_hf_logits_equal(str(earlier))
+
+
 @pytest.mark.parametrize("peft", [[], ["peft=lora"]], ids=["full", "lora_adapter"])
 def test_a_custom_chat_template_is_exported_with_the_model(tmp_path, cli_env, peft):
     """data.chat_template renders the training records, so the exported model (or LoRA adapter) carries it

@@ -18,9 +18,11 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from moe_tune.config import ConfigError
 from moe_tune.dist.env import rank_world
 from moe_tune.models.hf_io import (
     EXPERT_PARAM,
+    SIDE_FILES,
     copy_side_files,
     disk_key,
     expert_offsets,
@@ -179,12 +181,43 @@ def as_umask_allows(path: str) -> None:
     os.chmod(path, 0o666 & ~umask)
 
 
+# What an export writes besides SIDE_FILES (copied from the source) and its weight files.
+_EXPORT_FILES = ("config.json", "model.safetensors.index.json", "adapter_config.json")
+
+
+def _written_by_an_export(name: str) -> bool:
+    weights = name.startswith(("model", "adapter_model")) and name.endswith(".safetensors")
+    return weights or name in _EXPORT_FILES or name in SIDE_FILES
+
+
+def check_export_target(out_dir: str) -> None:
+    """An export replaces ``out_dir`` as a whole, so it must be new, empty or an earlier export: anything else
+    in it (a run directory, the working directory, someone's notes) would be deleted. Raises ConfigError."""
+    if not os.path.lexists(out_dir):
+        return
+    if not os.path.isdir(out_dir):
+        raise ConfigError(f"{out_dir} is a file, not a directory; give a new directory for the export")
+    foreign = sorted(
+        name
+        for name in os.listdir(out_dir)
+        if not (_written_by_an_export(name) and os.path.isfile(os.path.join(out_dir, name)))
+    )
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        raise ConfigError(
+            f"{out_dir} holds {shown}, which no export writes, and an export replaces its directory as a whole; "
+            "give a new or empty directory (or an earlier export's)"
+        )
+
+
 def write_checkpoint_atomic(model, out_dir: str, writer=None, **options) -> None:
     """``writer(model, dir, **options)`` (default ``write_checkpoint``; ``peft_export.write_adapter`` for a LoRA
     adapter) into a temporary sibling of ``out_dir`` (same filesystem), then swapped in by rank 0
     after every rank has written: the old directory is renamed away, the new one renamed in, the old deleted. A
     reader never sees two exports mixed (stale shards of another layout or sharding cannot remain), and an export
-    that fails leaves the previous one in place. Every rank must call it."""
+    that fails leaves the previous one in place. Every rank must call it. ``out_dir`` must be new, empty or an
+    earlier export (``check_export_target``)."""
+    check_export_target(out_dir)
     rank, world = rank_world()
     parent, name = os.path.split(os.path.abspath(out_dir))
     tmp, old = os.path.join(parent, f".{name}.partial"), os.path.join(parent, f".{name}.old")
