@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moe_tune.config import CheckpointError, Config, ConfigError, ParallelDims, validate
+from moe_tune.config import CheckpointError, Config, ConfigError, ModelConfig, ParallelDims, validate
 from moe_tune.dist.mesh import ParallelMesh, build_mesh
 from moe_tune.lora import LoRASpec
 from moe_tune.metrics import flops_per_token
@@ -57,6 +57,9 @@ class Built:
     describe: dict = field(default_factory=dict)
 
 
+BASE_MODEL = "base_model"  # a tiny preset's starting checkpoint, built by rank 0 inside output_dir
+
+
 def build_source(cfg: Config, rank: int) -> tuple[str | None, object]:
     """(checkpoint dir or None for a random-initialised preset, transformers config)."""
     from transformers import AutoConfig
@@ -66,7 +69,7 @@ def build_source(cfg: Config, rank: int) -> tuple[str | None, object]:
     if cfg.model.path is not None:
         return cfg.model.path, AutoConfig.from_pretrained(cfg.model.path)
     if cfg.model.name.startswith("tiny_"):
-        path = os.path.join(cfg.output_dir, "base_model")
+        path = os.path.join(cfg.output_dir, BASE_MODEL)
         if rank == 0:
             drop_stale_base_model(path, cfg.model.name, cfg.model.overrides)
             build_tiny_checkpoint(path, cfg.model.name, cfg.model.overrides, seed=cfg.train.seed)
@@ -80,9 +83,28 @@ def check_model_source(cfg: Config) -> None:
     """Before any process group or write: a model.path's config.json and safetensors headers can be read, a
     preset's overrides have the types of the fields they replace (one line each, exit 2)."""
     if cfg.model.path is not None:
-        check_source_dir(cfg.model.path)
+        hf = check_source_dir(cfg.model.path)
+        check_family(cfg.model, hf["model_type"], hf.get("architectures"))
     else:
         check_overrides(cfg.model.name, cfg.model.overrides)
+
+
+def check_family(model: ModelConfig, model_type: str, architectures: list[str] | None = None) -> None:
+    """The checkpoint's architecture is a supported family, and the one ``model.family`` names (or auto)."""
+    from moe_tune.models.families import get_family
+
+    get_family(model_type, architectures)
+    if model.family in ("auto", model_type):
+        return
+    if model.name != "hf" and model.path is not None:  # a preset's family, with the user's checkpoint
+        raise ConfigError(
+            f"model.path={model.path} has model_type {model_type}, but model={model.name} is a preset of family "
+            f"{model.family}; load your checkpoint with model=hf model.path={model.path}"
+        )
+    raise ConfigError(
+        f"model.family={model.family} but the checkpoint's model_type is {model_type}; "
+        f"set model.family={model_type} or model.family=auto"
+    )
 
 
 def drop_stale_base_model(path: str, name: str, overrides: dict) -> None:
@@ -189,11 +211,7 @@ def build_training_model(cfg: Config, env) -> Built:
     """moe_tune's model for ``cfg`` on this process group (``env``: ``moe_tune.dist.env``'s rank, world, device)."""
     source, hf_config = build_source(cfg, env.rank)
     tokenizer = build_tokenizer(source)
-    if cfg.model.family not in ("auto", hf_config.model_type):
-        raise ConfigError(
-            f"model.family={cfg.model.family} but the checkpoint's model_type is {hf_config.model_type}; "
-            f"set model.family={hf_config.model_type} or model.family=auto"
-        )
+    check_family(cfg.model, hf_config.model_type)
     dims = validate(
         cfg, world_size=env.world_size, num_experts=num_experts(hf_config), expert_dims=expert_dims(hf_config)
     )

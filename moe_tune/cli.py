@@ -7,6 +7,7 @@ keeps multirun and launchers (``hydra/launcher=submitit_slurm ... -m``) working.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -53,6 +54,33 @@ def precheck(argv: list[str]) -> list[str]:
     return argv
 
 
+# output_dir's entries before Hydra creates it (None: it did not exist), for restore_output_dir.
+_BEFORE: dict[str, set[str] | None] = {}
+
+
+def restore_output_dir(output_dir: str) -> None:
+    """A one-process run refused while setting up (a value found bad once the model is known) leaves output_dir
+    as the command found it: the lock file and the base model it created there go, and the directory too if
+    Hydra created it for this run and nothing else is in it. With more ranks they stay: another rank may still
+    be reading the base model rank 0 built, and no collective is safe on an error path."""
+    import shutil
+
+    from moe_tune.build import BASE_MODEL
+    from moe_tune.dist.env import dist_env
+    from moe_tune.train.lock import LOCK_NAME
+
+    path = os.path.abspath(output_dir)
+    if path not in _BEFORE or dist_env().world_size > 1 or not os.path.isdir(path):
+        return
+    before, ours = _BEFORE[path], {LOCK_NAME, BASE_MODEL}
+    if before is None and set(os.listdir(path)) <= ours:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for name in ours - (before or set()):
+        entry = os.path.join(path, name)
+        shutil.rmtree(entry, ignore_errors=True) if os.path.isdir(entry) else os.remove(entry)
+
+
 def check_inputs(dict_cfg, world_known: bool) -> None:
     """The values and the model files, before Hydra creates the run directory: a bad one leaves nothing written.
     With the world size known (not a sweep, whose launcher picks it), the trainer's whole check runs here."""
@@ -62,6 +90,9 @@ def check_inputs(dict_cfg, world_known: bool) -> None:
     cfg = to_config(dict_cfg)
     if world_known:
         from moe_tune.train import Trainer
+
+        path = os.path.abspath(cfg.output_dir)
+        _BEFORE[path] = set(os.listdir(path)) if os.path.isdir(path) else None
 
         Trainer.check_config(cfg)
         check_records(cfg)
@@ -108,6 +139,7 @@ def run(dict_cfg) -> None:
         trainer = Trainer(cfg)
     except UserError as e:
         release_held()
+        restore_output_dir(cfg.output_dir)
         destroy_distributed()
         fail(str(e))
     try:

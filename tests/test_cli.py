@@ -106,9 +106,24 @@ def test_bad_value_found_after_the_process_group_exists(tmp_path, cli_env):
     frames = [line for line in r.stderr.splitlines() if line.lstrip().startswith('File "') and "moe_tune" in line]
     assert not frames, r.stderr[-3000:]
     assert all(line.startswith("moe-tune: error: ") for line in r.stderr.splitlines() if "model.family=mixtral" in line)
-    # Found after the process group existed: rank 0 had built the base model before the ranks' barrier.
+    # Found after the process group existed: rank 0 had built the base model before the ranks' barrier (and
+    # leaves it: rank 1 may be reading it).
     assert (tmp_path / "base_model" / "config.json").exists()
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new_dir", "existing_dir"])
+def test_a_value_found_bad_once_the_model_is_known_leaves_output_dir_as_it_was(tmp_path, cli_env, existing):
+    """peft.target is checked against the model's linears, after the run took its lock and built its base
+    model: one line, exit 2, and output_dir as the command found it (a new one gone, an existing one's files
+    kept, nothing added)."""
+    out = tmp_path / "run"
+    if existing:
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    line = _one_error_line([f"output_dir={out}", "peft=lora", "peft.target=[qproj]", "train.steps=1"], cli_env)
+    assert "peft.target names 'qproj', which is no linear of this model" in line
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] if existing else not out.exists()
 
 
 def test_bad_value_after_the_process_group_exists_tears_it_down(tmp_path, monkeypatch, capsys):
@@ -207,6 +222,16 @@ def test_cli_unsupported_architecture_exits_2(tmp_path, cli_env, tiny_checkpoint
     build_tokenizer(llama)
     line = _one_error_line([f"output_dir={tmp_path / 'run'}", "model=hf", f"model.path={llama}"], cli_env)
     assert "model_type 'llama' (LlamaForCausalLM) is not a supported MoE family" in line and "qwen3_moe" in line
+    assert not (tmp_path / "run").exists()  # found from config.json, before the run takes its lock
+
+
+def test_a_checkpoint_given_to_a_preset_of_another_family_names_model_hf(tmp_path, cli_env, tiny_checkpoint):
+    """model.path with the default preset (tiny_qwen3_moe) and an OLMoE checkpoint: the fix is model=hf (the
+    preset's family is not the user's), said before anything is written."""
+    olmoe = tiny_checkpoint("olmoe")
+    line = _one_error_line([f"output_dir={tmp_path / 'run'}", f"model.path={olmoe}"], cli_env)
+    assert f"load your checkpoint with model=hf model.path={olmoe}" in line and "model_type olmoe" in line
+    assert not (tmp_path / "run").exists()
 
 
 def test_hydra_multirun_gives_each_job_its_own_run_directory(tmp_path, cli_env):
