@@ -171,10 +171,14 @@ def main() -> None:
 
     from moe_tune.config import register_configs
 
-    sys.argv[1:] = precheck(sys.argv[1:])
-    register_configs()
-    register_launcher()
-    hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(run)()
+    try:
+        sys.argv[1:] = precheck(sys.argv[1:])
+        register_configs()
+        register_launcher()
+        hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(run)()
+    except KeyboardInterrupt:  # Ctrl-C before training started, or a second one while it stopped
+        print("moe-tune: interrupted; nothing saved since the last checkpoint", file=sys.stderr)
+        raise SystemExit(128 + 2) from None
 
 
 if __name__ == "__main__":

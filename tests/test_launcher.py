@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
+
+import pytest
 
 from moe_tune.launch import split_argv
 from tests.harness import FAST_RUN, PY, signal_after_rows
@@ -25,14 +28,37 @@ def test_split_argv_at_the_first_override():
     assert split_argv(["--standalone"]) == (["--standalone"], [])
 
 
-def test_sigterm_exits_143_without_a_traceback(tmp_path, cli_env):
-    """SIGTERM to the launcher: both ranks save the agreed step; the launcher exits 128 + 15 with one line."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl_c"])
+def test_a_stop_signal_exits_128_plus_it_without_a_traceback(tmp_path, cli_env, signum):
+    """SIGTERM (Slurm) or SIGINT (Ctrl-C in the terminal reaches the launcher, which passes it on) to the
+    launcher: both ranks save the agreed step; the launcher exits 128 + the signal with one line."""
     run = tmp_path / "run"
     args = [f"output_dir={run}", "train.steps=100000", "checkpoint.export_hf=false", "parallel.ep=2", *FAST_RUN]
-    code, err = signal_after_rows(LAUNCH + args, cli_env, run, 2, signal.SIGTERM)
-    assert code == 143, err[-3000:]
-    assert "moe-tune: stopped by signal 15" in err and "Traceback" not in err, err[-3000:]
+    code, err = signal_after_rows(LAUNCH + args, cli_env, run, 2, signum)
+    assert code == 128 + signum, err[-3000:]
+    assert f"moe-tune: stopped by signal {int(signum)}" in err and "Traceback" not in err, err[-3000:]
     assert [d.name for d in (run / "checkpoints").iterdir() if (d / "COMPLETE").exists()], err[-3000:]
+
+
+def test_ctrl_c_in_one_process_saves_and_before_training_is_one_line(tmp_path, cli_env):
+    """moe-tune alone: Ctrl-C stops after the next agreed step with a checkpoint (exit 130, no traceback); a
+    Ctrl-C before training starts is one line, exit 130."""
+    run = tmp_path / "run"
+    args = [f"output_dir={run}", "train.steps=100000", "checkpoint.export_hf=false", *FAST_RUN]
+    code, err = signal_after_rows([PY, "-m", "moe_tune", *args], cli_env, run, 2, signal.SIGINT)
+    assert code == 130 and "stopped by signal 2 after step" in err and "Traceback" not in err, err[-3000:]
+    assert [d.name for d in (run / "checkpoints").iterdir() if (d / "COMPLETE").exists()], err[-3000:]
+    early = subprocess.Popen(
+        [PY, "-m", "moe_tune", f"output_dir={tmp_path / 'early'}", *FAST_RUN],
+        env=cli_env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(3)  # importing torch and composing: not training yet
+    early.send_signal(signal.SIGINT)
+    _, err = early.communicate(timeout=120)
+    assert early.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "moe-tune: interrupted; nothing saved since the last checkpoint"
 
 
 def test_a_ranks_exit_2_is_the_launchers(tmp_path, cli_env):

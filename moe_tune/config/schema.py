@@ -295,8 +295,9 @@ class CheckpointConfig:
     every: int = 0
     resume: str = "auto"
     export_hf: bool = True
-    # SIGTERM/SIGUSR1 (Slurm's time limit or preemption, torchrun's shutdown): every rank stops after the same
-    # step, a checkpoint of that step is saved, and the process exits 128 + the signal number.
+    # SIGTERM/SIGUSR1 (Slurm's time limit or preemption, torchrun's shutdown) and SIGINT (Ctrl-C): every rank
+    # stops after the same step, a checkpoint of that step is saved, and the process exits 128 + the signal
+    # number (a second Ctrl-C stops at once, without saving).
     save_on_signal: bool = True
 
 

@@ -1,5 +1,5 @@
-"""Stopping on SIGTERM / SIGUSR1 (Slurm's time limit or preemption, torchrun's shutdown) at a step every rank
-agrees on."""
+"""Stopping on SIGTERM / SIGUSR1 (Slurm's time limit or preemption, torchrun's shutdown) or SIGINT (Ctrl-C, which
+torchrun passes on to its ranks) at a step every rank agrees on."""
 
 from __future__ import annotations
 
@@ -13,15 +13,16 @@ log = logging.getLogger("moe_tune")
 
 
 class StopSignal:
-    """SIGTERM and SIGUSR1 set a flag instead of killing the process; ``agreed`` tells every rank whether any
-    rank got one (a MAX all-reduce of one int over all ranks, and a host sync to read it).
+    """SIGTERM, SIGUSR1 and SIGINT set a flag instead of killing the process; ``agreed`` tells every rank whether
+    any rank got one (a MAX all-reduce of one int over all ranks, and a host sync to read it). A second SIGINT
+    (Ctrl-C pressed again) raises KeyboardInterrupt: stop now, without saving.
 
     ``agreed`` is a collective: call it on the same steps on every rank (the trainer calls it on its logging and
     checkpoint steps, a pure function of the step, so a signal stops the run at most ``train.log_every - 1``
     steps after it landed). The handler's flag is never cleared: a signal landing while the ranks agree is
     counted at the next call."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self, enabled: bool):
         self.signum: int | None = None  # the agreed signal (any rank's), once every rank has seen it
@@ -33,9 +34,12 @@ class StopSignal:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self._received == signal.SIGINT:
+            raise KeyboardInterrupt
         if not self._received:  # torchrun's agent passes on the signal its ranks got too: one line
             # info: rank 0's log only; the stop line after the save names the step
-            log.info("signal %d received: stopping at the next step the ranks agree on", signum)
+            again = "; Ctrl-C again stops at once, without saving" if signum == signal.SIGINT else ""
+            log.info("signal %d received: stopping at the next step the ranks agree on%s", signum, again)
         self._received = signum
 
     def agreed(self, device) -> bool:

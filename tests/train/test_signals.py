@@ -73,3 +73,15 @@ def test_a_signal_during_the_agreement_is_counted_at_the_next_step(monkeypatch):
     finally:
         stop.restore()
     assert signal.getsignal(signal.SIGTERM) == before  # the previous handlers are back
+
+
+def test_ctrl_c_stops_at_an_agreed_step_and_again_at_once():
+    """The first SIGINT is a stop like SIGTERM's (a checkpoint of the agreed step follows); a second one raises
+    KeyboardInterrupt, for a user who will not wait for the save."""
+    before = signal.getsignal(signal.SIGINT)
+    with StopSignal(enabled=True) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.agreed(torch.device("cpu")) is True and stop.signum == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) == before
