@@ -78,6 +78,10 @@ def save(trainer, path: str) -> None:
         if dist.is_initialized():
             dist.barrier()  # no rank writes into the directory while it still claims to be complete
         _save(trainer, path)
+    keep = trainer.cfg.checkpoint.keep_last
+    if trainer.rank == 0 and keep:  # after _save's last barrier: every rank is done with the older ones
+        for old in manifest.prune(root, keep):
+            log.info("deleted %s (checkpoint.keep_last=%d)", old, keep)
 
 
 def _save(trainer, path: str) -> None:

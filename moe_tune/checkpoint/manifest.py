@@ -137,6 +137,19 @@ def complete_checkpoints(run_dir: str) -> list[str]:
     return [p for _, p in sorted(steps, reverse=True)]
 
 
+def prune(run_dir: str, keep: int) -> list[str]:
+    """Delete the complete checkpoints beyond the newest ``keep`` (0: none). Each loses its ``COMPLETE`` file
+    first, so one that is only partly deleted (a crash meanwhile) is never resumed from. Returns the deleted
+    paths. Incomplete directories (a save cut short) are left as they are."""
+    import shutil
+
+    old = complete_checkpoints(run_dir)[keep:] if keep > 0 else []
+    for path in old:
+        os.remove(os.path.join(path, COMPLETE))
+        shutil.rmtree(path)
+    return old
+
+
 def pick(run_dir: str, resume: str, checksums: bool = True) -> str | None:
     """The checkpoint ``checkpoint.resume`` names, checked (collective). ``auto``: the newest intact one, one
     warning line per damaged one passed over, None when there is none; CheckpointError naming the damage when

@@ -29,6 +29,13 @@ from moe_tune.models.hf_io import EXPERT_PARAM, expert_offsets, local_rows
 SCHEDULER_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas")
 
 
+# A checkpoint of another model in output_dir: the safe fix first (checkpoint.resume=none starts over that run).
+_MISMATCH_FIX = (
+    "Resume it with the model it was saved from (model.* in its meta.json), or train this model in another "
+    "output_dir (checkpoint.resume=none would start afresh over that run)"
+)
+
+
 def split_experts(flat: dict, offsets: dict[str, int], fqn_of=lambda k: k) -> dict:
     """Replace each stacked expert entry by one view per expert, keyed by global expert index."""
     out = {}
@@ -127,10 +134,7 @@ def check_names(names: Iterable[str], saved: Iterable[str], path: str) -> None:
         what.append(f"it has no parameter {missing[0]} ({len(missing)} of the model's missing)")
     if unexpected:
         what.append(f"it has a parameter {unexpected[0]} the model lacks ({len(unexpected)} unexpected)")
-    raise CheckpointError(
-        f"checkpoint {path} does not match the model: {'; '.join(what)}. Resume it with the model it was saved "
-        "from (model.* in its meta.json), or start afresh with checkpoint.resume=none"
-    )
+    raise CheckpointError(f"checkpoint {path} does not match the model: {'; '.join(what)}. {_MISMATCH_FIX}")
 
 
 def _hypers(group: dict) -> dict:
@@ -188,8 +192,5 @@ def names_match(path: str):
     except CheckpointException as e:
         for exc, _ in e.failures.values():
             if isinstance(exc, (RuntimeError, ValueError)) and str(exc).startswith(("Missing key", "Size mismatch")):
-                raise CheckpointError(
-                    f"checkpoint {path} does not match the model: {exc} Resume it with the model it was saved "
-                    "from (model.* in its meta.json), or start afresh with checkpoint.resume=none"
-                ) from None
+                raise CheckpointError(f"checkpoint {path} does not match the model: {exc} {_MISMATCH_FIX}") from None
         raise

@@ -293,6 +293,8 @@ class PeftConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 0
+    # Complete checkpoints kept: after each save the oldest beyond this many are deleted (0: keep every one).
+    keep_last: int = 0
     resume: str = "auto"
     export_hf: bool = True
     # SIGTERM/SIGUSR1 (Slurm's time limit or preemption, torchrun's shutdown) and SIGINT (Ctrl-C): every rank

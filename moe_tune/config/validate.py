@@ -158,6 +158,13 @@ def _ranges(cfg: Config) -> list[tuple[str, object, bool, str, str]]:
             ">= 0 (steps between checkpoints; 0: none)",
             "100",
         ),
+        (
+            "checkpoint.keep_last",
+            cfg.checkpoint.keep_last,
+            cfg.checkpoint.keep_last >= 0,
+            ">= 0 (complete checkpoints kept; 0: every one)",
+            "3",
+        ),
         ("kernels.loss_chunk_size", k.loss_chunk_size, k.loss_chunk_size >= 1, ">= 1 (tokens per loss chunk)", "4096"),
         (
             "data.num_samples",

@@ -72,6 +72,14 @@ def report_stats(name: str, s: dict) -> None:
         s["label_tokens"],
         f"; skipped {skipped}" if skipped else "",
     )
+    if s["records_truncated"]:
+        log.warning(
+            "%s: %d of %d records are longer than train.seq_len and were cut at its end (their later tokens, "
+            "later assistant turns included, are not trained on); raise train.seq_len to keep them",
+            name,
+            s["records_truncated"],
+            s["records_used"],
+        )
 
 
 def parsed(sources: Iterable[RecordSource], cfg: DataConfig, tally: Tally) -> Iterator[tuple[str, object, str]]:

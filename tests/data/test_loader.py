@@ -36,3 +36,14 @@ def test_a_record_of_no_known_format_is_a_data_error_naming_its_line_and_keys(tm
     assert message.startswith(f"{tmp_path / 'data.jsonl'}:1: ")
     assert "keys: ['answer', 'question']" in message and "prompt + response" in message and "text" in message
     assert "\n" not in message
+
+
+def test_records_longer_than_seq_len_are_cut_counted_and_warned_about(tmp_path, caplog):
+    """A long record is cut at train.seq_len (its later tokens carry no loss): the stats count it and a warning
+    says so with the fix, since a chat's later assistant turns are lost."""
+    short = {"text": "1+1=2"}
+    long = {"text": " ".join(["many words"] * 40)}
+    with caplog.at_level("WARNING", logger="moe_tune"):
+        train, _ = _build(tmp_path, [short, long, short])
+    assert train.stats["records_truncated"] == 1 and train.stats["records_used"] == 3
+    assert "1 of 3 records are longer than train.seq_len" in caplog.text and "raise train.seq_len" in caplog.text

@@ -1,0 +1,25 @@
+"""checkpoint.keep_last: a long run keeps its newest complete checkpoints only (disk), and resumes from them."""
+
+from __future__ import annotations
+
+import os
+
+from moe_tune.checkpoint import manifest
+
+
+def _steps(run_dir) -> list[str]:
+    return sorted(os.listdir(run_dir / "checkpoints"))
+
+
+def test_only_the_newest_complete_checkpoints_stay_and_a_resume_uses_them(tmp_path, make_trainer):
+    """Every step saved, 2 kept: after 5 steps step_4 and step_5 remain (complete, resumable); an incomplete
+    directory (a save cut short) is not counted and not touched; keep_last=0 keeps every one."""
+    (tmp_path / "checkpoints" / "step_0").mkdir(parents=True)  # incomplete: no COMPLETE file
+    make_trainer("train.steps=5", "checkpoint.every=1", "checkpoint.keep_last=2").fit()
+    assert _steps(tmp_path) == ["step_0", "step_4", "step_5"]
+    assert [os.path.basename(p) for p in manifest.complete_checkpoints(str(tmp_path))] == ["step_5", "step_4"]
+    resumed = make_trainer("train.steps=6", "checkpoint.every=1", "checkpoint.keep_last=2")
+    assert resumed.step == 5
+    every = tmp_path / "every"
+    make_trainer("train.steps=3", "checkpoint.every=1", out=every).fit()
+    assert _steps(every) == ["step_1", "step_2", "step_3"]
