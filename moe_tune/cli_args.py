@@ -205,12 +205,21 @@ def _one_line(e: Exception) -> str:
     return " ".join(str(e).split()) + (f": {' '.join(str(cause).split()[:40])}" if cause else "")
 
 
+# OmegaConf's error for a scalar given to a list key: "Error merging override peft.target=attention: Invalid
+# value assigned: str is not a ListConfig, list or tuple. full_key: peft.target ..."
+NOT_A_LIST = re.compile(r"override (\S+?)=(\S*): Invalid value assigned: \w+ is not a ListConfig")
+
+
 def _describe(e: Exception, overrides: list[str]) -> str:
     msg = _one_line(e)
     type_error = TYPE_ERROR.search(msg)
     if type_error:
         value, expected, key = type_error.groups()
         return f"{key}={value!r} is not {EXPECTED.get(expected, expected)}; give {key} a value of that type"
+    not_a_list = NOT_A_LIST.search(msg)
+    if not_a_list:
+        key, value = not_a_list.groups()
+        return f"{key} is a list; write it in brackets: '{key}=[{value}]' (quoted for the shell)"
     return f"{msg} (overrides: {' '.join(overrides) or 'none'})"
 
 

@@ -65,6 +65,10 @@ def test_every_builtin_model_is_a_config():
         (["train.steps=abc"], "train.steps='abc' is not an integer; give train.steps a value of that type"),
         (["train.lr=fast"], "train.lr='fast' is not a number"),
         (
+            ["peft=lora", "peft.target=attention"],
+            "peft.target is a list; write it in brackets: 'peft.target=[attention]'",
+        ),
+        (
             ["model=mixtral_8x7"],
             "model=mixtral_8x7 is not one of deepseek_v3, glm4_5_air, gpt_oss_20b, hf, mixtral_8x7b",
         ),

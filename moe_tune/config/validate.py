@@ -31,6 +31,7 @@ from moe_tune.config.schema import (
     Config,
     ConfigError,
     KernelsConfig,
+    PeftConfig,
 )
 
 
@@ -231,8 +232,23 @@ def _check_ranges(cfg: Config) -> None:
             raise ConfigError(f"{key}={shown} is out of range: it must be {allowed}; try {key}={example}")
 
 
+def _override(value) -> str:
+    """A value as a command-line override spells it (a list as [a,b])."""
+    return f"[{','.join(map(str, value))}]" if isinstance(value, (list, tuple)) else str(value)
+
+
 def _check_peft(cfg: Config) -> None:
     p = cfg.peft
+    if p.name == "none":  # the adapter keys would be silently ignored: a forgotten peft=lora
+        default = PeftConfig()
+        keys = ("rank", "alpha", "dropout", "target", "train_router")
+        given = [f"peft.{k}={_override(getattr(p, k))}" for k in keys if getattr(p, k) != getattr(default, k)]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} configures LoRA, but peft=none trains every weight; add peft=lora (or drop "
+                f"{'them' if len(given) > 1 else 'it'})"
+            )
+        return
     if p.name != "lora":
         return
     if not p.target:

@@ -97,6 +97,9 @@ def test_overlap_validates_for_all_to_all():
             "optim.stochastic_rounding=true rounds bf16 parameters (got train.precision=bf16_fp32_master",
         ),
         (["train.max_nonfinite_steps=-1"], 1, "train.max_nonfinite_steps (-1) must be >= 0"),
+        (["peft.rank=8"], 1, "peft.rank=8 configures LoRA, but peft=none trains every weight; add peft=lora"),
+        (["peft.target=[attention]", "peft.alpha=8"], 1, "peft.alpha=8.0, peft.target=[attention] configures LoRA"),
+        (["checkpoint.keep_last=-1"], 1, "checkpoint.keep_last=-1 is out of range"),
         (["kernels.fp8_format=e5m2"], 1, "kernels.fp8_format='e5m2' is not one of hybrid, e4m3"),
         (
             ["kernels=te", "kernels.fp8_format=e4m3"],
