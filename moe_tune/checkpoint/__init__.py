@@ -214,7 +214,10 @@ def apply_new_hyperparameters(trainer, saved: dict) -> None:
     shape (``optim.warmup_steps``, ``schedule``, ``min_lr_ratio``, ``train.steps``) is always this run's config;
     a change is logged too, as the rate follows the new shape from the next step. So are ``train.precision`` and
     ``optim.stochastic_rounding`` (the weights and moments load into this run's dtypes; forgetting them on a
-    resume would otherwise change memory and rounding silently) and ``optim.compiled`` (the same maths)."""
+    resume would otherwise change memory and rounding silently) and ``optim.compiled`` (the same maths); so is
+    other data (``data.name``, ``path``, ``val_path``, ``val_fraction``: the remaining steps read it), and a
+    ``model.path`` other than the checkpoint's (its weights continue; the new path's config and tokenizer are
+    used)."""
     t, o, groups = trainer.cfg.train, trainer.cfg.optim, trainer.optimizer.param_groups
     changes = []
     if saved["train"]["lr"] != t.lr:
@@ -239,6 +242,19 @@ def apply_new_hyperparameters(trainer, saved: dict) -> None:
     now = rounds_stochastically(t.precision, o.stochastic_rounding)
     if was != now:
         changes.append(f"optim.stochastic_rounding {was} -> {now}")
+    # The remaining steps read this run's data: another set changes what they train on.
+    changes += _changed(trainer.cfg, saved, [("data", k) for k in ("name", "path", "val_path", "val_fraction")])
+    source = saved["model"].get("path", trainer.cfg.model.path)
+    if source != trainer.cfg.model.path and trainer.rank == 0:
+        new = trainer.cfg.model.path
+        log.warning(
+            "model.path %s is not the checkpoint's (%s): training continues from the checkpoint's weights, with "
+            "%s's config and tokenizer; to start from %s's weights, give another output_dir",
+            new,
+            source,
+            new,
+            new,
+        )
     shape = []  # a longer run (train.steps) is the usual reason: logged as information, not as a warning
     keys = [("optim", k) for k in ("warmup_steps", "schedule", "min_lr_ratio", "compiled")] + [("train", "steps")]
     shape += _changed(trainer.cfg, saved, keys)

@@ -267,6 +267,23 @@ def test_a_resume_into_another_precision_or_rounding_says_so(tmp_path, caplog):
         assert p.dtype == torch.float32 and torch.equal(p, params[name].float()), name
 
 
+def test_a_resume_with_other_data_or_another_model_path_says_so(tmp_path, caplog):
+    """Other data for the remaining steps is named in the resume warning; a model.path other than the one the
+    checkpoint was trained from is warned about too (its weights continue; the new path's are not loaded)."""
+    from moe_tune import checkpoint as ckpt
+
+    saved = _plain_trainer(steps=1, num_hidden_layers=1)
+    saved.cfg.data.path, saved.cfg.data.name, saved.cfg.model.path = "train.jsonl", "jsonl", "/ckpt/a"
+    ckpt.save(saved, str(tmp_path / "step_1"))
+    resumed = _plain_trainer(steps=0, num_hidden_layers=1)
+    resumed.cfg.data.path, resumed.cfg.data.name, resumed.cfg.model.path = "other.jsonl", "jsonl", "/ckpt/b"
+    with caplog.at_level("INFO", logger="moe_tune"):
+        ckpt.load(resumed, str(tmp_path / "step_1"))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "model.path /ckpt/b is not the checkpoint's (/ckpt/a): training continues from the checkpoint's" in warned[0]
+    assert warned[1] == "resuming with this run's data.path train.jsonl -> other.jsonl (the checkpoint had the former)"
+
+
 @pytest.mark.parametrize(
     ("saved", "resumed", "named"),
     [
