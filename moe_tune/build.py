@@ -266,7 +266,8 @@ def _checkpoint_base(checkpoint: str, meta: dict, cfg: Config, base: str | None)
     if cfg.peft.name == "lora" and source and meta.get("base_fingerprint"):
         from moe_tune.checkpoint.state import check_base
 
-        check_base(meta, {}, cfg.train.seed, source, checkpoint)
+        fix = "give --base the directory of the base model they were trained on"
+        check_base(meta, {}, cfg.train.seed, source, checkpoint, fix=fix)
     return source
 
 

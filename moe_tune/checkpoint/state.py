@@ -67,7 +67,12 @@ def model_entries(model: torch.nn.Module, model_sd: dict) -> dict:
     return {f"model.{k}": v for k, v in split_experts(kept, expert_offsets(model)).items()}
 
 
-def check_base(meta: dict, model_cfg: dict, seed: int, source: str | None, path: str) -> None:
+RESUME_BASE_FIX = "resume with that base (model.path=<its directory>), or start afresh with checkpoint.resume=none"
+
+
+def check_base(
+    meta: dict, model_cfg: dict, seed: int, source: str | None, path: str, fix: str = RESUME_BASE_FIX
+) -> None:
     """A checkpoint of adapters (LoRA) resumes only onto the base it was trained on: a base read from files must
     have the same fingerprint (``base_fingerprint``: config.json and samples of the weight files; the directory
     may have moved); a built-in model drawn at random the same name, overrides and seed. CheckpointError naming
@@ -79,8 +84,7 @@ def check_base(meta: dict, model_cfg: dict, seed: int, source: str | None, path:
         if base_fingerprint(source) != saved_fingerprint:
             raise CheckpointError(
                 f"checkpoint {path} holds LoRA adapters of another base model: the config.json or weight files of "
-                f"{source} differ from those of {meta.get('source')}, which they were trained on; resume with that "
-                "base (model.path=<its directory>), or start afresh with checkpoint.resume=none"
+                f"{source} differ from those of {meta.get('source')}, which they were trained on; {fix}"
             )
         return
     saved = meta["config"]["model"]

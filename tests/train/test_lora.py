@@ -93,9 +93,15 @@ def test_a_checkpoint_of_adapters_refuses_another_base_and_follows_a_moved_one(t
     (line,) = [ln for ln in r.stderr.splitlines() if "error:" in ln]
     assert "holds LoRA adapters of another base model" in line and str(second / "base_model") in line
 
+    # The refused resume took back the base model it had built in second/ (nothing written); another run keeps
+    # the seed-1 base to name with --base.
+    other = tmp_path / "other"
+    run_cli([f"output_dir={other}", "train.steps=1", "train.seed=1", "checkpoint.export_hf=false", *LORA], cli_env)
     export = [PY, "-m", "moe_tune.export_cli", str(step), str(tmp_path / "out"), "--merge", "--base"]
-    r = subprocess.run([*export, str(second / "base_model")], capture_output=True, text=True, env=cli_env)
+    r = subprocess.run([*export, str(other / "base_model")], capture_output=True, text=True, env=cli_env)
     assert r.returncode == 2 and "another base model" in r.stderr, r.stderr[-2000:]
+    assert "give --base the directory of the base model" in r.stderr and "model.path" not in r.stderr
+    assert "model.path=<its directory>" in line  # the resume's own fix
     shutil.move(first / "base_model", tmp_path / "moved_base")
     r = subprocess.run([*export[:-1]], capture_output=True, text=True, env=cli_env)
     assert r.returncode == 2 and "--base <dir>" in r.stderr, r.stderr[-2000:]
