@@ -82,7 +82,8 @@ def cached(cache_dir: str, key: str, build: Callable[[], dict]) -> dict:
 
 
 def _read(path: str) -> dict:
-    log.info("tokenized data from the cache: %s", path)
+    # The CLI tokenizes while checking the records, before logging starts: a first run reads its own entry here.
+    log.info("tokenized data read from %s (tokenized by this command's record check or an earlier run)", path)
     return torch.load(path, weights_only=True)
 
 

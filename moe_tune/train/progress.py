@@ -18,7 +18,9 @@ class Progress:
             self.bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)
 
     def report(self, row: dict) -> None:
-        text = f"loss {row['loss']:.4f} | {row['tokens_per_s']:,.0f} tok/s | {row['peak_mem_gib']:.1f} GiB"
+        text = f"loss {row['loss']:.4f} | {row['tokens_per_s']:,.0f} tok/s"
+        if row["peak_mem_gib"] > 0:  # 0 without a GPU: nothing measured, so nothing shown
+            text += f" | {row['peak_mem_gib']:.1f} GiB"
         if "val_loss" in row:
             text += f" | val_loss {row['val_loss']:.4f} | val_ppl {row['val_ppl']:.2f}"
         if self.bar is not None:
