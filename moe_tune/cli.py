@@ -7,6 +7,7 @@ keeps multirun and launchers (``hydra/launcher=submitit_slurm ... -m``) working.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -76,9 +77,12 @@ def restore_output_dir(output_dir: str) -> None:
     if before is None and set(os.listdir(path)) <= ours:
         shutil.rmtree(path, ignore_errors=True)
         return
-    for name in ours - (before or set()):
+    for name in ours - (before or set()):  # what this run created (a model=hf run builds no base model)
         entry = os.path.join(path, name)
-        shutil.rmtree(entry, ignore_errors=True) if os.path.isdir(entry) else os.remove(entry)
+        if os.path.isdir(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+        elif os.path.lexists(entry):
+            os.remove(entry)
 
 
 def check_inputs(dict_cfg, world_known: bool) -> None:
@@ -115,7 +119,12 @@ def check_records(cfg) -> None:
     data = cfg.data
     if data.streaming or (data.name == "random" and data.path is None):
         return
-    build_datasets(data, build_tokenizer(cfg.model.path), cfg.train.seq_len, cfg.train.seed)
+    quiet = logging.getLogger("moe_tune")
+    level, quiet.level = quiet.level, logging.ERROR  # its warnings (records cut) come again, logged, in the run
+    try:
+        build_datasets(data, build_tokenizer(cfg.model.path), cfg.train.seq_len, cfg.train.seed)
+    finally:
+        quiet.setLevel(level)
 
 
 def run(dict_cfg) -> None:
@@ -138,8 +147,8 @@ def run(dict_cfg) -> None:
     try:
         trainer = Trainer(cfg)
     except UserError as e:
-        release_held()
-        restore_output_dir(cfg.output_dir)
+        if os.path.abspath(cfg.output_dir) in release_held():  # only a run that held output_dir wrote to it
+            restore_output_dir(cfg.output_dir)
         destroy_distributed()
         fail(str(e))
     try:

@@ -123,6 +123,11 @@ def check(overrides: list[str]):
         to_config(cfg)
     except Exception as e:  # noqa: BLE001  (OmegaConf's validation errors)
         raise ConfigError(_describe(e, fixed)) from None
+    lora_keys = [o.input_line for o in parsed if o.key_or_group.lstrip("+~").startswith("peft.")]
+    if lora_keys and cfg.peft.name == "none":  # given, even at their defaults (validate sees values only)
+        from moe_tune.config.validate import lora_keys_without_lora
+
+        lora_keys_without_lora(lora_keys)
     return cfg
 
 

@@ -112,8 +112,12 @@ def test_bad_value_found_after_the_process_group_exists(tmp_path, cli_env):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("existing", [False, True], ids=["new_dir", "existing_dir"])
-def test_a_value_found_bad_once_the_model_is_known_leaves_output_dir_as_it_was(tmp_path, cli_env, existing):
+@pytest.mark.parametrize(
+    "existing, own_model", [(False, False), (True, False), (True, True)], ids=["new_dir", "existing_dir", "model_hf"]
+)
+def test_a_value_found_bad_once_the_model_is_known_leaves_output_dir_as_it_was(
+    tmp_path, cli_env, tiny_checkpoint, existing, own_model
+):
     """peft.target is checked against the model's linears, after the run took its lock and built its base
     model: one line, exit 2, and output_dir as the command found it (a new one gone, an existing one's files
     kept, nothing added)."""
@@ -121,7 +125,9 @@ def test_a_value_found_bad_once_the_model_is_known_leaves_output_dir_as_it_was(t
     if existing:
         out.mkdir()
         (out / "notes.txt").write_text("mine")
-    line = _one_error_line([f"output_dir={out}", "peft=lora", "peft.target=[qproj]", "train.steps=1"], cli_env)
+    model = ["model=hf", f"model.path={tiny_checkpoint()}"] if own_model else []  # builds no base_model/
+    args = [f"output_dir={out}", *model, "peft=lora", "peft.target=[qproj]", "train.steps=1"]
+    line = _one_error_line(args, cli_env)
     assert "peft.target names 'qproj', which is no linear of this model" in line
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] if existing else not out.exists()
 

@@ -68,6 +68,7 @@ def test_every_builtin_model_is_a_config():
             ["peft=lora", "peft.target=attention"],
             "peft.target is a list; write it in brackets: 'peft.target=[attention]'",
         ),
+        (["peft.rank=16"], "peft.rank=16 configures LoRA, but peft=none trains every weight; add peft=lora"),
         (
             ["model=mixtral_8x7"],
             "model=mixtral_8x7 is not one of deepseek_v3, glm4_5_air, gpt_oss_20b, hf, mixtral_8x7b",

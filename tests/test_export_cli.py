@@ -63,10 +63,19 @@ def test_export_refuses_a_directory_it_would_wipe(tmp_path, cli_env):
         assert r.returncode == 2 and len(lines) == 1 and "which no export writes" in lines[0], r.stderr[-3000:]
         assert sorted(p.name for p in out.iterdir()) == before
     assert (notes / "notes.txt").read_text() == "precious"
+    here = tmp_path / "here"  # empty, but the shell's current directory: replacing it would strand the shell
+    here.mkdir()
+    r = subprocess.run(
+        [PY, "-m", "moe_tune.export_cli", str(step), "."], capture_output=True, text=True, env=cli_env, cwd=here
+    )
+    assert r.returncode == 2 and "is the current directory" in r.stderr and not list(here.iterdir()), r.stderr
     earlier = tmp_path / "earlier"
     shutil.copytree(run / "hf", earlier)
     (earlier / "model.safetensors").write_bytes(b"stale")
-    _export(step, earlier, cli_env)
+    link = tmp_path / "link"
+    link.symlink_to(earlier)
+    _export(step, link, cli_env)  # through a symlink: the target is replaced, the link stays a link
+    assert link.is_symlink() and not (tmp_path / ".link.old").exists()
     assert_hf_logits_equal(str(earlier))
 
 

@@ -237,6 +237,14 @@ def _override(value) -> str:
     return f"[{','.join(map(str, value))}]" if isinstance(value, (list, tuple)) else str(value)
 
 
+def lora_keys_without_lora(given: list[str]) -> None:
+    """``given`` (peft.* overrides) would be silently ignored under peft=none: a forgotten peft=lora."""
+    raise ConfigError(
+        f"{', '.join(given)} configures LoRA, but peft=none trains every weight; add peft=lora (or drop "
+        f"{'them' if len(given) > 1 else 'it'})"
+    )
+
+
 def _check_peft(cfg: Config) -> None:
     p = cfg.peft
     if p.name == "none":  # the adapter keys would be silently ignored: a forgotten peft=lora
@@ -244,10 +252,7 @@ def _check_peft(cfg: Config) -> None:
         keys = ("rank", "alpha", "dropout", "target", "train_router")
         given = [f"peft.{k}={_override(getattr(p, k))}" for k in keys if getattr(p, k) != getattr(default, k)]
         if given:
-            raise ConfigError(
-                f"{', '.join(given)} configures LoRA, but peft=none trains every weight; add peft=lora (or drop "
-                f"{'them' if len(given) > 1 else 'it'})"
-            )
+            lora_keys_without_lora(given)
         return
     if p.name != "lora":
         return

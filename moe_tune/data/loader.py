@@ -113,9 +113,10 @@ def _cached(cfg: DataConfig, tokenizer, seq_len: int, seed: int, with_train: boo
         cfg.cache_dir or cache.default_cache_dir(), key, lambda: _build(cfg, encoder, seed, with_train)
     )
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    user_data = {"train": cfg.path is not None, "val": (cfg.val_path or cfg.path) is not None}
     for name in ("train", "val"):
         if rank0 and entry.get(f"{name}_stats"):
-            report_stats(f"data ({name})", entry[f"{name}_stats"])
+            report_stats(f"data ({name})", entry[f"{name}_stats"], warn_truncated=user_data[name])
     return entry
 
 

@@ -59,7 +59,9 @@ class Tally:
         s["label_tokens"] += sum(x != IGNORE for x in labels[: self.seq_len])
 
 
-def report_stats(name: str, s: dict) -> None:
+def report_stats(name: str, s: dict, warn_truncated: bool = True) -> None:
+    """One info line of counts; a warning when records were cut at train.seq_len (``warn_truncated``: the
+    user's records, not a built-in set's)."""
     skipped = ", ".join(f"{n} {r} (first: {s['first_skipped'][r]})" for r, n in s["records_skipped"].items())
     log.info(
         "%s: %d records read, %d used%s, %d rows, %d tokens of which %d carry loss%s",
@@ -72,7 +74,7 @@ def report_stats(name: str, s: dict) -> None:
         s["label_tokens"],
         f"; skipped {skipped}" if skipped else "",
     )
-    if s["records_truncated"]:
+    if s["records_truncated"] and warn_truncated:
         log.warning(
             "%s: %d of %d records are longer than train.seq_len and were cut at its end (their later tokens, "
             "later assistant turns included, are not trained on); raise train.seq_len to keep them",

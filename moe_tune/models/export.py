@@ -197,6 +197,11 @@ def check_export_target(out_dir: str) -> None:
         return
     if not os.path.isdir(out_dir):
         raise ConfigError(f"{out_dir} is a file, not a directory; give a new directory for the export")
+    if os.path.realpath(out_dir) == os.path.realpath(os.getcwd()):
+        raise ConfigError(
+            f"{out_dir} is the current directory, which an export replaces as a whole (the shell would be left in "
+            "a removed directory); give a new directory"
+        )
     foreign = sorted(
         name
         for name in os.listdir(out_dir)
@@ -218,6 +223,7 @@ def write_checkpoint_atomic(model, out_dir: str, writer=None, **options) -> None
     that fails leaves the previous one in place. Every rank must call it. ``out_dir`` must be new, empty or an
     earlier export (``check_export_target``)."""
     check_export_target(out_dir)
+    out_dir = os.path.realpath(out_dir)  # through a symlink: its target is replaced, the link kept
     rank, world = rank_world()
     parent, name = os.path.split(os.path.abspath(out_dir))
     tmp, old = os.path.join(parent, f".{name}.partial"), os.path.join(parent, f".{name}.old")

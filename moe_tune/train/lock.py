@@ -75,10 +75,14 @@ class RunLock:
         self.fd = None
 
 
-def release_held() -> None:
-    """Release every run lock this process holds (the CLI, as a run ends: done, stopped or refused)."""
+def release_held() -> list[str]:
+    """Release every run lock this process holds (the CLI, as a run ends: done, stopped or refused). Returns the
+    output directories they locked."""
+    released = []
     for lock in list(_HELD.values()):
+        released.append(os.path.dirname(lock.path))
         lock.release()
+    return released
 
 
 def _read(fd: int) -> str:
