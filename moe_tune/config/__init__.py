@@ -35,6 +35,7 @@ from moe_tune.config.schema import (
     UserError,
     comm_config,
     register_configs,
+    resolved,
     rounds_stochastically,
 )
 from moe_tune.config.validate import validate, world_size_from_env
@@ -71,6 +72,7 @@ __all__ = [
     "UserError",
     "comm_config",
     "register_configs",
+    "resolved",
     "rounds_stochastically",
     "validate",
     "world_size_from_env",

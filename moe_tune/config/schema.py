@@ -9,7 +9,7 @@ dispatcher its own config. This module imports no torch and nothing else of moe_
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 PRECISIONS = ("fp32", "amp_bf16", "bf16_fp32_master", "bf16")
@@ -338,6 +338,13 @@ def rounds_stochastically(precision: str, stochastic_rounding: bool | None) -> b
     steps; stochastic rounding ended within 1.4% of it, at 0.99x plain bf16's speed on an H200:
     benchmarks/README.md)."""
     return precision == "bf16" if stochastic_rounding is None else stochastic_rounding
+
+
+def resolved(cfg: Config) -> Config:
+    """``cfg`` with its automatic values decided, as the run applies them and as config.json, summary.json and
+    checkpoints record them (``optim.stochastic_rounding``)."""
+    stochastic = rounds_stochastically(cfg.train.precision, cfg.optim.stochastic_rounding)
+    return replace(cfg, optim=replace(cfg.optim, stochastic_rounding=stochastic))
 
 
 def ranks_per_node(dp_replicate: int, dp_shard: int, ep: int, nodes: int) -> int:

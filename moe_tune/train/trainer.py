@@ -20,14 +20,14 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
 from moe_tune import checkpoint as ckpt
 from moe_tune.build import Built, build_training_model, check_model_source
-from moe_tune.config import Config, rounds_stochastically, validate
+from moe_tune.config import Config, resolved, validate
 from moe_tune.env import require_backends
 from moe_tune.loggers import build_logger, require_logger
 from moe_tune.metrics import MetricsWriter, StepTimer, peak_memory_gib, step_row
@@ -57,6 +57,7 @@ class Trainer:
         from moe_tune.data import build_datasets
         from moe_tune.dist.env import init_distributed
 
+        cfg = resolved(cfg)  # automatic values decided: the run applies and records them
         self.cfg, t = cfg, cfg.train
         self.check_config(cfg)  # before any process group exists
         self.env = init_distributed()
@@ -111,19 +112,13 @@ class Trainer:
         return dp, accum
 
     def build_optimizer(self):
-        from moe_tune.optim import build_optimizer, build_scheduler
+        from moe_tune.optim import build_optimizer, build_scheduler, report_rounding
 
         t, optim = self.cfg.train, self.cfg.optim
-        optim = replace(optim, stochastic_rounding=rounds_stochastically(t.precision, optim.stochastic_rounding))
-        if t.precision == "bf16" and not optim.stochastic_rounding and self.rank == 0:
-            log.warning(
-                "optim.stochastic_rounding=false with train.precision=bf16 rounds every AdamW update to the nearest "
-                "bf16 value: updates below half a bf16 step are lost (at lr 3e-5 its loss stalled at 1.9-2.8x fp32 "
-                "master weights' on an H200); drop the override to round stochastically (0.99x the speed there)"
-            )
-        # Ranks are (dp_replicate, dp_shard) row-major: replicas of one shard share rank % dp_shard, and so draw
-        # the same stochastic-rounding bits (their parameters must stay equal). A build without a moe_tune mesh
-        # (the NeMo peer) shards over every rank.
+        if self.rank == 0:
+            report_rounding(t.precision, optim.stochastic_rounding)
+        # Ranks are (dp_replicate, dp_shard) row-major: replicas of one shard share rank % dp_shard and so draw the
+        # same stochastic-rounding bits (they must stay equal); without a moe_tune mesh (the NeMo peer): every rank.
         dp_shard = self.mesh.dims.dp_shard if self.mesh is not None else self.world
         opt = build_optimizer(self.model.parameters(), optim, t.lr, t.seed, self.rank % dp_shard)
         return opt, build_scheduler(opt, optim, t.steps)

@@ -107,9 +107,9 @@ def test_clipped_step_equals_torch_clip_then_adamw(tmp_path, max_norm):
 def test_bf16_parameters_round_stochastically_unless_told_not_to(make_trainer, monkeypatch, overrides, stochastic):
     """optim.stochastic_rounding's automatic value picks the optimizer the run builds, and plain bf16's lost
     updates are warned about only when asked for; the peers' optimizer (moe-tune-bench) follows the same choice."""
+    from moe_tune import optim as module
     from moe_tune.bench.baseline import peer_optimizer
     from moe_tune.optim.stochastic import StochasticRoundingAdamW
-    from moe_tune.train import trainer as module
 
     warnings = []  # the Trainer reconfigures logging (so pytest's caplog would miss it)
     monkeypatch.setattr(module.log, "warning", lambda msg, *args: warnings.append(msg % args))
@@ -118,3 +118,4 @@ def test_bf16_parameters_round_stochastically_unless_told_not_to(make_trainer, m
     warned = any("optim.stochastic_rounding=false with train.precision=bf16" in w for w in warnings)
     assert warned == (not stochastic and "train.precision=bf16" in overrides)
     assert peer_optimizer(trainer.cfg).optim.compiled == stochastic  # its Triton kernel, or torch's fused AdamW
+    assert trainer.cfg.optim.stochastic_rounding is stochastic  # decided, so config.json and checkpoints say so
