@@ -2,21 +2,62 @@
 ever materialising the full logits.
 
 At vocab 151,936 and 4096 tokens the fp32 logits alone are 2.5 GB per sequence, and autograd would keep
-them (plus their softmax) for backward. Here logits exist one chunk of rows at a time: the forward pass
-computes each chunk's loss *and* its gradients (softmax minus one-hot, the only thing backward needs), so
-backward just scales the stored gradients by the incoming scalar.
-fp32 island: each chunk's logits, log-sum-exp and softmax are fp32; gradients are cast back to the inputs'
-dtype, and the weight gradient is accumulated in fp32.
+them (plus their softmax) for backward. Here logits exist one chunk of rows at a time, in the inputs' dtype: the
+forward pass computes each chunk's loss *and* its gradients (softmax minus one-hot, the only thing backward
+needs), so backward just scales the stored gradients by the incoming scalar.
+
+fp32 island: each row's log-sum-exp and softmax are computed in fp32 from the stored logits. On a GPU one Triton
+kernel does it in place over the chunk's logits (``triton_loss.softmax_grad_kernel``: three passes over the bf16
+chunk); PyTorch's ops, used on a CPU, make an fp32 copy and pass over it about seven times. The weight gradient
+is accumulated over chunks in fp32.
 """
 
 from __future__ import annotations
 
 import torch
 
+BLOCK = 4096  # columns per step of the kernel's passes over a row; 8 warps of 16-byte loads
+
+
+def softmax_grad_(logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_index: int, triton: bool) -> torch.Tensor:
+    """In place: ``logits_NV`` becomes d loss / d logits (``softmax - onehot(label)``, 0 on ignored rows), in its
+    dtype. Returns each row's loss ``logsumexp - logit[label]`` in fp32 (0 on ignored rows). ``triton``: the
+    kernel (also on CPU tensors under TRITON_INTERPRET=1) or PyTorch's ops."""
+    N, V = logits_NV.shape
+    if triton:
+        from moe_tune.kernels.triton_loss import softmax_grad_kernel
+
+        loss_N = torch.empty(N, dtype=torch.float32, device=logits_NV.device)
+        if N:
+            softmax_grad_kernel[(N,)](
+                logits_NV, labels_N, loss_N, logits_NV.stride(0), V, ignore_index, BLOCK=BLOCK, num_warps=8
+            )
+        return loss_N
+    valid_N = labels_N != ignore_index
+    safe_N = torch.where(valid_N, labels_N, 0).unsqueeze(1)
+    x = logits_NV.float()  # the same tensor when the logits are fp32
+    lse_N = torch.logsumexp(x, dim=-1)
+    loss_N = torch.where(valid_N, lse_N - x.gather(1, safe_N).squeeze(1), 0.0)
+    g = x.sub_(lse_N.unsqueeze(1)).exp_()
+    g.scatter_add_(1, safe_N, torch.full(safe_N.shape, -1.0, device=g.device)).mul_(valid_N.unsqueeze(1))
+    if g is not logits_NV:
+        logits_NV.copy_(g)
+    return loss_N
+
+
+def _add_transposed_product(acc_VD: torch.Tensor, g_NV: torch.Tensor, h_ND: torch.Tensor) -> torch.Tensor:
+    """``acc + g^T @ h`` into the fp32 accumulator: on a GPU one GEMM that adds in fp32 (no bf16 product to
+    round, copy and add); on a CPU the product in the inputs' dtype, then added."""
+    if g_NV.dtype == acc_VD.dtype:
+        return acc_VD.addmm_(g_NV.t(), h_ND)
+    if g_NV.is_cuda:
+        return torch.addmm(acc_VD, g_NV.t(), h_ND, out_dtype=acc_VD.dtype)
+    return acc_VD.add_(g_NV.t() @ h_ND)
+
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_ND, w_VD, labels_N, ignore_index: int, chunk_size: int):
+    def forward(ctx, h_ND, w_VD, labels_N, ignore_index: int, chunk_size: int, triton: bool):
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         # A frozen output embedding (LoRA) needs no weight gradient: its GEMM and fp32 buffer are skipped.
         need_grad_w = ctx.needs_input_grad[1]
@@ -30,29 +71,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         )
         for start in range(0, N, chunk_size):
             h = h_ND[start : start + chunk_size]
-            y = labels_N[start : start + chunk_size]
-            valid = y != ignore_index
-            safe_y = torch.where(valid, y, 0)
-            logits = (h @ w_VD.t()).float()  # the chunk's only [rows, V] fp32 buffer: reused in place below
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, safe_y.unsqueeze(1)).squeeze(1)
-            loss += torch.where(valid, lse - picked, 0.0).sum()
-            if need_grad:
-                # d loss / d logits = softmax - onehot(label) on valid rows, 0 on ignored rows. Ignored rows are
-                # zeroed in the [rows, D] operands, not the [rows, V] one: V / D times less memory traffic.
-                g = logits.sub_(lse.unsqueeze(1)).exp_()
-                g.scatter_add_(1, safe_y.unsqueeze(1), torch.full_like(picked, -1.0).unsqueeze(1))
-                g_low = g.to(h.dtype)
-                del g, logits
-                keep = valid.unsqueeze(1).to(h.dtype)
-                torch.mul(g_low @ w_VD, keep, out=grad_h[start : start + chunk_size])
-                if not need_grad_w:
-                    continue
-                gw = g_low.t() @ (h * keep)
-                if one_chunk:
-                    grad_w = gw
-                else:
-                    grad_w += gw.float()
+            logits = h @ w_VD.t()  # the chunk's only [rows, V] buffer: becomes its gradient in place
+            loss += softmax_grad_(logits, labels_N[start : start + chunk_size], ignore_index, triton).sum()
+            if not need_grad:
+                continue
+            # Ignored rows' gradients are 0, so they add nothing to either product.
+            torch.mm(logits, w_VD, out=grad_h[start : start + chunk_size])
+            if need_grad_w:
+                grad_w = logits.t() @ h if one_chunk else _add_transposed_product(grad_w, logits, h)
         if need_grad:
             if grad_w is None and need_grad_w:  # no rows at all
                 grad_w = torch.zeros_like(w_VD)
@@ -63,11 +89,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
         grad_w = None if grad_w is None else grad_w * grad_loss.to(grad_w.dtype)
-        return grad_h * grad_loss.to(grad_h.dtype), grad_w, None, None, None
+        return grad_h * grad_loss.to(grad_h.dtype), grad_w, None, None, None, None
 
 
 def linear_cross_entropy(
-    h_ND: torch.Tensor, w_VD: torch.Tensor, labels_N: torch.Tensor, ignore_index: int = -100, chunk_size: int = 4096
+    h_ND: torch.Tensor,
+    w_VD: torch.Tensor,
+    labels_N: torch.Tensor,
+    ignore_index: int = -100,
+    chunk_size: int = 4096,
+    triton: bool | None = None,
 ) -> torch.Tensor:
-    """Sum over non-ignored rows of ``cross_entropy(h @ w.T, labels)``, as an fp32 scalar."""
-    return _LinearCrossEntropy.apply(h_ND, w_VD, labels_N, ignore_index, chunk_size)
+    """Sum over non-ignored rows of ``cross_entropy(h @ w.T, labels)``, as an fp32 scalar. ``triton``: None runs
+    the Triton kernel on GPU tensors and PyTorch's ops on CPU ones."""
+    if triton is None:
+        triton = h_ND.is_cuda
+    return _LinearCrossEntropy.apply(h_ND, w_VD, labels_N, ignore_index, chunk_size, triton)
