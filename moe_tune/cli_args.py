@@ -47,7 +47,17 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     flags = list(argv)
     for o in args.overrides:
         flags.remove(o)
+    args.overrides = choose_data_group(args.overrides)
     return args, flags + args.overrides
+
+
+def choose_data_group(overrides: list[str]) -> list[str]:
+    """``data.path=<records>`` without a ``data=`` choice reads the user's records as ``data=jsonl`` (the option
+    that takes a path): the default group, arithmetic, would otherwise stay in the recorded config (``data.name:
+    arithmetic``) of a run that trained on the file. A command-line choice also overrides an experiment's."""
+    keys = [o.partition("=")[0].lstrip("+~") for o in overrides]
+    given = any(o.startswith("data.path=") and o != "data.path=null" for o in overrides)
+    return ["data=jsonl", *overrides] if given and "data" not in keys else overrides
 
 
 def runs_job(args: argparse.Namespace) -> bool:
@@ -83,7 +93,7 @@ def compose(overrides: list[str]):
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
+        return hydra_compose(config_name="config", overrides=choose_data_group(overrides))
 
 
 def group_options() -> dict[str, list[str]]:

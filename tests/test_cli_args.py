@@ -24,6 +24,8 @@ def _moe_tune(args: list[str], env: dict[str, str], cwd) -> subprocess.Completed
         (["--package", "train", "--cfg", "job", "train.lr=0.5"], "# @package train\nsteps: 60"),
         (["-p", "model", "-c", "job", "model=mixtral_8x7b"], "name: mixtral_8x7b"),
         (["--info", "defaults"], "Defaults List"),
+        # data.path alone reads the user's records as data=jsonl (it recorded data.name: arithmetic).
+        (["-c", "job", "-p", "data", "data.path=chat.jsonl"], "name: jsonl\npath: chat.jsonl\nnum_samples: 0"),
     ],
 )
 def test_hydra_flags_take_separate_values(args, expected, cli_env, tmp_path):
@@ -113,3 +115,20 @@ def test_a_relative_model_path_is_recorded_absolute(tmp_path, monkeypatch):
     save_tiny(tmp_path / "base", "qwen3_moe")
     monkeypatch.chdir(tmp_path)
     assert to_config(compose(["model=hf", "model.path=base"])).model.path == str(tmp_path / "base")
+
+
+@pytest.mark.parametrize(
+    "overrides,name",
+    [
+        (["data.path=chat.jsonl"], "jsonl"),
+        (["experiment=qwen3_30b_a3b_1gpu", "data.path=chat.jsonl"], "jsonl"),  # over the experiment's data=random
+        (["data=random", "data.path=chat.jsonl"], "random"),  # an explicit choice stays (validate refuses it)
+        (["data.path=null"], "arithmetic"),
+    ],
+)
+def test_data_path_alone_chooses_data_jsonl(overrides, name):
+    """``data.path=x`` without ``data=jsonl`` trained on x but recorded data.name: arithmetic (and its options)."""
+    from moe_tune.cli_args import compose, parse
+
+    assert compose(overrides).data.name == name
+    assert ("data=jsonl" in parse(overrides)[1]) == (name == "jsonl")

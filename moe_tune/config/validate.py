@@ -89,6 +89,11 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(
             f"data={cfg.data.name!r} is not built in (arithmetic, random); pick one or set data.path=<jsonl|parquet|dir>"
         )
+    if cfg.data.path is not None and cfg.data.name in ("arithmetic", "random"):  # read under a built-in set's name
+        raise ConfigError(
+            f"data={cfg.data.name} generates its records and reads no data.path ({cfg.data.path}); for your records "
+            f"write data=jsonl data.path={cfg.data.path} (or data.path alone)"
+        )
     _check_ranges(cfg)
     _check_train(cfg)
     _check_kernels(cfg)

@@ -131,6 +131,12 @@ def test_overlap_validates_for_all_to_all():
         (["data.name=wiki"], 1, "data='wiki' is not built in (arithmetic, random)"),
         # data=jsonl without a path: what is missing, not data.num_samples' range (which it fails too).
         (["data=jsonl"], 1, "data='jsonl' is not built in (arithmetic, random); pick one or set data.path="),
+        (
+            ["data=arithmetic", "data.path=/x.jsonl"],
+            1,
+            "data=arithmetic generates its records and reads no data.path (/x.jsonl); for your records write "
+            "data=jsonl data.path=/x.jsonl (or data.path alone)",
+        ),
         (["checkpoint.resume=/nonexistent/step_5"], 1, "checkpoint.resume=/nonexistent/step_5 does not exist"),
     ],
 )
