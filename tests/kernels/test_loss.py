@@ -108,6 +108,10 @@ def _interpreted(check: str) -> None:
     Triton's own library functions it calls, run element by element in NumPy: the code a GPU compiles) and a
     small column block, so that each row takes several steps of both passes."""
     pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[dev]' brings it)")
+    if torch.cuda.is_available():
+        # The H200 machines' Triton (3.6) interprets a runtime loop bound as a 1-element array and fails; a GPU
+        # runs the compiled kernel instead (test_cuda_kernel_matches_pytorch_ops_and_fp32_reference).
+        pytest.skip("a GPU tests the compiled kernel; Triton's interpreter is the CPU's stand-in")
     import subprocess
     import sys
 
