@@ -43,7 +43,7 @@ def precheck(argv: list[str]) -> list[str]:
         if args.help:
             print(cli_args.help_text(args.overrides))
             raise SystemExit(0)
-        cfg = cli_args.check(args.overrides)
+        cfg = cli_args.check(args.overrides, multirun=args.multirun)
         if cli_args.runs_job(args):
             check_inputs(cfg, world_known=not args.multirun)
     except UserError as e:

@@ -47,6 +47,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     flags = list(argv)
     for o in args.overrides:
         flags.remove(o)
+    args.multirun = args.multirun or "hydra.mode=MULTIRUN" in args.overrides  # Hydra's other way to say -m
     args.overrides = choose_data_group(args.overrides)
     return args, flags + args.overrides
 
@@ -110,9 +111,10 @@ def group_options() -> dict[str, list[str]]:
         return {g: [o for o in loader.get_group_options(g) if not o.startswith("base_")] for g in groups}
 
 
-def check(overrides: list[str]):
-    """The composed config of ``overrides`` (DictConfig), or ConfigError with one line. Sweep values (``a=1,2``
-    under ``-m``) are checked for their key only; ``hydra.*`` and ``hydra/...`` are Hydra's to check."""
+def check(overrides: list[str], multirun: bool = False):
+    """The composed config of ``overrides`` (DictConfig), or ConfigError with one line. Sweep values (``a=1,2``)
+    are refused without ``multirun`` (``-m``) and checked for their key only under it; ``hydra.*`` and
+    ``hydra/...`` are Hydra's to check."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
@@ -128,6 +130,9 @@ def check(overrides: list[str]):
     for o in parsed:
         if o not in choices:
             _check_key(o, keys, free_dicts, base)
+    for o in parsed:
+        if o.is_sweep_override():
+            _check_sweep(o, multirun, base)
     cfg = _compose(fixed, options)
     try:
         to_config(cfg)
@@ -199,6 +204,31 @@ def _check_key(o, keys: set[str], free_dicts: set[str], cfg) -> None:
     raise ConfigError(unknown_key_message(key, plus, keys, cfg))
 
 
+def _check_sweep(o, multirun: bool, cfg) -> None:
+    """Hydra reads ``key=a,b`` as a sweep (one run per value): without -m it stops with its "Ambiguous value"
+    lines and exit 1. A list key needs brackets, or under -m a sweep over lists (``[a],[b]``)."""
+    from hydra.core.override_parser.types import ChoiceSweep
+    from omegaconf import ListConfig, OmegaConf
+
+    key, value = o.key_or_group, o.input_line.partition("=")[2]
+    current, swept = OmegaConf.select(cfg, key), o.value()
+    scalars = isinstance(swept, ChoiceSweep) and not all(isinstance(v, list) for v in swept.list)
+    if isinstance(current, ListConfig) and scalars:
+        lists = f"; to sweep over lists under -m: '{key}={','.join(f'[{v}]' for v in swept.list)}'" if multirun else ""
+        raise ConfigError(
+            f"{o.input_line} is a sweep to Hydra (a,b: one run per value); {in_brackets(key, value)}{lists}"
+        )
+    if not multirun:
+        quote = f", or quote a string holding a comma: \"{key}='{value}'\"" if isinstance(current, str) else ""
+        raise ConfigError(
+            f"{o.input_line} is a sweep (one run per value), which runs with -m; add -m or give one value{quote}"
+        )
+
+
+def in_brackets(key: str, value: str) -> str:
+    return f"{key} is a list; write it in brackets: '{key}=[{value}]' (quoted for the shell)"
+
+
 def unknown_key_message(key: str, plus: bool, keys: set[str], cfg) -> str:
     """One line: the key is not in the schema, with the closest valid keys (never a ``+`` to add it)."""
     shown = f"+{key}" if plus else key
@@ -233,8 +263,7 @@ def _describe(e: Exception, overrides: list[str]) -> str:
         return f"{key}={value!r} is not {EXPECTED.get(expected, expected)}; give {key} a value of that type"
     not_a_list = NOT_A_LIST.search(msg)
     if not_a_list:
-        key, value = not_a_list.groups()
-        return f"{key} is a list; write it in brackets: '{key}=[{value}]' (quoted for the shell)"
+        return in_brackets(*not_a_list.groups())
     return f"{msg} (overrides: {' '.join(overrides) or 'none'})"
 
 

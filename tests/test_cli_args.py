@@ -77,6 +77,14 @@ def test_every_builtin_model_is_a_config():
         ),
         (["model=hf"], "model=hf needs model.path=<local Hugging Face checkpoint directory>"),
         (["-m", "--cfg", "job"], "-m and --cfg together"),
+        # a,b is a sweep to Hydra: its "Ambiguous value" lines and exit 1 without -m.
+        (
+            ["peft=lora", "peft.target=q_proj,k_proj"],
+            "peft.target=q_proj,k_proj is a sweep to Hydra (a,b: one run per value); peft.target is a list; write "
+            "it in brackets: 'peft.target=[q_proj,k_proj]' (quoted for the shell)",
+        ),
+        (["train.steps=1,2"], "train.steps=1,2 is a sweep (one run per value), which runs with -m; add -m or give"),
+        (["-m", "peft=lora", "peft.target=q_proj,k_proj"], "to sweep over lists under -m: 'peft.target=[q_proj],[k_"),
     ],
 )
 def test_bad_command_line_is_one_line_exit_2(args, line, tmp_path, capsys):
@@ -132,3 +140,10 @@ def test_data_path_alone_chooses_data_jsonl(overrides, name):
 
     assert compose(overrides).data.name == name
     assert ("data=jsonl" in parse(overrides)[1]) == (name == "jsonl")
+
+
+@pytest.mark.parametrize("mode", ["-m", "hydra.mode=MULTIRUN"])
+def test_sweeps_pass_under_multirun(mode, tmp_path):
+    """Hydra's sweeps (a,b; lists as [a],[b]) under -m reach Hydra unchanged."""
+    args = [mode, f"output_dir={tmp_path}", "peft=lora", "peft.target=[q_proj],[k_proj]", "train.lr=1e-3,2e-3"]
+    assert sorted(precheck(args)) == sorted(args)
