@@ -9,8 +9,8 @@ loss is exact whichever the template:
   prefixes of the whole conversation's render, token for token. Where only their text is a prefix (a tokenizer
   merging across the boundary), the rule is the one transformers uses for generation blocks: a token is trainable
   if its characters overlap the message's text span. Where not even the text is (a template that renders a turn
-  differently once later turns follow), the record stops the run with a DataError naming the fixes: masks are
-  never guessed.
+  differently once later turns follow), the run stops at the record (whatever data.on_bad_record says) naming it
+  and the fixes: masks are never guessed.
 Completion samples are ``bos + prompt + completion + eos`` (loss on completion and eos), text samples
 ``bos + text + eos``. The first token of every sample has no label: nothing in the row before it belongs to it.
 """
@@ -115,11 +115,12 @@ class Encoder:
             before = self.render(sample.messages[:i], sample.tools, True) if i else ""
             after = self.render(sample.messages[: i + 1], sample.tools)
             if not (text.startswith(after) and after.startswith(before)):
-                raise DataError(
+                raise BadRecord(
+                    "template_rewrites_history",
                     f"the chat template renders message {i} differently once later messages follow (a shorter "
                     "conversation's render is not a prefix of the longer one), so its loss mask cannot be found "
                     "by diffing renders; use a template with {% generation %} blocks (data.chat_template=<file>) "
-                    "or data.train_on=last_assistant|all"
+                    "or data.train_on=last_assistant|all",
                 )
             start, end = self._token_prefix(before, ids), self._token_prefix(after, ids)
             if start is None or end is None:  # text prefixes, token boundaries merged: by character spans

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from moe_tune.config import DataConfig, DataError
 from moe_tune.data.encode import IGNORE, Encoder
-from moe_tune.data.records import BadRecord, detect_format, normalize
+from moe_tune.data.records import TEMPLATE_FAULTS, BadRecord, detect_format, normalize
 
 log = logging.getLogger("moe_tune")
 
@@ -22,6 +22,8 @@ RecordSource = Callable[[], Iterator[tuple[str, object]]]
 
 
 def bad_record_message(where: str, bad: BadRecord) -> str:
+    if bad.reason in TEMPLATE_FAULTS:  # the detail names the fix
+        return f"{where}: {bad.detail}"
     what = "line" if bad.reason in ("invalid_json", "invalid_utf8") else "record"
     return f"{where}: {bad.detail}; fix the {what} or set data.on_bad_record=skip"
 
@@ -45,7 +47,7 @@ class Tally:
         }
 
     def skip(self, where: str, bad: BadRecord) -> None:
-        if self.policy == "error":
+        if self.policy == "error" or bad.reason in TEMPLATE_FAULTS:
             raise DataError(bad_record_message(where, bad))
         skipped = self.stats["records_skipped"]
         skipped[bad.reason] = skipped.get(bad.reason, 0) + 1

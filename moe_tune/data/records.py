@@ -44,6 +44,11 @@ class BadRecord(Exception):
         self.reason, self.detail = reason, detail
 
 
+# Reasons that are the chat template's fault, not the record's: the run stops at the first such record whatever
+# data.on_bad_record says (skipping would drop every record of its shape), and the detail names the fix.
+TEMPLATE_FAULTS = ("template_rewrites_history",)
+
+
 @dataclass
 class Chat:
     """Messages to render with the chat template; ``trainable[i]``: message i's tokens carry loss."""

@@ -149,8 +149,12 @@ def test_template_breaking_the_prefix_rule_is_refused(tmp_path):
         "{%- if m['role'] == 'assistant' and not loop.last -%}{{- '...' -}}{%- else -%}{{- m['content'] -}}{%- endif -%}"
         "{{- '<|im_end|>\\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
     )
-    with pytest.raises(DataError, match=r"renders message 2 differently.*data\.train_on=last_assistant"):
-        samples(tmp_path, [{"messages": CHAT}], chat_template=str(template))
+    single_turn = {"messages": CHAT[:3]}  # nothing follows its assistant turn: its mask diffs
+    for policy in ("error", "skip"):  # the template's fault, not the record's: skipping would drop every such record
+        with pytest.raises(DataError) as e:
+            samples(tmp_path, [single_turn, {"messages": CHAT}], chat_template=str(template), on_bad_record=policy)
+        assert str(e.value).startswith(f"{tmp_path / 'data.jsonl'}:2: the chat template renders message 2 different")
+        assert str(e.value).endswith("or data.train_on=last_assistant|all")  # its own fix, not the record's
     ids, labels = samples(tmp_path, [{"messages": CHAT}], chat_template=str(template), train_on="last_assistant")[0]
     assert [t for t, label in zip(ids, labels) if label != IGNORE] == hand_ids(f"4!{E}\n")
 
