@@ -19,12 +19,12 @@ QUIET_EXIT_DELAY_S = 5.0
 
 
 def fail(message: str, quiet: bool = False) -> None:
-    """Print the one line and exit 2. ``quiet``: another rank prints the same line; this one exits after it
-    (torchrun stops the other ranks at the first exit, which could otherwise cut the printing rank short)."""
+    """Print the one line and exit 2. ``quiet``: the node's first rank found the same error and prints it; this
+    rank waits, so that rank exits first and torchrun stops this one before it prints (an earlier exit here could
+    cut the printing rank short). A rank still running after the wait found the error alone: it prints it."""
     if quiet:
         time.sleep(QUIET_EXIT_DELAY_S)
-    else:
-        print(f"moe-tune: error: {message}", file=sys.stderr)
+    print(f"moe-tune: error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
@@ -137,7 +137,7 @@ def run(dict_cfg) -> None:
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         # Each job of a sweep (or of a launcher such as submitit_slurm) gets its own run directory.
         cfg.output_dir = HydraConfig.get().runtime.output_dir
-    from moe_tune.dist.env import destroy_distributed
+    from moe_tune.dist.env import destroy_distributed, dist_env
     from moe_tune.train import Trainer
     from moe_tune.train.lock import release_held
 
@@ -150,7 +150,11 @@ def run(dict_cfg) -> None:
         if os.path.abspath(cfg.output_dir) in release_held():  # only a run that held output_dir wrote to it
             restore_output_dir(cfg.output_dir)
         destroy_distributed()
-        fail(str(e))
+        # Every rank finds it (the lock's verdict is broadcast, checksums gathered, the model and data the same on
+        # each): under torchrun the node's first rank says it, as before the group. Not under submitit, whose
+        # submitter joins the ranks' lines into one (a waiting rank would be stopped there without its line).
+        env = dist_env()
+        fail(str(e), quiet=env.launcher == "torchrun" and env.local_rank > 0)
     try:
         trainer.fit()
     except UserError as e:  # found while training (a streamed record): on this rank alone, so no group teardown

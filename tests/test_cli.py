@@ -91,17 +91,17 @@ BAD_FAMILY_LINE = "moe-tune: error: model.family=mixtral but the checkpoint's mo
 @pytest.mark.dist
 def test_bad_value_found_after_the_process_group_exists(tmp_path, cli_env):
     """model.family disagrees with the checkpoint: known only once the model config is read, after every rank
-    joined the process group. A rank exits 2 with the one line, no traceback; torchrun then fails the job, and
-    nothing hangs. torchrun SIGTERMs the other rank as soon as one exits, so only one rank's line is certain."""
+    joined the process group. Rank 0 exits 2 with the one line, no traceback; torchrun then fails the job, and
+    nothing hangs. Rank 1 finds it too and waits, as before the group: the line is printed once (it was twice)."""
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moe_tune"]
     r = subprocess.run(
         cmd + [f"output_dir={tmp_path}", *BAD_FAMILY], capture_output=True, text=True, env=cli_env, timeout=300
     )
     assert r.returncode != 0
-    assert r.stderr.count(BAD_FAMILY_LINE) >= 1, r.stderr[-3000:]
+    assert r.stderr.count(BAD_FAMILY_LINE) == 1, r.stderr[-3000:]
     # torchrun's root cause (the first rank to exit) is our exit code, not a crash or its own SIGTERM.
     root_cause = r.stderr.split("Root Cause", 1)[-1]
-    assert "exitcode  : 2 " in root_cause, r.stderr[-3000:]
+    assert "rank      : 0 " in root_cause and "exitcode  : 2 " in root_cause, r.stderr[-3000:]
     # The message is never an exception rendered by Python: no frame of moe_tune's code, no exception line.
     frames = [line for line in r.stderr.splitlines() if line.lstrip().startswith('File "') and "moe_tune" in line]
     assert not frames, r.stderr[-3000:]
@@ -155,6 +155,18 @@ def test_bad_value_after_the_process_group_exists_tears_it_down(tmp_path, monkey
     assert created == [1]  # the group existed when the error was found
     assert not dist.is_initialized()  # and it is gone
     assert capsys.readouterr().err.count(BAD_FAMILY_LINE) == 1
+
+
+def test_a_waiting_rank_that_is_not_stopped_prints_its_line(monkeypatch, capsys):
+    """A rank that leaves the line to its node's first rank still prints it when that rank did not fail (the
+    error was its own): the line is late, never lost."""
+    from moe_tune import cli
+
+    monkeypatch.setattr(cli, "QUIET_EXIT_DELAY_S", 0.0)
+    with pytest.raises(SystemExit) as e:
+        cli.fail("data.jsonl:2: not valid JSON", quiet=True)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "moe-tune: error: data.jsonl:2: not valid JSON\n"
 
 
 @pytest.mark.parametrize(
