@@ -82,6 +82,10 @@ def to_config(dict_cfg):
         # Recorded in checkpoints and PEFT adapters as the base model: a relative path would mean another
         # directory for a command run from elsewhere (moe-tune-export, a resume).
         cfg.model.path = os.path.abspath(os.path.expanduser(cfg.model.path))
+    for key in ("path", "val_path"):  # the same for records a resume or a rerun reads again
+        value = getattr(cfg.data, key)
+        if value is not None and os.path.exists(os.path.expanduser(value)):  # a hub name stays as given
+            setattr(cfg.data, key, os.path.abspath(os.path.expanduser(value)))
     return cfg
 
 

@@ -147,3 +147,16 @@ def test_sweeps_pass_under_multirun(mode, tmp_path):
     """Hydra's sweeps (a,b; lists as [a],[b]) under -m reach Hydra unchanged."""
     args = [mode, f"output_dir={tmp_path}", "peft=lora", "peft.target=[q_proj],[k_proj]", "train.lr=1e-3,2e-3"]
     assert sorted(precheck(args)) == sorted(args)
+
+
+def test_local_data_paths_are_recorded_absolute_and_hub_names_as_given(tmp_path, monkeypatch):
+    """A relative data.path / data.val_path (recorded in config.json and checkpoints) would mean another file for a
+    resume or export run from another directory; a hub dataset's name is no path and stays as given."""
+    from moe_tune.cli_args import compose, to_config
+
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    (tmp_path / "val.jsonl").write_text("{}\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = to_config(compose(["data.path=train.jsonl", "data.val_path=./val.jsonl"]))
+    assert (cfg.data.path, cfg.data.val_path) == (str(tmp_path / "train.jsonl"), str(tmp_path / "val.jsonl"))
+    assert to_config(compose(["data.path=org/some_dataset"])).data.path == "org/some_dataset"

@@ -85,6 +85,11 @@ def check_values(cfg: Config) -> None:
     """Every check that needs neither the world size nor the model: choices, ranges, combinations within a
     group. The CLI runs it before Hydra creates the run directory, so a bad value leaves nothing behind."""
     _check_choices(cfg)
+    if cfg.data.path is None and cfg.data.name == "jsonl":
+        raise ConfigError(
+            "data=jsonl reads your records from data.path, which is not set; add data.path=<file|dir|hub name> (a "
+            "jsonl/json/parquet/csv/arrow file, a directory of them or a hub dataset)"
+        )
     if cfg.data.path is None and cfg.data.name not in ("arithmetic", "random"):  # before num_samples' range
         raise ConfigError(
             f"data={cfg.data.name!r} is not built in (arithmetic, random); pick one or set data.path=<jsonl|parquet|dir>"

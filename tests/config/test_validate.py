@@ -130,7 +130,7 @@ def test_overlap_validates_for_all_to_all():
         (["optim.schedule=linear"], 1, "optim.schedule='linear' is not one of cosine, constant"),
         (["data.name=wiki"], 1, "data='wiki' is not built in (arithmetic, random)"),
         # data=jsonl without a path: what is missing, not data.num_samples' range (which it fails too).
-        (["data=jsonl"], 1, "data='jsonl' is not built in (arithmetic, random); pick one or set data.path="),
+        (["data=jsonl"], 1, "data=jsonl reads your records from data.path, which is not set; add data.path=<file"),
         (
             ["data=arithmetic", "data.path=/x.jsonl"],
             1,
