@@ -87,8 +87,7 @@ def check_values(cfg: Config) -> None:
     _check_choices(cfg)
     if cfg.data.path is None and cfg.data.name == "jsonl":
         raise ConfigError(
-            "data=jsonl reads your records from data.path, which is not set; add data.path=<file|dir|hub name> (a "
-            "jsonl/json/parquet/csv/arrow file, a directory of them or a hub dataset)"
+            "data=jsonl reads your records from data.path, which is not set; add data.path=<file|dir|hub name>"
         )
     if cfg.data.path is None and cfg.data.name not in ("arithmetic", "random"):  # before num_samples' range
         raise ConfigError(
