@@ -139,7 +139,8 @@ class KernelsConfig:
     # recompiled once with symbolic sizes where they change (the expert-parallel rows per step, packed sequence
     # lengths). False: one graph per shape, and past torch's recompile limit (8) that part runs eagerly.
     compile_dynamic: bool | None = None
-    # Chunked linear cross-entropy that never materialises the full logits.
+    # Chunked linear cross-entropy that never materialises the full logits; on a GPU each chunk's softmax and
+    # gradient are one Triton kernel in place over its bf16 logits (moe_tune/kernels/triton_loss.py).
     fused_loss: bool = True
     loss_chunk_size: int = 4096
 
