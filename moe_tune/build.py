@@ -85,6 +85,7 @@ def check_model_source(cfg: Config) -> None:
     if cfg.model.path is not None:
         hf = check_source_dir(cfg.model.path)
         check_family(cfg.model, hf["model_type"], hf.get("architectures"))
+        check_tokenizer(cfg, hf.get("vocab_size"))
     else:
         check_overrides(cfg.model.name, cfg.model.overrides)
 
@@ -127,14 +128,45 @@ def drop_stale_base_model(path: str, name: str, overrides: dict) -> None:
         shutil.rmtree(path)
 
 
+# Any of these makes a directory's tokenizer loadable by AutoTokenizer (fast, sentencepiece or BPE vocabularies).
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def has_tokenizer(source: str) -> bool:
+    return any(os.path.isfile(os.path.join(source, name)) for name in TOKENIZER_FILES)
+
+
 def build_tokenizer(source: str | None):
+    """The checkpoint's own tokenizer, or moe_tune's built-in character tokenizer for a preset and for a
+    checkpoint without tokenizer files (built-in data only: ``check_tokenizer`` refuses the user's records)."""
     from moe_tune.models.presets import build_tokenizer as builtin
 
-    if source is not None and os.path.isfile(os.path.join(source, "tokenizer_config.json")):
+    if source is not None and has_tokenizer(source):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(source)
     return builtin()
+
+
+def check_tokenizer(cfg: Config, vocab_size: int | None) -> None:
+    """Before anything is written: the user's records are never tokenized by the built-in tokenizer in place of a
+    checkpoint's missing one, and no token id reaches past the model's embedding (an index error mid-run, a
+    device-side assert on a GPU)."""
+    path = cfg.model.path
+    if cfg.data.path is None and cfg.data.name == "random":  # token ids drawn below vocab_size, no tokenizer
+        return
+    if not has_tokenizer(path) and cfg.data.path is not None:
+        raise ConfigError(
+            f"model.path={path} has no tokenizer ({', '.join(TOKENIZER_FILES[:2])}, ...), so data.path "
+            "cannot be tokenized as the model was trained; copy the checkpoint's tokenizer files into it"
+        )
+    size = len(build_tokenizer(path))
+    if vocab_size is not None and size > vocab_size:
+        raise ConfigError(
+            f"model.path={path}: its tokenizer has {size} tokens but the model's vocab_size is {vocab_size}; resize "
+            "the embeddings (model.resize_token_embeddings(len(tokenizer)), then save_pretrained) or use the "
+            "tokenizer the model was trained with"
+        )
 
 
 def lora_spec(cfg: Config) -> LoRASpec | None:
@@ -219,6 +251,8 @@ def build_training_model(cfg: Config, env) -> Built:
     load = source_loader(source, cfg.train.seed)
     model = assemble(hf_config, model_options(cfg, dims), load, env.device, source, (mesh, cfg))
     model.train()
+    if source is not None and not has_tokenizer(source) and env.rank == 0:  # built-in data (check_tokenizer)
+        log.warning("%s has no tokenizer files: moe_tune's character tokenizer reads the built-in data", source)
     return Built(
         model=model,
         mesh=mesh,

@@ -40,3 +40,64 @@ def test_a_failed_run_leaves_config_json_as_it_was(tmp_path, cli_env):
     r = subprocess.run([PY, "-m", "moe_tune", *args], capture_output=True, text=True, env=cli_env, timeout=300)
     assert r.returncode == 2 and f"{data}:2" in r.stderr, r.stderr[-3000:]
     assert (run / "config.json").read_text() == '{"earlier": "run"}'
+
+
+def _checkpoint_without(tmp_path, *names, vocab_size=None):
+    """The tiny checkpoint (its own 102-token tokenizer) with some tokenizer files removed, or a smaller
+    vocab_size in config.json."""
+    import shutil
+
+    src = build_tiny_checkpoint(str(tmp_path / "src"))
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    for name in names:
+        (dst / name).unlink()
+    if vocab_size is not None:
+        config = json.loads((dst / "config.json").read_text())
+        config["vocab_size"] = vocab_size
+        (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _check(dst, *overrides):
+    from moe_tune.build import check_model_source
+
+    check_model_source(to_config(compose(["model=hf", f"model.path={dst}", *overrides])))
+
+
+def test_a_tokenizer_json_alone_is_the_tokenizer(tmp_path):
+    """Without tokenizer_config.json, the checkpoint's tokenizer.json was ignored and the user's records were
+    tokenized by the built-in tokenizer, silently."""
+    from moe_tune.build import build_tokenizer
+
+    dst = _checkpoint_without(tmp_path, "tokenizer_config.json")
+    (dst / "tokenizer.json").write_text((dst / "tokenizer.json").read_text().replace('"<unk>"', '"<UNK>"'))
+    assert "<UNK>" in build_tokenizer(str(dst)).get_vocab()
+
+
+def test_user_records_need_the_checkpoints_tokenizer(tmp_path):
+    """No tokenizer files: the user's records are refused (one line naming the fix); built-in data is read by the
+    built-in tokenizer (the run warns); random token ids need none."""
+    import pytest
+
+    from moe_tune.config import ConfigError
+
+    dst = _checkpoint_without(tmp_path, "tokenizer_config.json", "tokenizer.json")
+    (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(ConfigError, match="has no tokenizer .*copy the checkpoint's tokenizer files into it"):
+        _check(dst, f"data.path={tmp_path / 'd.jsonl'}")
+    _check(dst, "data=arithmetic")
+    _check(dst, "data=random")
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
+    """Token ids past the embedding crashed mid-run (an index error after the lock and config.json were written);
+    random token ids are drawn below vocab_size and pass."""
+    import pytest
+
+    from moe_tune.config import ConfigError
+
+    dst = _checkpoint_without(tmp_path, vocab_size=64)
+    with pytest.raises(ConfigError, match=r"its tokenizer has 102 tokens but the model's vocab_size is 64; resize"):
+        _check(dst, "data=arithmetic")
+    _check(dst, "data=random")
