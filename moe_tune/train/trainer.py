@@ -28,6 +28,7 @@ import torch.distributed as dist
 from moe_tune import checkpoint as ckpt
 from moe_tune.build import Built, build_training_model, check_model_source
 from moe_tune.config import Config, resolved, validate
+from moe_tune.config.unused import unused_settings
 from moe_tune.env import require_backends
 from moe_tune.loggers import build_logger, require_logger
 from moe_tune.metrics import MetricsWriter, StepTimer, peak_memory_gib, step_row
@@ -117,6 +118,8 @@ class Trainer:
         t, optim = self.cfg.train, self.cfg.optim
         if self.rank == 0:
             report_rounding(t.precision, optim.stochastic_rounding)
+            for line in unused_settings(self.cfg):
+                log.warning(line)
         # Ranks are (dp_replicate, dp_shard) row-major: replicas of one shard share rank % dp_shard and so draw the
         # same stochastic-rounding bits (they must stay equal); without a moe_tune mesh (the NeMo peer): every rank.
         dp_shard = self.mesh.dims.dp_shard if self.mesh is not None else self.world

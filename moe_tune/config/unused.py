@@ -1,0 +1,35 @@
+"""Settings a run accepts but that change nothing in it, as warning lines for the run's start (the run goes on: a
+value that cannot work is an error in ``validate`` instead)."""
+
+from __future__ import annotations
+
+from moe_tune.config.schema import Config, TrainConfig
+
+
+def unused_settings(cfg: Config) -> list[str]:
+    t, d, default = cfg.train, cfg.data, TrainConfig()
+    lines = []
+    if t.eval_every > 0 and d.val_path is None and d.val_fraction == 0:
+        lines.append(
+            f"train.eval_every={t.eval_every} has no validation set to evaluate, so no val_loss is logged; add "
+            "data.val_path=<file> or data.val_fraction=0.02"
+        )
+    if cfg.optim.warmup_steps > t.steps:
+        lines.append(
+            f"optim.warmup_steps={cfg.optim.warmup_steps} is more than train.steps={t.steps}: the learning rate "
+            f"never reaches train.lr={t.lr} (it ends at {t.steps}/{cfg.optim.warmup_steps} of it); lower "
+            "optim.warmup_steps"
+        )
+    if cfg.peft.name == "lora" and not cfg.peft.train_router:
+        for key in ("aux_loss_coef", "z_loss_coef"):
+            if getattr(t, key) != getattr(default, key):
+                lines.append(
+                    f"train.{key}={getattr(t, key)} changes nothing with peft=lora and frozen routers (no balancing "
+                    "loss is computed); add peft.train_router=true to train the routers with it"
+                )
+    if cfg.logger.expert_load_image_every > 0 and cfg.logger.name == "none":
+        lines.append(
+            f"logger.expert_load_image_every={cfg.logger.expert_load_image_every} draws images for a tracker, and "
+            "logger=none has none; add logger=tensorboard (or wandb, mlflow)"
+        )
+    return lines

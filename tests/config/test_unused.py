@@ -1,0 +1,37 @@
+"""Settings accepted but changing nothing in the run get a warning line each (a new user's trial found each of
+these silently ignored)."""
+
+import pytest
+
+from moe_tune.cli_args import compose, to_config
+from moe_tune.config.unused import unused_settings
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["train.eval_every=1"], "train.eval_every=1 has no validation set to evaluate"),
+        (["train.steps=8"], "optim.warmup_steps=10 is more than train.steps=8: the learning rate never reaches"),
+        (["peft=lora", "train.aux_loss_coef=0.5"], "train.aux_loss_coef=0.5 changes nothing with peft=lora"),
+        (["peft=lora", "train.z_loss_coef=0.1"], "train.z_loss_coef=0.1 changes nothing with peft=lora"),
+        (["logger.expert_load_image_every=1"], "logger.expert_load_image_every=1 draws images for a tracker"),
+    ],
+)
+def test_each_unused_setting_is_named(overrides, expected):
+    lines = unused_settings(to_config(compose(["train.steps=20", *overrides])))
+    assert len(lines) == 1 and expected in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["train.eval_every=1", "data.val_fraction=0.1"],
+        ["train.steps=10"],
+        ["peft=lora", "peft.train_router=true", "train.aux_loss_coef=0.5"],
+        ["peft=lora"],
+        ["logger=tensorboard", "logger.expert_load_image_every=1"],
+    ],
+)
+def test_used_settings_say_nothing(overrides):
+    assert unused_settings(to_config(compose(["train.steps=20", *overrides]))) == []
