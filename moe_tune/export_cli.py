@@ -46,6 +46,8 @@ def export(checkpoint: str, out: str, merge: bool = False, base: str | None = No
     lora = has_lora(model)
     if merge and not lora:
         raise ConfigError(f"--merge applies to LoRA runs; {checkpoint} is from a full fine-tune (peft={cfg.peft.name})")
+    if base is not None and not lora:  # a full fine-tune's checkpoint holds every weight: --base would be unused
+        raise ConfigError(f"--base applies to LoRA runs; {checkpoint} is from a full fine-tune: drop --base {base}")
     if merge:
         merge_lora(model)
     with open(os.path.join(checkpoint, "meta.json")) as f:  # read and checked by from_checkpoint

@@ -77,6 +77,20 @@ def test_export_refuses_a_directory_it_would_wipe(tmp_path, cli_env):
     _export(step, link, cli_env)  # through a symlink: the target is replaced, the link stays a link
     assert link.is_symlink() and not (tmp_path / ".link.old").exists()
     assert_hf_logits_equal(str(earlier))
+    for source, extra, said in [
+        (step, ["--base", str(run / "base_model")], "--base applies to LoRA runs;"),
+        (run, [], f"is a run directory: give one of its checkpoints, e.g. {step}"),
+        (run / "hf", [], "is a Hugging Face export, not a checkpoint (a run with checkpoint.every=0 saves none)"),
+    ]:
+        out = tmp_path / "new_out"
+        r = subprocess.run(
+            [PY, "-m", "moe_tune.export_cli", str(source), str(out), *extra],
+            capture_output=True,
+            text=True,
+            env=cli_env,
+        )
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and said in lines[0] and not out.exists(), r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("peft", [[], ["peft=lora"]], ids=["full", "lora_adapter"])

@@ -316,6 +316,21 @@ def keep_global_batch(trainer, meta: dict, path: str) -> None:
     )
 
 
+def _hint(path: str) -> str:
+    """What to give instead of a run directory or a Hugging Face export."""
+    found = manifest.complete_checkpoints(path)
+    if found:
+        return f"; {path} is a run directory: give one of its checkpoints, e.g. {found[0]}"
+    for export in (path, os.path.join(path, "hf")):
+        if any(os.path.isfile(os.path.join(export, name)) for name in ("config.json", "adapter_config.json")):
+            return (
+                f"; {export} is a Hugging Face export, not a checkpoint (a run with checkpoint.every=0 saves none): "
+                "rerun with checkpoint.every=N, or load it with transformers (a LoRA adapter with PEFT, whose "
+                "merge_and_unload() merges it)"
+            )
+    return ""
+
+
 def read_meta(path: str):
     """(meta.json, the run's ``Config``) of a complete checkpoint; CheckpointError naming what is missing."""
     from omegaconf import OmegaConf
@@ -324,7 +339,9 @@ def read_meta(path: str):
 
     meta_path = os.path.join(path, "meta.json")
     if not os.path.isfile(os.path.join(path, COMPLETE)) or not os.path.isfile(meta_path):
-        raise CheckpointError(f"{path} is not a complete moe-tune checkpoint (needs meta.json and {COMPLETE})")
+        raise CheckpointError(
+            f"{path} is not a complete moe-tune checkpoint (needs meta.json and {COMPLETE}){_hint(path)}"
+        )
     problem = manifest.verify(path)  # sizes and checksums of every file, before any is read
     if problem:
         raise CheckpointError(f"checkpoint {path} is damaged: {problem}; use another checkpoint")
