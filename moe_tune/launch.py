@@ -24,12 +24,27 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+def check_overrides(overrides: list[str]) -> None:
+    """A bad key or value is one line and exit 2 before torchrun starts any rank (each would find it again, among
+    torchrun's own lines); what needs the model or the data is checked by the ranks, as without the launcher."""
+    from moe_tune.cli import fail
+    from moe_tune.cli_args import check, to_config
+    from moe_tune.config import UserError
+    from moe_tune.config.validate import check_values
+
+    try:
+        check_values(to_config(check(overrides)))
+    except UserError as e:
+        fail(str(e))
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     launcher, overrides = split_argv(sys.argv[1:] if argv is None else argv)
+    check_overrides(overrides)
     args = parse_args([*launcher, "-m", "moe_tune", *overrides])
     try:
         run(args)

@@ -69,14 +69,17 @@ def test_a_ranks_exit_2_is_the_launchers(tmp_path, cli_env):
     assert BAD_FAMILY_LINE in r.stderr
 
 
-def test_a_value_both_ranks_find_bad_is_said_once(tmp_path, cli_env):
-    """Found before any process group: the node's first rank prints it, and the launcher adds no line of its own
-    for an exit 2 (the rank said why)."""
+@pytest.mark.parametrize(
+    "bad, said", [("train.lr=-1", "train.lr=-1.0 is out of range"), ("train.stepz=1", "train.stepz")], ids=str
+)
+def test_a_bad_value_or_key_is_one_line_before_any_rank_starts(tmp_path, cli_env, bad, said):
+    """The launcher checks keys and values before torchrun starts the ranks: its one line is all of stderr (no
+    torchrun banner or rank-failure lines), exit 2, nothing written."""
     out = tmp_path / "run"
-    r = subprocess.run(LAUNCH + [f"output_dir={out}", "train.lr=-1"], capture_output=True, text=True, env=cli_env)
-    ours = [line for line in r.stderr.splitlines() if line.startswith("moe-tune:")]
-    assert r.returncode == 2 and len(ours) == 1 and "train.lr=-1.0 is out of range" in ours[0], r.stderr[-3000:]
-    assert not out.exists()
+    r = subprocess.run(LAUNCH + [f"output_dir={out}", bad], capture_output=True, text=True, env=cli_env)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("moe-tune: error:"), r.stderr[-3000:]
+    assert said in lines[0] and not out.exists()
 
 
 def test_the_slurm_launcher_is_found_from_an_installed_moe_tune(tmp_path):
