@@ -11,7 +11,6 @@ maths with an explicit mask.
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
@@ -46,8 +45,7 @@ def packed_sdpa(query, key, value, scaling, cu_seqlens=None, window=None, dropou
     return out.transpose(1, 2).contiguous()
 
 
-@functools.cache
-def _varlen_kernel():
+def _find_varlen_kernel():
     """(varlen_attn, how it takes causality and GQA) or None where this torch has none."""
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -57,10 +55,15 @@ def _varlen_kernel():
     return varlen_attn, "window_size" in params, "enable_gqa" in params
 
 
+# Looked up once, at import: called inside the compiled layers, a functools.cache'd lookup made dynamo print a
+# 7-line warning at every compile.
+VARLEN_KERNEL = _find_varlen_kernel()
+
+
 def _varlen(query, key, value, cu, scaling, window, longest: int | None = None) -> torch.Tensor | None:
     """The flash kernel on [B, heads, S, d] q/k/v, or None where it cannot run them. ``longest``: the longest
     packed sequence (the kernel's grid is sized by it; default the row length)."""
-    kernel = _varlen_kernel()
+    kernel = VARLEN_KERNEL
     if kernel is None or not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16):
         return None
     varlen_attn, has_window, has_gqa = kernel
