@@ -1,4 +1,4 @@
-"""Settings a run accepts but that change nothing in it, as warning lines for the run's start (the run goes on: a
+"""Settings a run accepts but that change nothing in it, as lines for the run's log at its start (the run goes on: a
 value that cannot work is an error in ``validate`` instead)."""
 
 from __future__ import annotations

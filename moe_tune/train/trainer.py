@@ -118,8 +118,8 @@ class Trainer:
         t, optim = self.cfg.train, self.cfg.optim
         if self.rank == 0:
             report_rounding(t.precision, optim.stochastic_rounding)
-            for line in unused_settings(self.cfg):
-                log.warning(line)
+            for line in unused_settings(self.cfg):  # the run goes on as asked: a note, not a warning
+                log.info("note: %s", line)
         # Ranks are (dp_replicate, dp_shard) row-major: replicas of one shard share rank % dp_shard and so draw the
         # same stochastic-rounding bits (they must stay equal); without a moe_tune mesh (the NeMo peer): every rank.
         dp_shard = self.mesh.dims.dp_shard if self.mesh is not None else self.world

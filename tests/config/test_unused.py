@@ -1,4 +1,4 @@
-"""Settings accepted but changing nothing in the run get a warning line each (a new user's trial found each of
+"""Settings accepted but changing nothing in the run get a line each in its log (a new user's trial found each of
 these silently ignored)."""
 
 import pytest
