@@ -74,8 +74,20 @@ def _entry(rank: int, fn, world_size: int, port: int, backend: str, args: tuple)
 
 def run_ranks(fn, world_size: int = 2, *args, backend: str = "gloo") -> None:
     """``fn(rank, *args)`` on ``world_size`` local processes that share one default process group of ``backend``
-    (gloo on CPU; nccl for GPU tests, one GPU per rank)."""
-    mp.spawn(_entry, args=(fn, world_size, free_port(), backend, args), nprocs=world_size, join=True)
+    (gloo on CPU; nccl for GPU tests, one GPU per rank). gloo ranks see no GPU: on a GPU machine each would bind
+    cuda:<rank> to its CPU group (torch 2.11 on one H200: SIGSEGV, or a failed deepcopy splitting the mesh's
+    groups; with CUDA_VISIBLE_DEVICES empty the same tests pass)."""
+    hidden = {"CUDA_VISIBLE_DEVICES": ""} if backend == "gloo" else {}
+    saved = {k: os.environ.get(k) for k in hidden}
+    os.environ.update(hidden)  # the spawned ranks inherit it from their start
+    try:
+        mp.spawn(_entry, args=(fn, world_size, free_port(), backend, args), nprocs=world_size, join=True)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # -- the CLI in a subprocess ---------------------------------------------------------------------------------
