@@ -246,15 +246,7 @@ def apply_new_hyperparameters(trainer, saved: dict) -> None:
     changes += _changed(trainer.cfg, saved, [("data", k) for k in ("name", "path", "val_path", "val_fraction")])
     source = saved["model"].get("path", trainer.cfg.model.path)
     if source != trainer.cfg.model.path and trainer.rank == 0:
-        new = trainer.cfg.model.path
-        log.warning(
-            "model.path %s is not the checkpoint's (%s): training continues from the checkpoint's weights, with "
-            "%s's config and tokenizer; to start from %s's weights, give another output_dir",
-            new,
-            source,
-            new,
-            new,
-        )
+        log.warning(other_source_message(trainer.cfg.model.path, source, lora=trainer.cfg.peft.name == "lora"))
     shape = []  # a longer run (train.steps) is the usual reason: logged as information, not as a warning
     keys = [("optim", k) for k in ("warmup_steps", "schedule", "min_lr_ratio", "compiled")] + [("train", "steps")]
     shape += _changed(trainer.cfg, saved, keys)
@@ -313,6 +305,19 @@ def keep_global_batch(trainer, meta: dict, path: str) -> None:
         f"checkpoint {path} was trained with {saved} rows per optimizer step and this run would take "
         f"{rows_per_step(trainer)} (train.micro_batch_size={t.micro_batch_size} x {trainer.dp_size} data-parallel "
         f"ranks x {trainer.accum} micro-batches), which would replay or skip data; {fix}"
+    )
+
+
+def other_source_message(new: str, source: str, lora: bool) -> str:
+    """A resume whose model.path is not the checkpoint's: what each of them gives the run."""
+    if lora:  # the checkpoint holds adapters only; the base was checked to have the checkpoint's fingerprint
+        return (
+            f"model.path {new} is not the checkpoint's ({source}): the checkpoint's adapters continue on {new}'s base "
+            "weights, which have the checkpoint's fingerprint"
+        )
+    return (
+        f"model.path {new} is not the checkpoint's ({source}): training continues from the checkpoint's weights, with "
+        f"{new}'s config and tokenizer; to start from {new}'s weights, give another output_dir"
     )
 
 

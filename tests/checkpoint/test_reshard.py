@@ -284,6 +284,17 @@ def test_a_resume_with_other_data_or_another_model_path_says_so(tmp_path, caplog
     assert warned[1] == "resuming with this run's data.path train.jsonl -> other.jsonl (the checkpoint had the former)"
 
 
+def test_a_lora_resume_from_a_moved_base_says_the_adapters_continue_on_it():
+    """A LoRA checkpoint holds adapters only: with a base moved elsewhere (same fingerprint) the line said
+    "continues from the checkpoint's weights", which the base weights do not."""
+    from moe_tune.checkpoint import other_source_message
+
+    line = other_source_message("/ckpt/b", "/ckpt/a", lora=True)
+    assert "the checkpoint's adapters continue on /ckpt/b's base weights" in line
+    assert "checkpoint's weights" not in other_source_message("/ckpt/b", "/ckpt/a", lora=True)
+    assert "continues from the checkpoint's weights" in other_source_message("/ckpt/b", "/ckpt/a", lora=False)
+
+
 @pytest.mark.parametrize(
     ("saved", "resumed", "named"),
     [
