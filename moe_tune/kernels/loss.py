@@ -46,12 +46,13 @@ def softmax_grad_(logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_index:
 
 
 def _add_transposed_product(acc_VD: torch.Tensor, g_NV: torch.Tensor, h_ND: torch.Tensor) -> torch.Tensor:
-    """``acc + g^T @ h`` into the fp32 accumulator: on a GPU one GEMM that adds in fp32 (no bf16 product to
-    round, copy and add); on a CPU the product in the inputs' dtype, then added."""
+    """``acc += g^T @ h`` in the fp32 accumulator: on a GPU one GEMM that adds in fp32 and writes in place (no
+    bf16 product to round, copy and add; no copy of the accumulator); on a CPU the product in the inputs' dtype,
+    then added."""
     if g_NV.dtype == acc_VD.dtype:
         return acc_VD.addmm_(g_NV.t(), h_ND)
     if g_NV.is_cuda:
-        return torch.addmm(acc_VD, g_NV.t(), h_ND, out_dtype=acc_VD.dtype)
+        return torch.addmm(acc_VD, g_NV.t(), h_ND, out_dtype=acc_VD.dtype, out=acc_VD)
     return acc_VD.add_(g_NV.t() @ h_ND)
 
 
