@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from moe_tune.config import CheckpointError, Config, ConfigError, ModelConfig, ParallelDims, validate
+from moe_tune.config.model_dir import model_dir_problem
 from moe_tune.dist.mesh import ParallelMesh, build_mesh
 from moe_tune.lora import LoRASpec
 from moe_tune.metrics import flops_per_token
@@ -268,8 +269,9 @@ def from_pretrained(path: str, dtype=torch.float32, kernels: str = "torch", devi
     ``options``: further ``ModelOptions`` fields (e.g. ``aux_loss_coef``, ``loss_chunk_size``)."""
     from transformers import AutoConfig
 
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise CheckpointError(f"{path} has no config.json; give a local Hugging Face checkpoint directory")
+    problem = model_dir_problem(path, key="path")
+    if problem:
+        raise CheckpointError(problem)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     model_options = ModelOptions(dtype=dtype, kernels=kernels, **options)
     return assemble(AutoConfig.from_pretrained(path), model_options, source_loader(path, 0), device or "cpu", path)

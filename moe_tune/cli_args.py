@@ -78,9 +78,10 @@ def to_config(dict_cfg):
         from moe_tune.config import Config
 
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), dict_cfg))
-    if cfg.model.path is not None:
+    if cfg.model.path is not None and os.path.exists(os.path.expanduser(cfg.model.path)):
         # Recorded in checkpoints and PEFT adapters as the base model: a relative path would mean another
-        # directory for a command run from elsewhere (moe-tune-export, a resume).
+        # directory for a command run from elsewhere (moe-tune-export, a resume). One that does not exist stays as
+        # given, for its error line (a hub id, which moe_tune does not download, reads as one).
         cfg.model.path = os.path.abspath(os.path.expanduser(cfg.model.path))
     for key in ("path", "val_path"):  # the same for records a resume or a rerun reads again
         value = getattr(cfg.data, key)

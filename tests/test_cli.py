@@ -176,7 +176,7 @@ def test_a_waiting_rank_that_is_not_stopped_prints_its_line(monkeypatch, capsys)
         (["parallel.ep=x"], "parallel.ep"),
         (["comm=nccl_magic"], "comm"),
         (["parallel.ep=3"], "parallel.ep (3) must divide"),
-        (["model.path=/nonexistent"], "has no config.json"),
+        (["model.path=/nonexistent"], "model.path=/nonexistent does not exist; moe_tune reads local checkpoints only"),
         (["kernels=te"], "TransformerEngine is not installed"),
         (["model.family=mixtral"], "model.family=mixtral but the checkpoint's model_type is qwen3_moe"),
     ],
@@ -199,9 +199,9 @@ def test_bad_value_under_two_ranks_is_one_line(tmp_path, cli_env):
     assert not out.exists()
 
 
-def _one_error_line(args: list[str], env) -> str:
+def _one_error_line(args: list[str], env, cwd=None) -> str:
     """``moe-tune args`` exits 2 with exactly one non-empty stderr line (no traceback): that line."""
-    r = subprocess.run([PY, "-m", "moe_tune", *args], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run([PY, "-m", "moe_tune", *args], capture_output=True, text=True, env=env, timeout=120, cwd=cwd)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     return lines[0]
@@ -230,6 +230,38 @@ def test_cli_malformed_record_exits_2_before_output_dir_exists(cli_env, tmp_path
     line = _one_error_line([f"output_dir={run_dir}", "data=jsonl", f"data.path={data}", "train.seq_len=64"], cli_env)
     assert f"{data}:2" in line and "data.on_bad_record=skip" in line, line
     assert not run_dir.exists()  # no lock, no base model, no config written
+
+
+def test_cli_hub_id_as_model_path_says_it_is_not_downloaded(cli_env, tmp_path):
+    """``model.path=Qwen/Qwen3-30B-A3B``: not "no config.json" in a directory named after the cwd, but that moe_tune
+    reads local checkpoints only and how to get one."""
+    line = _one_error_line([f"output_dir={tmp_path / 'run'}", "model.path=Qwen/Qwen3-30B-A3B"], cli_env, cwd=tmp_path)
+    assert line == (
+        f"moe-tune: error: model.path=Qwen/Qwen3-30B-A3B does not exist (no directory {tmp_path}/Qwen/Qwen3-30B-A3B); "
+        "moe_tune reads local checkpoints only and downloads nothing from the Hugging Face hub: download it first "
+        "(hf download Qwen/Qwen3-30B-A3B --local-dir <dir>), then give model.path=<dir>"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_lora_export_as_model_path_names_its_base_and_the_merge(cli_env, tmp_path):
+    """A LoRA run's hf/ (a PEFT adapter) as model.path: the line names the base model and the run's checkpoint to
+    merge; the merge it names gives a directory model.path takes."""
+    from moe_tune.config.model_dir import model_dir_problem
+
+    run = tmp_path / "lora"
+    args = [f"output_dir={run}", "peft=lora", "train.steps=2", "checkpoint.every=2", *FAST_RUN]
+    run_cli(args, cli_env)
+    line = _one_error_line([f"output_dir={tmp_path / 'next'}", f"model.path={run / 'hf'}"], cli_env)
+    assert line.startswith(f"moe-tune: error: model.path={run / 'hf'} is a PEFT LORA adapter (adapter_config.json, ")
+    assert f"its base model is {run / 'base_model'} (adapter_config.json's base_model_name_or_path): " in line
+    assert f"give model.path={run / 'base_model'}, or merge the adapter into its base first (moe-tune-export " in line
+    checkpoint = run / "checkpoints" / "step_2"
+    assert f"{checkpoint} <dir> --merge, or PEFT's merge_and_unload) and give model.path=<dir>" in line
+    merged = tmp_path / "merged"
+    export = [PY, "-m", "moe_tune.export_cli", str(checkpoint), str(merged), "--merge"]
+    subprocess.run(export, check=True, env=cli_env, capture_output=True, timeout=300)
+    assert model_dir_problem(str(merged)) is None
 
 
 def test_cli_unsupported_architecture_exits_2(tmp_path, cli_env, tiny_checkpoint):

@@ -10,6 +10,7 @@ import math
 import os
 
 from moe_tune.config.dims import ParallelDims
+from moe_tune.config.model_dir import model_dir_problem
 from moe_tune.config.schema import (
     AC_MODES,
     BAD_RECORD_POLICIES,
@@ -109,10 +110,9 @@ def check_values(cfg: Config) -> None:
             f"checkpoint.resume={resume} does not exist; give a checkpoint directory (<output_dir>/checkpoints/"
             "step_<N>), auto (the newest in output_dir) or none"
         )
-    if cfg.model.path is not None and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-        raise ConfigError(
-            f"model.path={cfg.model.path!r} has no config.json; give a local Hugging Face checkpoint directory"
-        )
+    problem = None if cfg.model.path is None else model_dir_problem(cfg.model.path)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_choices(cfg: Config) -> None:

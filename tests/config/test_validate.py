@@ -119,7 +119,7 @@ def test_overlap_validates_for_all_to_all():
         ),
         (["train.precision=fp16"], 1, "train.precision='fp16' is not one of"),
         (["parallel.activation_checkpointing=some"], 1, "parallel.activation_checkpointing='some'"),
-        (["model.path=/nonexistent"], 1, "model.path='/nonexistent' has no config.json"),
+        (["model.path=/nonexistent"], 1, "model.path=/nonexistent does not exist; moe_tune reads local checkpoints"),
         (
             ["train.global_batch_size=6", "train.micro_batch_size=4"],
             1,

@@ -1,0 +1,66 @@
+"""What is wrong with a ``model.path`` that holds no ``config.json``, as one line with the fix: a Hugging Face hub id
+(moe_tune downloads nothing), a file, a PEFT adapter directory (named with its base model) or another directory.
+Reads only directory listings and ``adapter_config.json``; imports nothing heavy."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+# owner/name, as the hub spells repository ids; a path that starts with . / or ~ is never one.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def model_dir_problem(path: str, key: str = "model.path") -> str | None:
+    """None when ``path`` holds a config.json; else the line saying what ``path`` is and what to give instead."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    if not os.path.exists(path):
+        full = os.path.abspath(os.path.expanduser(path))
+        where = "" if full == path else f" (no directory {full})"
+        hub_id = path if HUB_ID.fullmatch(path) else "<hub id>"
+        return (
+            f"{key}={path} does not exist{where}; moe_tune reads local checkpoints only and downloads nothing from "
+            f"the Hugging Face hub: download it first (hf download {hub_id} --local-dir <dir>), then give {key}=<dir>"
+        )
+    if not os.path.isdir(path):
+        return f"{key}={path} is a file; give a local Hugging Face checkpoint directory (config.json, *.safetensors)"
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        return _adapter_problem(path, key)
+    return f"{key}={path} has no config.json; give a local Hugging Face checkpoint directory"
+
+
+def _adapter_problem(path: str, key: str) -> str:
+    """A PEFT adapter directory (moe-tune-export's output for a LoRA run): its base model and how to merge it."""
+    try:
+        with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as f:
+            adapter = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        adapter = {}
+    adapter = adapter if isinstance(adapter, dict) else {}
+    kind = f"PEFT {adapter['peft_type']}" if isinstance(adapter.get("peft_type"), str) else "PEFT"
+    base = adapter.get("base_model_name_or_path")
+    use_base = (
+        f"its base model is {base} (adapter_config.json's base_model_name_or_path): give {key}={base}"
+        if base
+        else f"its adapter_config.json names no base model: give {key}=<the base model's directory>"
+    )
+    checkpoint = _newest_checkpoint(os.path.dirname(os.path.abspath(path)))
+    return (
+        f"{key}={path} is a {kind} adapter (adapter_config.json, no config.json), not a full model; {use_base}, or "
+        f"merge the adapter into its base first (moe-tune-export {checkpoint} <dir> --merge, or PEFT's "
+        f"merge_and_unload) and give {key}=<dir>"
+    )
+
+
+def _newest_checkpoint(run_dir: str) -> str:
+    """``<run_dir>/checkpoints/step_<N>`` of the highest N there, or a placeholder for the run's checkpoint."""
+    checkpoints = os.path.join(run_dir, "checkpoints")
+    steps = [n for n in os.listdir(checkpoints) if re.fullmatch(r"step_\d+", n)] if os.path.isdir(checkpoints) else []
+    if not steps:
+        return "<run>/checkpoints/step_<N>"
+    return os.path.join(checkpoints, max(steps, key=lambda n: int(n.split("_")[1])))
+
+
+__all__ = ["model_dir_problem"]

@@ -1,0 +1,60 @@
+"""``model.path`` without a config.json: one line saying what the path is (a hub id, which moe_tune does not
+download; a file; a PEFT adapter, with its base model) and what to give instead. The CLI's own runs of these lines:
+tests/test_cli.py."""
+
+from __future__ import annotations
+
+import json
+
+from moe_tune.config.model_dir import model_dir_problem
+
+
+def test_a_hub_id_is_not_downloaded(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert model_dir_problem("Qwen/Qwen3-30B-A3B") == (
+        f"model.path=Qwen/Qwen3-30B-A3B does not exist (no directory {tmp_path}/Qwen/Qwen3-30B-A3B); moe_tune reads "
+        "local checkpoints only and downloads nothing from the Hugging Face hub: download it first (hf download "
+        "Qwen/Qwen3-30B-A3B --local-dir <dir>), then give model.path=<dir>"
+    )
+
+
+def test_a_missing_absolute_path_gets_the_same_fix():
+    line = model_dir_problem("/nonexistent/model")
+    assert line.startswith("model.path=/nonexistent/model does not exist; moe_tune reads local checkpoints only")
+    assert "(hf download <hub id> --local-dir <dir>)" in line
+
+
+def test_a_file_and_a_directory_without_config_json(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert model_dir_problem(str(tmp_path / "model.safetensors")).endswith(
+        "is a file; give a local Hugging Face checkpoint directory (config.json, *.safetensors)"
+    )
+    assert model_dir_problem(str(tmp_path)) == (
+        f"model.path={tmp_path} has no config.json; give a local Hugging Face checkpoint directory"
+    )
+    (tmp_path / "config.json").write_text("{}")
+    assert model_dir_problem(str(tmp_path)) is None
+
+
+def test_a_peft_adapter_names_its_base_and_the_newest_checkpoint(tmp_path):
+    adapter = tmp_path / "run" / "hf"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "base_model_name_or_path": "/models/base"})
+    )
+    assert model_dir_problem(str(adapter)) == (
+        f"model.path={adapter} is a PEFT LORA adapter (adapter_config.json, no config.json), not a full model; its "
+        "base model is /models/base (adapter_config.json's base_model_name_or_path): give model.path=/models/base, "
+        "or merge the adapter into its base first (moe-tune-export <run>/checkpoints/step_<N> <dir> --merge, or "
+        "PEFT's merge_and_unload) and give model.path=<dir>"
+    )
+    for step in (2, 10, 9):
+        (tmp_path / "run" / "checkpoints" / f"step_{step}").mkdir(parents=True)
+    assert f"moe-tune-export {tmp_path}/run/checkpoints/step_10 <dir> --merge" in model_dir_problem(str(adapter))
+
+
+def test_an_adapter_without_a_base_model(tmp_path):
+    (tmp_path / "adapter_config.json").write_text("not json")
+    line = model_dir_problem(str(tmp_path), key="path")
+    assert line.startswith(f"path={tmp_path} is a PEFT adapter (adapter_config.json, no config.json), not a full")
+    assert "its adapter_config.json names no base model: give path=<the base model's directory>" in line
