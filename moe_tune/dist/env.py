@@ -83,8 +83,10 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
     device_id = None
     if torch.cuda.is_available():
         # Modulo: a Slurm task bound to one GPU (CUDA_VISIBLE_DEVICES set per task) sees it as device 0.
-        device_id = torch.device("cuda", env.local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device_id)
+        local = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(local)
+        # Only nccl's group is bound to the GPU; a gloo group asked for explicitly stays a CPU group.
+        device_id = local if backend == "nccl" else None
     timeout = timedelta(seconds=timeout_s)
     if env.launcher == "single" and "MASTER_ADDR" not in os.environ:
         # One process: an in-memory store, so no port is needed and nothing can collide.

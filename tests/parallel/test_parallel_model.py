@@ -177,15 +177,14 @@ def test_mixed_precision_ep2(tiny_checkpoint):
 
 
 def test_world_size_one_same_code_path(tiny_checkpoint, no_launcher):
-    """No launcher: init_distributed makes a 1-rank group (nccl where a GPU is visible, gloo otherwise) and
-    parallelize runs the same FSDP path."""
+    """No launcher: init_distributed makes a 1-rank group and parallelize runs the same FSDP path. The model is
+    on the CPU here, so the group is gloo's even where a GPU is visible (whose default would be nccl)."""
     from moe_tune.dist.env import destroy_distributed, init_distributed
 
     path = tiny_checkpoint("qwen3_moe", **QWEN3_MOE)
-    env = init_distributed()
+    env = init_distributed(backend="gloo")
     try:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        assert (env.world_size, env.launcher, dist.get_world_size(), dist.get_backend()) == (1, "single", 1, backend)
+        assert (env.world_size, env.launcher, dist.get_world_size(), dist.get_backend()) == (1, "single", 1, "gloo")
         ref = from_pretrained(path)
         ref.aux_loss_coef = 0.0
         ref_losses, ref_norms = _train(ref)
