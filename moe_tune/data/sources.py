@@ -100,10 +100,10 @@ def _iter_json(path: str) -> Iterator[tuple[str, object]]:
                     BadRecord("invalid_utf8", f"not valid UTF-8 (byte {raw[e.start]:#04x} at {e.start})"),
                 )
                 continue
-            try:
-                yield f"{path}:{n}", json.loads(text)
+            try:  # without its newline: an error at the line's end is in it, not on json's "line 2"
+                yield f"{path}:{n}", json.loads(text.rstrip("\r\n"))
             except json.JSONDecodeError as e:
-                yield f"{path}:{n}", BadRecord("invalid_json", f"not valid JSON ({e})")
+                yield f"{path}:{n}", BadRecord("invalid_json", f"not valid JSON ({_json_fault(e)})")
 
 
 def _iter_json_array(path: str, raw: bytes) -> Iterator[tuple[str, object]]:
@@ -113,10 +113,17 @@ def _iter_json_array(path: str, raw: bytes) -> Iterator[tuple[str, object]]:
         yield f"{path}:byte {e.start}", BadRecord("invalid_utf8", "not valid UTF-8 (the whole JSON array is dropped)")
         return
     except json.JSONDecodeError as e:
-        yield f"{path}:{e.lineno}", BadRecord("invalid_json", f"not valid JSON ({e}; the whole JSON array is dropped)")
+        detail = f"not valid JSON ({_json_fault(e)}; the whole JSON array is dropped)"
+        yield f"{path}:{e.lineno}", BadRecord("invalid_json", detail)
         return
     for i, record in enumerate(records):
         yield f"{path}:record {i + 1}", record
+
+
+def _json_fault(e: json.JSONDecodeError) -> str:
+    """json's message with the column only: the line is in the record's ``file:line`` (json's own text, "line 1
+    column 15 (char 14)", counts lines within the text it was given, which read as a second line number)."""
+    return f"{e.msg} at column {e.colno}"
 
 
 def _open(source: Source, streaming: bool):

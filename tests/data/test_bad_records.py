@@ -19,7 +19,7 @@ CASES = {
     # reason: (line 2 of the file, the message after "data.jsonl:2: ")
     "invalid_json": (
         b'{"messages": [}',
-        "not valid JSON (Expecting value: line 1 column 15 (char 14)); fix the line or set data.on_bad_record=skip",
+        "not valid JSON (Expecting value at column 15); fix the line or set data.on_bad_record=skip",
     ),
     "invalid_utf8": (
         b'{"text": "caf\xe9"}',
@@ -58,6 +58,26 @@ def test_error_names_file_line_and_fix(tmp_path, reason):
     with pytest.raises(DataError) as e:
         build(tmp_path, [GOOD, line, GOOD])
     assert str(e.value) == f"{tmp_path / 'data.jsonl'}:2: {message}"
+
+
+def test_json_errors_name_one_line_and_a_column(tmp_path):
+    """The line is the record's file:line only: json's own "line 2 column 1 (char 31)" (a JSON Lines record cut at
+    its line's end: json counted the newline) read as a second line number; a JSON array's line is in the file."""
+    with pytest.raises(DataError) as e:
+        build(tmp_path, [GOOD, b'{"prompt": "a", "completion": ', GOOD])
+    assert str(e.value) == (
+        f"{tmp_path / 'data.jsonl'}:2: not valid JSON (Expecting value at column 31); fix the line or set "
+        "data.on_bad_record=skip"
+    )
+    array = tmp_path / "array.json"
+    array.write_text('[{"prompt": "a", "completion": "b"},\n {"prompt": "a" "completion": "x"}]\n')
+    cfg = DataConfig(name="jsonl", path=str(array), num_samples=0, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError) as e:
+        build_datasets(cfg, build_tokenizer(), 32, seed=0)
+    assert str(e.value) == (
+        f"{array}:2: not valid JSON (Expecting ',' delimiter at column 17; the whole JSON array is dropped); fix the "
+        "line or set data.on_bad_record=skip"
+    )
 
 
 @pytest.mark.parametrize("reason", list(CASES))
