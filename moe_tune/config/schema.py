@@ -234,9 +234,16 @@ class OptimConfig:
     compiled: bool = True
 
 
-# train.profile's schedule, in steps from 0: untraced, warming the profiler up, then traced.
+# train.profile's schedule from the run's first step: untraced, warming the profiler up, then traced.
 PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 5, 1, 3
 PROFILE_STEPS = PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE  # the run needs at least this many
+
+
+def profiled_steps(start_step: int = 0) -> range:
+    """The steps train.profile traces in a run that starts after ``start_step`` (0, or a resumed checkpoint's),
+    numbered as the log, metrics.jsonl and the trace's ProfilerStep#N number them (the first step is 1)."""
+    first = start_step + PROFILE_WAIT + PROFILE_WARMUP + 1
+    return range(first, first + PROFILE_ACTIVE)
 
 
 @dataclass
@@ -262,7 +269,7 @@ class TrainConfig:
     # Held-out loss and perplexity every this many steps and at the end (0: at the end only), when data has a
     # validation set (data.val_path or data.val_fraction).
     eval_every: int = 0
-    # torch.profiler on rank 0 over steps PROFILE_WAIT + PROFILE_WARMUP .. PROFILE_STEPS - 1 (from 0; 6-8): a step
+    # torch.profiler on rank 0 over steps 7-9 (profiled_steps: as the log numbers them, from the run's start): a step
     # summary and top ops in profile_rank0.{txt,json}, the trace in trace_rank0.json (moe_tune/train/profile.py).
     profile: bool = False
     warmup_steps_excluded: int = 3

@@ -25,7 +25,6 @@ from moe_tune.config.schema import (
     OVERLAP_BACKENDS,
     PEFT_METHODS,
     PRECISIONS,
-    PROFILE_STEPS,
     PROFILE_WAIT,
     PROFILE_WARMUP,
     TRAIN_ON,
@@ -33,6 +32,7 @@ from moe_tune.config.schema import (
     ConfigError,
     KernelsConfig,
     PeftConfig,
+    profiled_steps,
 )
 
 
@@ -281,12 +281,12 @@ def _check_train(cfg: Config) -> None:
             f"train.steps ({t.steps}), train.seq_len ({t.seq_len}) and train.micro_batch_size "
             f"({t.micro_batch_size}) must be positive (seq_len >= 2)"
         )
-    if t.profile and t.steps < PROFILE_STEPS:
-        first = PROFILE_WAIT + PROFILE_WARMUP + 1
+    traced = profiled_steps()
+    if t.profile and t.steps < traced[-1]:
         raise ConfigError(
-            f"train.profile=true traces steps {first}-{PROFILE_STEPS} (after {PROFILE_WAIT} untraced steps and "
-            f"{PROFILE_WARMUP} that warms the profiler up), so it needs train.steps >= {PROFILE_STEPS} (got "
-            f"{t.steps}); set train.steps={PROFILE_STEPS + 1}"
+            f"train.profile=true traces steps {traced[0]}-{traced[-1]} (after {PROFILE_WAIT} untraced steps and "
+            f"{PROFILE_WARMUP} that warms the profiler up), so it needs train.steps >= {traced[-1]} (got "
+            f"{t.steps}); set train.steps={traced[-1]}"
         )
     if t.log_every < 1:
         raise ConfigError(

@@ -1,7 +1,9 @@
-"""``train.profile=true``: torch.profiler over steps 6-8 (counted from 0; the run needs at least 9 steps) on rank
-0. Writes to the run directory: ``profile_rank0.txt`` (a step summary, then the top ops by device time, by CPU
-time without a GPU), ``profile_rank0.json`` (the summary; null without GPU kernels) and a Chrome trace
-``trace_rank0.json``. The step after the traced ones also pays for writing them (its tokens/s reads low).
+"""``train.profile=true``: torch.profiler on rank 0 over steps 7-9 of the run (``profiled_steps``: numbered as the
+log and metrics.jsonl number them, and the trace's ProfilerStep#N with them; a resumed run's from its checkpoint's
+step: 107-109 after step 100). Writes to the run directory: ``profile_rank0.txt`` (a step summary, then the top ops
+by device time, by CPU time without a GPU), ``profile_rank0.json`` (the summary; null without GPU kernels) and a
+Chrome trace ``trace_rank0.json``. The step after the traced ones also pays for writing them (its tokens/s reads
+low).
 
 The summary answers "is the GPU idle, and is communication exposed?" per traced step: the wall time, the time
 any kernel runs (the union over streams), the communication kernels' time (NCCL, NVSHMEM, DeepEP) and the part
@@ -11,12 +13,15 @@ of it no compute kernel runs beside (exposed), the kernel launches and the host 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 
 import torch
 
-from moe_tune.config.schema import PROFILE_ACTIVE, PROFILE_WAIT, PROFILE_WARMUP
+from moe_tune.config.schema import PROFILE_WAIT, PROFILE_WARMUP, profiled_steps
+
+log = logging.getLogger("moe_tune")
 
 COMM_KERNEL = re.compile(r"nccl|nvshmem|deep_ep|all_to_all|alltoall", re.IGNORECASE)
 # CUDA runtime calls that block the host until the device is done (cudaMemcpy: the synchronous copy only).
@@ -112,12 +117,32 @@ def summarize_trace(path: str) -> dict | None:
     return timeline_summary(kernels, wall, len(steps), syncs)
 
 
-def build_profiler(enabled: bool, rank: int, output_dir: str):
+def build_profiler(enabled: bool, rank: int, output_dir: str, start_step: int = 0, steps: int | None = None):
     """A started profiler (``step()`` after each optimizer step, ``stop()`` at the end) on rank 0 when
-    ``enabled``, else a ``NoProfiler``."""
+    ``enabled``, else a ``NoProfiler``. ``start_step``: the step the run starts after (a resumed checkpoint's);
+    ``steps``: the step it ends at (train.steps), for the start's note of what is traced."""
     if not enabled or rank != 0:
         return NoProfiler()
-    from torch.profiler import ProfilerActivity, profile, schedule
+    from torch.profiler import ProfilerAction, ProfilerActivity, profile
+
+    traced = profiled_steps(start_step)
+    first, last = traced[0], traced[-1]
+    if steps is not None and steps < last:  # a resumed run that ends before: the request changes nothing
+        log.info(
+            f"note: train.profile=true traces steps {first}-{last} of a run resumed after step {start_step}, and this "
+            f"one ends at step {steps}: nothing is traced; set train.steps={last} or more"
+        )
+        return NoProfiler()
+    log.info(
+        f"train.profile=true: rank 0 traces steps {first}-{last} (ProfilerStep#{first}-{last} in trace_rank0.json), "
+        f"after {PROFILE_WAIT} untraced steps and {PROFILE_WARMUP} that warms the profiler up"
+    )
+
+    def action(step: int) -> ProfilerAction:
+        """What the profiler does while ``step`` (numbered as the log numbers it) runs."""
+        if step in traced:
+            return ProfilerAction.RECORD_AND_SAVE if step == last else ProfilerAction.RECORD
+        return ProfilerAction.WARMUP if first - PROFILE_WARMUP <= step < first else ProfilerAction.NONE
 
     def on_ready(prof) -> None:
         key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
@@ -134,11 +159,10 @@ def build_profiler(enabled: bool, rank: int, output_dir: str):
             json.dump(summary, f, indent=2)
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    prof = profile(
-        activities=activities,
-        schedule=schedule(wait=PROFILE_WAIT, warmup=PROFILE_WARMUP, active=PROFILE_ACTIVE, repeat=1),
-        on_trace_ready=on_ready,
-    )
+    prof = profile(activities=activities, schedule=action, on_trace_ready=on_ready)
+    # torch.profiler numbers the steps it sees from 0 (ProfilerStep#0 the first) and asks the schedule with that
+    # number: counting from the run's first step instead, the schedule and the trace use the log's numbers.
+    prof.step_num = start_step + 1
     prof.start()
     return prof
 

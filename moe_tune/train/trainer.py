@@ -207,7 +207,7 @@ class Trainer:
         step and exit 128 + signal; after too many non-finite steps in a row: exit 1."""
         cfg = self.cfg
         progress = Progress(self.rank, cfg.train.steps, self.step)
-        profiler = build_profiler(cfg.train.profile, self.rank, cfg.output_dir)
+        profiler = build_profiler(cfg.train.profile, self.rank, cfg.output_dir, self.step, cfg.train.steps)
         with StopSignal(cfg.checkpoint.save_on_signal) as stop:
             try:
                 stopped = self._loop(stop, profiler, progress)
@@ -235,8 +235,8 @@ class Trainer:
             out = self.train_step(self.step)
             self.step += 1
             self.guard.record(out["grad_norm"], self.step)  # on the device
-            profiler.step()
             timer.tick()
+            profiler.step()  # after the step's time: writing the trace is the next step's (profile.py)
             pending.append((self.step, self.scheduler.get_last_lr()[0], out))
             if not self.cadence.syncs(self.step):
                 continue  # no host sync: the next step queues behind this one

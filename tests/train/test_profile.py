@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
+import torch
 
 from moe_tune.train.profile import timeline_summary
 
@@ -36,11 +38,87 @@ def test_fully_hidden_communication_is_not_exposed():
     assert s["gpu_busy_fraction"] == pytest.approx(0.5)
 
 
-def test_profiled_run_writes_its_tables(tmp_path, make_trainer):
-    """On CPU the trace has no device kernels: the table is written and the summary is null."""
-    make_trainer("train.steps=9", "train.profile=true").fit()
+def _traced_steps(trace_path) -> tuple[list[int], list[int]]:
+    """(the trace's ProfilerStep#N numbers, the steps N whose "step N" annotation lies inside ProfilerStep#N)."""
+    events = [e for e in json.loads(trace_path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    spans = {int(e["name"].split("#")[1]): e for e in events if e["name"].startswith("ProfilerStep#")}
+    inside = []
+    for e in events:
+        if e["name"].startswith("step ") and int(e["name"][5:]) in spans:
+            span = spans[int(e["name"][5:])]
+            if span["ts"] <= e["ts"] and e["ts"] + e["dur"] <= span["ts"] + span["dur"]:
+                inside.append(int(e["name"][5:]))
+    return sorted(spans), sorted(inside)
+
+
+class _ProfileLines(logging.Handler):
+    """The moe_tune logger's lines about train.profile (the Trainer reconfigures the root logger's handlers, so
+    pytest's caplog would miss them)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "train.profile" in record.getMessage():
+            self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def profile_lines():
+    handler = _ProfileLines()
+    logger = logging.getLogger("moe_tune")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler.lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def test_profiled_run_traces_the_steps_it_names(tmp_path, make_trainer, profile_lines):
+    """The start's line names the steps as the log and metrics.jsonl number them, and those are what the trace holds,
+    under the same ProfilerStep numbers (the trace counted from 0: ProfilerStep#6-8 held steps 7-9). On CPU the
+    trace has no device kernels: the table is written and the summary is null."""
+    from torch.profiler import record_function
+
+    trainer = make_trainer("train.steps=9", "train.profile=true", "train.log_every=1")
+    train_step = trainer.train_step
+
+    def annotated(step):  # train_step(step) makes the row numbered step + 1
+        with record_function(f"step {step + 1}"):
+            return train_step(step)
+
+    trainer.train_step = annotated
+    trainer.fit()
+    assert profile_lines == [
+        "train.profile=true: rank 0 traces steps 7-9 (ProfilerStep#7-9 in trace_rank0.json), after 5 untraced steps "
+        "and 1 that warms the profiler up"
+    ]
+    assert _traced_steps(tmp_path / "trace_rank0.json") == ([7, 8, 9], [7, 8, 9])
     assert "Self CPU" in (tmp_path / "profile_rank0.txt").read_text()
     assert json.loads((tmp_path / "profile_rank0.json").read_text()) is None
+
+
+def test_a_resumed_run_traces_from_its_start(tmp_path, profile_lines):
+    """After step 100 the run traces steps 107-109, named so; ending before them it traces nothing and says so."""
+    from torch.profiler import record_function
+
+    from moe_tune.train import profile
+
+    profiler = profile.build_profiler(True, 0, str(tmp_path), start_step=100, steps=110)
+    for step in range(101, 111):  # the trainer's loop: the step's work, then step()
+        with record_function(f"step {step}"):
+            torch.ones(8, 8).matmul(torch.ones(8, 8))
+        profiler.step()
+    profiler.stop()
+    assert profile_lines[0].startswith("train.profile=true: rank 0 traces steps 107-109 (ProfilerStep#107-109 in ")
+    assert _traced_steps(tmp_path / "trace_rank0.json") == ([107, 108, 109], [107, 108, 109])
+    assert isinstance(profile.build_profiler(True, 0, str(tmp_path), start_step=100, steps=105), profile.NoProfiler)
+    assert profile_lines[1] == (
+        "note: train.profile=true traces steps 107-109 of a run resumed after step 100, and this one ends at step "
+        "105: nothing is traced; set train.steps=109 or more"
+    )
 
 
 def test_summary_of_a_chrome_trace(tmp_path):
