@@ -220,6 +220,16 @@ def test_cli_missing_input_path_exits_2_before_output_dir_exists(args, message, 
     assert not run_dir.exists()  # no lock, no base model, no config written
 
 
+def test_cli_hub_dataset_offline_is_one_line_at_once(cli_env, tmp_path):
+    """A hub dataset name with HF_HUB_OFFLINE=1 and no copy in the datasets cache: the line, not datasets' retries."""
+    run_dir = tmp_path / "run"
+    env = {**cli_env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets")}
+    line = _one_error_line([f"output_dir={run_dir}", "data.path=someone/some-dataset"], env)
+    assert "someone/some-dataset is not a local file or directory nor in the datasets cache, and the hub is out" in line
+    assert line.endswith("or unset HF_HUB_OFFLINE")
+    assert not run_dir.exists()
+
+
 def test_cli_malformed_record_exits_2_before_output_dir_exists(cli_env, tmp_path):
     """A bad JSONL line (data.on_bad_record=error, the default) is found before the run's lock or a preset's
     base_model/ is written: one line naming file:line and the fix, exit 2, no output_dir."""

@@ -5,8 +5,12 @@ and it alone can be skipped), the rest through ``datasets`` (imported only here,
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
+import socket
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -166,28 +170,72 @@ def _train_split(loaded, path: str):
     )
 
 
-def _hub_offline() -> bool:
+# Where one of these is true, datasets reads its cache and never asks the hub (datasets.config.HF_HUB_OFFLINE).
+OFFLINE_VARIABLES = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+# With a proxy, the hub's host name is resolved there, not here: no conclusion from a local lookup.
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def _hub_out_of_reach() -> str | None:
+    """Why the hub is known to be out of reach before datasets asks it (its retries take ~30 s to fail): an offline
+    variable, or the hub's host name not resolving (no network). None: try the hub."""
     import datasets
 
-    return bool(datasets.config.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "0").upper() in (
-        "1",
-        "ON",
-        "YES",
-        "TRUE",
-    )
+    true = ("1", "ON", "YES", "TRUE")
+    variable = next((v for v in OFFLINE_VARIABLES if os.environ.get(v, "").upper() in true), None)
+    if variable or datasets.config.HF_HUB_OFFLINE:
+        variable = variable or "HF_HUB_OFFLINE"
+        return f"{variable}={os.environ.get(variable, '1')}"
+    if any(os.environ.get(v) for v in PROXY_VARIABLES):
+        return None
+    host = urllib.parse.urlparse(datasets.config.HF_ENDPOINT).hostname or "huggingface.co"
+    return None if _resolves(host) else f"{host} does not resolve: no network"
+
+
+@functools.cache
+def _resolves(host: str) -> bool:
+    """The host name resolves (once per process: the record check and the run each load the dataset)."""
+    try:
+        socket.getaddrinfo(host, 443)
+    except socket.gaierror:
+        return False
+    except OSError:  # not a verdict on the network: let datasets try
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _offline():
+    """datasets and huggingface_hub as under HF_HUB_OFFLINE=1 (both read these flags at each call): a hub dataset
+    comes from the datasets cache, at once, or fails at once; no request is made."""
+    import datasets
+    from huggingface_hub import constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
 
 
 def _load_hub(name: str, streaming: bool):
+    """A hub dataset's train split. Where the hub is out of reach (an offline variable, no network): its copy in the
+    datasets cache, as datasets reads it offline, or one line saying how to get it."""
     import datasets
 
-    if _hub_offline():
-        raise DataError(
-            f"data.path={name} is not a local file or directory, and HF_HUB_OFFLINE=1 keeps the hub out of reach; "
-            "give a local path, or unset HF_HUB_OFFLINE to download it"
-        )
+    out_of_reach = _hub_out_of_reach()
     try:
-        return datasets.load_dataset(name, split="train", streaming=streaming)
-    except Exception as e:  # network, missing repository, no train split: one line with the cause
+        with _offline() if out_of_reach else contextlib.nullcontext():
+            return datasets.load_dataset(name, split="train", streaming=streaming)
+    except Exception as e:  # no network, a missing repository, no train split: one line with the cause
+        if out_of_reach and isinstance(e, ConnectionError):  # offline, as asked or found, and not in the cache
+            unset = f", or unset {out_of_reach.split('=')[0]}" if "=" in out_of_reach else ""
+            raise DataError(
+                f"data.path={name} is not a local file or directory nor in the datasets cache, and the hub is out of "
+                f"reach ({out_of_reach}); download it where there is network (hf download {name} --repo-type "
+                f"dataset --local-dir <dir>) and give data.path=<dir>/<the folder of its data files>{unset}"
+            ) from None
         raise DataError(
             f"data.path={name}: not a local path, and loading it from the hub failed ({_one_line(e)}); "
             "check the name and the network, or give a local path"

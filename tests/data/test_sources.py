@@ -1,6 +1,6 @@
 """Every source kind gives the same rows as the same records in JSON Lines: JSON arrays, Parquet, CSV, Arrow files,
-save_to_disk directories (Dataset and DatasetDict), a directory of mixed files; a hub name without the hub is one
-clear line; ``import moe_tune`` and the built-in set never import ``datasets``."""
+save_to_disk directories (Dataset and DatasetDict), a directory of mixed files; a hub name without the hub comes from
+the datasets cache or is one clear line, at once; ``import moe_tune`` and the built-in set never import ``datasets``."""
 
 from __future__ import annotations
 
@@ -72,14 +72,110 @@ def test_directory_of_mixed_files(tmp_path):
     assert torch.equal(rows(tmp_path, d), reference)  # files in name order, records in file order
 
 
-def test_hub_name_offline_is_one_line(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+@pytest.fixture
+def no_network(monkeypatch):
+    """This process as on a machine without network: no host name resolves, no proxy is set."""
+    import socket
+
+    from huggingface_hub import constants
+
+    from moe_tune.data import sources
+
+    def fail(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", fail)
+    for variable in (*sources.PROXY_VARIABLES, *sources.OFFLINE_VARIABLES):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)  # as read from them at import
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    sources._resolves.cache_clear()
+    yield
+    sources._resolves.cache_clear()
+
+
+def hub_cache(tmp_path, monkeypatch, name: str, records) -> None:
+    """``name`` in a datasets cache of its own, as a load of it from the hub leaves it there."""
+    import glob
+    import shutil
+
+    src = tmp_path / "hub_src.jsonl"
+    write_jsonl(src, records)
+    cache = tmp_path / "hf_datasets"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    datasets.load_dataset_builder("json", data_files=[str(src)], cache_dir=str(cache)).download_and_prepare()
+    (built,) = [p for p in glob.glob(str(cache / "json" / "*" / "*" / "*")) if os.path.isdir(p)]
+    owner, dataset = name.split("/")
+    target = cache / f"{owner}___{dataset}" / "default" / os.path.join(*built.split(os.sep)[-2:])
+    shutil.move(built, target)
+    for arrow in target.glob("json-*.arrow"):
+        arrow.rename(target / arrow.name.replace("json-", f"{dataset}-"))
+    info = json.loads((target / "dataset_info.json").read_text())
+    (target / "dataset_info.json").write_text(json.dumps({**info, "config_name": "default"}))
+
+
+def test_a_hub_name_without_network_fails_at_once(tmp_path, no_network):
+    """Not datasets' ~30 s of retries before its offline error: the host name does not resolve, so the hub is not
+    asked; one line with how to get the data."""
+    import time
+
+    start = time.perf_counter()
     with pytest.raises(DataError) as e:
         rows(tmp_path, "someone/some-dataset")
+    assert time.perf_counter() - start < 15
     assert str(e.value) == (
-        "data.path=someone/some-dataset is not a local file or directory, and HF_HUB_OFFLINE=1 keeps the hub out "
-        "of reach; give a local path, or unset HF_HUB_OFFLINE to download it"
+        "data.path=someone/some-dataset is not a local file or directory nor in the datasets cache, and the hub is "
+        "out of reach (huggingface.co does not resolve: no network); download it where there is network (hf download "
+        "someone/some-dataset --repo-type dataset --local-dir <dir>) and give data.path=<dir>/<the folder of its "
+        "data files>"
     )
+
+
+@pytest.mark.parametrize("variable", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"])
+def test_offline_variables_read_the_datasets_cache(tmp_path, monkeypatch, variable):
+    """HF_HUB_OFFLINE or HF_DATASETS_OFFLINE, as Hugging Face's libraries read them: a hub dataset loaded before comes
+    from the datasets cache (it was refused); one that is not there is one line naming the variable."""
+    monkeypatch.setenv(variable, "1")
+    write_jsonl(tmp_path / "ref.jsonl", PAIRS)
+    hub_cache(tmp_path, monkeypatch, "someone/cached-set", PAIRS)
+    assert torch.equal(rows(tmp_path, "someone/cached-set"), rows(tmp_path, tmp_path / "ref.jsonl"))
+    with pytest.raises(DataError) as e:
+        rows(tmp_path, "someone/some-dataset")
+    assert str(e.value).startswith(
+        f"data.path=someone/some-dataset is not a local file or directory nor in the datasets cache, and the hub is "
+        f"out of reach ({variable}=1); download it where there is network"
+    )
+    assert str(e.value).endswith(f"give data.path=<dir>/<the folder of its data files>, or unset {variable}")
+
+
+def test_a_cached_hub_dataset_without_network_loads_at_once(tmp_path, monkeypatch, no_network):
+    import time
+
+    write_jsonl(tmp_path / "ref.jsonl", CHATS)
+    hub_cache(tmp_path, monkeypatch, "someone/cached-chats", CHATS)
+    start = time.perf_counter()
+    assert torch.equal(rows(tmp_path, "someone/cached-chats"), rows(tmp_path, tmp_path / "ref.jsonl"))
+    assert time.perf_counter() - start < 15
+
+
+def test_with_network_the_hub_is_asked(monkeypatch, no_network):
+    """Where the hub's name resolves (or a proxy resolves it), datasets loads the name as ever, online."""
+    import socket
+
+    from huggingface_hub import constants
+
+    from moe_tune.data import sources
+
+    seen = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: seen.append(constants.HF_HUB_OFFLINE) or "loaded")
+    assert sources._load_hub("someone/some-dataset", streaming=True) == "loaded"  # no network: offline
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
+    assert sources._load_hub("someone/some-dataset", streaming=True) == "loaded"
+    monkeypatch.delenv("HTTPS_PROXY")
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [])
+    sources._resolves.cache_clear()
+    assert sources._load_hub("someone/some-dataset", streaming=True) == "loaded"
+    assert seen == [True, False, False] and constants.HF_HUB_OFFLINE is False
 
 
 def test_missing_local_path(tmp_path):
