@@ -11,10 +11,18 @@ the ranks, their codes and their error line.
 
 Each task is one rank: the rendezvous (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``)
 comes from ``SLURM_*`` through submitit's ``TorchDistributedEnvironment`` (the port derived from the job id).
+
+While the submitter waits, submitit polls ``sacct`` for the jobs' states; ``quiet_submitit`` keeps that quiet: each
+submitit warning once, and where Slurm accounting is off, one note in place of a failed poll's two lines (sacct's own
+and submitit's warning, itself printed twice) at every poll, every minute of a long job.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import subprocess
+import sys
 from dataclasses import dataclass
 
 
@@ -63,3 +71,62 @@ def job_exit_code(exits: list[RankExit]) -> int:
     reported = [e for e in failed if e.message]
     code = (reported or failed)[0].code
     return code if code > 0 else 1
+
+
+def _below_warning(record: logging.LogRecord) -> bool:
+    return record.levelno < logging.WARNING
+
+
+def warnings_once(logger: logging.Logger) -> None:
+    """submitit's logger writes every record to stdout and its warnings to stderr as well, so a terminal shows each
+    warning twice: warnings go to the handlers meant for them only (those at WARNING and above)."""
+    if not any(h.level >= logging.WARNING for h in logger.handlers):
+        return
+    for handler in logger.handlers:
+        if handler.level < logging.WARNING and _below_warning not in handler.filters:
+            handler.addFilter(_below_warning)
+
+
+def accounting_problem() -> str | None:
+    """Why ``sacct`` can never answer here, in sacct's words: Slurm accounting is off, or there is no sacct. None
+    where it answers, and where it fails otherwise (a database down for a while: submitit's polls may succeed later)."""
+    try:
+        r = subprocess.run(
+            ["sacct", "-n", "-X", "-o", "JobID", "-S", "now"], capture_output=True, text=True, timeout=30
+        )
+    except FileNotFoundError:
+        return "sacct is not installed"
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    off = r.returncode != 0 and "accounting storage is disabled" in r.stderr
+    return f"sacct: {r.stderr.strip().splitlines()[0]}" if off else None
+
+
+@contextlib.contextmanager
+def quiet_submitit():
+    """The submitter's wait for its jobs: submitit's warnings once each; where sacct cannot answer, one note and no
+    polls (a job's end is read from its tasks' result files, as it was when each poll failed)."""
+    import submitit
+    from submitit.slurm.slurm import SlurmInfoWatcher
+
+    warnings_once(logging.getLogger("submitit"))
+    problem = accounting_problem()
+    if problem is None:
+        yield
+        return
+
+    class NoSacct(SlurmInfoWatcher):
+        def _make_command(self):
+            return None  # no poll: the job's state stays unknown, its result files tell when it ended
+
+    print(
+        f"moe-tune: note: Slurm accounting is not available here ({problem}): the submitter learns that a job ended "
+        "from its tasks' results, so a job killed before writing them (scancel, a lost node) leaves it waiting",
+        file=sys.stderr,
+    )
+    saved = submitit.SlurmJob.watcher
+    submitit.SlurmJob.watcher = NoSacct(delay_s=saved._delay_s)
+    try:
+        yield
+    finally:
+        submitit.SlurmJob.watcher = saved

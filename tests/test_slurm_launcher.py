@@ -103,3 +103,74 @@ def test_the_job_exit_code_is_a_reported_error_not_a_rank_slurm_stopped():
     assert job_exit_code([stopped, failed]) == 2
     assert job_exit_code([stopped, RankExit("7", 1, 2, 0)]) == 1  # never -1 (a shell's 255)
     assert job_exit_code([RankExit("7", 0, 2, 143, "stopped"), RankExit("7", 1, 2, 143, "stopped")]) == 143
+
+
+def test_submitit_warnings_are_printed_once():
+    """submitit's logger sends a warning to its stdout handler (every level) and its stderr handler (warnings): a
+    terminal showed each sacct warning twice. After warnings_once: on stderr only; its INFO lines stay on stdout."""
+    import io
+    import logging
+
+    submitit = pytest.importorskip("submitit")
+    from moe_tune.slurm_launcher import warnings_once
+
+    assert submitit  # its import configured the logger this test copies
+    levels = sorted(h.level for h in logging.getLogger("submitit").handlers)
+    assert levels == [logging.DEBUG, logging.WARNING]  # the shape warnings_once expects
+    logger = logging.getLogger("moe_tune_test_submitit")
+    out, err = io.StringIO(), io.StringIO()
+    for stream, level in ((out, logging.DEBUG), (err, logging.WARNING)):
+        handler = logging.StreamHandler(stream)
+        handler.setLevel(level)
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    warnings_once(logger)
+    warnings_once(logger)  # once is enough: a second call adds nothing
+    logger.warning("Call #1 - Bypassing sacct error")
+    logger.info("submitted")
+    assert (out.getvalue(), err.getvalue()) == ("submitted\n", "Call #1 - Bypassing sacct error\n")
+
+
+def _fake_sacct(tmp_path, monkeypatch, code: int, stderr: str) -> None:
+    sacct = tmp_path / "bin" / "sacct"
+    sacct.parent.mkdir()
+    sacct.write_text(f"#!/bin/sh\necho '{stderr}' >&2\nexit {code}\n")
+    sacct.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{sacct.parent}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_without_accounting_one_note_and_no_sacct_polls(tmp_path, monkeypatch, capsys):
+    """Where sacct cannot answer (Slurm accounting off), the submitter says so once and does not poll it: each poll
+    printed sacct's line and submitit's warning (twice), every minute of a long job."""
+    submitit = pytest.importorskip("submitit")
+    from moe_tune.slurm_launcher import accounting_problem, quiet_submitit
+
+    _fake_sacct(tmp_path, monkeypatch, 1, "Slurm accounting storage is disabled")
+    assert accounting_problem() == "sacct: Slurm accounting storage is disabled"
+    watcher = submitit.SlurmJob.watcher
+    with quiet_submitit():
+        polled = submitit.SlurmJob.watcher
+        polled.register_job("12")
+        monkeypatch.setattr(subprocess, "check_output", lambda *a, **k: pytest.fail("sacct was polled"))
+        assert polled.get_state("12", mode="force") == "UNKNOWN"  # the result files tell when the job ended
+    assert submitit.SlurmJob.watcher is watcher
+    assert capsys.readouterr().err == (
+        "moe-tune: note: Slurm accounting is not available here (sacct: Slurm accounting storage is disabled): the "
+        "submitter learns that a job ended from its tasks' results, so a job killed before writing them (scancel, a "
+        "lost node) leaves it waiting\n"
+    )
+
+
+def test_with_accounting_sacct_is_polled_as_ever(tmp_path, monkeypatch, capsys):
+    submitit = pytest.importorskip("submitit")
+    from moe_tune.slurm_launcher import accounting_problem, quiet_submitit
+
+    _fake_sacct(tmp_path, monkeypatch, 1, "sacct: error: Problem talking to the database: Connection refused")
+    assert accounting_problem() is None  # a database down for a while: the polls may work later
+    (tmp_path / "bin" / "sacct").write_text("#!/bin/sh\nexit 0\n")
+    assert accounting_problem() is None
+    watcher = submitit.SlurmJob.watcher
+    with quiet_submitit():
+        assert submitit.SlurmJob.watcher is watcher
+    assert capsys.readouterr().err == ""

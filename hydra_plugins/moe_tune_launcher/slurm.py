@@ -122,14 +122,15 @@ else:
             os.environ.setdefault("SUBMITIT_PREEMPT_SIGNAL", "TERM")
             from submitit.core.utils import UncompletedJobError
 
-            from moe_tune.slurm_launcher import failure_line, job_exit_code
+            from moe_tune.slurm_launcher import failure_line, job_exit_code, quiet_submitit
 
-            try:
-                returns = super().launch(job_overrides, initial_job_idx)
-            except UncompletedJobError as e:  # a task that was killed leaves no result
-                print(f"moe-tune: error: {' '.join(str(e).split()[:40])}", file=sys.stderr)
-                raise SystemExit(1) from None
-            failed = [exits for exits in map(self._task_exits, returns) if any(e.code for e in exits)]
+            with quiet_submitit():  # its sacct polls: no line twice, none at every poll
+                try:
+                    returns = super().launch(job_overrides, initial_job_idx)
+                except UncompletedJobError as e:  # a task that was killed leaves no result
+                    print(f"moe-tune: error: {' '.join(str(e).split()[:40])}", file=sys.stderr)
+                    raise SystemExit(1) from None
+                failed = [exits for exits in map(self._task_exits, returns) if any(e.code for e in exits)]
             for exits in failed:
                 print(f"moe-tune: error: {failure_line(exits)}", file=sys.stderr)
             if failed:

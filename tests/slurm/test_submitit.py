@@ -29,6 +29,11 @@ def test_ep2_job_runs_two_ranks(slurm, tmp_path):
     assert [row["step"] for row in read_metrics(job_dir)] == [1, 2, 3, 4]
     results = sorted(p.name.split("_")[1] for p in (tmp_path / "multirun" / ".submitit").glob("*/*_result.pkl"))
     assert results == ["0", "1"]  # one task per rank, each reported back
+    # This Slurm keeps no accounting: one note, not a failed sacct poll's lines (sacct's own, and submitit's warning
+    # on stdout and again on stderr) at each poll.
+    out = r.stdout + r.stderr
+    assert out.count("moe-tune: note: Slurm accounting is not available here (sacct: Slurm accounting") == 1, out
+    assert "Bypassing sacct error" not in out and out.count("Slurm accounting storage is disabled") == 1, out
 
 
 def test_a_failing_job_is_the_submitters_exit_2(slurm, tmp_path):
