@@ -220,6 +220,15 @@ def test_cli_missing_input_path_exits_2_before_output_dir_exists(args, message, 
     assert not run_dir.exists()  # no lock, no base model, no config written
 
 
+def test_cli_missing_val_path_names_data_val_path(cli_env, tmp_path):
+    """A wrong data.val_path next to a good data.path was reported as ``data.path=<it> does not exist``."""
+    (tmp_path / "train.jsonl").write_text('{"text": "a record"}\n')
+    args = [f"output_dir={tmp_path / 'run'}", f"data.path={tmp_path / 'train.jsonl'}", "data.val_path=nonexist.jsonl"]
+    assert _one_error_line(args, cli_env, cwd=tmp_path).startswith(
+        "moe-tune: error: data.val_path=nonexist.jsonl does not exist; give a file"
+    )
+
+
 def test_cli_hub_dataset_offline_is_one_line_at_once(cli_env, tmp_path):
     """A hub dataset name with HF_HUB_OFFLINE=1 and no copy in the datasets cache: the line, not datasets' retries."""
     run_dir = tmp_path / "run"

@@ -13,9 +13,9 @@ from moe_tune.data.sources import resolve
 def check_data_sources(cfg) -> None:
     """``data.path`` and ``data.val_path`` name files, directories or hub datasets that exist (DataError naming
     the path otherwise): checked before a run writes anything. Hub names are checked when loaded."""
-    for path in (cfg.data.path, cfg.data.val_path):
+    for key, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
         if path is not None:
-            resolve(path)
+            resolve(path, key)
 
 
 __all__ = ["PackedDataset", "ValDataset", "build_dataset", "build_datasets", "check_data_sources"]

@@ -70,7 +70,7 @@ def record_sources(cfg: DataConfig, path: str | None, seed: int, streaming: bool
         return [lambda: _builtin_records(cfg, seed)]
     from moe_tune.data.sources import iter_records, resolve
 
-    return [lambda s=s: iter_records(s, streaming) for s in resolve(path)]
+    return [lambda s=s: iter_records(s, streaming) for s in resolve(path, _key(cfg, path))]
 
 
 def _policy(cfg: DataConfig) -> str:
@@ -91,7 +91,12 @@ def _source_fingerprint(cfg: DataConfig, path: str | None, seed: int) -> list | 
         return [cfg.name, cfg.num_samples, seed]  # the built-in set is generated from the seed
     from moe_tune.data.sources import fingerprint, resolve
 
-    return fingerprint(resolve(path))
+    return fingerprint(resolve(path, _key(cfg, path)))
+
+
+def _key(cfg: DataConfig, path: str) -> str:
+    """The config key that named ``path``, for error lines."""
+    return "data.path" if path == cfg.path else "data.val_path"
 
 
 def _cached(cfg: DataConfig, tokenizer, seq_len: int, seed: int, with_train: bool) -> dict:

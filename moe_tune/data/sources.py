@@ -26,24 +26,25 @@ class Source:
 
     kind: str  # json | parquet | csv | arrow | saved | hub
     path: str
+    key: str = "data.path"  # the config key that named it, for error lines (data.val_path for validation records)
 
 
-def resolve(path: str) -> list[Source]:
-    """The sources of ``data.path`` (or data.val_path), sorted; DataError if there are none."""
+def resolve(path: str, key: str = "data.path") -> list[Source]:
+    """The sources of ``path``, sorted; DataError naming ``key`` (data.path or data.val_path) if there are none."""
     if os.path.isdir(path):
         if _is_saved(path):
-            return [Source("saved", path)]
+            return [Source("saved", path, key)]
         names = sorted(n for n in os.listdir(path) if not n.startswith(".") and _kind(n))
         if not names:
-            raise DataError(f"data.path={path} has no {'/'.join(EXTENSIONS)} files and is not a save_to_disk directory")
-        return [Source(_kind(n), os.path.join(path, n)) for n in names]
+            raise DataError(f"{key}={path} has no {'/'.join(EXTENSIONS)} files and is not a save_to_disk directory")
+        return [Source(_kind(n), os.path.join(path, n), key) for n in names]
     if os.path.isfile(path):
         if not _kind(path):
-            raise DataError(f"data.path={path}: unknown file type; give a {'/'.join(EXTENSIONS)} file or a directory")
-        return [Source(_kind(path), path)]
+            raise DataError(f"{key}={path}: unknown file type; give a {'/'.join(EXTENSIONS)} file or a directory")
+        return [Source(_kind(path), path, key)]
     if path.startswith((".", "/", "~")) or _kind(path) or path.count("/") > 1:  # a path, not a hub name
-        raise DataError(f"data.path={path} does not exist; give a file, a directory or a hub dataset name (owner/name)")
-    return [Source("hub", path)]
+        raise DataError(f"{key}={path} does not exist; give a file, a directory or a hub dataset name (owner/name)")
+    return [Source("hub", path, key)]
 
 
 def _kind(name: str) -> str | None:
@@ -61,7 +62,7 @@ def fingerprint(sources: list[Source]) -> list:
     out = []
     for s in sources:
         if s.kind == "hub":
-            out.append(["hub", s.path, hub_fingerprint(s.path)])
+            out.append(["hub", s.path, hub_fingerprint(s.path, s.key)])
             continue
         files = [s.path] if os.path.isfile(s.path) else sorted(os.path.join(s.path, n) for n in os.listdir(s.path))
         for f in files:
@@ -138,10 +139,10 @@ def _open(source: Source, streaming: bool):
     if source.kind == "saved":
         loaded = datasets.load_from_disk(source.path)
         if isinstance(loaded, datasets.DatasetDict):
-            loaded = _train_split(loaded, source.path)
+            loaded = _train_split(loaded, source)
         return loaded.to_iterable_dataset() if streaming else loaded
     if source.kind == "hub":
-        return _load_hub(source.path, streaming)
+        return _load_hub(source.path, streaming, source.key)
     try:  # local files are read lazily either way: no Arrow copy in the datasets cache
         options = _csv_options(source.path) if source.kind == "csv" else {}
         return datasets.load_dataset(source.kind, data_files=[source.path], split="train", streaming=True, **options)
@@ -160,13 +161,13 @@ def _csv_options(path: str) -> dict:
     return {"features": datasets.Features({n: datasets.Value("string") for n in header}), "keep_default_na": False}
 
 
-def _train_split(loaded, path: str):
+def _train_split(loaded, source: Source):
     if "train" in loaded:
         return loaded["train"]
     if len(loaded) == 1:
         return next(iter(loaded.values()))
     raise DataError(
-        f"data.path={path} holds splits {sorted(loaded)} and none is 'train'; point at one split's directory"
+        f"{source.key}={source.path} holds splits {sorted(loaded)} and none is 'train'; point at one split's directory"
     )
 
 
@@ -219,7 +220,7 @@ def _offline():
         datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
 
 
-def _load_hub(name: str, streaming: bool):
+def _load_hub(name: str, streaming: bool, key: str = "data.path"):
     """A hub dataset's train split. Where the hub is out of reach (an offline variable, no network): its copy in the
     datasets cache, as datasets reads it offline, or one line saying how to get it."""
     import datasets
@@ -232,19 +233,19 @@ def _load_hub(name: str, streaming: bool):
         if out_of_reach and isinstance(e, ConnectionError):  # offline, as asked or found, and not in the cache
             unset = f", or unset {out_of_reach.split('=')[0]}" if "=" in out_of_reach else ""
             raise DataError(
-                f"data.path={name} is not a local file or directory nor in the datasets cache, and the hub is out of "
+                f"{key}={name} is not a local file or directory nor in the datasets cache, and the hub is out of "
                 f"reach ({out_of_reach}); download it where there is network (hf download {name} --repo-type "
-                f"dataset --local-dir <dir>) and give data.path=<dir>/<the folder of its data files>{unset}"
+                f"dataset --local-dir <dir>) and give {key}=<dir>/<the folder of its data files>{unset}"
             ) from None
         raise DataError(
-            f"data.path={name}: not a local path, and loading it from the hub failed ({_one_line(e)}); "
+            f"{key}={name}: not a local path, and loading it from the hub failed ({_one_line(e)}); "
             "check the name and the network, or give a local path"
         ) from None
 
 
-def hub_fingerprint(name: str) -> str:
+def hub_fingerprint(name: str, key: str = "data.path") -> str:
     """The downloaded dataset's fingerprint (its revision and files), for the cache key."""
-    return _load_hub(name, streaming=False)._fingerprint
+    return _load_hub(name, streaming=False, key=key)._fingerprint
 
 
 def _one_line(e: Exception) -> str:

@@ -77,3 +77,10 @@ def test_batches_cover_every_row_once(num_rows, micro_batch_size, dp_size):
                     seen.append(int(row_ids[0]))
     assert sorted(seen) == [1 + i * seq_len for i in range(num_rows)]
     assert val.num_label_tokens == num_rows * (seq_len - 1)
+
+
+def test_a_missing_val_path_is_named_as_data_val_path(cfg, tmp_path):
+    """A wrong data.val_path was reported as ``data.path=<it> does not exist`` (new-user trial)."""
+    missing = tmp_path / "nonexist.jsonl"
+    with pytest.raises(DataError, match=rf"^data\.val_path={missing} does not exist"):
+        build_datasets(replace(cfg, val_path=str(missing)), build_tokenizer(), 32, seed=0)
