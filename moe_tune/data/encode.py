@@ -50,8 +50,12 @@ class Encoder:
             labels = ids
         labels = [IGNORE] + labels[1:]
         if all(x == IGNORE for x in labels[: self.seq_len]):
-            where = "" if len(ids) <= self.seq_len else f" within train.seq_len={self.seq_len} ({len(ids)} tokens)"
-            raise BadRecord("no_trainable_token", f"no token carries loss (data.train_on={self.train_on}){where}")
+            detail = f"no token carries loss (data.train_on={self.train_on})"
+            if len(ids) <= self.seq_len:
+                raise BadRecord("no_trainable_token", detail)
+            n = len(ids)
+            fix = f"raise train.seq_len to at least {n} (e.g. train.seq_len={1 << (n - 1).bit_length()})"
+            raise BadRecord("no_trainable_token", f"{detail} within train.seq_len={self.seq_len} ({n} tokens)", fix)
         return ids, labels
 
     def _tokens(self, text: str) -> list[int]:

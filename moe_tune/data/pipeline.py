@@ -25,7 +25,8 @@ def bad_record_message(where: str, bad: BadRecord) -> str:
     if bad.reason in TEMPLATE_FAULTS:  # the detail names the fix
         return f"{where}: {bad.detail}"
     what = "line" if bad.reason in ("invalid_json", "invalid_utf8") else "record"
-    return f"{where}: {bad.detail}; fix the {what} or set data.on_bad_record=skip"
+    fix = f"{bad.fix}, " if bad.fix else ""
+    return f"{where}: {bad.detail}; {fix}fix the {what} or set data.on_bad_record=skip"
 
 
 class Tally:

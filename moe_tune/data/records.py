@@ -37,11 +37,12 @@ SHAREGPT_ROLES = {
 
 
 class BadRecord(Exception):
-    """A record that cannot be trained on. ``reason`` is the counter's key in ``stats["skipped"]``."""
+    """A record that cannot be trained on. ``reason`` is the counter's key in ``stats["skipped"]``; ``fix``: a
+    remedy other than fixing the record or skipping it (e.g. a longer train.seq_len), named first."""
 
-    def __init__(self, reason: str, detail: str):
+    def __init__(self, reason: str, detail: str, fix: str | None = None):
         super().__init__(detail)
-        self.reason, self.detail = reason, detail
+        self.reason, self.detail, self.fix = reason, detail, fix
 
 
 # Reasons that are the chat template's fault, not the record's: the run stops at the first such record whatever

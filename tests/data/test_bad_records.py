@@ -110,11 +110,16 @@ def test_more_wrong_types_and_sharegpt_roles(tmp_path):
 
 
 def test_truncation_past_every_label_is_no_trainable_token(tmp_path):
+    """The line names the record's length and, besides skipping, a train.seq_len that holds it (the new-user
+    trial's line offered data.on_bad_record=skip alone)."""
     short, long = (json.dumps({"prompt": p, "response": "y"}).encode() for p in ("x", "x" * 40))
-    with pytest.raises(
-        DataError, match=r":2: no token carries loss \(data\.train_on=assistant\) within train\.seq_len=32"
-    ):
+    with pytest.raises(DataError) as e:
         build(tmp_path, [short, long])
+    assert str(e.value) == (
+        f"{tmp_path / 'data.jsonl'}:2: no token carries loss (data.train_on=assistant) within train.seq_len=32 "
+        "(43 tokens); raise train.seq_len to at least 43 (e.g. train.seq_len=64), fix the record or set "
+        "data.on_bad_record=skip"
+    )
     train = build(tmp_path, [short, long], on_bad_record="skip")
     assert train.stats["records_skipped"] == {"no_trainable_token": 1}
 
