@@ -48,17 +48,28 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     for o in args.overrides:
         flags.remove(o)
     args.multirun = args.multirun or "hydra.mode=MULTIRUN" in args.overrides  # Hydra's other way to say -m
-    args.overrides = choose_data_group(args.overrides)
+    args.overrides = choose_path_groups(args.overrides)
     return args, flags + args.overrides
 
 
-def choose_data_group(overrides: list[str]) -> list[str]:
-    """``data.path=<records>`` without a ``data=`` choice reads the user's records as ``data=jsonl`` (the option
-    that takes a path): the default group, arithmetic, would otherwise stay in the recorded config (``data.name:
-    arithmetic``) of a run that trained on the file. A command-line choice also overrides an experiment's."""
+# A path given without its group's choice selects the option that takes one: (group, key, option).
+PATH_OPTIONS = (("data", "data.path", "jsonl"), ("model", "model.path", "hf"))
+
+
+def choose_path_groups(overrides: list[str]) -> list[str]:
+    """``data.path=<records>`` without a ``data=`` choice reads the user's records as ``data=jsonl``, and
+    ``model.path=<dir>`` without a ``model=`` choice loads it as ``model=hf`` (the options that take a path): the
+    default groups would otherwise stay in the recorded config (``data.name: arithmetic``, ``model.name:
+    tiny_qwen3_moe``) of a run that trained on the file or checkpoint, and a checkpoint of another family than the
+    default preset's was refused. A command-line choice also overrides an experiment's; an explicit choice stays
+    (a preset with a checkpoint of another family is refused as before)."""
     keys = [o.partition("=")[0].lstrip("+~") for o in overrides]
-    given = any(o.startswith("data.path=") and o != "data.path=null" for o in overrides)
-    return ["data=jsonl", *overrides] if given and "data" not in keys else overrides
+    chosen = []
+    for group, key, option in PATH_OPTIONS:
+        given = any(o.startswith(f"{key}=") and o != f"{key}=null" for o in overrides)
+        if given and group not in keys:
+            chosen.append(f"{group}={option}")
+    return [*chosen, *overrides]
 
 
 def runs_job(args: argparse.Namespace) -> bool:
@@ -99,7 +110,7 @@ def compose(overrides: list[str]):
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=choose_data_group(overrides))
+        return hydra_compose(config_name="config", overrides=choose_path_groups(overrides))
 
 
 def group_options() -> dict[str, list[str]]:

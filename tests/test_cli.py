@@ -299,10 +299,10 @@ def test_cli_unsupported_architecture_exits_2(tmp_path, cli_env, tiny_checkpoint
 
 
 def test_a_checkpoint_given_to_a_preset_of_another_family_names_model_hf(tmp_path, cli_env, tiny_checkpoint):
-    """model.path with the default preset (tiny_qwen3_moe) and an OLMoE checkpoint: the fix is model=hf (the
-    preset's family is not the user's), said before anything is written."""
+    """model.path with a preset chosen (tiny_qwen3_moe) and an OLMoE checkpoint: the fix is model=hf (the preset's
+    family is not the user's), said before anything is written. model.path alone chooses model=hf itself."""
     olmoe = tiny_checkpoint("olmoe")
-    line = _one_error_line([f"output_dir={tmp_path / 'run'}", f"model.path={olmoe}"], cli_env)
+    line = _one_error_line([f"output_dir={tmp_path / 'run'}", "model=tiny_qwen3_moe", f"model.path={olmoe}"], cli_env)
     assert f"load your checkpoint with model=hf model.path={olmoe}" in line and "model_type olmoe" in line
     assert not (tmp_path / "run").exists()
 

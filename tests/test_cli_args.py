@@ -26,6 +26,8 @@ def _moe_tune(args: list[str], env: dict[str, str], cwd) -> subprocess.Completed
         (["--info", "defaults"], "Defaults List"),
         # data.path alone reads the user's records as data=jsonl (it recorded data.name: arithmetic).
         (["-c", "job", "-p", "data", "data.path=chat.jsonl"], "name: jsonl\npath: chat.jsonl\nnum_samples: 0"),
+        # model.path alone loads the checkpoint as model=hf (it kept the default preset's name and family).
+        (["-c", "job", "-p", "model", "model.path=ckpt"], "name: hf\npath: ckpt"),
     ],
 )
 def test_hydra_flags_take_separate_values(args, expected, cli_env, tmp_path):
@@ -140,6 +142,36 @@ def test_data_path_alone_chooses_data_jsonl(overrides, name):
 
     assert compose(overrides).data.name == name
     assert ("data=jsonl" in parse(overrides)[1]) == (name == "jsonl")
+
+
+@pytest.mark.parametrize(
+    "overrides,name",
+    [
+        (["model.path=ckpt"], "hf"),
+        (["experiment=qwen3_30b_a3b_1gpu", "model.path=ckpt"], "hf"),  # over the experiment's model choice
+        (["model=qwen3_30b_a3b", "model.path=ckpt"], "qwen3_30b_a3b"),  # an explicit choice stays
+        (["model.path=null"], "tiny_qwen3_moe"),
+    ],
+)
+def test_model_path_alone_chooses_model_hf(overrides, name):
+    """``model.path=<dir>`` without ``model=hf`` kept the default preset (recorded as model.name, and a checkpoint
+    of another family was refused), where ``data.path`` alone already chose ``data=jsonl``."""
+    from moe_tune.cli_args import compose, parse
+
+    assert compose(overrides).model.name == name
+    assert ("model=hf" in parse(overrides)[1]) == (name == "hf")
+
+
+def test_model_path_alone_loads_any_family_and_a_preset_of_another_stays_refused(tiny_checkpoint, tmp_path, capsys):
+    """The new-user trial: a Mixtral checkpoint given as model.path alone was refused (exit 2, 'load your
+    checkpoint with model=hf'); an explicit preset of another family with it still is."""
+    mixtral = tiny_checkpoint("mixtral")
+    out = f"output_dir={tmp_path / 'run'}"
+    assert "model=hf" in precheck([out, f"model.path={mixtral}"])
+    with pytest.raises(SystemExit) as e:
+        precheck([out, "model=qwen3_30b_a3b", f"model.path={mixtral}"])
+    assert e.value.code == 2
+    assert "but model=qwen3_30b_a3b is a preset of family qwen3_moe" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("mode", ["-m", "hydra.mode=MULTIRUN"])
