@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from moe_tune.checkpoint import manifest, safe
+from moe_tune.checkpoint.start import RUN_OUTPUTS, check_start, note_finished  # noqa: F401  (the trainer: check_start)
 from moe_tune.checkpoint.state import (
     check_base,
     flat_state,
@@ -122,30 +123,6 @@ def latest(run_dir: str) -> str | None:
     return next(iter(manifest.complete_checkpoints(run_dir)), None)
 
 
-# What a run leaves in its output_dir besides checkpoints (a finished or a crashed run).
-RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "hf")
-
-
-def check_fresh_start(run_dir: str, resume: str) -> None:
-    """``checkpoint.resume=auto`` in a directory that holds a run's outputs but no complete checkpoint would start
-    at step 1 over them: refused (CheckpointError, one line). ``checkpoint.resume=none`` starts afresh, replacing
-    them (metrics.jsonl restarts at step 1)."""
-    if resume != "auto" or manifest.complete_checkpoints(run_dir):
-        return
-    found = [name for name in RUN_OUTPUTS if _not_empty(os.path.join(run_dir, name))]
-    if found:
-        raise CheckpointError(
-            f"output_dir {run_dir} already holds a run ({', '.join(found)}) but no checkpoint to resume from; give "
-            "another output_dir, or checkpoint.resume=none to start afresh and overwrite it"
-        )
-
-
-def _not_empty(path: str) -> bool:
-    if os.path.isdir(path):
-        return bool(os.listdir(path))
-    return os.path.isfile(path) and os.path.getsize(path) > 0
-
-
 def maybe_resume(trainer, resume: str) -> int:
     """Returns the step to start from: 0, or the step of the checkpoint resumed."""
     # The newest intact checkpoint (damaged ones passed over with a warning), or the one named, checked.
@@ -154,6 +131,8 @@ def maybe_resume(trainer, resume: str) -> int:
         if trainer.rank == 0:
             log.info("resuming from %s", path)
         load(trainer, path)
+        if trainer.rank == 0:
+            note_finished(path, trainer.step, trainer.cfg.train.steps)
         named = [*trainer.model.state_dict().items(), *_optimizer_tensors(trainer.optimizer)]
         safe.check_finite(named, f"checkpoint {path}")
     metrics = getattr(trainer, "metrics", None)

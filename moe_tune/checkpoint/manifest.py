@@ -124,17 +124,45 @@ def verify(path: str, checksums: bool = True) -> str | None:
     return problems[0] if problems else None
 
 
+def _step_dirs(run_dir: str) -> list[tuple[int, str, bool]]:
+    """(N, path, complete) for every ``checkpoints/step_<N>`` of ``run_dir``, newest (highest N) first."""
+    root = os.path.join(run_dir, "checkpoints")
+    names = os.listdir(root) if os.path.isdir(root) else []
+    found = [(int(m.group(1)), os.path.join(root, n)) for n in names if (m := re.fullmatch(r"step_(\d+)", n))]
+    return [(step, p, os.path.isfile(os.path.join(p, COMPLETE))) for step, p in sorted(found, reverse=True)]
+
+
 def complete_checkpoints(run_dir: str) -> list[str]:
     """Every ``checkpoints/step_<N>`` of ``run_dir`` with a ``COMPLETE`` file, newest (highest N) first."""
-    root = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return []
-    steps = [
-        (int(m.group(1)), os.path.join(root, n))
-        for n in os.listdir(root)
-        if (m := re.fullmatch(r"step_(\d+)", n)) and os.path.isfile(os.path.join(root, n, COMPLETE))
-    ]
-    return [p for _, p in sorted(steps, reverse=True)]
+    return [p for _, p, complete in _step_dirs(run_dir) if complete]
+
+
+def saved_step(path: str) -> int | None:
+    """The step in ``path``'s ``COMPLETE`` (a manifest, or an old file holding the number); None if unreadable."""
+    try:
+        with open(os.path.join(path, COMPLETE)) as f:
+            body = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    step = body.get("step") if isinstance(body, dict) else body
+    return step if isinstance(step, int) else None
+
+
+def _incomplete_after(run_dir: str, path: str | None) -> list[str]:
+    """The ``checkpoints/step_<N>`` of ``run_dir`` without ``COMPLETE`` newer than ``path`` (all of them when
+    None): saves cut short (a kill during them), which a resume passes over."""
+    dirs = _step_dirs(run_dir)
+    after = next((step for step, p, _ in dirs if p == path), -1)
+    return [p for step, p, complete in dirs if not complete and step > after]
+
+
+def _say_passed_over(run_dir: str, path: str | None) -> None:
+    """One warning (rank 0) naming the incomplete checkpoints newer than the one resumed from: the steps after it
+    are trained again."""
+    skipped = _incomplete_after(run_dir, path)
+    if skipped and rank_world()[0] == 0:
+        then = f"resuming from {path}" if path is not None else "no complete checkpoint: starting at step 0"
+        log.warning("passing over incomplete checkpoint %s (a save cut short); %s", ", ".join(skipped), then)
 
 
 def prune(run_dir: str, keep: int) -> list[str]:
@@ -168,6 +196,7 @@ def pick(run_dir: str, resume: str, checksums: bool = True) -> str | None:
     for path in candidates:
         problem = verify(path, checksums)
         if problem is None:
+            _say_passed_over(run_dir, path)
             return path
         problems.append(problem)
         if rank_world()[0] == 0:
@@ -177,4 +206,5 @@ def pick(run_dir: str, resume: str, checksums: bool = True) -> str | None:
             f"no intact checkpoint in {os.path.join(run_dir, 'checkpoints')}: {'; '.join(problems)}; "
             "remove the damaged ones to start afresh, or give checkpoint.resume=none"
         )
+    _say_passed_over(run_dir, None)
     return None

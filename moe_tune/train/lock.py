@@ -17,7 +17,7 @@ import socket
 
 import torch.distributed as dist
 
-from moe_tune.config import UserError
+from moe_tune.config import ConfigError, UserError
 
 log = logging.getLogger("moe_tune")
 
@@ -116,4 +116,18 @@ def init_run_lock(output_dir: str, rank: int) -> RunLock | None:
     return lock
 
 
-__all__ = ["RunLock", "RunLockError", "init_run_lock", "release_held"]
+def check_output_dir(output_dir: str) -> None:
+    """ConfigError unless ``output_dir`` is a directory or can become one: an existing file there (or in place of
+    one of its parents) would otherwise be a FileExistsError traceback from Hydra's or this lock's mkdir."""
+    path = os.path.abspath(output_dir)
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if os.path.isdir(path):
+        return
+    where = "is a file" if path == os.path.abspath(output_dir) else f"is under {path}, which is a file"
+    raise ConfigError(
+        f"output_dir={output_dir} {where}, not a directory; give a directory (an existing one or one to create)"
+    )
+
+
+__all__ = ["RunLock", "RunLockError", "check_output_dir", "init_run_lock", "release_held"]

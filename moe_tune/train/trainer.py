@@ -36,7 +36,7 @@ from moe_tune.run_record import setup_logging, write_config, write_run_summary
 from moe_tune.train.cadence import Cadence
 from moe_tune.train.evaluate import evaluate, perplexity
 from moe_tune.train.guard import Diverged, NonFiniteGuard
-from moe_tune.train.lock import init_run_lock
+from moe_tune.train.lock import check_output_dir, init_run_lock
 from moe_tune.train.profile import build_profiler
 from moe_tune.train.progress import Progress
 from moe_tune.train.signals import StopSignal
@@ -68,7 +68,7 @@ class Trainer:
         # Before anything is written to output_dir; every rank raises if another run holds it.
         self.run_lock = init_run_lock(cfg.output_dir, self.rank) if write_run_files else None
         if write_run_files:
-            ckpt.check_fresh_start(cfg.output_dir, cfg.checkpoint.resume)  # a used directory is no fresh start
+            ckpt.check_start(cfg.output_dir, cfg.checkpoint.resume, t.steps)  # overwrites nothing, trains something
         self.built = built = builder(cfg, self.env)
         self.model, self.mesh, self.source, self.tokenizer = built.model, built.mesh, built.source, built.tokenizer
         self.moe_layers, self.flops_per_token = built.moe_layers, built.flops_per_token
@@ -99,6 +99,7 @@ class Trainer:
         from moe_tune.data import check_data_sources
 
         validate(cfg)
+        check_output_dir(cfg.output_dir)
         check_model_source(cfg)
         check_data_sources(cfg)
         require_backends(cfg)

@@ -78,3 +78,17 @@ def test_a_finished_run_frees_its_output_dir(make_trainer, tmp_path):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError while the run still holds it
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("under", ["", "/run"])
+def test_output_dir_on_a_file_is_one_line_and_exit_2(tmp_path, cli_env, under):
+    """A regular file at output_dir (or in place of one of its parents) was Hydra's FileExistsError traceback."""
+    (tmp_path / "afile").write_text("mine\n")
+    r = _moe_tune([f"output_dir={tmp_path}/afile{under}", "train.steps=1", *FAST_RUN], cli_env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    where = "is a file" if not under else f"is under {tmp_path}/afile, which is a file"
+    assert r.stderr == (
+        f"moe-tune: error: output_dir={tmp_path}/afile{under} {where}, not a directory; give a directory (an "
+        "existing one or one to create)\n"
+    )
+    assert (tmp_path / "afile").read_text() == "mine\n"

@@ -1,0 +1,76 @@
+"""What a run's start makes of its output_dir and ``checkpoint.resume``, before anything is written there.
+
+A used directory is no fresh start (``checkpoint.resume=auto`` over a finished or crashed run without a
+checkpoint would restart at step 1 over it), and a checkpoint past ``train.steps`` leaves nothing to train (a
+shorter run given by mistake, which would otherwise exit 0 having trained nothing). A checkpoint at
+``train.steps`` is a finished run run again: as in torchtitan and Lightning it trains nothing and ends with
+exit 0, which a requeued or retried job relies on; the trainer says so (``note_finished``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from moe_tune.checkpoint import manifest
+from moe_tune.config import CheckpointError
+
+log = logging.getLogger("moe_tune")
+
+# What a run leaves in its output_dir besides checkpoints (a finished or a crashed run).
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "hf")
+
+
+def check_start(run_dir: str, resume: str, steps: int) -> None:
+    """CheckpointError (one line) for a start that would overwrite a run or train nothing."""
+    check_fresh_start(run_dir, resume)
+    check_steps_left(run_dir, resume, steps)
+
+
+def check_fresh_start(run_dir: str, resume: str) -> None:
+    """``checkpoint.resume=auto`` in a directory that holds a run's outputs but no complete checkpoint would start
+    at step 1 over them: refused. ``checkpoint.resume=none`` starts afresh, replacing them (metrics.jsonl restarts
+    at step 1)."""
+    if resume != "auto" or manifest.complete_checkpoints(run_dir):
+        return
+    found = [name for name in RUN_OUTPUTS if _not_empty(os.path.join(run_dir, name))]
+    if found:
+        raise CheckpointError(
+            f"output_dir {run_dir} already holds a run ({', '.join(found)}) but no checkpoint to resume from; give "
+            "another output_dir, or checkpoint.resume=none to start afresh and overwrite it"
+        )
+
+
+def check_steps_left(run_dir: str, resume: str, steps: int) -> None:
+    """The checkpoint a resume starts from must be before ``train.steps`` (at it: a finished run, allowed). For
+    ``auto`` the newest complete one is taken, unchecked (``manifest.pick`` checks it later and may fall back to
+    an older one when it is damaged)."""
+    if resume == "none":
+        return
+    path = next(iter(manifest.complete_checkpoints(run_dir)), None) if resume == "auto" else resume
+    step = manifest.saved_step(path) if path is not None else None
+    if step is None or step <= steps:
+        return
+    if resume == "auto":
+        what = f"output_dir={run_dir}: its checkpoint {os.path.basename(os.path.normpath(path))} is"
+        fix = "give a new output_dir, or checkpoint.resume=none to start afresh over it"
+    else:
+        what, fix = f"checkpoint.resume={resume} is at step {step},", "or give an earlier checkpoint"
+    raise CheckpointError(f"{what} past train.steps={steps}: nothing to train; raise train.steps above {step}, {fix}")
+
+
+def note_finished(path: str, step: int, steps: int) -> None:
+    """A resume at ``train.steps`` (rank 0): what the run does, instead of only 'resuming from'."""
+    if step == steps:
+        log.info(
+            "%s is at train.steps=%d: the run is finished, nothing to train; its outputs are written again (raise "
+            "train.steps to train on)",
+            path,
+            steps,
+        )
+
+
+def _not_empty(path: str) -> bool:
+    if os.path.isdir(path):
+        return bool(os.listdir(path))
+    return os.path.isfile(path) and os.path.getsize(path) > 0
