@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from moe_tune.checkpoint import manifest, safe
+from moe_tune.checkpoint.fit import check_settings, mismatch_fix
 from moe_tune.checkpoint.start import RUN_OUTPUTS, check_start, note_finished  # noqa: F401  (the trainer: check_start)
 from moe_tune.checkpoint.state import (
     check_base,
@@ -154,6 +155,7 @@ def load(trainer, path: str) -> None:
     flat, model_sd, optim_sd = flat_state(trainer.model, trainer.optimizer)
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
+    check_settings(meta, trainer.cfg, path)  # another peft: named in settings, before any tensor is read
     keep_global_batch(trainer, meta, path)
     if frozen_names(trainer.model):  # adapters only: the base is the run's own, and must be the one they fit
         from dataclasses import asdict
@@ -161,8 +163,9 @@ def load(trainer, path: str) -> None:
         check_base(meta, asdict(trainer.cfg.model), trainer.cfg.train.seed, trainer.source, path)
     # Learning rate, betas etc. as they were at the save (the fresh optimizer holds step 0's values), matched by
     # parameter name: the groups' number and order depend on the layout. CheckpointError if the names differ.
-    optim_sd["param_groups"], group_of = param_groups_by_name(optim_sd["param_groups"], meta["param_groups"], path)
-    with names_match(path):
+    fix = mismatch_fix(meta, trainer.cfg, path)
+    optim_sd["param_groups"], group_of = param_groups_by_name(optim_sd["param_groups"], meta["param_groups"], path, fix)
+    with names_match(path, fix):
         safe.dcp_load(flat, path)  # no unpickling of anything but DCP's metadata classes
     restore_model(flat, model_sd)
     extra_keys = [k for k in model_sd if _is_extra_state(k)]

@@ -126,7 +126,7 @@ def restore_model(flat: dict, model_sd: dict) -> None:
             model_sd[key[len("model.") :]] = value
 
 
-def check_names(names: Iterable[str], saved: Iterable[str], path: str) -> None:
+def check_names(names: Iterable[str], saved: Iterable[str], path: str, fix: str = _MISMATCH_FIX) -> None:
     """CheckpointError unless the model's parameter names and the checkpoint's are the same set."""
     names, saved = list(names), set(saved)
     missing = [n for n in names if n not in saved]
@@ -138,7 +138,7 @@ def check_names(names: Iterable[str], saved: Iterable[str], path: str) -> None:
         what.append(f"it has no parameter {missing[0]} ({len(missing)} of the model's missing)")
     if unexpected:
         what.append(f"it has a parameter {unexpected[0]} the model lacks ({len(unexpected)} unexpected)")
-    raise CheckpointError(f"checkpoint {path} does not match the model: {'; '.join(what)}. {_MISMATCH_FIX}")
+    raise CheckpointError(f"checkpoint {path} does not match the model: {'; '.join(what)}. {fix}")
 
 
 def _hypers(group: dict) -> dict:
@@ -149,11 +149,13 @@ def _hypers(group: dict) -> dict:
     return out
 
 
-def param_groups_by_name(current: list[dict], saved: list[dict], path: str) -> tuple[list[dict], list[int]]:
+def param_groups_by_name(
+    current: list[dict], saved: list[dict], path: str, fix: str = _MISMATCH_FIX
+) -> tuple[list[dict], list[int]]:
     """(``current``'s groups, each with the hyperparameters of the saved group that held its parameters; for each
     current group the index of that saved group). Groups' ``params`` are FQNs (DCP's optimizer state dict)."""
     owner = {fqn: i for i, group in enumerate(saved) for fqn in group["params"]}
-    check_names([fqn for group in current for fqn in group["params"]], owner, path)
+    check_names([fqn for group in current for fqn in group["params"]], owner, path, fix)
     groups, mapping = [], []
     for group in current:
         sources = sorted({owner[fqn] for fqn in group["params"]}) or [0]
@@ -186,7 +188,7 @@ def scheduler_by_name(state: dict, mapping: list[int], num_saved: int, path: str
 
 
 @contextlib.contextmanager
-def names_match(path: str):
+def names_match(path: str, fix: str = _MISMATCH_FIX):
     """Around ``dcp.load``: a tensor the checkpoint lacks (an expert index past its experts) or holds at another
     size becomes a CheckpointError naming it, not DCP's traceback of every rank."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -196,5 +198,5 @@ def names_match(path: str):
     except CheckpointException as e:
         for exc, _ in e.failures.values():
             if isinstance(exc, (RuntimeError, ValueError)) and str(exc).startswith(("Missing key", "Size mismatch")):
-                raise CheckpointError(f"checkpoint {path} does not match the model: {exc} {_MISMATCH_FIX}") from None
+                raise CheckpointError(f"checkpoint {path} does not match the model: {exc} {fix}") from None
         raise

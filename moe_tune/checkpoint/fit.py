@@ -1,0 +1,76 @@
+"""Whether a checkpoint fits this run's model, said in the settings that differ (meta.json's ``config``), not in
+tensor names.
+
+Before anything is loaded: a checkpoint of another ``peft`` (LoRA vs none, another rank, target or
+``train_router``) holds other tensors, always; refused naming those settings on both sides. The model's settings
+(``model.name``, ``path``, ``overrides``, ``family``) may differ and still fit (a base moved to another path, an
+override that changes no shape), so they are named only when the tensors then do not match (``mismatch_fix``);
+where meta.json names no difference, the parameter-level message stands alone.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+
+from moe_tune.config import CheckpointError
+
+# The settings a checkpoint's tensors follow: their names (peft.name, target, train_router) and LoRA's shapes.
+PEFT_KEYS = ("name", "rank", "target", "train_router")
+MODEL_KEYS = ("name", "path", "overrides", "family")
+
+
+def _value(value) -> str:
+    """A value as a Hydra override writes it."""
+    if value is None:
+        return "null"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_value(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _differing(saved: dict, now: dict, section: str, keys) -> tuple[str, str]:
+    """("section.key=saved, ...", "section.key=now, ...") over the keys whose values differ; ("", "") if none."""
+    keys = [k for k in keys if saved.get(k, now[k]) != now[k]]
+    was = ", ".join(f"{section}.{k}={_value(saved[k])}" for k in keys)
+    return was, ", ".join(f"{section}.{k}={_value(now[k])}" for k in keys)
+
+
+def _peft_differs(saved: dict, now: dict) -> tuple[str, str]:
+    if saved.get("name", "none") != now["name"]:
+        return _differing(saved, now, "peft", ["name"])
+    return _differing(saved, now, "peft", PEFT_KEYS[1:]) if now["name"] != "none" else ("", "")
+
+
+def _own(cfg, path: str) -> bool:
+    """``path`` is a checkpoint of this run's output_dir (not another run's, named by checkpoint.resume)."""
+    out, path = os.path.realpath(cfg.output_dir), os.path.realpath(path)
+    return os.path.commonpath([out, path]) == out
+
+
+def _fix(cfg, path: str, was: str) -> str:
+    resume = f"resume with the checkpoint's settings ({was})" if was else "resume with the model it was saved from"
+    if _own(cfg, path):
+        return f"{resume}, or train this model in another output_dir (checkpoint.resume=none starts afresh over it)"
+    return f"{resume}, or train this model from its start, without checkpoint.resume={path}"
+
+
+def check_settings(meta: dict, cfg, path: str) -> None:
+    """CheckpointError (one line) when the checkpoint's peft settings are not this run's: its tensors cannot fit."""
+    was, now = _peft_differs(meta["config"].get("peft", {}), asdict(cfg.peft))
+    if was:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this run's model (checkpoint: {was}; this run: {now}); "
+            f"{_fix(cfg, path, was)}"
+        )
+
+
+def mismatch_fix(meta: dict, cfg, path: str) -> str:
+    """What follows a parameter-level mismatch of ``path``: the model settings that differ, and the fix."""
+    saved, now = meta["config"].get("model", {}), asdict(cfg.model)
+    keys = MODEL_KEYS if saved.get("name", now["name"]) == now["name"] else MODEL_KEYS[:-1]  # family: the preset's
+    was, now = (side.replace("model.name=", "model=") for side in _differing(saved, now, "model", keys))
+    fix = _fix(cfg, path, was)
+    return f"The checkpoint has {was}; this run has {now}: {fix}" if was else fix[0].upper() + fix[1:]
