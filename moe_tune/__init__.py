@@ -19,4 +19,17 @@ class AutoModelForCausalLM:
         return from_pretrained(path, dtype=dtype, kernels=kernels, device=device, **options)
 
 
+# Submodules of the Python API reachable as attributes after a plain ``import moe_tune`` (README's
+# ``moe_tune.build.from_checkpoint``), imported on first use so that ``import moe_tune`` stays light.
+LAZY_SUBMODULES = ("build",)
+
+
+def __getattr__(name: str):
+    if name in LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"moe_tune.{name}")
+    raise AttributeError(f"module 'moe_tune' has no attribute {name!r}")
+
+
 __all__ = ["AutoModelForCausalLM", "__version__"]

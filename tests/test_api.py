@@ -24,3 +24,22 @@ def test_logits_with_labels_outside_training_none_in_training(tiny_checkpoint):
     assert model(input_ids=ids, labels=ids, return_logits=True).logits is not None
     model.eval()
     assert model(input_ids=ids, labels=ids, return_logits=False).logits is None
+
+
+def test_readme_from_checkpoint_runs_as_written_after_import_moe_tune(tmp_path, cli_env):
+    """README's ``moe_tune.build.from_checkpoint(...)`` after a plain ``import moe_tune`` (new-user trial: an
+    AttributeError, moe_tune had no attribute build). ``import moe_tune`` still loads neither torch nor build."""
+    import re
+    import subprocess
+
+    from tests.harness import FAST_RUN, PY, ROOT, run_cli
+
+    readme = open(f"{ROOT}/README.md").read()
+    snippet = re.search(r"`(model, cfg = moe_tune\.build\.from_checkpoint\(\"outputs/run/[^`]*)`", readme).group(1)
+    run_cli([f"output_dir={tmp_path / 'outputs' / 'run'}", "train.steps=1", "checkpoint.every=1", *FAST_RUN], cli_env)
+    code = (
+        "import sys\nimport moe_tune\nassert 'torch' not in sys.modules and 'moe_tune.build' not in sys.modules\n"
+        f"{snippet.replace('step_N', 'step_1')}\nprint(type(model).__name__, cfg.train.steps)"
+    )
+    r = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=cli_env, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0 and r.stdout.split() == ["MoECausalLM", "1"], r.stderr[-2000:]
