@@ -1,7 +1,7 @@
 """Experiment tracking beside metrics.jsonl: ``logger=none|tensorboard|wandb|mlflow``.
 
 ``build_logger(cfg.logger, output_dir, rank, config_dict) -> Logger``; a ``Logger`` has ``log(step, row)`` (the
-numeric fields of a metrics row, plus anything else numeric such as ``expert_load/layer_<i>``),
+numeric fields of a metrics row, plus anything else numeric such as ``expert_load/layer_<i>``, i the decoder layer),
 ``log_image(step, name, image)`` (an HxWx3 uint8 array or a matplotlib Figure) and ``close()``. Only rank 0
 logs: every other rank, and ``logger=none``, get the base ``Logger``, which does nothing.
 

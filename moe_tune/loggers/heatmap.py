@@ -1,5 +1,6 @@
-"""Expert load as an image: layers down, experts across, each layer's counts over its mean (1 = even load).
-matplotlib (an optional dependency; ``require_logger`` checks it) draws off-screen, without pyplot."""
+"""Expert load as an image: MoE layers down (labelled by decoder layer), experts across, each layer's counts over
+its mean (1 = even load). matplotlib (an optional dependency; ``require_logger`` checks it) draws off-screen,
+without pyplot."""
 
 from __future__ import annotations
 
@@ -21,8 +22,17 @@ def figure_to_array(figure) -> np.ndarray:
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
 
-def expert_load_image(counts_LE: np.ndarray, step: int) -> np.ndarray:
-    """The heat map of ``counts_LE`` (layers x experts, rows routed to each expert) as an HxWx3 uint8 array."""
+def layer_ticks(layer_ids: list[int], most: int = 16) -> tuple[list[int], list[str]]:
+    """Row positions and labels for the heat map's layer axis: the decoder layer index of each row (at most
+    ``most`` of them, evenly spaced), so a model with dense leading layers is not shown from 0."""
+    stride = -(-len(layer_ids) // most) or 1
+    rows = list(range(0, len(layer_ids), stride))
+    return rows, [str(layer_ids[r]) for r in rows]
+
+
+def expert_load_image(counts_LE: np.ndarray, step: int, layer_ids: list[int] | None = None) -> np.ndarray:
+    """The heat map of ``counts_LE`` (MoE layers x experts, rows routed to each expert) as an HxWx3 uint8 array;
+    ``layer_ids``: each row's decoder layer index (default 0, 1, ...)."""
     from matplotlib.figure import Figure
 
     load_LE = normalised_load(counts_LE)
@@ -31,11 +41,12 @@ def expert_load_image(counts_LE: np.ndarray, step: int) -> np.ndarray:
     ax = fig.add_subplot()
     im = ax.imshow(load_LE, aspect="auto", cmap="viridis", vmin=0.0, interpolation="nearest")
     ax.set_xlabel("expert")
-    ax.set_ylabel("MoE layer")
+    ax.set_yticks(*layer_ticks(list(range(L)) if layer_ids is None else list(layer_ids)))
+    ax.set_ylabel("decoder layer (MoE layers)")
     ax.set_title(f"expert load / mean, step {step}")
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
     return figure_to_array(fig)
 
 
-__all__ = ["expert_load_image", "figure_to_array", "normalised_load"]
+__all__ = ["expert_load_image", "figure_to_array", "layer_ticks", "normalised_load"]

@@ -203,7 +203,7 @@ def build_model(
     attn = options.attn_implementation or family.attn_implementation
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, dtype=options.dtype, attn_implementation=attn)
-        for layer in hf.model.layers:
+        for i, layer in enumerate(hf.model.layers):
             block = getattr(layer, family.block_attr)
             if not hasattr(block, "experts"):
                 continue  # a dense layer (DeepSeek-V3's first_k_dense_replace, Qwen's mlp_only_layers)
@@ -212,7 +212,7 @@ def build_model(
             r = spec.router
             dispatcher = make_dispatcher(r.num_experts, r.top_k) if make_dispatcher else None
             expert_lora = options.lora if options.lora is not None and options.lora.experts else None
-            moe = MoE(spec, shared, dispatcher, options.experts, expert_lora)
+            moe = MoE(spec, shared, dispatcher, options.experts, expert_lora, layer_idx=i)
             _match_dtypes(moe, block, options.dtype)
             setattr(layer, family.block_attr, moe)
         packed_attention = False

@@ -39,7 +39,8 @@ class MoESpec:
 class MoE(nn.Module):
     """Router, dispatcher and this rank's experts. The dispatcher decides which experts are local (all of them
     without expert parallelism); ``shared`` are the Hugging Face block's shared-expert modules, adopted as is.
-    ``lora``: adapters on the routed experts (given when LoRA targets them)."""
+    ``lora``: adapters on the routed experts (given when LoRA targets them). ``layer_idx``: the decoder layer it
+    sits in (DeepSeek-V3's and GLM-4-MoE's leading layers are dense), which names its load in the logs."""
 
     def __init__(
         self,
@@ -48,9 +49,10 @@ class MoE(nn.Module):
         dispatcher: Dispatcher | None = None,
         experts: ExpertsOptions | None = None,
         lora: LoRASpec | None = None,
+        layer_idx: int | None = None,
     ):
         super().__init__()
-        self.spec = spec
+        self.spec, self.layer_idx = spec, layer_idx
         setattr(self, spec.router_attr, Router(spec.router, spec.experts.dim))
         self.dispatcher = dispatcher or LocalDispatcher(spec.router.num_experts, spec.router.top_k)
         d = self.dispatcher

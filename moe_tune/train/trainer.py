@@ -288,14 +288,14 @@ class Trainer:
         from moe_tune.loggers.heatmap import expert_load_image
 
         # host sync: the counts for the image, on image steps only (a sync step: the device is idle)
-        image = expert_load_image(counts_LE.cpu().numpy(), self.step)
+        image = expert_load_image(counts_LE.cpu().numpy(), self.step, [m.layer_idx for m in self.moe_layers])
         self.logger.log_image(self.step, "expert_load", image)
 
     def _metrics_rows(
         self, pending: list, timed: list, counts_LE: torch.Tensor | None, val_loss: torch.Tensor | None
     ) -> tuple[list[dict], dict]:
         """The metrics.jsonl rows of the ``pending`` steps (``timed``: their seconds and peaks), the last with the
-        validation loss and the expert load (max over mean; per layer as ``expert_load/layer_<i>``, the second
+        validation loss and the expert load (max over mean; per decoder layer i as ``expert_load/layer_<i>``, the second
         value returned, for the experiment logger)."""
         n = len(pending)
         outs = [out for *_, out in pending]
@@ -317,7 +317,7 @@ class Trainer:
             extra.update(val_loss=val, val_ppl=perplexity(val))
         if num_layers:
             extra["expert_load_max_over_mean"] = rest[0]
-        layers = {f"expert_load/layer_{i}": v for i, v in enumerate(rest[1 : 1 + num_layers])}
+        layers = {f"expert_load/layer_{m.layer_idx}": v for m, v in zip(self.moe_layers, rest[1 : 1 + num_layers])}
         t = self.cfg.train
         tokens = t.seq_len * t.micro_batch_size * self.accum * self.dp_size
         skipped = self.guard.skipped - sum(not math.isfinite(g) for g in norms)  # as of before the first

@@ -78,6 +78,17 @@ def test_the_heat_map_is_the_load_over_each_layers_mean():
     assert normalised_load(counts).tolist() == [[1, 1, 1, 1], [4, 0, 0, 0], [0, 0, 0, 0]]
     image = expert_load_image(counts, step=7)
     assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3 and image.std() > 0
+    assert expert_load_image(counts, step=7, layer_ids=[1, 2, 3]).shape == image.shape
+
+
+def test_the_heat_map_labels_rows_by_decoder_layer():
+    """Rows are MoE layers, labelled by their decoder layer (DeepSeek-V3's first MoE layer is 1), 16 labels at most."""
+    from moe_tune.loggers.heatmap import layer_ticks
+
+    assert layer_ticks([1, 2]) == ([0, 1], ["1", "2"])
+    rows, labels = layer_ticks(list(range(3, 61)))  # 58 MoE layers of 61, as DeepSeek-V3's
+    assert len(rows) <= 16 and rows[0] == 0 and labels[:2] == ["3", "7"]
+    assert layer_ticks([]) == ([], [])
 
 
 @_needs("tensorboard")
