@@ -35,7 +35,10 @@ def default_cache_dir() -> str:
 def code_version() -> str:
     """A hash of the data package's source: a change to how records become rows invalidates every entry."""
     h = hashlib.sha256()
-    for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "*.py"))):
+    here = os.path.dirname(__file__)  # the training chat templates too: they render the records
+    for path in sorted(
+        glob.glob(os.path.join(here, "*.py")) + glob.glob(os.path.join(here, "chat_templates", "*.jinja"))
+    ):
         with open(path, "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]

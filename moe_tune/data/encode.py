@@ -11,19 +11,25 @@ loss is exact whichever the template:
   if its characters overlap the message's text span. Where not even the text is (a template that renders a turn
   differently once later turns follow), the run stops at the record (whatever data.on_bad_record says) naming it
   and the fixes: masks are never guessed.
+Qwen3's, GPT-OSS's, GLM-4-MoE's and DeepSeek-V3's own templates are such templates (moe_tune.data.templates):
+with the tokenizer's template one of these (no data.chat_template), a record is rendered with the family's
+training template wherever that gives the original's text (single-turn records), and for multi-turn records with
+data.train_on=assistant, where it keeps every turn's reasoning; its {% generation %} blocks give the masks.
+An end-of-turn token outside a generation block's mask is warned about once: the model would not learn to stop.
 Completion samples are ``bos + prompt + completion + eos`` (loss on completion and eos), text samples
 ``bos + text + eos``. The first token of every sample has no label: nothing in the row before it belongs to it.
 """
 
 from __future__ import annotations
 
-import re
+import logging
 
 from moe_tune.config import DataConfig, DataError
 from moe_tune.data.records import BadRecord, Chat, Completion, Text
+from moe_tune.data.templates import GENERATION_BLOCK, end_of_turn_token, training_template
 
+log = logging.getLogger("moe_tune")
 IGNORE = -100
-GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 class Encoder:
@@ -34,6 +40,9 @@ class Encoder:
         self.tokenizer, self.train_on, self.seq_len = tokenizer, cfg.train_on, seq_len
         self.template = read_template(cfg.chat_template) if cfg.chat_template else tokenizer.chat_template
         self.markers = bool(self.template and GENERATION_BLOCK.search(self.template))
+        self.training = None if cfg.chat_template else training_template(tokenizer, self.template)
+        self.announced = False  # the training template's log line, once
+        self.end_of_turn: dict[str, str | None] = {}  # template -> its end-of-turn token (warned about once)
         self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         self.eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
@@ -61,7 +70,7 @@ class Encoder:
     def _tokens(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def render(self, messages: list[dict], tools, generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], tools, generation_prompt: bool = False, template: str | None = None) -> str:
         if self.template is None:
             raise DataError(
                 "chat records need a chat template and the tokenizer has none; set data.chat_template=<jinja file> "
@@ -71,7 +80,7 @@ class Encoder:
             return self.tokenizer.apply_chat_template(
                 messages,
                 tools=tools,
-                chat_template=self.template,
+                chat_template=template or self.template,
                 add_generation_prompt=generation_prompt,
                 tokenize=False,
             )
@@ -83,18 +92,41 @@ class Encoder:
         if self.train_on == "all":
             ids = self._tokens(text)
             return ids, list(ids)
+        if self.training is not None:
+            encoded = self._with_training_template(sample, text)
+            if encoded is not None:
+                return encoded
         if self.markers:
-            encoded = self._marked(sample)
+            encoded = self._marked(sample, self.template)
             if encoded is not None:
                 return encoded
         return self._diffed(sample, text)
 
-    def _marked(self, sample: Chat) -> tuple[list[int], list[int]] | None:
+    def _with_training_template(self, sample: Chat, text: str) -> tuple[list[int], list[int]] | None:
+        """The sample through the family's training template, if it renders the original's text or the record is
+        multi-turn with data.train_on=assistant; else None (the tokenizer's template)."""
+        multi_turn = sum(m["role"] == "assistant" for m in sample.messages) > 1
+        if (
+            not (self.train_on == "assistant" and multi_turn)
+            and self.render(sample.messages, sample.tools, template=self.training.text) != text
+        ):
+            return None
+        encoded = self._marked(sample, self.training.text)
+        if encoded is not None and multi_turn and not self.announced:
+            self.announced = True
+            log.info(
+                "data: chat template: %s training template (keeps every turn's reasoning); set data.chat_template "
+                "to use your own",
+                self.training.name,
+            )
+        return encoded
+
+    def _marked(self, sample: Chat, template: str) -> tuple[list[int], list[int]] | None:
         """Masks from the template's generation blocks; None if their spans do not pair with assistant messages."""
         out = self.tokenizer.apply_chat_template(
             sample.messages,
             tools=sample.tools,
-            chat_template=self.template,
+            chat_template=template,
             return_dict=True,
             return_assistant_tokens_mask=True,
         )
@@ -107,7 +139,27 @@ class Encoder:
         for (start, end), trainable in zip(spans, assistants):
             if trainable:
                 labels[start:end] = ids[start:end]
+        self._check_end_of_turn(template, ids, [span for span, t in zip(spans, assistants) if t])
         return ids, labels
+
+    def _check_end_of_turn(self, template: str, ids: list[int], turns: list[tuple[int, int]]) -> None:
+        """Warns once per template if its end-of-turn token follows an assistant turn's mask, outside it, before
+        the next turn's (GPT-OSS ends earlier turns with <|end|>, the last with <|return|>: the absent token alone
+        is not a fault)."""
+        if template not in self.end_of_turn:
+            self.end_of_turn[template] = end_of_turn_token(self.tokenizer, template)
+        token = self.end_of_turn[template]
+        if token is None:
+            return
+        eot = self.tokenizer.convert_tokens_to_ids(token)
+        ends = [s for s, _ in turns[1:]] + [len(ids)]
+        if any(eot not in ids[s:e] and eot in ids[e:after] for (s, e), after in zip(turns, ends)):
+            log.warning(
+                "data: the chat template's end-of-turn token %s falls outside the assistant mask: the model will not "
+                "learn to end its turns; close the {%% generation %%} block after it",
+                token,
+            )
+            self.end_of_turn[template] = None  # once
 
     def _diffed(self, sample: Chat, text: str) -> tuple[list[int], list[int]]:
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

@@ -1,0 +1,137 @@
+"""Templates that rewrite earlier turns (Qwen3, GPT-OSS and GLM-4-MoE drop earlier reasoning; DeepSeek-V3's
+generation prompt opens a <think> no rendered turn has): with the family's real template on a tiny tokenizer, a
+multi-turn record is encoded through moe_tune's training template, its labels exactly the assistant turns' text,
+the final turn (and a single-turn record) rendered as the original renders it. data.chat_template wins; an
+end-of-turn token outside a generation block's mask is warned about."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from moe_tune.config import DataConfig
+from moe_tune.data.encode import IGNORE, Encoder
+from moe_tune.data.records import BadRecord, normalize
+from moe_tune.models.presets import build_tokenizer
+from tests.data.chat_family import SPECIALS, TEMPLATES, family_tokenizer, original_template
+
+
+def reasoned(content: str, reasoning: str, model_type: str) -> dict:
+    """An assistant message with reasoning, in the field its family's template reads."""
+    if model_type in ("qwen3_moe", "deepseek_v3"):
+        return {"role": "assistant", "content": f"<think>{reasoning}</think>{content}"}
+    key = "thinking" if model_type == "gpt_oss" else "reasoning_content"
+    return {"role": "assistant", "content": content, key: reasoning}
+
+
+def conversation(model_type: str) -> list[dict]:
+    return [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "1+2="},
+        reasoned("3", "one plus two", model_type),
+        {"role": "user", "content": "2+2="},
+        reasoned("4!", "two plus two", model_type),
+    ]
+
+
+# The text of each assistant turn the model writes after the generation prompt (what carries loss), by hand from
+# the family's template. Earlier turns keep their reasoning, except DeepSeek-V3's, whose template renders every
+# turn's answer only, the final one included.
+TURNS = {
+    "qwen3_moe": [
+        "<think>\none plus two\n</think>\n\n3<|im_end|>\n",
+        "<think>\ntwo plus two\n</think>\n\n4!<|im_end|>\n",
+    ],
+    "gpt_oss": [
+        "<|channel|>analysis<|message|>one plus two<|end|><|start|>assistant<|channel|>final<|message|>3<|end|>",
+        "<|channel|>analysis<|message|>two plus two<|end|><|start|>assistant<|channel|>final<|message|>4!<|return|>",
+    ],
+    "glm4_moe": ["\n<think>one plus two</think>\n3", "\n<think>two plus two</think>\n4!"],
+    "deepseek_v3": ["3<｜end▁of▁sentence｜>", "4!<｜end▁of▁sentence｜>"],
+}
+
+
+def encode(tokenizer, messages: list[dict], **options):
+    cfg = DataConfig(name="jsonl", num_samples=0, **options)
+    encoder = Encoder(tokenizer, cfg, 4096)
+    return encoder, encoder(normalize({"messages": messages}, "chat", cfg))
+
+
+def labelled_turns(tokenizer, labels: list[int]) -> list[str]:
+    """The decoded text of each run of labelled tokens."""
+    runs, run = [], []
+    for label in labels + [IGNORE]:
+        if label != IGNORE:
+            run.append(label)
+        elif run:
+            runs.append(tokenizer.decode(run, skip_special_tokens=False))
+            run = []
+    return runs
+
+
+def render(tokenizer, messages: list[dict], template: str) -> str:
+    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+
+
+@pytest.mark.parametrize("model_type", sorted(SPECIALS))
+def test_multi_turn_labels_are_exactly_the_assistant_turns(model_type, caplog):
+    tokenizer = family_tokenizer(model_type)
+    messages = conversation(model_type)
+    with caplog.at_level(logging.INFO, logger="moe_tune"):
+        encoder, (ids, labels) = encode(tokenizer, messages)
+    name = encoder.training.name
+    assert f"data: chat template: {name} training template (keeps every turn's reasoning)" in caplog.text
+    assert labelled_turns(tokenizer, labels) == TURNS[model_type]
+    text = render(tokenizer, messages, encoder.training.text)
+    assert ids == tokenizer(text, add_special_tokens=False).input_ids
+    # the final turn as the original renders it: everything after the last user message
+    original = render(tokenizer, messages, original_template(model_type))
+    assert text.split("2+2=")[-1] == original.split("2+2=")[-1]
+    assert "WARNING" not in caplog.text  # every end-of-turn token inside the mask
+
+
+@pytest.mark.parametrize("model_type", sorted(SPECIALS))
+def test_single_turn_renders_as_the_original(model_type):
+    tokenizer = family_tokenizer(model_type)
+    messages = conversation(model_type)[:3]
+    encoder, (ids, labels) = encode(tokenizer, messages)
+    original = render(tokenizer, messages, original_template(model_type))
+    assert render(tokenizer, messages, encoder.training.text) == original
+    assert ids == tokenizer(original, add_special_tokens=False).input_ids
+    final = TURNS[model_type][0].replace("<|end|>", "<|return|>") if model_type == "gpt_oss" else TURNS[model_type][0]
+    assert labelled_turns(tokenizer, labels) == [final.replace("<|return|><|start|>", "<|end|><|start|>")]
+
+
+def test_an_explicit_chat_template_wins():
+    """data.chat_template names the original: no training template, and Qwen3's refuses multi-turn masks."""
+    tokenizer = family_tokenizer("qwen3_moe")
+    with pytest.raises(BadRecord, match="renders message 2 differently"):
+        encode(tokenizer, conversation("qwen3_moe"), chat_template=str(TEMPLATES / "qwen3_moe.jinja"))
+
+
+def test_last_assistant_keeps_the_original_history():
+    """Loss on the final turn only: the conversation as the original renders it (earlier reasoning dropped)."""
+    tokenizer = family_tokenizer("qwen3_moe")
+    messages = conversation("qwen3_moe")
+    _, (ids, labels) = encode(tokenizer, messages, train_on="last_assistant")
+    assert (
+        ids
+        == tokenizer(render(tokenizer, messages, original_template("qwen3_moe")), add_special_tokens=False).input_ids
+    )
+    assert labelled_turns(tokenizer, labels) == TURNS["qwen3_moe"][1:]
+
+
+def test_end_of_turn_outside_the_mask_is_warned_about(caplog):
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "{{- '<|im_end|>\\n' -}}{%- endgeneration -%}", "{%- endgeneration -%}{{- '<|im_end|>\\n' -}}"
+    )
+    assert "{%- endgeneration -%}{{- '<|im_end|>" in tokenizer.chat_template
+    messages = conversation("qwen3_moe")
+    with caplog.at_level(logging.WARNING, logger="moe_tune"):
+        encode(tokenizer, messages)
+        encode(tokenizer, messages)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2  # once per encoder
+    assert warnings[0].startswith("data: the chat template's end-of-turn token <|im_end|> falls outside the assistant")
