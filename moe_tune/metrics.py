@@ -70,24 +70,28 @@ def step_row(
     loss: float,
     grad_norm: float,
     lr: float,
-    tokens: int,
+    tokens: tuple[int, int, int],
     dt: float,
     world: int,
     flops_per_token: float,
     peak: tuple[float, float],
     **extra,
 ) -> dict:
-    """One metrics.jsonl line (the fields README.md lists under Outputs, then ``extra``); ``dt``: the step's
-    seconds; ``peak``: its peak allocated and reserved GiB (``peak_memory_gib``)."""
-    tps = tokens / dt
+    """One metrics.jsonl line (the fields README.md lists under Outputs, then ``extra``); ``tokens``: the step's
+    (real tokens, label tokens, row positions) over all ranks; ``dt``: its seconds; ``peak``: its peak allocated
+    and reserved GiB (``peak_memory_gib``). tokens_per_s counts real tokens, not padding; tflops_per_gpu counts
+    every position, which the GPU computes padding or not."""
+    real, label, positions = tokens
     return {
         "step": step,
         "loss": loss,
         "lr": lr,
         "grad_norm": grad_norm,
-        "tokens_per_s": tps,
-        "tokens_per_s_per_gpu": tps / world,
-        "tflops_per_gpu": tps / world * flops_per_token / 1e12,
+        "tokens_per_s": real / dt,
+        "tokens_per_s_per_gpu": real / dt / world,
+        "label_tokens_per_s": label / dt,
+        "row_fill": real / positions,
+        "tflops_per_gpu": positions / dt / world * flops_per_token / 1e12,
         "peak_mem_gib": peak[0],
         "peak_reserved_gib": peak[1],
         "step_time_s": dt,
@@ -196,6 +200,8 @@ class MetricsWriter:
             "first_loss": self.rows[0]["loss"] if self.rows else None,
             "tokens_per_s_per_gpu": med("tokens_per_s_per_gpu"),
             "tokens_per_s": med("tokens_per_s"),
+            "label_tokens_per_s": med("label_tokens_per_s"),
+            "row_fill": med("row_fill"),
             "tflops_per_gpu": med("tflops_per_gpu"),
             "peak_mem_gib": max((r["peak_mem_gib"] for r in self.rows), default=0.0),
             "peak_reserved_gib": max((r.get("peak_reserved_gib", 0.0) for r in self.rows), default=0.0),

@@ -12,6 +12,8 @@ import warnings
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from moe_tune.config.data_schema import DataConfig
+
 PRECISIONS = ("fp32", "amp_bf16", "bf16_fp32_master", "bf16")
 KERNEL_SETS = ("torch", "te")
 EXPERT_KERNELS = ("grouped_mm", "grouped_mm_fp8", "loop")
@@ -155,45 +157,7 @@ class KernelsConfig:
         }
 
 
-DATA_FORMATS = ("auto", "chat", "sharegpt", "prompt_completion", "text")
-TRAIN_ON = ("assistant", "all", "last_assistant")
-BAD_RECORD_POLICIES = ("error", "skip")
 LOGGERS = ("none", "tensorboard", "wandb", "mlflow")
-
-
-@dataclass
-class DataConfig:
-    # "arithmetic" is the built-in instruction set (chat records); "random" uniform tokens (benchmarks). Otherwise
-    # `path`: a jsonl/json/parquet/csv/arrow file or directory, a `datasets` save_to_disk directory, or a hub name.
-    name: str = "arithmetic"
-    path: str | None = None
-    num_samples: int = 4096
-    # Record format, per file: "auto" detects chat (messages), sharegpt (conversations), prompt_completion
-    # (prompt + response or completion), text.
-    format: str = "auto"
-    # A Jinja chat template file that replaces the tokenizer's own (chat and sharegpt records).
-    chat_template: str | None = None
-    # Which tokens carry loss: the assistant turns (prompt_completion: the completion), every token, or only the
-    # last assistant turn.
-    train_on: str = "assistant"
-    # Field names of prompt_completion and text records.
-    prompt_key: str = "prompt"
-    response_key: str = "response"
-    text_key: str = "text"
-    # Pack several samples into one sequence of train.seq_len (each attends only to itself).
-    packing: bool = True
-    # Read the source lazily (sets larger than memory) instead of loading and tokenizing it up front.
-    streaming: bool = False
-    # Where tokenized sets are cached (reused across runs and ranks); None: <HF_DATASETS_CACHE or ~/.cache>/moe_tune.
-    cache_dir: str | None = None
-    # Processes that tokenize (datasets' num_proc).
-    num_proc: int = 1
-    # Held-out data: a separate source, or this fraction of the training records (not both).
-    val_path: str | None = None
-    val_fraction: float = 0.0
-    # A record that cannot be used (malformed JSON, bad UTF-8, wrong field types, no trainable token): stop with
-    # exit 2 naming the file and line ("error"), or count it in summary.json and go on ("skip").
-    on_bad_record: str = "error"
 
 
 @dataclass

@@ -9,13 +9,13 @@ from __future__ import annotations
 import math
 import os
 
+from moe_tune.config.data_checks import check_data
+from moe_tune.config.data_schema import BAD_RECORD_POLICIES, DATA_FORMATS, PACKING_STRATEGIES, TRAIN_ON
 from moe_tune.config.dims import ParallelDims
 from moe_tune.config.model_dir import model_dir_problem
 from moe_tune.config.schema import (
     AC_MODES,
-    BAD_RECORD_POLICIES,
     COMM_CONFIGS,
-    DATA_FORMATS,
     EXPERT_KERNELS,
     FP8_BACKWARDS,
     FP8_FORMATS,
@@ -27,7 +27,6 @@ from moe_tune.config.schema import (
     PRECISIONS,
     PROFILE_WAIT,
     PROFILE_WARMUP,
-    TRAIN_ON,
     Config,
     ConfigError,
     KernelsConfig,
@@ -102,7 +101,7 @@ def check_values(cfg: Config) -> None:
     _check_ranges(cfg)
     _check_train(cfg)
     _check_kernels(cfg)
-    _check_data(cfg)
+    check_data(cfg)
     _check_peft(cfg)
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not os.path.isdir(resume):
@@ -137,6 +136,7 @@ def _check_choices(cfg: Config) -> None:
     _choice(cfg.data.format, DATA_FORMATS, "data.format")
     _choice(cfg.data.train_on, TRAIN_ON, "data.train_on")
     _choice(cfg.data.on_bad_record, BAD_RECORD_POLICIES, "data.on_bad_record")
+    _choice(cfg.data.packing_strategy, PACKING_STRATEGIES, "data.packing_strategy")
     _choice(cfg.logger.name, LOGGERS, "logger")
     _choice(cfg.logger.mode, ("offline", "online"), "logger.mode")
     _choice(cfg.peft.name, PEFT_METHODS, "peft")
@@ -318,22 +318,6 @@ def _check_train(cfg: Config) -> None:
             f"comm.capacity_factor ({comm.capacity_factor}) must be > 0; comm.capacity_factor >= parallel.ep "
             "never overflows"
         )
-
-
-def _check_data(cfg: Config) -> None:
-    d = cfg.data
-    if not 0.0 <= d.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction ({d.val_fraction}) must be in [0, 1); try data.val_fraction=0.01")
-    if d.val_fraction > 0 and d.val_path is not None:
-        raise ConfigError(
-            f"data.val_path ({d.val_path}) and data.val_fraction ({d.val_fraction}) both set; keep one of them"
-        )
-    if d.num_proc < 1:
-        raise ConfigError(f"data.num_proc ({d.num_proc}) must be >= 1; try data.num_proc=1")
-    if cfg.train.eval_every < 0:
-        raise ConfigError(f"train.eval_every ({cfg.train.eval_every}) must be >= 0 (0: at the end only)")
-    if d.chat_template is not None and not os.path.isfile(d.chat_template):
-        raise ConfigError(f"data.chat_template={d.chat_template!r} is not a file; give a Jinja chat template file")
 
 
 def _check_batch(cfg: Config, dims: ParallelDims) -> None:

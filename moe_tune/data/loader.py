@@ -47,11 +47,12 @@ def build_datasets(
         sources = record_sources(cfg, cfg.path, seed, streaming=True)
         train = StreamingDataset(sources, cfg, Encoder(tokenizer, cfg, seq_len), pad, seed)
         val = _cached(cfg, tokenizer, seq_len, seed, with_train=False)
-        val_set = ValDataset(*val["val"], pad, val["val_stats"]) if val["val"] is not None else None
+        val_set = ValDataset(*val["val"][:3], pad, val["val_stats"]) if val["val"] is not None else None
     else:
         entry = _cached(cfg, tokenizer, seq_len, seed, with_train=True)
-        train = PackedDataset(*entry["train"], seed, entry["train_stats"])
-        val_set = ValDataset(*entry["val"], pad, entry["val_stats"]) if entry["val"] is not None else None
+        ids, labels, positions, lengths = entry["train"]
+        train = PackedDataset(ids, labels, positions, seed, entry["train_stats"], lengths)
+        val_set = ValDataset(*entry["val"][:3], pad, entry["val_stats"]) if entry["val"] is not None else None
     train.chat_template = read_template(cfg.chat_template) if cfg.chat_template else None
     return train, val_set
 
@@ -107,7 +108,15 @@ def _cached(cfg: DataConfig, tokenizer, seq_len: int, seed: int, with_train: boo
         "val": _source_fingerprint(cfg, cfg.val_path, seed) if cfg.val_path else None,
         "val_split": [cfg.val_fraction, seed] if cfg.val_fraction > 0 else None,
         "tokenizer": cache.tokenizer_fingerprint(tokenizer, encoder.template),
-        "options": [cfg.format, cfg.train_on, cfg.prompt_key, cfg.response_key, cfg.text_key, cfg.packing],
+        "options": [
+            cfg.format,
+            cfg.train_on,
+            cfg.prompt_key,
+            cfg.response_key,
+            cfg.text_key,
+            cfg.packing,
+            cfg.packing_strategy,
+        ],
         "on_bad_record": cfg.on_bad_record,
         "seq_len": seq_len,
     }
@@ -147,8 +156,9 @@ def _build(cfg: DataConfig, encoder: Encoder, seed: int, with_train: bool) -> di
 
 def _rows(items: list, cfg: DataConfig, encoder: Encoder, tally: Tally, where: str) -> tuple:
     pad = encoder.tokenizer.pad_token_id if encoder.tokenizer.pad_token_id is not None else 0
-    rows = pack_rows(encode_all(items, cfg, encoder, tally), encoder.seq_len, pad, cfg.packing)
+    rows = pack_rows(encode_all(items, cfg, encoder, tally), encoder.seq_len, pad, cfg.packing, cfg.packing_strategy)
     tally.stats["rows"] = int(rows[0].shape[0])
+    tally.stats["row_fill"] = float(rows[3].sum()) / max(rows[0].numel(), 1)
     if not tally.stats["rows"]:
         raise DataError(f"{where}: no usable records ({_counts(tally.stats)}); {_fix(tally.stats, encoder)}")
     return rows

@@ -3,56 +3,122 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import bisect
+from collections.abc import Iterator
 
 import torch
 
 IGNORE = -100  # label of a position that carries no loss (transformers' convention)
 
+Row = tuple[list[int], list[int], list[int], int]  # ids, labels, position ids (seq_len each), real tokens
+
 
 class RowPacker:
-    """Packs (ids, labels) samples into rows of ``seq_len``: back to back with position ids restarting at each
-    sample (``packing=True``), or one sample per row. Rows are padded with ``pad_id`` and IGNORE labels. A sample
-    longer than ``seq_len`` is cut to ``seq_len`` (the caller counts it)."""
+    """Packs (ids, labels) samples into rows of ``seq_len``, position ids restarting at each sample, padded with
+    ``pad_id`` and IGNORE labels; a sample longer than ``seq_len`` is cut to ``seq_len`` (the caller counts it).
+    No sample crosses rows.
 
-    def __init__(self, seq_len: int, pad_id: int, packing: bool):
-        self.seq_len, self.pad_id, self.packing = seq_len, pad_id, packing
-        self.ids: list[int] = []
-        self.labels: list[int] = []
-        self.pos: list[int] = []
+    ``add`` takes samples in order and returns the rows it closed; ``close`` returns the rest. Strategies:
+    ``next_fit`` keeps one open row, closed when a sample does not fit; ``best_fit`` keeps up to ``open_rows``
+    and puts each sample into the open row it fills most (the one with the least room that still holds it),
+    opening a row when none does; with ``open_rows`` open, the fullest is closed first. ``packing=False``: one
+    sample per row. Deterministic: the rows depend only on the samples and their order."""
 
-    def add(self, ids: list[int], labels: list[int]) -> list[tuple[list[int], list[int], list[int]]]:
-        """Adds one sample; returns the rows it completed (zero or one)."""
+    def __init__(self, seq_len: int, pad_id: int, packing: bool, strategy: str = "best_fit", open_rows: int = 1):
+        self.seq_len, self.pad_id = seq_len, pad_id
+        self.open_rows = 1 if not packing or strategy == "next_fit" else open_rows
+        self.packing = packing
+        self._rows: list[list[tuple[list[int], list[int]]]] = []  # open rows: their samples
+        self._room: list[int] = []  # free positions of each open row
+
+    def add(self, ids: list[int], labels: list[int]) -> list[Row]:
         ids, labels = ids[: self.seq_len], labels[: self.seq_len]
-        out = []
-        if self.ids and (not self.packing or len(self.ids) + len(ids) > self.seq_len):
-            out.append(self.flush())
-        self.ids += ids
-        self.labels += labels
-        self.pos += range(len(ids))
+        n, out = len(ids), []
+        if not self.packing:
+            return [self.pad([(ids, labels)])]
+        fits = [i for i, room in enumerate(self._room) if room >= n]
+        if fits:
+            i = min(fits, key=self._room.__getitem__)  # the least room: the first of equals
+        else:
+            if len(self._rows) == self.open_rows:
+                out.append(self._close(min(range(len(self._room)), key=self._room.__getitem__)))
+            self._rows.append([])
+            self._room.append(self.seq_len)
+            i = len(self._rows) - 1
+        self._rows[i].append((ids, labels))
+        self._room[i] -= n
+        if self._room[i] == 0:
+            out.append(self._close(i))
         return out
 
-    def flush(self) -> tuple[list[int], list[int], list[int]]:
-        n = self.seq_len - len(self.ids)
-        row = (self.ids + [self.pad_id] * n, self.labels + [IGNORE] * n, self.pos + list(range(n)))
-        self.ids, self.labels, self.pos = [], [], []
-        return row
+    def close(self) -> list[Row]:
+        """The rows still open, fullest first."""
+        order = sorted(range(len(self._room)), key=self._room.__getitem__)
+        rows = [self.pad(self._rows[i]) for i in order]
+        self._rows, self._room = [], []
+        return rows
 
-    def pending(self) -> bool:
-        return bool(self.ids)
+    def _close(self, i: int) -> Row:
+        self._room.pop(i)
+        return self.pad(self._rows.pop(i))
+
+    def pad(self, samples: list[tuple[list[int], list[int]]]) -> Row:
+        """One row of ``samples`` (each at most ``seq_len``, together too), back to back, then padding."""
+        ids, labels, pos = [], [], []
+        for s_ids, s_labels in samples:
+            ids += s_ids
+            labels += s_labels
+            pos += range(len(s_ids))
+        n = self.seq_len - len(ids)
+        return ids + [self.pad_id] * n, labels + [IGNORE] * n, pos + list(range(n)), len(ids)
 
 
-def pack_rows(samples: Iterable[tuple[list[int], list[int]]], seq_len: int, pad_id: int, packing: bool):
-    """(ids, labels, positions) LongTensors of shape [rows, seq_len] holding every sample."""
-    packer = RowPacker(seq_len, pad_id, packing)
-    rows = [row for ids, labels in samples for row in packer.add(ids, labels)]
-    if packer.pending():
-        rows.append(packer.flush())
+def best_fit_decreasing(lengths: list[int], seq_len: int) -> list[list[int]]:
+    """Sample indices per row: longest first, each into the row it fills most (the least room that still holds
+    it), a new row when none holds it. Every row is open until the end, so this is
+    the offline bound the streaming packer approaches with more open rows. O(n log n + n * distinct rooms)."""
+    rows: list[list[int]] = []
+    rooms: list[int] = []  # sorted distinct free-room values with a row
+    by_room: dict[int, list[int]] = {}  # free room -> the rows with that much
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: equal lengths keep their order
+        n = min(lengths[i], seq_len)
+        k = bisect.bisect_left(rooms, n)
+        if k == len(rooms):
+            rows.append([i])
+            r, room = len(rows) - 1, seq_len - n
+        else:
+            room = rooms[k]
+            bucket = by_room[room]
+            r = bucket.pop()
+            if not bucket:
+                del by_room[room], rooms[k]
+            rows[r].append(i)
+            room -= n
+        if room > 0:
+            if room not in by_room:
+                bisect.insort(rooms, room)
+                by_room[room] = []
+            by_room[room].append(r)
+    return rows
+
+
+def pack_rows(
+    samples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int, packing: bool, strategy="best_fit"
+):
+    """(ids, labels, position ids, lengths) LongTensors holding every sample: [rows, seq_len] each, and the real
+    (not padding) tokens of each row. ``best_fit``: best-fit decreasing over all samples; ``next_fit``: in order,
+    a row closed when the next sample does not fit; ``packing=False``: one sample per row."""
+    packer = RowPacker(seq_len, pad_id, packing, strategy)
+    if packing and strategy == "best_fit":
+        cut = [(ids[:seq_len], labels[:seq_len]) for ids, labels in samples]
+        rows = [packer.pad([cut[i] for i in row]) for row in best_fit_decreasing([len(s[0]) for s in cut], seq_len)]
+    else:
+        rows = [row for ids, labels in samples for row in packer.add(ids, labels)] + packer.close()
     if not rows:
         empty = torch.zeros((0, seq_len), dtype=torch.long)
-        return empty, empty.clone(), empty.clone()
-    ids, labels, pos = (torch.tensor(list(col), dtype=torch.long) for col in zip(*rows))
-    return ids, labels, pos
+        return empty, empty.clone(), empty.clone(), torch.zeros(0, dtype=torch.long)
+    ids, labels, pos, lengths = (torch.tensor(list(col), dtype=torch.long) for col in zip(*rows))
+    return ids, labels, pos, lengths
 
 
 def to_device(ids: torch.Tensor, labels: torch.Tensor, pos: torch.Tensor, device):
@@ -80,6 +146,14 @@ class MicroBatches:
         start = step * per_step + (micro * dp_size + dp_rank) * micro_batch_size
         return range(start, start + micro_batch_size)
 
+    def step_tokens(self, step: int, micro_batch_size: int, accum: int, dp_size: int) -> tuple[int, int]:
+        """(real tokens, label tokens) in the rows of ``step`` on every rank together (the rows are known on each
+        rank: no communication). Real: not padding; label: carrying loss after the causal shift, as the loss
+        counts them."""
+        per_step = micro_batch_size * accum * dp_size
+        counts = [self.row_tokens(i) for i in range(step * per_step, (step + 1) * per_step)]
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
     def micro_batch(self, step: int, micro: int, micro_batch_size: int, accum: int, dp_rank: int, dp_size: int, device):
         """``rows`` on ``device`` as (ids, labels, position ids or None); see ``to_device``."""
         return to_device(*self.rows(step, micro, micro_batch_size, accum, dp_rank, dp_size), device)
@@ -89,12 +163,15 @@ class PackedDataset(MicroBatches):
     """Fixed rows of ``seq_len`` tokens in memory. Row order is shuffled by epoch with a fixed seed, so every
     rank agrees on the order and resuming at a step is exact (the rows of a step depend on the step only).
 
-    ``stats``: what building it read and kept (records read/used, skipped per reason, tokens, rows)."""
+    ``stats``: what building it read and kept (records read/used, skipped per reason, tokens, rows, row fill).
+    ``lengths``: the real tokens of each row (None: every position is real)."""
 
-    def __init__(self, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor, seed: int, stats=None):
+    def __init__(self, ids, labels, positions, seed: int, stats=None, lengths: torch.Tensor | None = None):
         self.ids, self.labels, self.positions, self.seed = ids, labels, positions, seed
         self.stats: dict = dict(stats or {"rows": int(ids.shape[0])})
         self._perm: tuple[int, torch.Tensor] | None = None
+        real = torch.full((len(ids),), ids.shape[1]) if lengths is None else lengths
+        self._tokens = torch.stack([real, (labels[:, 1:] != IGNORE).sum(dim=1)], dim=1).tolist()
 
     def __len__(self) -> int:
         return self.ids.shape[0]
@@ -103,6 +180,10 @@ class PackedDataset(MicroBatches):
         """The rows of micro-batch ``micro`` of optimizer step ``step`` for data-parallel rank ``dp_rank``."""
         idx = [self._row(i) for i in self.row_indices(step, micro, micro_batch_size, accum, dp_rank, dp_size)]
         return self.ids[idx], self.labels[idx], self.positions[idx]
+
+    def row_tokens(self, i: int) -> tuple[int, int]:
+        """(real tokens, label tokens) of global row ``i``."""
+        return self._tokens[self._row(i)]
 
     def _row(self, i: int) -> int:
         epoch, j = divmod(i, len(self))

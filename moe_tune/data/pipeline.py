@@ -32,7 +32,8 @@ def bad_record_message(where: str, bad: BadRecord) -> str:
 class Tally:
     """What building a set read, used and skipped. ``stats`` (plain ints and strings, for summary.json):
     records_read, records_used, records_skipped ({reason: count}), first_skipped ({reason: where}),
-    records_truncated (longer than train.seq_len, cut), tokens and label_tokens (in the rows), rows."""
+    records_truncated (longer than train.seq_len, cut), tokens and label_tokens (in the rows), rows, and row_fill
+    (tokens / row positions) once packed."""
 
     def __init__(self, policy: str, seq_len: int):
         self.policy, self.seq_len = policy, seq_len
@@ -67,12 +68,14 @@ def report_stats(name: str, s: dict, warn_truncated: bool = True) -> None:
     user's records, not a built-in set's)."""
     skipped = ", ".join(f"{n} {r} (first: {s['first_skipped'][r]})" for r, n in s["records_skipped"].items())
     log.info(
-        "%s: %d records read, %d used%s, %d rows, %d tokens of which %d carry loss%s",
+        "%s: %d records read, %d used%s, %d rows (%.1f%% of their positions real tokens), %d tokens of which %d carry "
+        "loss%s",
         name,
         s["records_read"],
         s["records_used"],
         f", {s['records_truncated']} cut to train.seq_len" if s["records_truncated"] else "",
         s["rows"],
+        100 * s.get("row_fill", 1.0),
         s["tokens"],
         s["label_tokens"],
         f"; skipped {skipped}" if skipped else "",

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from moe_tune.config import DataConfig, DataError
-from moe_tune.data.encode import Encoder
+from moe_tune.data.encode import IGNORE, Encoder
 from moe_tune.data.packing import MicroBatches, RowPacker
 from moe_tune.data.pipeline import RecordSource, Tally, encode_one, parsed
 from moe_tune.data.records import BadRecord
@@ -44,28 +44,43 @@ class StreamingDataset(MicroBatches):
         self.stats["epoch"] = 0
         self._rows = self._row_stream()
         self._next = 0  # index of the row self._rows yields next
-        self._last: tuple | None = None
+        self._window: dict[int, tuple] = {}  # the rows read from the first one asked for since the last prune
 
     def rows(self, step: int, micro: int, micro_batch_size: int, accum: int, dp_rank: int, dp_size: int):
-        rows = [self._row(i) for i in self.row_indices(step, micro, micro_batch_size, accum, dp_rank, dp_size)]
+        indices = self.row_indices(step, micro, micro_batch_size, accum, dp_rank, dp_size)
+        for i in [i for i in self._window if i < indices[0]]:  # rows are asked for in order: those before are done
+            del self._window[i]
+        rows = [self._row(i) for i in indices]
         return tuple(torch.tensor([r[k] for r in rows], dtype=torch.long) for k in range(3))
 
+    def row_tokens(self, i: int) -> tuple[int, int]:
+        """As ``PackedDataset.row_tokens``; ``step_tokens`` asked before the step's ``rows`` (as the trainer does)
+        reads on to the step's last row once and keeps the rows for this rank's ``rows`` calls."""
+        _, labels, _, real = self._row(i)
+        return real, sum(x != IGNORE for x in labels[1:])
+
     def _row(self, index: int) -> tuple:
-        if index < self._next - 1:
-            self._restart()  # an earlier row: read again from the start
+        """Global row ``index``: read on to it (keeping the rows on the way: the other ranks' rows of a step come
+        between this rank's), or from the start again for one before the window."""
+        if index < self._next and index not in self._window:
+            self._restart()
         while self._next <= index:
-            self._last = next(self._rows)
+            self._window[self._next] = next(self._rows)
             self._next += 1
-        return self._last
+        return self._window[index]
 
     def _row_stream(self) -> Iterator[tuple]:
-        packer = RowPacker(self.encoder.seq_len, self.pad_id, self.cfg.packing)
+        cfg, seq_len = self.cfg, self.encoder.seq_len
+        packer = RowPacker(seq_len, self.pad_id, cfg.packing, cfg.packing_strategy, cfg.packing_buffer)
+        real = 0  # tokens in the rows yielded
         for epoch in itertools.count():
             self.stats["epoch"] = epoch
             used = self.stats["records_used"]
             for ids, labels in self._samples(epoch):
                 for row in packer.add(ids, labels):
                     self.stats["rows"] += 1
+                    real += row[3]
+                    self.stats["row_fill"] = real / (self.stats["rows"] * seq_len)
                     yield row
             if self.stats["records_used"] == used:
                 raise DataError(

@@ -19,6 +19,8 @@ class Progress:
 
     def report(self, row: dict) -> None:
         text = f"loss {row['loss']:.4f} | {row['tokens_per_s']:,.0f} tok/s"
+        if row.get("row_fill", 1.0) < 1.0:  # tok/s counts real tokens: say how much of the rows they fill
+            text += f" ({100 * row['row_fill']:.1f}% of row positions)"
         if row["peak_mem_gib"] > 0:  # 0 without a GPU: nothing measured, so nothing shown
             text += f" | {row['peak_mem_gib']:.1f} GiB"
         if "val_loss" in row:

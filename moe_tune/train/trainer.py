@@ -132,6 +132,7 @@ class Trainer:
         """Every micro-batch of ``step``, then one optimizer update. Returns the step's mean loss over its label
         tokens and the global gradient norm, as device tensors: nothing here waits for the device."""
         model = self.model
+        tokens = self.data.step_tokens(step, self.cfg.train.micro_batch_size, self.accum, self.dp_size)  # all ranks'
         batches = [self._micro_batch(step, m) for m in range(self.accum)]
         normalizer = self._loss_normalizer(batches)
         ce_sum = torch.zeros((), device=self.device)
@@ -156,7 +157,7 @@ class Trainer:
             self._update_expert_bias(load_LE)
         if dist.is_initialized():
             dist.all_reduce(ce_sum)  # mesh: all ranks; per-rank sums of token losses / (global / dp)
-        return {"loss": ce_sum / self.dp_size, "grad_norm": grad_norm}
+        return {"loss": ce_sum / self.dp_size, "grad_norm": grad_norm, "tokens": tokens}
 
     def _micro_batch(self, step: int, micro: int):
         t = self.cfg.train
@@ -319,11 +320,12 @@ class Trainer:
             extra["expert_load_max_over_mean"] = rest[0]
         layers = {f"expert_load/layer_{m.layer_idx}": v for m, v in zip(self.moe_layers, rest[1 : 1 + num_layers])}
         t = self.cfg.train
-        tokens = t.seq_len * t.micro_batch_size * self.accum * self.dp_size
+        positions = t.seq_len * t.micro_batch_size * self.accum * self.dp_size
         skipped = self.guard.skipped - sum(not math.isfinite(g) for g in norms)  # as of before the first
         rows = []
-        for (step, lr, _), loss, grad_norm, (seconds, peak) in zip(pending, losses, norms, timed):
+        for (step, lr, out), loss, grad_norm, (seconds, peak) in zip(pending, losses, norms, timed):
             skipped += not math.isfinite(grad_norm)  # the guard's rule: a non-finite norm skipped the update
+            tokens = (*out["tokens"], positions)  # real, label, positions: all ranks'
             row = step_row(step, loss, grad_norm, lr, tokens, seconds, self.world, self.flops_per_token, peak)
             rows.append({**row, "skipped_steps": skipped})
         # The sync step's row: its evaluation's memory too, its validation loss and expert loads.
@@ -382,7 +384,6 @@ class Trainer:
         export_hf(self.model, out_dir, self.mesh, dtype=dtype, chat_template=self.data.chat_template)
 
     def write_summary(self) -> dict:
-        # data_stats: records read, used and skipped per reason, tokens and rows (moe_tune.data's ``stats``)
         val_stats = None if self.val_data is None else self.val_data.stats
         return write_run_summary(
             self.cfg,

@@ -30,6 +30,7 @@ def _write(path, records: list) -> str:
 
 
 def _train(tmp_path, records: list, tok, seq_len: int = 16, seed: int = 0, **options):
+    tmp_path.mkdir(exist_ok=True)
     cfg = DataConfig(path=_write(tmp_path / "data.jsonl", records), cache_dir=str(tmp_path / "cache"), **options)
     train, val = build_datasets(cfg, tok, seq_len, seed)
     assert val is None
@@ -63,13 +64,14 @@ def _text_sample(tok, text: str) -> tuple[list[int], list[int]]:
     return ids, [IGNORE, *ids[1:]]
 
 
-def test_packing_fills_rows_back_to_back_and_no_label_crosses_samples(tmp_path, tok):
-    """Samples of 5, 7 and 4 tokens in rows of 12: the first two fill row 0, the third starts row 1 (it would not
-    fit); position ids restart at 0 at each sample; the first token of every sample has label IGNORE, so the
+def test_next_fit_fills_rows_back_to_back_and_no_label_crosses_samples(tmp_path, tok):
+    """data.packing_strategy=next_fit, samples of 5, 7 and 4 tokens in rows of 12: the first two fill row 0, the
+    third starts row 1 (it would not fit); position ids restart at 0 at each sample; the first token of every sample has label IGNORE, so the
     last token of the sample before it predicts nothing (labels are shifted by one inside the model)."""
     pad = tok.pad_token_id
     (a, la), (b, lb), (c, lc) = (_text_sample(tok, t) for t in ("abc", "defgh", "ij"))
-    train = _train(tmp_path, [{"text": "abc"}, {"text": "defgh"}, {"text": "ij"}], tok, seq_len=12)
+    records = [{"text": "abc"}, {"text": "defgh"}, {"text": "ij"}]
+    train = _train(tmp_path, records, tok, seq_len=12, packing_strategy="next_fit")
     _assert_rows(
         train,
         [
@@ -79,6 +81,26 @@ def test_packing_fills_rows_back_to_back_and_no_label_crosses_samples(tmp_path, 
     )
     starts = train.positions == 0
     assert (train.labels[starts] == IGNORE).all()
+
+
+def test_best_fit_places_the_longest_first_each_into_the_fullest_row_that_holds_it(tmp_path, tok):
+    """The default, best-fit decreasing, on samples of 6, 7, 5 and 6 tokens in rows of 12: 7 opens row 0, 6 opens
+    row 1, the second 6 fills row 1, 5 fills row 0: two full rows, where next-fit (in order) makes three (6 | 7+5 |
+    6). Each sample whole, positions restarting at 0, labels unchanged."""
+    pad = tok.pad_token_id
+    texts = ("abcd", "efghi", "jkl", "mnop")
+    (a, la), (b, lb), (c, lc), (d, ld) = (_text_sample(tok, t) for t in texts)
+    train = _train(tmp_path, [{"text": t} for t in texts], tok, seq_len=12)
+    _assert_rows(
+        train,
+        [
+            _row(b + c, lb + lc, [*range(7), *range(5)], 12, pad),
+            _row(a + d, la + ld, [*range(6), *range(6)], 12, pad),
+        ],
+    )
+    assert train.stats["row_fill"] == 1.0
+    next_fit = _train(tmp_path / "nf", [{"text": t} for t in texts], tok, seq_len=12, packing_strategy="next_fit")
+    assert len(next_fit) == 3 and next_fit.stats["row_fill"] == 24 / 36
 
 
 def test_without_packing_one_sample_per_row_padded_with_ignore(tmp_path, tok):
