@@ -26,7 +26,8 @@ class Row:
     variant: str
     kind: str
     status: str = "not run"
-    tokens_per_s_per_gpu: float | None = None
+    tokens_per_s_per_gpu: float | None = None  # real tokens (not padding)
+    row_fill: float | None = None  # real tokens / row positions
     tflops_per_gpu: float | None = None
     peak_mem_gib: float | None = None
     peak_reserved_gib: float | None = None
@@ -140,7 +141,7 @@ def read_run(row: Row, run_dir: str) -> bool:
         return False
     with open(path) as f:
         s = json.load(f)
-    for key in ("tokens_per_s_per_gpu", "tflops_per_gpu", "peak_mem_gib", "peak_reserved_gib", "final_loss",
+    for key in ("tokens_per_s_per_gpu", "row_fill", "tflops_per_gpu", "peak_mem_gib", "peak_reserved_gib", "final_loss",
                 "flops_per_token", "steps_timed"):  # fmt: skip
         setattr(row, key, s.get(key))
     row.resolved_config = s.get("config")
