@@ -119,3 +119,43 @@ def test_bf16_parameters_round_stochastically_unless_told_not_to(make_trainer, m
     assert warned == (not stochastic and "train.precision=bf16" in overrides)
     assert peer_optimizer(trainer.cfg).optim.compiled == stochastic  # its Triton kernel, or torch's fused AdamW
     assert trainer.cfg.optim.stochastic_rounding is stochastic  # decided, so config.json and checkpoints say so
+
+
+def test_balancing_losses_take_their_own_coefficients(tmp_path):
+    """The step's gradient is that of ce + (train.aux_loss_coef x mean aux loss + train.z_loss_coef x mean z-loss)
+    per micro-batch, averaged over micro-batches: the two coefficients differ (0.01 and 0.3) and each loss's value
+    comes from the MoE layers of a reference copy, so a z-loss scaled by the aux coefficient (or the reverse)
+    gives another update. A large eps makes AdamW's update follow the gradients' scale."""
+    import copy
+
+    from moe_tune.dist.env import destroy_distributed
+    from moe_tune.train import Trainer
+
+    aux_coef, z_coef = 0.01, 0.3
+    overrides = [f"train.aux_loss_coef={aux_coef}", f"train.z_loss_coef={z_coef}", "optim.eps=0.01"]
+    cfg = to_config(compose([f"output_dir={tmp_path}", "checkpoint.export_hf=false", *FAST, *overrides]))
+    trainer = Trainer(cfg)
+    try:
+        reference = copy.deepcopy(trainer.model)
+        moes = reference.moe_layers()
+        batches = step_batches(trainer, 0)
+        normalizer = trainer._loss_normalizer(batches)
+        z_share = 0.0
+        for ids, labels, pos in batches:
+            ce = reference(ids, labels=labels, position_ids=pos, loss_normalizer=normalizer).ce_loss
+            aux = torch.stack([m.aux_loss for m in moes]).mean()
+            z = torch.stack([m.z_loss for m in moes]).mean()
+            (ce + (aux_coef * aux + z_coef * z) / len(batches)).backward()
+            z_share = max(z_share, float(z_coef * z.detach() / ce.detach()))
+        assert z_share > 1e-3  # the z-loss term is large enough to move the update beyond the tolerance
+        params = [p for p in reference.parameters() if p.requires_grad]
+        torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
+        g = trainer.optimizer.param_groups[0]
+        opt = torch.optim.AdamW(params, lr=g["lr"], betas=g["betas"], eps=0.01, weight_decay=g["weight_decay"])
+        opt.step()
+
+        trainer.train_step(0)
+        for (name, a), b in zip(trainer.model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-7, msg=name)
+    finally:
+        destroy_distributed()
