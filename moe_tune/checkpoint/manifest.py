@@ -44,28 +44,41 @@ def crc32(path: str) -> str:
     return f"{value:08x}"
 
 
-def _gather(local: list) -> list:
-    """Every rank's ``local`` items, concatenated in rank order, on every rank (the default group)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def fsync(path: str) -> None:
+    """``path``'s bytes (a file) or entries (a directory) on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _gather(local: list, group=None) -> list:
+    """Every rank's ``local`` items, concatenated in rank order, on every rank (``group``: all ranks, the
+    default group or the checkpoint writer's)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return local
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, local)  # all ranks
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, local, group=group)  # all ranks
     return [item for part in out for item in part]
 
 
-def write_complete(path: str, step: int) -> None:
-    """Collective, after every rank's files of ``path`` are written: hash them (each rank every world-th file),
-    then rank 0 writes ``COMPLETE`` atomically."""
+def write_complete(path: str, step: int, group=None) -> dict:
+    """Collective on ``group`` (all ranks), after every rank's files of ``path`` are written and fsync'd: hash
+    them (each rank every world-th file; just written, they are read from the page cache), then rank 0 writes
+    ``COMPLETE`` atomically and fsyncs the directory. Returns the manifest's files."""
     rank, world = rank_world()
     names = sorted(n for n in os.listdir(path) if n != COMPLETE and not n.startswith(COMPLETE))
     mine = [
         (n, {"size": os.path.getsize(os.path.join(path, n)), "crc32": crc32(os.path.join(path, n))})
         for n in names[rank::world]
     ]
-    files = dict(_gather(mine))
+    files = dict(_gather(mine, group))
     if rank == 0:
         body = {"step": step, "format": FORMAT, "hash": "crc32", "files": dict(sorted(files.items()))}
         write_json(os.path.join(path, COMPLETE), body)
+        fsync(path)  # the renames into the directory (meta.json, .metadata, COMPLETE) are on disk too
+    return files
 
 
 def read_manifest(path: str) -> dict | None:

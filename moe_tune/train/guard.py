@@ -18,6 +18,18 @@ class Diverged:
     first: int
     last: int
 
+    def message(self, step: int, limit: int) -> str:
+        """The stop line at ``step`` (``limit``: train.max_nonfinite_steps)."""
+        if self.last == step:  # the run of non-finite steps goes on to now: nothing since first - 1 was applied
+            weights = f"so the weights are those after step {self.first - 1} (as in any checkpoint saved since)"
+        else:
+            weights = f"steps {self.last + 1}-{step} since were finite and applied"
+        return (
+            f"stopping at step {step}: steps {self.first}-{self.last} all had a non-finite gradient norm "
+            f"(train.max_nonfinite_steps={limit}); every one was skipped, {weights}. Lower train.lr or check the "
+            "data of those steps; resume with checkpoint.resume=auto"
+        )
+
 
 class NonFiniteGuard:
     """Counts non-finite steps without a host sync; ``check`` reads the counts and reports a divergence.

@@ -85,6 +85,7 @@ class Trainer:
             image_every=cfg.logger.expert_load_image_every if self.moe_layers and cfg.logger.name != "none" else 0,
         )
         self.guard = NonFiniteGuard(t.max_nonfinite_steps, self.device, warn=self.rank == 0)
+        self.saver = ckpt.CheckpointSaver(cfg.checkpoint.async_save, self.device)  # one save in flight at most
         self.step = ckpt.maybe_resume(self, cfg.checkpoint.resume) if built.checkpointable else 0
         if self.rank == 0 and write_run_files:
             write_config(cfg)  # only once the config, model, data and checkpoint are known to be usable
@@ -213,6 +214,7 @@ class Trainer:
         with StopSignal(cfg.checkpoint.save_on_signal) as stop:
             try:
                 stopped = self._loop(stop, profiler, progress)
+                self.saver.wait()  # the last background save is complete (a signal stop waits after its own)
             finally:
                 progress.close()
                 profiler.stop()
@@ -336,22 +338,9 @@ class Trainer:
         return rows, layers
 
     def _stop_diverged(self, diverged: Diverged) -> None:
-        first, last = diverged.first, diverged.last
-        if last == self.step:  # the run of non-finite steps goes on to now: nothing since first - 1 was applied
-            weights = f"so the weights are those after step {first - 1} (as in any checkpoint saved since)"
-        else:
-            weights = f"steps {last + 1}-{self.step} since were finite and applied"
         if self.rank == 0:
-            log.error(
-                "stopping at step %d: steps %d-%d all had a non-finite gradient norm (train.max_nonfinite_steps=%d); "
-                "every one was skipped, %s. Lower train.lr or check the data of those steps; resume with "
-                "checkpoint.resume=auto",
-                self.step,
-                first,
-                last,
-                self.cfg.train.max_nonfinite_steps,
-                weights,
-            )
+            log.error("%s", diverged.message(self.step, self.cfg.train.max_nonfinite_steps))
+        self.saver.wait()  # a background save of an earlier step finishes: the resume point
         self.write_summary()
         raise SystemExit(1)
 
@@ -363,6 +352,7 @@ class Trainer:
             saved = f"{path} (checkpoint.resume=auto continues from it)"
             if not self.cadence.saves(self.step):  # else the loop saved this step already; same on every rank
                 self.save()
+            self.saver.wait()  # this step's checkpoint is complete before the line says so
         self.write_summary()
         if self.rank == 0:  # one line per job: every rank saved the same step
             log.warning(
@@ -375,7 +365,7 @@ class Trainer:
         return os.path.join(self.cfg.output_dir, "checkpoints", f"step_{self.step}")
 
     def save(self) -> None:
-        ckpt.save(self, self._checkpoint_path())
+        ckpt.save(self, self._checkpoint_path(), self.saver)
 
     def export(self, out_dir: str) -> None:
         from moe_tune.parallel import export_hf

@@ -1,0 +1,165 @@
+"""Checkpoint writes off the training thread (``checkpoint.async_save``).
+
+A save stops training only for the device-to-host copy of its tensors (``stage``: into one pinned CPU copy of the
+saved state, allocated at the first save and reused); a writer thread then runs DCP's save of that copy, hashes
+the files it wrote into the manifest and writes ``COMPLETE`` last (``moe_tune.checkpoint.manifest``), while the
+loop trains on. At most one save is in flight: the next save, the end of ``fit`` and a signal stop wait for it
+(``wait``), and an error of the write is raised there, on the training thread. The thread is not a daemon, so a
+process that leaves any other way still finishes the write before it exits; a kill mid-write leaves a directory
+without ``COMPLETE``, which a resume passes over.
+
+The writer's collectives (DCP's plan and metadata gathers, the manifest's) run on a gloo group of their own, so
+they never interleave with the training thread's collectives on the default group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("moe_tune")
+
+
+def storage_writer(path: str):
+    """DCP's file writer, fsyncing every file it writes (a test slows it down to kill a process mid-write)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    return FileSystemWriter(path, sync_files=True)
+
+
+def _layout(state: dict) -> list:
+    return [(k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, type(v)) for k, v in state.items()]
+
+
+class CheckpointSaver:
+    """The run's saves, one at a time: ``run(job)`` runs ``job`` on a writer thread when ``async_save`` (after
+    the previous one finished), else inline. ``stage(state)`` copies ``state``'s tensors to the host."""
+
+    def __init__(self, async_save: bool, device=None):
+        self.async_save = async_save
+        self.device = device  # the default group's device: the first background save's agreement runs there
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._on_error: Callable | None = None  # re-raises the write's error in its save's context
+        self._staged: dict | None = None
+        self._staged_layout: list | None = None
+        self._group = None
+
+    def group(self):
+        """The writer's process group (all ranks, gloo), made at the first background save: a collective that
+        every rank reaches at the same step. None for a synchronous save (the default group) or without one."""
+        if not self.async_save or not dist.is_initialized():
+            return None
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")  # all ranks
+        return self._group
+
+    def stage(self, state: dict) -> tuple[dict, int]:
+        """A host copy of ``state`` (pinned when any tensor is on a GPU; the same buffers every save) and this
+        rank's bytes. Synchronous saves write the live tensors. At the first background save every rank agrees
+        (a collective) whether the node's ranks' copies fit in its available memory; if any rank's
+        do not, every save of the run is synchronous."""
+        size = sum(_local(v).numel() * _local(v).element_size() for v in state.values() if isinstance(v, torch.Tensor))
+        if self.async_save and self._staged is None:
+            self.async_save = _host_copy_fits(size, self.device)
+        if not self.async_save:
+            return state, size
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        on_gpu = any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in state.values())
+        layout = _layout(state)
+        if self._staged is None or layout != self._staged_layout:
+            self._staged = _create_cpu_state_dict(state, pin_memory=on_gpu)
+            self._staged_layout = layout
+        _copy_state_dict(state, self._staged, non_blocking=on_gpu)
+        if on_gpu:
+            torch.cuda.synchronize()  # host sync: the copy must be whole before training changes the tensors
+        return self._staged, size
+
+    def run(self, job: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:
+        """``job`` now (synchronous) or on the writer thread; ``on_error(e)`` re-raises its error where the
+        caller waits (``wait``)."""
+        self.wait()
+        if not self.async_save:
+            try:
+                job()
+            except BaseException as e:
+                on_error(e)
+            return
+        self._on_error = on_error
+
+        def body() -> None:
+            try:
+                job()
+            except BaseException as e:  # raised on the training thread by wait()
+                self._error = e
+
+        self._thread = threading.Thread(target=body, name="moe_tune-checkpoint-writer")
+        self._thread.start()
+
+    def pending(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> float:
+        """Block until the save in flight (if any) is on disk with its ``COMPLETE``; its error raised here.
+        Returns the seconds waited."""
+        if self._thread is None:
+            return 0.0
+        start = time.perf_counter()
+        self._thread.join()
+        self._thread = None
+        waited = time.perf_counter() - start
+        error, on_error = self._error, self._on_error
+        self._error = self._on_error = None
+        if error is not None and on_error is not None:
+            on_error(error)
+        return waited
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _mem_available() -> int | None:
+    """The node's available memory in bytes (Linux's MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _host_copy_fits(num_bytes: int, device) -> bool:
+    """Whether every node's ranks can each hold a host copy of their ``num_bytes`` in 80% of the node's
+    available memory (agreed by all ranks: MIN all-reduce on the default group)."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    available = _mem_available()
+    fits = available is None or num_bytes * ranks_here <= 0.8 * available
+    if not fits:
+        log.warning(
+            "checkpoint.async_save: %d ranks on this node would each keep a %.1f GiB host copy of their state, more "
+            "than 80%% of the %.1f GiB available: every save of this run is synchronous (set "
+            "checkpoint.async_save=false to say so, or free host memory)",
+            ranks_here,
+            num_bytes / 2**30,
+            available / 2**30,
+        )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([int(fits)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # mesh: all ranks (the default group)
+        fits = bool(flag.item())  # host sync: once, at the first save
+    return fits
+
+
+__all__ = ["CheckpointSaver", "storage_writer"]
