@@ -118,6 +118,13 @@ def save(trainer, path: str, saver: CheckpointSaver | None = None) -> float:
     return stall
 
 
+def prepare_save(trainer, saver: CheckpointSaver) -> None:
+    """Allocate a background save's host copy ahead of the first save, off the training thread (once the
+    optimizer's state exists: after the first step)."""
+    if saver.wants_buffers():
+        saver.prepare(flat_state(trainer.model, trainer.optimizer)[0])
+
+
 def _stage(trainer, path: str, saver: CheckpointSaver) -> tuple[dict, dict | None, int]:
     """On the training thread: the tensors to write (host copies for a background save, this rank's bytes),
     meta.json's content (rank 0, host values of this step), the modules' extra state written."""

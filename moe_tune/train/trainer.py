@@ -125,13 +125,14 @@ class Trainer:
         # Ranks are (dp_replicate, dp_shard) row-major: replicas of one shard share rank % dp_shard and so draw the
         # same stochastic-rounding bits (they must stay equal); without a moe_tune mesh (the NeMo peer): every rank.
         dp_shard = self.mesh.dims.dp_shard if self.mesh is not None else self.world
-        opt = build_optimizer(self.model.parameters(), optim, t.lr, t.seed, self.rank % dp_shard)
+        opt = build_optimizer(self.model.named_parameters(), optim, t.lr, t.seed, self.rank % dp_shard)
         return opt, build_scheduler(opt, optim, t.steps)
 
     # -- one optimizer step ------------------------------------------------------------------------
     def train_step(self, step: int) -> dict:
         """Every micro-batch of ``step``, then one optimizer update. Returns the step's mean loss over its label
-        tokens and the global gradient norm, as device tensors: nothing here waits for the device."""
+        tokens and the global gradient norm, as device tensors (nothing here waits for the device), and the
+        learning rate the update applied."""
         model = self.model
         tokens = self.data.step_tokens(step, self.cfg.train.micro_batch_size, self.accum, self.dp_size)  # all ranks'
         batches = [self._micro_batch(step, m) for m in range(self.accum)]
@@ -151,6 +152,7 @@ class Trainer:
         # A NaN/inf gradient anywhere makes the global norm non-finite on every rank (it is all-reduced): the
         # optimizer then skips the update on the device; the guard counts skipped steps, also on the device.
         self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
+        lr = self.scheduler.get_last_lr()[0]  # this update's; the scheduler then moves on to the next step's
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -158,7 +160,7 @@ class Trainer:
             self._update_expert_bias(load_LE)
         if dist.is_initialized():
             dist.all_reduce(ce_sum)  # mesh: all ranks; per-rank sums of token losses / (global / dp)
-        return {"loss": ce_sum / self.dp_size, "grad_norm": grad_norm, "tokens": tokens}
+        return {"loss": ce_sum / self.dp_size, "grad_norm": grad_norm, "tokens": tokens, "lr": lr}
 
     def _micro_batch(self, step: int, micro: int):
         t = self.cfg.train
@@ -241,7 +243,7 @@ class Trainer:
             self.guard.record(out["grad_norm"], self.step)  # on the device
             timer.tick()
             profiler.step()  # after the step's time: writing the trace is the next step's (profile.py)
-            pending.append((self.step, self.scheduler.get_last_lr()[0], out))
+            pending.append((self.step, out["lr"], out))
             if not self.cadence.syncs(self.step):
                 continue  # no host sync: the next step queues behind this one
             timer.pause()  # host sync: the queued steps' work is done
@@ -270,8 +272,10 @@ class Trainer:
             progress.report(rows[-1])
         if diverged:
             self._stop_diverged(diverged)  # before any save: no checkpoint after the limit was passed
+        if self.cadence.checkpoint_every:
+            ckpt.prepare_save(self, self.saver)  # the first sync step: the host copy is allocated while training
         if self.cadence.saves(self.step):
-            self.save()
+            self.save(wait=False)
         return stop.agreed(self.device) and self.step < self.cfg.train.steps
 
     @functools.cached_property
@@ -351,8 +355,7 @@ class Trainer:
         else:
             saved = f"{path} (checkpoint.resume=auto continues from it)"
             if not self.cadence.saves(self.step):  # else the loop saved this step already; same on every rank
-                self.save()
-            self.saver.wait()  # this step's checkpoint is complete before the line says so
+                self.save()  # complete before the line says so
         self.write_summary()
         if self.rank == 0:  # one line per job: every rank saved the same step
             log.warning(
@@ -364,8 +367,11 @@ class Trainer:
     def _checkpoint_path(self) -> str:
         return os.path.join(self.cfg.output_dir, "checkpoints", f"step_{self.step}")
 
-    def save(self) -> None:
+    def save(self, wait: bool = True) -> None:
+        """A checkpoint of this step; ``wait=False`` (the loop's) returns while a background write goes on."""
         ckpt.save(self, self._checkpoint_path(), self.saver)
+        if wait:
+            self.saver.wait()
 
     def export(self, out_dir: str) -> None:
         from moe_tune.parallel import export_hf
