@@ -10,26 +10,27 @@ set -uo pipefail
 OUT=${OUT:?OUT=<results directory>}
 WORK=${WORK:-$PWD/checkpoint_bench}
 mkdir -p "$OUT" "$WORK"
-df -h "$WORK" /tmp /dev/shm >"$OUT/df.txt" 2>&1
-free -g >"$OUT/free.txt" 2>&1
+{ df -h "$WORK" /tmp /dev/shm; free -g; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  git rev-parse --short HEAD; } >"$OUT/machine.txt" 2>&1
 dd if=/dev/zero of="$WORK/dd.bin" bs=64M count=128 conv=fsync 2>"$OUT/dd.txt"
 rm -f "$WORK/dd.bin"
 COMMON=(experiment=qwen3_30b_a3b_1gpu train.precision=bf16 train.micro_batch_size=4 kernels.compile=true
   checkpoint.export_hf=false checkpoint.resume=none train.log_every=10 logger=none "$@")
 python -m moe_tune "${COMMON[@]}" output_dir="$WORK/sync" checkpoint.async_save=false checkpoint.every=30 \
   train.steps=40 >"$OUT/sync.log" 2>&1
-echo "sync rc=$?" >>"$OUT/rc.txt"
-cp "$WORK/sync/metrics.jsonl" "$OUT/sync_metrics.jsonl"
-du -sb "$WORK/sync/checkpoints/step_30" >"$OUT/checkpoint_bytes.txt"
+echo "sync rc=$?" >>"$OUT/machine.txt"
+du -sb "$WORK/sync/checkpoints/step_30" >>"$OUT/machine.txt"
+cp "$WORK/sync/metrics.jsonl" "$WORK/sync_metrics.jsonl"
 rm -rf "$WORK/sync"
 python -m moe_tune "${COMMON[@]}" output_dir="$WORK/async" checkpoint.async_save=true checkpoint.every=200 \
   train.steps=330 >"$OUT/async.log" 2>&1
-echo "async rc=$?" >>"$OUT/rc.txt"
-cp "$WORK/async/metrics.jsonl" "$OUT/async_metrics.jsonl"
-rm -rf "$WORK"
-python - "$OUT" <<'PY'
+echo "async rc=$?" >>"$OUT/machine.txt"
+cp "$WORK/async/metrics.jsonl" "$WORK/async_metrics.jsonl"
+rm -rf "$WORK/async"
+python - "$OUT" "$WORK" <<'PY'
 import json, re, statistics, sys
-out = sys.argv[1]
+out, work = sys.argv[1:3]
 dd = open(f"{out}/dd.txt").read()
 disk = re.search(r"copied, ([\d.]+) s", dd)
 disk_gib_s = 8.0 / float(disk.group(1)) if disk else float("nan")
@@ -39,7 +40,7 @@ for mode in ("sync", "async"):
     log = open(f"{out}/{mode}.log").read()
     stall = next((fields(l) for l in log.splitlines() if "checkpoint_stall" in l), {})
     written = next((fields(l) for l in log.splitlines() if "checkpoint_written" in l), {})
-    metrics = [json.loads(l) for l in open(f"{out}/{mode}_metrics.jsonl")]
+    metrics = [json.loads(l) for l in open(f"{work}/{mode}_metrics.jsonl")]
     save = int(stall.get("step", 0))
     before = [m["tokens_per_s"] for m in metrics if save - 100 < m["step"] <= save and m["step"] > 10]
     seconds = written.get("total_s", 0.0)
@@ -54,6 +55,7 @@ for mode in ("sync", "async"):
         "write_gib_per_s": written.get("write_gib_per_s"),
         "tokens_per_s_before": statistics.median(before) if before else None,
         "tokens_per_s_during_write": statistics.median(during) if during else None, "steps_during_write": len(during),
+        "tokens_per_s_by_step": [round(m["tokens_per_s"]) for m in metrics],
     }
 result = {"disk_dd_fsync_gib_per_s": disk_gib_s, "rows": rows}
 json.dump(result, open(f"{out}/checkpoint_stall.json", "w"), indent=1)
@@ -65,3 +67,4 @@ for mode, r in rows.items():
           f"{g('write_gib_per_s', '7.2f')}{g('manifest_s', '8.1f')}{g('tokens_per_s_before', '14,.0f')}"
           f"{g('tokens_per_s_during_write', '9,.0f')}")
 PY
+rm -rf "$WORK"
