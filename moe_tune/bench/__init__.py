@@ -23,7 +23,15 @@ import shlex
 import sys
 import time
 
-from moe_tune.bench.plans import BASELINES, Plan, build_plans, experts_arg, parse_variants, plans_problem
+from moe_tune.bench.plans import (
+    BASELINES,
+    TRL_ATTENTION,
+    Plan,
+    build_plans,
+    experts_arg,
+    parse_variants,
+    plans_problem,
+)
 from moe_tune.bench.runner import Row, run_row, split_overrides
 
 # Written out for every row unless the overrides set them: no export or checkpoint writes in a benchmark
@@ -172,7 +180,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--baselines",
         default="grouped_mm,eager",
         help=f"plain Transformers rows, comma-separated: {', '.join(BASELINES)} (_nofsdp: without FSDP2, one "
-        "process), or none",
+        "process; trl: TRL's SFTTrainer on data.path's records, one process), or none",
+    )
+    p.add_argument(
+        "--trl-attn",
+        default="auto",
+        choices=TRL_ATTENTION,
+        help="the trl row's attention (auto: flex_attention on a GPU at micro-batch 1, else sdpa; logged)",
     )
     p.add_argument(
         "--reference", default=None, help="row whose loss curve the others are compared with (default: first baseline)"
@@ -257,7 +271,7 @@ def new_result(args, argv: list[str], cfg, common: list[str], nproc: int, num_gp
         "commit": git_commit(),
         "dirty": _dirty(),
         "date": now.isoformat(timespec="seconds"),
-        "versions": {**versions(), **_peer_version()},
+        "versions": {**versions(), **_optional_versions()},
         "workload": workload(cfg, nproc),
         "flops_per_token": None,
         "peak_tflops_per_gpu": peak,
@@ -316,13 +330,17 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _peer_version() -> dict:
-    try:
-        from importlib.metadata import version
+def _optional_versions() -> dict:
+    """The versions of the optional stacks that are installed (NeMo AutoModel, TRL and its datasets)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-        return {"nemo_automodel": version("nemo_automodel")}
-    except Exception:  # noqa: BLE001  (not installed: nothing to report)
-        return {}
+    found = {}
+    for name in ("nemo_automodel", "trl", "datasets"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:  # not installed: nothing to report
+            pass
+    return found
 
 
 def _dirty() -> bool | None:

@@ -146,22 +146,17 @@ def build_hf_model(cfg: Config, env, experts_implementation: str = "grouped_mm",
     from moe_tune.bench.peft_baseline import apply_peft
     from moe_tune.build import build_source, build_tokenizer
     from moe_tune.models.families import get_family
-    from moe_tune.models.hf_io import load_state
-    from moe_tune.models.init import init_random
     from moe_tune.models.model import materialize
 
     source, hf_config = build_source(cfg, env.rank)
     family = get_family(hf_config.model_type, getattr(hf_config, "architectures", None))
     lora = cfg.peft.name == "lora"
-    model = _hf_model_on_meta(cfg, hf_config, family, experts_implementation)
+    model = hf_model_on_meta(cfg, hf_config, family, experts_implementation)
     mesh = _mesh(env)
     if fsdp and not lora:
         _shard(model, mesh, cfg, env)
     materialize(model, env.device)
-    if source is not None:
-        load_state(model, source, family)
-    else:
-        init_random(model, seed=cfg.train.seed, num_experts=_num_experts(hf_config))
+    load_weights(model, source, hf_config, family, cfg.train.seed)
     flops = hf_flops_per_token(model, cfg.train.seq_len, frozen_base=lora)
     if lora:  # PEFT wraps the loaded model; FSDP2 then shards it (mixed frozen and trainable parameters)
         model = apply_peft(model, cfg, family.block_attr)
@@ -179,8 +174,22 @@ def build_hf_model(cfg: Config, env, experts_implementation: str = "grouped_mm",
     )
 
 
-def _hf_model_on_meta(cfg: Config, hf_config, family, experts_implementation: str):
-    """The transformers model on the meta device, with forced routing and activation checkpointing as asked."""
+def load_weights(model: nn.Module, source: str | None, hf_config, family, seed: int) -> None:
+    """The weights every row starts from: the checkpoint's, or for a preset ``init_random``'s draw by tensor name."""
+    from moe_tune.models.hf_io import load_state
+    from moe_tune.models.init import init_random
+
+    if source is not None:
+        load_state(model, source, family)
+    else:
+        init_random(model, seed=seed, num_experts=_num_experts(hf_config))
+
+
+def hf_model_on_meta(
+    cfg: Config, hf_config, family, experts_implementation: str, attn_implementation: str | None = None
+) -> nn.Module:
+    """The transformers model on the meta device, with forced routing and activation checkpointing as asked;
+    attention the family's unless ``attn_implementation`` names one."""
     from transformers import AutoModelForCausalLM
 
     from moe_tune.bench.peft_baseline import base_dtype
@@ -198,7 +207,7 @@ def _hf_model_on_meta(cfg: Config, hf_config, family, experts_implementation: st
         model = AutoModelForCausalLM.from_config(
             hf_config,
             dtype=param_dtype,
-            attn_implementation=family.attn_implementation,
+            attn_implementation=attn_implementation or family.attn_implementation,
             experts_implementation=experts_implementation,
         )
     if cfg.train.force_balanced_routing:
@@ -334,6 +343,8 @@ __all__ = [
     "build_hf_model",
     "check_workload",
     "hf_flops_per_token",
+    "hf_model_on_meta",
+    "load_weights",
     "main",
     "peer_optimizer",
 ]

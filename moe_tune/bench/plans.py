@@ -8,8 +8,11 @@ from dataclasses import dataclass, field
 
 from moe_tune.bench.runner import split_overrides
 
-# Plain Transformers rows: experts_implementation, and "_nofsdp" for the model without FSDP (one process only).
-BASELINES = ("grouped_mm", "eager", "grouped_mm_nofsdp", "eager_nofsdp")
+# Plain Transformers rows: experts_implementation, and "_nofsdp" for the model without FSDP (one process only);
+# "trl": TRL's SFTTrainer (moe_tune.bench.trl_baseline; one process, records from data.path).
+BASELINES = ("grouped_mm", "eager", "grouped_mm_nofsdp", "eager_nofsdp", "trl")
+TRL_INSTALL = "pip install 'moe_tune[trl]'"
+TRL_ATTENTION = ("auto", "flex_attention", "sdpa", "eager")  # --trl-attn (auto: moe_tune.bench.trl_baseline)
 
 
 @dataclass
@@ -56,6 +59,13 @@ def build_plans(args, common: list[str]) -> tuple[list[Plan], list[dict]]:
     for b in baselines:
         if b not in BASELINES:
             raise SystemExit(f"moe-tune-bench: error: --baselines {b!r} is not one of {', '.join(BASELINES)}, none")
+        if b == "trl":
+            if importlib.util.find_spec("trl") is None:
+                reason = f"trl is not installed: {TRL_INSTALL}"
+                skipped.append({"variant": "trl", "kind": "baseline", "reason": reason})
+            else:
+                plans.append(Plan("trl", "baseline", "moe_tune.bench.trl_baseline", ["--attn", args.trl_attn], common))
+            continue
         flags = ["--experts", b.removesuffix("_nofsdp")] + (["--no-fsdp"] if b.endswith("_nofsdp") else [])
         plans.append(Plan(f"hf_{b}", "baseline", "moe_tune.bench.baseline", flags, common))
     for name, overrides in parse_variants(args.variants):
@@ -88,6 +98,11 @@ def plans_problem(plans: list[Plan], skipped: list[dict], cfg, nproc: int) -> st
             f"{nproc}) with parameters in their compute dtype, train.precision bf16, fp32 or amp_bf16 (got "
             f"{cfg.train.precision}); use --baselines grouped_mm or set train.precision=bf16"
         )
+    if any(p.module == "moe_tune.bench.trl_baseline" for p in plans):
+        from moe_tune.bench.trl_baseline import workload_problem
+
+        problem = workload_problem(cfg, nproc)
+        return f"trl: {problem}" if problem else None
     return None
 
 
