@@ -11,8 +11,9 @@ p, g, m, v of any float dtype and write p, m, v back in their dtypes:
   of each alone, so each rounding is unbiased). Three integer multiplies per element: Triton's Philox (40) made
   the kernel compute-bound on an H200, 53 against 20 ms for the 5.6 B parameters of the 8-layer workload, and two
   such hashes per element 32 ms (benchmarks/README.md).
-Hyperparameters are passed by value with each launch and ``skip``/``scale`` (found_inf and grad_scale) are 0-dim
-fp32 device tensors, so a launch copies nothing from the host. The kernels live in ``triton_kernels``, imported on
+Hyperparameters are passed by value with each launch; ``skip``/``scale`` (found_inf and grad_scale), the bias
+corrections and the random bits' key are device tensors, so a launch copies nothing from the host and nothing is
+read back. The kernels live in ``triton_kernels``, imported on
 first launch (CPU installs have no Triton; the CPU tests run them through Triton's interpreter where it is
 installed).
 """
@@ -39,17 +40,32 @@ def nearest_update(p, g, m, v, skip, scale, bc, lr, beta1, beta2, eps, wd) -> No
     )
 
 
-def stochastic_update(p, g, m, v, skip, scale, seed, lr, beta1, beta2, eps, wd, bc1, bc2) -> None:
+def stochastic_update(p, g, m, v, skip, scale, key, bc, lr, beta1, beta2, eps, wd) -> None:
     """p, m, v (flat, contiguous bf16, at most ``SEGMENT`` elements) <- one AdamW update by g, rounded
-    stochastically with the random bits of ``seed`` (an int, folded to a 31-bit key so that Triton passes it
-    as int32 whatever its value)."""
+    stochastically with the random bits of ``key`` (a 0-dim int64 device tensor in [0, 2^31), derived from the
+    parameter's seed on the device); ``bc``: this parameter's two bias corrections, 1 - beta^step, on the device."""
     from moe_tune.optim.triton_kernels import stochastic_kernel as kernel
     from moe_tune.optim.triton_kernels import triton
 
     n = p.numel()
     if n > SEGMENT:
         raise ValueError(f"stochastic_update takes at most {SEGMENT} elements per launch, got {n}")
-    key = (seed ^ (seed >> 31)) & 0x7FFFFFFF
-    values = (n, key, lr, beta1, beta2, eps, wd, bc1, bc2)
     grid = (triton.cdiv(n, STOCHASTIC_BLOCK),)
-    kernel[grid](p, g, m, v, skip, scale, *values, BLOCK=STOCHASTIC_BLOCK, num_warps=STOCHASTIC_WARPS)
+    kernel[grid](
+        p,
+        g,
+        m,
+        v,
+        skip,
+        scale,
+        key,
+        bc,
+        n,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        wd,
+        BLOCK=STOCHASTIC_BLOCK,
+        num_warps=STOCHASTIC_WARPS,
+    )

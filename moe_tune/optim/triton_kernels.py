@@ -61,7 +61,7 @@ def nearest_kernel(
     tl.store(v_ptr + offs, tl.where(keep, v0, v.to(v0.dtype)), mask=mask)
 
 
-@triton.jit(do_not_specialize=["key"])  # a new key every launch: one compiled kernel for all
+@triton.jit
 def stochastic_kernel(
     p_ptr,
     g_ptr,
@@ -69,23 +69,23 @@ def stochastic_kernel(
     v_ptr,
     skip_ptr,
     scale_ptr,
+    key_ptr,
+    bc_ptr,
     n,
-    key,
     lr,
     beta1,
     beta2,
     eps,
     wd,
-    bc1,
-    bc2,
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # int32: n <= SEGMENT
     mask = offs < n
     p0, g, m0, v0 = load4(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask)
+    bc1, bc2 = tl.load(bc_ptr), tl.load(bc_ptr + 1)
     p, m, v = adamw(p0, g, m0, v0, tl.load(scale_ptr), lr, beta1, beta2, eps, wd, bc1, bc2)
     # 2^32 / golden ratio is odd: a bijection of the offsets, spread over the 32 bits before mixing.
-    bits = mix32(offs.to(tl.uint32) * 0x9E3779B9 + key.to(tl.uint32))
+    bits = mix32(offs.to(tl.uint32) * 0x9E3779B9 + tl.load(key_ptr).to(tl.uint32))
     keep = tl.load(skip_ptr) > 0  # a bf16 value written back as it was
     tl.store(p_ptr + offs, tl.where(keep, p0, round_stochastic(p, bits)), mask=mask)
     tl.store(m_ptr + offs, tl.where(keep, m0, round_stochastic(m, bits >> 16)), mask=mask)

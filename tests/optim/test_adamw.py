@@ -76,6 +76,22 @@ def test_matches_torch_fused_adamw_with_a_skipped_step_and_clipping(dtype, tol):
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
+@pytest.mark.parametrize("make", [_compiled, _stochastic], ids=["compiled", "stochastic_rounding"])
+def test_a_skipped_step_is_not_counted_by_either_optimizer(make):
+    """torch's fused AdamW's rule in both of moe_tune's AdamWs: four steps with the second skipped (found_inf) are
+    three updates with the bias correction of three. fp32 parameters (which the stochastic-rounding AdamW updates
+    exactly) to 1e-6 of torch's; bf16 parameters count their steps the same way."""
+    init, grads = _shapes_and_grads(torch.float32, 4)
+    ref, ref_opt = _run(_fused, init, grads, skip_step=1, grad_scale=2.0)
+    got, got_opt = _run(make, init, grads, skip_step=1, grad_scale=2.0)
+    for a, b in zip(got, ref):
+        assert float(got_opt.state[a]["step"]) == float(ref_opt.state[b]["step"]) == 3.0
+        assert _close(a, b, 1e-6)
+    bf16, _ = _shapes_and_grads(torch.bfloat16, 4)
+    got, got_opt = _run(make, bf16, [[g.bfloat16() for g in step] for step in grads], skip_step=1)
+    assert all(float(got_opt.state[p]["step"]) == 3.0 for p in got)
+
+
 def test_checkpoints_move_between_it_and_torch_fused_adamw():
     """Two steps with one optimizer, its state dict loaded into the other, two more steps: the same as four
     steps of torch's fused AdamW throughout (the state layout is torch's)."""

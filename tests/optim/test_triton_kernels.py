@@ -77,7 +77,7 @@ def test_stochastic_kernel_lands_on_a_neighbour_keeps_nan_and_skips_bitwise():
     runs = {}
     for seed in (7, 7, 8):
         out = [t.clone() for t in (p, g, m, v)]
-        kernels.stochastic_update(*out, *_flags(), seed, *HYPER.values(), *BC)
+        kernels.stochastic_update(*out, *_flags(), torch.tensor(seed), torch.tensor(BC), *HYPER.values())
         runs.setdefault(seed, []).append(out)
     got = runs[7][0]
     for out, want in zip((got[0], got[2], got[3]), _exact(p, g, m, v)):
@@ -89,7 +89,7 @@ def test_stochastic_kernel_lands_on_a_neighbour_keeps_nan_and_skips_bitwise():
     assert all(_bits(runs[7][0][i]).equal(_bits(runs[7][1][i])) for i in (0, 2, 3))
     assert not torch.equal(runs[7][0][0], runs[8][0][0])
     same = [t.clone() for t in (p, g, m, v)]
-    kernels.stochastic_update(*same, *_flags(skip=1.0), 7, *HYPER.values(), *BC)
+    kernels.stochastic_update(*same, *_flags(skip=1.0), torch.tensor(7), torch.tensor(BC), *HYPER.values())
     assert all(_bits(a).equal(_bits(b)) for a, b in zip(same, (p, g, m, v)))
 
 
@@ -107,7 +107,8 @@ def test_stochastic_kernel_rounds_up_with_the_probability_of_the_distance():
     p, g = torch.ones(n, dtype=torch.bfloat16), torch.ones(n, dtype=torch.bfloat16)
     m, v = torch.zeros_like(p), torch.zeros_like(p)
     scale = torch.tensor(1 / (1 + 2**-9))
-    kernels.stochastic_update(p, g, m, v, torch.tensor(0.0), scale, 123, 2**-10, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0)
+    key, bc = torch.tensor(123), torch.tensor([1.0, 1.0])
+    kernels.stochastic_update(p, g, m, v, torch.tensor(0.0), scale, key, bc, 2**-10, 0.0, 0.0, 0.0, 0.0)
     m_exact = 1 / float(scale)
     for got, exact, below, above in (
         (p, 1 - 2**-10, 1 - 2**-8, 1.0),

@@ -38,6 +38,48 @@ def test_a_nonfinite_step_leaves_weights_and_optimizer_state_bitwise(make_traine
     assert not all(torch.equal(a, p) for a, p in zip(params, trainer.model.parameters()))
 
 
+def _inject(trainer, norms: dict[int, float]):
+    """The gradient norm of the steps in ``norms`` (0-based) replaced by the given value (a real +inf or NaN
+    comes from an overflow; -inf from a norm computed wrong): the trainer's rule, not the norm, is under test."""
+    original, calls = trainer._clip_grad_norm, []
+
+    def clip():
+        step = len(calls)
+        calls.append(step)
+        norm = original()
+        return torch.full_like(norm, norms[step]) if step in norms else norm
+
+    trainer._clip_grad_norm = clip
+
+
+@pytest.mark.parametrize("overrides", [[], ["train.precision=bf16", "optim.stochastic_rounding=true"]])
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan], ids=["+inf", "-inf", "nan"])
+def test_an_infinite_or_nan_norm_skips_the_update_and_is_counted(make_trainer, overrides, bad):
+    trainer = make_trainer(*overrides)
+    _inject(trainer, {1: bad})
+    trainer.train_step(0)
+    params = [p.detach().clone() for p in trainer.model.parameters()]
+    state = [t.clone() for s in trainer.optimizer.state.values() for t in s.values()]
+    out = trainer.train_step(1)
+    trainer.guard.record(out["grad_norm"], 2)
+    assert all(torch.equal(a, p) for a, p in zip(params, trainer.model.parameters()))
+    after = [t for s in trainer.optimizer.state.values() for t in s.values()]
+    assert len(after) == len(state) and all(torch.equal(a, b) for a, b in zip(state, after))
+    assert trainer.guard.check(2) is None and (trainer.guard.skipped, trainer.guard.in_a_row) == (1, 1)
+    trainer.train_step(2)
+    assert not all(torch.equal(a, p) for a, p in zip(params, trainer.model.parameters()))
+
+
+def test_metrics_count_every_kind_of_nonfinite_step(tmp_path, make_trainer):
+    """+inf, -inf and NaN norms each count as a skipped step in metrics.jsonl, also between two logging steps."""
+    trainer = make_trainer("train.steps=5", "train.log_every=5")
+    _inject(trainer, {1: math.inf, 2: -math.inf, 3: math.nan})
+    trainer.fit()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["skipped_steps"] for r in rows] == [0, 1, 2, 3, 3]
+    assert trainer.guard.skipped == 3
+
+
 def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path, make_trainer, capfd):
     trainer = make_trainer("train.steps=10", "train.max_nonfinite_steps=2", "train.log_every=1")
     original = trainer.train_step
