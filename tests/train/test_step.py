@@ -159,3 +159,43 @@ def test_balancing_losses_take_their_own_coefficients(tmp_path):
             torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-7, msg=name)
     finally:
         destroy_distributed()
+
+
+def _edge_label_batches(vocab: int, seq: int) -> list[tuple[torch.Tensor, torch.Tensor, None]]:
+    """Two micro-batches of 2 rows: the first with 3 label tokens after the shift, the second with 93; four rows
+    carry a label at position 0 (which the shifted loss never uses) and two at the last position (which it
+    does), so a count of unshifted labels, or of labels[:, :-1], differs from the right one."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, vocab, (2, 2, seq), generator=g)
+    keep = torch.zeros(2, 2, seq, dtype=torch.bool)
+    keep[0, 0, [0, 7]] = True
+    keep[0, 1, [0, 20, seq - 1]] = True
+    keep[1, 0, : seq - 1] = True  # all but the last
+    keep[1, 1, :] = True
+    labels = torch.where(keep, ids, torch.full_like(ids, -100))
+    return [(ids[m], labels[m], None) for m in range(2)]
+
+
+def test_loss_normalizer_counts_the_shifted_label_positions_of_all_micro_batches(trainer):
+    """The step's loss (and the scale of its gradients) is the cross-entropy summed over the positions the shifted
+    loss uses, over every micro-batch, divided by their number: 3 + 93 here, not a mean of per-micro-batch means,
+    not a count of unshifted labels (100) or of labels[:, :-1] (98)."""
+    seq = trainer.cfg.train.seq_len
+    batches = _edge_label_batches(trainer.model.config.vocab_size, seq)
+    shifted = [int((labels[:, 1:] != -100).sum()) for _, labels, _ in batches]
+    assert shifted == [3, 2 * seq - 3]
+    assert sum(int((labels != -100).sum()) for _, labels, _ in batches) == sum(shifted) + 4
+    assert sum(int((labels[:, :-1] != -100).sum()) for _, labels, _ in batches) == sum(shifted) + 2
+    ce_sum = 0.0
+    with torch.no_grad():
+        for ids, labels, _ in batches:
+            logits = trainer.model(ids, return_logits=True).logits
+            ce_sum += F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]).double(),
+                labels[:, 1:].reshape(-1),
+                ignore_index=-100,
+                reduction="sum",
+            ).item()
+    trainer._micro_batch = lambda step, micro: batches[micro]
+    loss = float(trainer.train_step(0)["loss"])
+    assert loss == pytest.approx(ce_sum / sum(shifted), rel=1e-6)
