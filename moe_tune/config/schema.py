@@ -21,6 +21,7 @@ FP8_MODES = ("none", "current", "delayed", "blockwise", "mxfp8")
 FP8_BACKWARDS = ("fp8", "high_precision", "dequantized")
 FP8_FORMATS = ("hybrid", "e4m3")
 AC_MODES = ("none", "full", "selective")
+SCHEDULES = ("cosine", "constant")
 
 
 class UserError(ValueError):
@@ -179,6 +180,10 @@ class LoggerConfig:
 class OptimConfig:
     name: str = "adamw"
     weight_decay: float = 0.0
+    # false: weight decay leaves norms, biases (routers' and GPT-OSS's experts' included) and every other 1-D
+    # parameter (GPT-OSS's attention sinks) alone, as Megatron does (Transformers' Trainer: norms and biases);
+    # true: every trained parameter is decayed. (DeepSeek-V3's router correction bias is a buffer: never decayed.)
+    decay_norms_and_biases: bool = False
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     warmup_steps: int = 10

@@ -27,6 +27,7 @@ from moe_tune.config.schema import (
     PRECISIONS,
     PROFILE_WAIT,
     PROFILE_WARMUP,
+    SCHEDULES,
     Config,
     ConfigError,
     KernelsConfig,
@@ -132,7 +133,7 @@ def _check_choices(cfg: Config) -> None:
     _choice(cfg.parallel.activation_checkpointing, AC_MODES, "parallel.activation_checkpointing")
     _choice(cfg.model.dtype, ("source", "float32", "bfloat16"), "model.dtype")
     _choice(cfg.optim.name, ("adamw",), "optim")
-    _choice(cfg.optim.schedule, ("cosine", "constant"), "optim.schedule")
+    _choice(cfg.optim.schedule, SCHEDULES, "optim.schedule")
     _choice(cfg.data.format, DATA_FORMATS, "data.format")
     _choice(cfg.data.train_on, TRAIN_ON, "data.train_on")
     _choice(cfg.data.on_bad_record, BAD_RECORD_POLICIES, "data.on_bad_record")

@@ -16,18 +16,35 @@ import math
 
 import torch
 
-from moe_tune.config import ConfigError, OptimConfig
+from moe_tune.config import SCHEDULES, ConfigError, OptimConfig
 
 log = logging.getLogger("moe_tune")
 
 
-def param_groups(params) -> list[dict]:
-    """FSDP2 parameters are DTensors; experts kept outside FSDP2 are plain tensors. A fused/foreach kernel
-    cannot take both in one list, so they go in separate groups (each group gets its own kernel launches)."""
-    params = [p for p in params if p.requires_grad]
-    sharded = [p for p in params if hasattr(p, "to_local")]
-    plain = [p for p in params if not hasattr(p, "to_local")]
-    return [{"params": g} for g in (sharded, plain) if g]
+def is_decayed(name: str, p: torch.Tensor) -> bool:
+    """Megatron's rule: weight decay leaves every 1-D parameter (norms' weights, biases, GPT-OSS's attention sinks)
+    and every bias alone, GPT-OSS's stacked expert biases ([experts, out]) included."""
+    return p.ndim > 1 and not name.endswith("bias")
+
+
+def param_groups(params, weight_decay: float = 0.0, decay_norms_and_biases: bool = True) -> list[dict]:
+    """The trained parameters in groups: FSDP2 parameters are DTensors, experts kept outside FSDP2 plain tensors,
+    and a fused/foreach kernel cannot take both in one list, so they go in separate groups (each group gets its own
+    kernel launches). With ``weight_decay`` > 0 and not ``decay_norms_and_biases``, each is split once more: the
+    parameters ``is_decayed`` leaves out get weight_decay 0. ``params``: (name, parameter) pairs, as
+    ``named_parameters()`` gives them, or parameters alone (then only the 1-D part of the rule can apply)."""
+    named = [item if isinstance(item, tuple) else ("", item) for item in params]
+    named = [(n, p) for n, p in named if p.requires_grad]
+    split = weight_decay > 0 and not decay_norms_and_biases
+    groups = []
+    for sharded in (True, False):
+        kind = [(n, p) for n, p in named if hasattr(p, "to_local") == sharded]
+        if not split:
+            groups.append({"params": [p for _, p in kind]})
+            continue
+        groups.append({"params": [p for n, p in kind if is_decayed(n, p)]})
+        groups.append({"params": [p for n, p in kind if not is_decayed(n, p)], "weight_decay": 0.0})
+    return [g for g in groups if g["params"]]
 
 
 def report_rounding(precision: str, stochastic: bool) -> None:
@@ -45,16 +62,18 @@ def report_rounding(precision: str, stochastic: bool) -> None:
 
 
 def build_optimizer(params, cfg: OptimConfig, lr: float, seed: int = 0, shard_index: int = 0) -> torch.optim.Optimizer:
-    """``cfg.stochastic_rounding`` as the run applies it (``moe_tune.config.rounds_stochastically``; None here:
-    off). ``seed`` and ``shard_index`` (this rank's position within its data-parallel replica) seed stochastic
-    rounding's random bits, with each parameter's step and index."""
+    """``params``: the model's ``named_parameters()`` (the names decide what weight decay leaves alone:
+    ``param_groups``). ``cfg.stochastic_rounding`` as the run applies it (``moe_tune.config.rounds_stochastically``;
+    None here: off). ``seed`` and ``shard_index`` (this rank's position within its data-parallel replica) seed
+    stochastic rounding's random bits, with each parameter's step and index."""
     if cfg.name != "adamw":
         raise ConfigError(f"optim={cfg.name!r} is not one of adamw")
+    groups = param_groups(params, cfg.weight_decay, cfg.decay_norms_and_biases)
     if cfg.stochastic_rounding:
         from moe_tune.optim.stochastic import StochasticRoundingAdamW
 
         return StochasticRoundingAdamW(
-            param_groups(params),
+            groups,
             lr,
             tuple(cfg.betas),
             cfg.eps,
@@ -66,9 +85,9 @@ def build_optimizer(params, cfg: OptimConfig, lr: float, seed: int = 0, shard_in
     if cfg.compiled:
         from moe_tune.optim.adamw import CompiledAdamW
 
-        return CompiledAdamW(param_groups(params), lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay)
+        return CompiledAdamW(groups, lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay)
     return torch.optim.AdamW(
-        param_groups(params),
+        groups,
         lr=lr,
         betas=tuple(cfg.betas),
         eps=cfg.eps,
@@ -78,17 +97,21 @@ def build_optimizer(params, cfg: OptimConfig, lr: float, seed: int = 0, shard_in
 
 
 def lr_lambda(cfg: OptimConfig, total_steps: int):
-    """Linear warm-up, then cosine (or constant) down to ``min_lr_ratio`` of the peak."""
-    if cfg.schedule not in ("cosine", "constant"):
-        raise ConfigError(f"optim.schedule={cfg.schedule!r} is not one of cosine, constant")
+    """The learning rate of step ``s`` over the peak (``s`` from 0: the step's lr is applied by its optimizer step;
+    the scheduler then moves on to s + 1). Linear warm-up reaches the peak at the ``warmup_steps``-th step
+    (s = warmup_steps - 1); "cosine" then falls to ``min_lr_ratio`` of the peak exactly at the last step
+    (s = total_steps - 1), "constant" stays at the peak."""
+    if cfg.schedule not in SCHEDULES:
+        raise ConfigError(f"optim.schedule={cfg.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    peak = max(cfg.warmup_steps, 1) - 1  # the first step at the peak
 
     def f(step: int) -> float:
-        if step < cfg.warmup_steps:
+        if step < peak:
             return (step + 1) / cfg.warmup_steps
         if cfg.schedule == "constant":
             return 1.0
-        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        progress = min((step - peak) / max(1, total_steps - 1 - peak), 1.0)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return f
 

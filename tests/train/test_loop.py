@@ -129,3 +129,22 @@ def test_a_signal_stops_at_the_next_logging_step_with_a_checkpoint(tmp_path, mak
     assert [r["step"] for r in _rows(tmp_path)] == list(range(1, 9))
     assert _saved(tmp_path) == ["step_8"]
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # the handler is restored
+
+
+def test_metrics_report_the_lr_each_step_applied(tmp_path, make_trainer):
+    """metrics.jsonl's lr of step n (counted from 1) is what optimizer step n applied: the closed form at s = n - 1."""
+    from tests.optim.test_schedule import MIN_RATIO, PEAK, closed_form
+
+    overrides = ["optim.warmup_steps=2", f"optim.min_lr_ratio={MIN_RATIO}", f"train.lr={PEAK}"]
+    trainer = make_trainer("train.steps=6", "train.log_every=3", *overrides)
+    applied, step = [], trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        applied.append(trainer.optimizer.param_groups[0]["lr"])
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    trainer.fit()
+    want = [closed_form("cosine", s, 2, 6) for s in range(6)]
+    assert applied == pytest.approx(want, rel=1e-12)
+    assert [r["lr"] for r in _rows(tmp_path)] == pytest.approx(want, rel=1e-12)

@@ -161,6 +161,17 @@ def test_balancing_losses_take_their_own_coefficients(tmp_path):
         destroy_distributed()
 
 
+def test_weight_decay_follows_the_names_of_the_trainers_model(make_trainer, tiny_checkpoint):
+    """The trainer hands the optimizer its model's parameter names: GPT-OSS's stacked expert biases ([experts, out],
+    not 1-D) get no weight decay, its expert matrices do (tests/optim/test_weight_decay.py: the rule itself)."""
+    path = tiny_checkpoint("gpt_oss")
+    trainer = make_trainer("model=hf", f"model.path={path}", "data=random", "optim.weight_decay=0.1")
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    decay = {names[id(p)]: g["weight_decay"] for g in trainer.optimizer.param_groups for p in g["params"]}
+    assert decay["model.layers.0.mlp.experts.gate_up_proj_bias"] == 0.0
+    assert decay["model.layers.0.mlp.experts.gate_up_proj"] == 0.1
+
+
 def _edge_label_batches(vocab: int, seq: int) -> list[tuple[torch.Tensor, torch.Tensor, None]]:
     """Two micro-batches of 2 rows: the first with 3 label tokens after the shift, the second with 93; four rows
     carry a label at position 0 (which the shifted loss never uses) and two at the last position (which it
