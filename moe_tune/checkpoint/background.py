@@ -1,7 +1,7 @@
 """Checkpoint writes off the training thread (``checkpoint.async_save``).
 
-A save stops training only for the device-to-host copy of its tensors (``stage``: into one pinned CPU copy of the
-saved state, allocated at the first save and reused); a writer thread then runs DCP's save of that copy, hashes
+A save stops training only for the device-to-host copy of its tensors (``stage``: into one CPU copy of the
+saved state, allocated on a thread ahead of the first save and reused); a writer thread then runs DCP's save of that copy, hashes
 the files it wrote into the manifest and writes ``COMPLETE`` last (``moe_tune.checkpoint.manifest``), while the
 loop trains on. At most one save is in flight: the next save, the end of ``fit`` and a signal stop wait for it
 (``wait``), and an error of the write is raised there, on the training thread. The thread is not a daemon, so a
@@ -55,6 +55,7 @@ class CheckpointSaver:
         self._staged: dict | None = None
         self._staged_layout: list | None = None
         self._preparing: threading.Thread | None = None  # prepare()'s allocation, joined by stage()
+        self._decided: bool | None = None  # whether the host copy fits (all ranks agreed), once known
         self._group = None
 
     def group(self):
@@ -71,36 +72,43 @@ class CheckpointSaver:
         return self.async_save and self._staged is None and self._preparing is None
 
     def prepare(self, state: dict) -> None:
-        """Allocate the host copy of ``state``'s tensors on a thread while training goes on (pinning tens of GiB
+        """Collective at the first call (every rank at the same step): decide whether the host copy fits
+        (``_host_copy_fits``), then allocate it on a thread while training goes on (faulting in tens of GiB
         takes seconds: not inside a save's stall). ``stage`` uses it when the layout still matches."""
         if not self.wants_buffers():
             return
-        on_gpu = any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in state.values())
         shapes = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        if not self._fits(shapes):
+            return
 
         def allocate() -> None:
-            self._staged, self._staged_layout = _host_buffers(shapes, on_gpu), _layout(state)
+            self._staged, self._staged_layout = _host_buffers(shapes), _layout(state)
 
         self._preparing = threading.Thread(target=allocate, name="moe_tune-checkpoint-staging")
         self._preparing.start()
 
+    def _fits(self, tensors: dict) -> bool:
+        """Whether a background save goes on: decided once (collective), False for the rest of the run."""
+        if self._decided is None:
+            self._decided = _host_copy_fits(_bytes(tensors), self.device)
+            self.async_save = self._decided
+        return self._decided
+
     def stage(self, state: dict) -> tuple[dict, int]:
-        """A host copy of ``state`` (pinned when any tensor is on a GPU; the same buffers every save) and this
+        """A host copy of ``state`` (the same buffers every save) and this
         rank's bytes. Synchronous saves write the live tensors. At the first background save every rank agrees
         (a collective) whether the node's ranks' copies fit in its available memory; if any rank's do not, every
         save of the run is synchronous."""
-        size = sum(_local(v).numel() * _local(v).element_size() for v in state.values() if isinstance(v, torch.Tensor))
+        size = _bytes(state)
         if self._preparing is not None:
             self._preparing.join()
             self._preparing = None
-        if self.async_save and self._staged is None:
-            self.async_save = _host_copy_fits(size, self.device)
-        if not self.async_save:
+        if not (self.async_save and self._fits(state)):
             return state, size
         on_gpu = any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in state.values())
         layout = _layout(state)
         if self._staged is None or layout != self._staged_layout:
-            self._staged = _host_buffers({k: v for k, v in state.items() if isinstance(v, torch.Tensor)}, on_gpu)
+            self._staged = _host_buffers({k: v for k, v in state.items() if isinstance(v, torch.Tensor)})
             self._staged_layout = layout
         staged = {}
         for key, value in state.items():
@@ -159,15 +167,22 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-def _host_buffers(tensors: dict, pin: bool) -> dict:
-    """An empty host tensor for each of ``tensors`` (a DTensor's local shard, wrapped as a DTensor of the same
-    mesh and placements), page-locked when ``pin``: the device-to-host copy then runs at the link's speed."""
+def _bytes(state: dict) -> int:
+    """This rank's bytes of ``state``'s tensors (a DTensor's local shard)."""
+    return sum(_local(v).numel() * _local(v).element_size() for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _host_buffers(tensors: dict) -> dict:
+    """A host tensor for each of ``tensors`` (a DTensor's local shard, wrapped as a DTensor of the same mesh and
+    placements), its pages touched. Pageable, not pinned: page-locking tens of GiB on a thread slowed the training
+    steps it overlapped many times over on an H200; a copy into pageable memory is slower per save instead
+    (benchmarks/README.md, "Checkpoints in the background")."""
     from torch.distributed.tensor import DTensor
 
     out = {}
     for key, value in tensors.items():
         local = _local(value)
-        host = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin and local.numel() > 0)
+        host = torch.zeros(local.shape, dtype=local.dtype)  # written now: no page faults inside a save's stall
         if isinstance(value, DTensor):
             host = DTensor.from_local(
                 host, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()

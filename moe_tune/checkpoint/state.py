@@ -18,6 +18,7 @@ from the model's is a CheckpointError naming one missing and one unexpected name
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable
 
 import torch
@@ -200,3 +201,13 @@ def names_match(path: str, fix: str = _MISMATCH_FIX):
             if isinstance(exc, (RuntimeError, ValueError)) and str(exc).startswith(("Missing key", "Size mismatch")):
                 raise CheckpointError(f"checkpoint {path} does not match the model: {exc} {fix}") from None
         raise
+
+
+def extra_state_file(path: str, rank: int) -> str:
+    """Where rank ``rank`` keeps its modules' extra state in checkpoint ``path``."""
+    return os.path.join(path, f"extra_state.rank{rank}.pt")
+
+
+def rows_per_step(trainer) -> int:
+    """The global batch in rows: what a resume keeps (the data order)."""
+    return trainer.cfg.train.micro_batch_size * trainer.accum * trainer.dp_size

@@ -278,10 +278,11 @@ class CheckpointConfig:
     # stops after the same step, a checkpoint of that step is saved, and the process exits 128 + the signal
     # number (a second Ctrl-C stops at once, without saving).
     save_on_signal: bool = True
-    # Write checkpoints in the background: training stops only to copy the state into host memory (pinned, one copy
-    # of this rank's share of the state, kept for the run), then trains on while a writer thread writes the files,
-    # the manifest and COMPLETE. The next save, the run's end and a signal stop wait for the write. Where the copy
-    # would not fit in the node's available memory the save is synchronous, with a warning. False: synchronous.
+    # Write checkpoints in the background: training stops only to copy the state into host memory (one copy of
+    # this rank's share of the state, allocated ahead of the first save and kept for the run), then trains on while
+    # a writer thread writes the files, the manifest and COMPLETE. The next save, the run's end and a signal stop
+    # wait for the write. Where the node's copies would not fit in 80% of its available memory every save is
+    # synchronous, with a warning. False: synchronous.
     async_save: bool = True
 
 

@@ -9,7 +9,7 @@ import time
 
 from torch.distributed.checkpoint import FileSystemWriter
 
-import moe_tune.checkpoint as ckpt
+from moe_tune.checkpoint import background
 
 
 class _GatedWriter(FileSystemWriter):
@@ -27,7 +27,7 @@ def _writer(path: str):
 
 
 if __name__ == "__main__":
-    ckpt.storage_writer = _writer  # the name moe_tune.checkpoint's save looks up
+    background.storage_writer = _writer  # the name the save looks up
     from moe_tune.cli import main
 
     main()

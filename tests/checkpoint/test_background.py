@@ -16,6 +16,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 import moe_tune.checkpoint as ckpt
+from moe_tune.checkpoint import background
 from moe_tune.checkpoint import manifest
 from tests.harness import FAST_RUN, PY, ROOT, cli_env, read_metrics, run_cli
 from tests.train.conftest import make_trainer  # noqa: F401  (the trainer fixture, for this directory too)
@@ -26,7 +27,7 @@ def _ckpt(out, step: int) -> str:
 
 
 class _Gate:
-    """A storage writer for ``moe_tune.checkpoint.storage_writer`` whose writes wait until ``opened`` is set, then
+    """A storage writer for ``moe_tune.checkpoint.background.storage_writer`` whose writes wait until ``opened`` is set, then
     ``delay`` seconds more."""
 
     def __init__(self, delay: float = 0.0):
@@ -58,7 +59,7 @@ def _params(model) -> dict[str, torch.Tensor]:
 def test_a_background_save_writes_the_step_it_was_asked_for(tmp_path, make_trainer, monkeypatch):  # noqa: F811
     """Training changes the weights while the write waits; the checkpoint still loads as the saved step's."""
     gate = _Gate()
-    monkeypatch.setattr(ckpt, "storage_writer", gate)
+    monkeypatch.setattr(background, "storage_writer", gate)
     trainer = make_trainer("train.steps=6", "checkpoint.async_save=true", out=str(tmp_path / "a"))
     for i in range(2):
         trainer.train_step(i)
@@ -103,7 +104,7 @@ def test_async_and_sync_saves_resume_to_the_same_run(tmp_path, make_trainer):  #
 def test_the_next_save_and_a_signal_stop_wait_for_the_write(tmp_path, make_trainer, monkeypatch):  # noqa: F811
     """A save while the previous write is in flight waits for it; a signal stop's checkpoint is complete at exit."""
     gate = _Gate(delay=2.0)  # every write: step 5's is still in flight when the loop stops
-    monkeypatch.setattr(ckpt, "storage_writer", gate)
+    monkeypatch.setattr(background, "storage_writer", gate)
     trainer = make_trainer("train.steps=20", "checkpoint.every=2", "train.log_every=1", out=str(tmp_path))
     original = trainer.train_step
 
@@ -191,3 +192,31 @@ def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint(t
     assert [row["step"] for row in read_metrics(out)] == list(range(1, 7))
     assert sorted(os.listdir(out / "checkpoints")) == ["step_2", "step_4", "step_6"]
     assert manifest.verify(_ckpt(out, 4)) is None  # written anew by the resumed run
+
+
+def test_the_host_copy_is_made_before_the_first_save_and_reused(tmp_path, make_trainer):  # noqa: F811
+    """The first sync step allocates the copy (on a thread); every save stages into those same tensors."""
+    trainer = make_trainer("train.steps=6", "checkpoint.every=3", "train.log_every=1", out=str(tmp_path))
+    original = trainer.train_step
+    seen = []
+
+    def step(i):
+        if i == 1:  # after step 1's sync step, before any save
+            trainer.saver._preparing.join()
+            seen.append({k: v.data_ptr() for k, v in trainer.saver._staged.items()})
+        return original(i)
+
+    trainer.train_step = step
+    trainer.fit()
+    assert seen and {k: v.data_ptr() for k, v in trainer.saver._staged.items()} == seen[0]
+    for s in (3, 6):
+        assert manifest.verify(_ckpt(tmp_path, s)) is None
+
+
+def test_a_host_copy_that_does_not_fit_saves_synchronously(tmp_path, make_trainer, monkeypatch, capfd):  # noqa: F811
+    monkeypatch.setattr(background, "_mem_available", lambda: 1 << 10)
+    trainer = make_trainer("train.steps=4", "checkpoint.every=2", out=str(tmp_path))
+    trainer.fit()
+    assert not trainer.saver.async_save and trainer.saver._staged is None
+    assert capfd.readouterr().err.count("every save of this run is synchronous") == 1
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_2", "step_4"]
