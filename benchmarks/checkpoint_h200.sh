@@ -5,7 +5,7 @@
 # the directory the checkpoints go to. One save per run (two would not fit on the machine's free disk):
 #   sync:  40 steps, a save at step 30 (training waits for the whole write);
 #   async: 330 steps, a save at step 200; tokens/s of the steps written during the background write against before.
-#   OUT=<results directory> [WORK=<directory on the disk>] bash benchmarks/checkpoint_h200.sh [overrides...]
+#   OUT=<results directory> [WORK=<directory on the disk>] [MODES="sync async"] bash benchmarks/checkpoint_h200.sh [overrides...]
 set -uo pipefail
 OUT=${OUT:?OUT=<results directory>}
 WORK=${WORK:-$PWD/checkpoint_bench}
@@ -17,19 +17,21 @@ dd if=/dev/zero of="$WORK/dd.bin" bs=64M count=128 conv=fsync 2>"$OUT/dd.txt"
 rm -f "$WORK/dd.bin"
 COMMON=(experiment=qwen3_30b_a3b_1gpu train.precision=bf16 train.micro_batch_size=4 kernels.compile=true
   checkpoint.export_hf=false checkpoint.resume=none train.log_every=10 logger=none "$@")
-python -m moe_tune "${COMMON[@]}" output_dir="$WORK/sync" checkpoint.async_save=false checkpoint.every=30 \
-  train.steps=40 >"$OUT/sync.log" 2>&1
-echo "sync rc=$?" >>"$OUT/machine.txt"
-du -sb "$WORK/sync/checkpoints/step_30" >>"$OUT/machine.txt"
-cp "$WORK/sync/metrics.jsonl" "$WORK/sync_metrics.jsonl"
-rm -rf "$WORK/sync"
+if [[ " ${MODES:-sync async} " == *" sync "* ]]; then
+  python -m moe_tune "${COMMON[@]}" output_dir="$WORK/sync" checkpoint.async_save=false checkpoint.every=30 \
+    train.steps=40 >"$OUT/sync.log" 2>&1
+  echo "sync rc=$?" >>"$OUT/machine.txt"
+  du -sb "$WORK/sync/checkpoints/step_30" >>"$OUT/machine.txt"
+  cp "$WORK/sync/metrics.jsonl" "$WORK/sync_metrics.jsonl"
+  rm -rf "$WORK/sync"
+fi
 python -m moe_tune "${COMMON[@]}" output_dir="$WORK/async" checkpoint.async_save=true checkpoint.every=200 \
   train.steps=330 >"$OUT/async.log" 2>&1
 echo "async rc=$?" >>"$OUT/machine.txt"
 cp "$WORK/async/metrics.jsonl" "$WORK/async_metrics.jsonl"
 rm -rf "$WORK/async"
 python - "$OUT" "$WORK" <<'PY'
-import json, re, statistics, sys
+import json, os, re, statistics, sys
 out, work = sys.argv[1:3]
 dd = open(f"{out}/dd.txt").read()
 disk = re.search(r"copied, ([\d.]+) s", dd)
@@ -37,6 +39,8 @@ disk_gib_s = 8.0 / float(disk.group(1)) if disk else float("nan")
 fields = lambda line: {k: float(v) for k, v in re.findall(r"(\w+)=([\d.]+)", line)}
 rows = {}
 for mode in ("sync", "async"):
+    if not os.path.exists(f"{out}/{mode}.log"):
+        continue
     log = open(f"{out}/{mode}.log").read()
     stall = next((fields(l) for l in log.splitlines() if "checkpoint_stall" in l), {})
     written = next((fields(l) for l in log.splitlines() if "checkpoint_written" in l), {})

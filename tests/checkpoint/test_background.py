@@ -16,8 +16,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 import moe_tune.checkpoint as ckpt
-from moe_tune.checkpoint import background
-from moe_tune.checkpoint import manifest
+from moe_tune.checkpoint import background, manifest
 from tests.harness import FAST_RUN, PY, ROOT, cli_env, read_metrics, run_cli
 from tests.train.conftest import make_trainer  # noqa: F401  (the trainer fixture, for this directory too)
 
