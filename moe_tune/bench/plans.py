@@ -12,6 +12,8 @@ from moe_tune.bench.runner import split_overrides
 # "trl": TRL's SFTTrainer (moe_tune.bench.trl_baseline; one process, records from data.path).
 BASELINES = ("grouped_mm", "eager", "grouped_mm_nofsdp", "eager_nofsdp", "trl")
 TRL_INSTALL = "pip install 'moe_tune[trl]'"
+# The TRL row's train.precision values (one process: parameters in their compute dtype, or fp32 under autocast)
+TRL_PRECISIONS = ("bf16", "amp_bf16", "fp32")
 TRL_ATTENTION = ("auto", "flex_attention", "sdpa", "eager")  # --trl-attn (auto: moe_tune.bench.trl_baseline)
 
 
@@ -99,10 +101,31 @@ def plans_problem(plans: list[Plan], skipped: list[dict], cfg, nproc: int) -> st
             f"{cfg.train.precision}); use --baselines grouped_mm or set train.precision=bf16"
         )
     if any(p.module == "moe_tune.bench.trl_baseline" for p in plans):
-        from moe_tune.bench.trl_baseline import workload_problem
-
         problem = workload_problem(cfg, nproc)
         return f"trl: {problem}" if problem else None
+    return None
+
+
+def workload_problem(cfg, world: int) -> str | None:
+    """What in the workload the TRL row cannot run (None: nothing), checked by moe-tune-bench before any row runs
+    and by the row itself."""
+    if world > 1:
+        return f"the TRL row runs as one process on one GPU (got {world} processes); run moe-tune-bench with --nproc 1"
+    if cfg.train.precision not in TRL_PRECISIONS:
+        return (
+            f"train.precision={cfg.train.precision}: the TRL row (one process, no FSDP) runs {', '.join(TRL_PRECISIONS)} "
+            "(bf16: bf16 parameters; amp_bf16: fp32 parameters under bf16 autocast); set train.precision=bf16"
+        )
+    if cfg.data.path is None:
+        return (
+            f"the TRL row trains on records and data={cfg.data.name} has none it can read; set data.path=<jsonl> "
+            "(e.g. from benchmarks/chat_lognormal.py)"
+        )
+    if cfg.peft.name != "none" or cfg.parallel.activation_checkpointing == "selective":
+        return (
+            f"the TRL row trains every weight with activation checkpointing none or full (got peft={cfg.peft.name}, "
+            f"parallel.activation_checkpointing={cfg.parallel.activation_checkpointing}); benchmark without them"
+        )
     return None
 
 

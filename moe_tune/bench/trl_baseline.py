@@ -38,13 +38,12 @@ from dataclasses import replace
 import torch
 from transformers import TrainerCallback
 
-from moe_tune.bench.plans import TRL_ATTENTION, TRL_INSTALL
+from moe_tune.bench.plans import TRL_ATTENTION, TRL_INSTALL, workload_problem
 from moe_tune.config import Config, ConfigError, UserError
 from moe_tune.data.packing import IGNORE
 from moe_tune.metrics import MetricsWriter, StepTimer, step_row
 
 log = logging.getLogger("moe_tune")
-PRECISIONS = ("bf16", "amp_bf16", "fp32")  # one process: parameters in their compute dtype, or fp32 under autocast
 TALLY_KEY = "moe_tune_tally"  # in a collated batch: (real tokens, label tokens, row positions); popped before the model
 
 
@@ -54,29 +53,6 @@ def require_trl():
     except ImportError as e:
         raise ConfigError(f"--baselines trl needs TRL, which is not importable here ({e}): {TRL_INSTALL}") from None
     return trl
-
-
-def workload_problem(cfg: Config, world: int) -> str | None:
-    """What in the workload this row cannot run (None: nothing), checked by moe-tune-bench before any row runs
-    and by the row itself."""
-    if world > 1:
-        return f"the TRL row runs as one process on one GPU (got {world} processes); run moe-tune-bench with --nproc 1"
-    if cfg.train.precision not in PRECISIONS:
-        return (
-            f"train.precision={cfg.train.precision}: the TRL row (one process, no FSDP) runs {', '.join(PRECISIONS)} "
-            "(bf16: bf16 parameters; amp_bf16: fp32 parameters under bf16 autocast); set train.precision=bf16"
-        )
-    if cfg.data.path is None:
-        return (
-            f"the TRL row trains on records and data={cfg.data.name} has none it can read; set data.path=<jsonl> "
-            "(e.g. from benchmarks/chat_lognormal.py)"
-        )
-    if cfg.peft.name != "none" or cfg.parallel.activation_checkpointing == "selective":
-        return (
-            f"the TRL row trains every weight with activation checkpointing none or full (got peft={cfg.peft.name}, "
-            f"parallel.activation_checkpointing={cfg.parallel.activation_checkpointing}); benchmark without them"
-        )
-    return None
 
 
 def check_config(cfg: Config) -> None:
