@@ -10,16 +10,18 @@ import os
 from moe_tune.config import ConfigError
 
 PRESETS: dict[str, dict] = {
-    # The embedded default: Qwen3-MoE architecture, tiny dimensions, trains in seconds on a CPU.
+    # The embedded default: Qwen3-MoE architecture, tiny dimensions, trains in seconds on a CPU. No two sizes of
+    # one weight are equal (experts' gate/up 192 x 128, down 128 x 96; q_proj 160 x 128), so a transposed weight
+    # cannot pass for the right one; each a multiple of 16, as FP8 GEMMs need.
     "tiny_qwen3_moe": dict(
         model_type="qwen3_moe",
         hidden_size=128,
         intermediate_size=256,
-        moe_intermediate_size=128,
+        moe_intermediate_size=96,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=32,
+        head_dim=40,
         num_experts=8,
         num_experts_per_tok=2,
         norm_topk_prob=True,
@@ -29,12 +31,13 @@ PRESETS: dict[str, dict] = {
         router_aux_loss_coef=0.001,
     ),
     # Tiny DeepSeek-V3 architecture (sigmoid router, correction bias, group-limited top-k, a shared expert,
-    # one leading dense layer): exercises aux-loss-free balancing on a CPU.
+    # one leading dense layer): exercises aux-loss-free balancing on a CPU. Sizes distinct as above (experts' gate/up
+    # 96 x 128; q_proj 160 x 128, o_proj 128 x 96).
     "tiny_deepseek_v3": dict(
         model_type="deepseek_v3",
         hidden_size=128,
         intermediate_size=256,
-        moe_intermediate_size=64,
+        moe_intermediate_size=48,
         num_hidden_layers=3,
         first_k_dense_replace=1,
         num_attention_heads=4,
@@ -48,9 +51,9 @@ PRESETS: dict[str, dict] = {
         norm_topk_prob=True,
         q_lora_rank=None,
         kv_lora_rank=32,
-        qk_nope_head_dim=16,
+        qk_nope_head_dim=24,
         qk_rope_head_dim=16,
-        v_head_dim=32,
+        v_head_dim=24,
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     ),

@@ -223,7 +223,7 @@ def test_bf16_moe_block_as_accurate_as_hf(bf16_checkpoint):
     ours = moe_tune.AutoModelForCausalLM.from_pretrained(bf16_checkpoint, dtype=torch.bfloat16).eval()
     hf = load_hf(bf16_checkpoint, dtype=torch.bfloat16).eval()
     ref = load_hf(bf16_checkpoint, dtype=torch.float32).eval()
-    x = torch.randn(4, 32, 32, generator=torch.Generator().manual_seed(8))
+    x = torch.randn(4, 32, ours.config.hidden_size, generator=torch.Generator().manual_seed(8))
 
     def block(model, dtype):
         y = model.model.layers[-1].mlp(x.to(dtype))

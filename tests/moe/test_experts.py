@@ -8,7 +8,7 @@ import torch
 
 from moe_tune.moe.experts import ExpertsOptions, ExpertsSpec, GroupedExperts
 
-E, D, HIDDEN, ALPHA, LIMIT = 4, 16, 8, 1.702, 7.0
+E, D, HIDDEN, ALPHA, LIMIT = 4, 24, 20, 1.702, 7.0  # gate/up 24 x 40: no square weight
 
 
 def gpt_oss_activation(h_RI2: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from moe_tune.moe.router import RouterSpec
 from tests.harness import run_ranks
 from tests.tiny import rel_err
 
-D, HIDDEN, T = 16, 8, 24
+D, HIDDEN, T = 24, 20, 30  # gate/up 40 x 24, down 24 x 20: no square weight
 
 LAYOUTS = {
     # Qwen/DeepSeek-style: [E, 2I, D] / [E, D, I], plain SwiGLU, no expert biases.
@@ -91,6 +91,12 @@ CASES = {
 }
 
 
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Each entry to 1e-5 relative, or 1e-5 of the tensor's largest entry (at least 1e-5): sums over tokens and
+    experts (top_k = num_experts included) cancel, so an entry near zero keeps its terms' rounding."""
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(float(b.abs().max()), 1.0), msg=what)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", CASES)
 def test_grouped_matches_loop_and_dense(layout, case):
@@ -102,10 +108,10 @@ def test_grouped_matches_loop_and_dense(layout, case):
     assert int(counts_E.sum()) == T * moe.spec.router.top_k
     for ref_impl in ("loop", "dense"):
         y_ref, gx_ref, grads_ref = run(moe, x_TD, g_TD, ref_impl)
-        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-5)
+        _close(y, y_ref, "output")
+        _close(gx, gx_ref, "input gradient")
         for name in grads:
-            torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-5, atol=1e-5, msg=name)
+            _close(grads[name], grads_ref[name], name)
     # experts that received no rows get exactly zero gradient (not NaN, not garbage)
     empty = (counts_E == 0).nonzero().flatten()
     for name in ("gate_up_proj", "down_proj") + (
@@ -178,7 +184,9 @@ def test_bias_experts_with_capacity_padding_rows():
     counts_e = torch.tensor([3, 0, 4, 3])
     ref = experts(x_RD, counts_e)
     padded = experts(torch.cat([x_RD, torch.randn(6, D)]), counts_e)
-    torch.testing.assert_close(padded[:10], ref, rtol=0, atol=0)
+    # To fp32's last bits, not bitwise: the element-wise activation on strided views vectorises by the total row
+    # count, so the padding can move a real row's last bit; a padding row leaking into a real one moves it by O(1).
+    torch.testing.assert_close(padded[:10], ref, rtol=1e-6, atol=1e-7)
 
 
 def test_bias_grads_ignore_garbage_on_padding_rows():
