@@ -156,7 +156,7 @@ def _ranges(cfg: Config) -> list[tuple[str, object, bool, str, str]]:
             ">= 1 or -1 (micro_batch_size x data-parallel ranks)",
             "-1",
         ),
-        ("train.seed", t.seed, t.seed >= 0, ">= 0", "0"),
+        ("train.seed", t.seed, 0 <= t.seed < 2**63, ">= 0 and < 2**63 (torch's seed is a 64-bit integer)", "0"),
         ("train.aux_loss_coef", t.aux_loss_coef, t.aux_loss_coef >= 0, ">= 0", "0.001"),
         ("train.z_loss_coef", t.z_loss_coef, t.z_loss_coef >= 0, ">= 0", "0"),
         ("train.bias_update_rate", t.bias_update_rate, t.bias_update_rate >= 0, ">= 0", "0"),

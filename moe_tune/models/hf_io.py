@@ -8,7 +8,6 @@ published checkpoints use (see ``moe_tune.moe.experts`` for the two layouts).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -20,6 +19,7 @@ from safetensors import safe_open
 from moe_tune.config import CheckpointError
 from moe_tune.lora import is_adapter
 from moe_tune.models.families import Family
+from moe_tune.models.source_check import read_index
 from moe_tune.moe.experts import GroupedExperts
 
 # Stacked expert tensors (dim 0: experts): the weights, their biases and their LoRA adapters.
@@ -46,11 +46,8 @@ class CheckpointReader:
 
     def __init__(self, path: str):
         self.path = path
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        else:
+        weight_map = read_index(path)  # shards inside path only, each present
+        if weight_map is None:
             files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
             if not files:
                 raise CheckpointError(f"{path} holds no *.safetensors files; give a Hugging Face checkpoint directory")

@@ -5,6 +5,7 @@ ConfigError line naming the file (and line) or the key, and the fix; nothing her
 
 from __future__ import annotations
 
+import difflib
 import glob
 import hashlib
 import json
@@ -83,9 +84,84 @@ def check_safetensors_header(file: str) -> None:
         raise CheckpointError(f"{file}: {size} bytes, but its header lists {HEADER_LEN_BYTES + n + end}; {fix}")
 
 
+INDEX = "model.safetensors.index.json"
+# Sizes a model needs at least one of: zero or less would build a model without that part, or fail mid-run.
+SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "num_experts_per_tok",
+)
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def read_index(path: str) -> dict[str, str] | None:
+    """``path``'s sharded-checkpoint index as tensor name -> shard file (None: not sharded). Every shard must be a
+    plain file name inside ``path`` that exists: an absolute path or one leading elsewhere would read weights
+    from outside ``model.path``, a missing shard is an interrupted download."""
+    file = os.path.join(path, INDEX)
+    if not os.path.isfile(file):
+        return None
+    fix = "download the checkpoint again (or copy the index from the model's original release)"
+    try:
+        with open(file, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{file}: not a valid index ({e}); {fix}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f'{file}: no "weight_map" of tensor names to shard files; {fix}')
+    for shard in sorted(set(weight_map.values())):
+        if os.path.basename(shard) != shard or shard in ("", ".", ".."):
+            raise CheckpointError(
+                f"{file} names the shard {shard!r}: shards must be file names inside {path} (a path would read "
+                f"weights from elsewhere); {fix}"
+            )
+        if not os.path.isfile(os.path.join(path, shard)):
+            raise CheckpointError(f"{file} names {shard}, which {path} does not hold (an interrupted download?); {fix}")
+    return weight_map
+
+
+def check_sizes(fields: dict, name, fix: str) -> None:
+    """Every size in ``fields`` (a transformers config's) a whole number >= 1, and no more experts per token than
+    experts; ``name(key)`` is how the message names a field (a file's or ``model.overrides``'), ``fix`` ends it."""
+    for key in SIZE_FIELDS:
+        value = fields.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"{name(key)}={value!r} must be a whole number >= 1; {fix}")
+    experts = next((key for key in EXPERT_COUNTS if isinstance(fields.get(key), int)), None)
+    top_k = fields.get("num_experts_per_tok")
+    if experts is not None and isinstance(top_k, int) and top_k > fields[experts]:
+        raise ConfigError(
+            f"{name('num_experts_per_tok')}={top_k} is more than the model's {fields[experts]} experts "
+            f"({name(experts)}); {fix}"
+        )
+
+
 def check_source_dir(path: str) -> dict:
-    """A local Hugging Face directory: its config.json (returned) and every safetensors file's header."""
+    """A local Hugging Face directory: its config.json (returned; its sizes, and that transformers reads it), its
+    shard index and every safetensors file's header."""
+    from transformers import AutoConfig
+
     cfg = read_config_json(path)
+    file = os.path.join(path, "config.json")
+    check_sizes(cfg, lambda key: f"{file}: {key}", "fix it there or copy config.json from the model's original release")
+    try:
+        AutoConfig.from_pretrained(path)
+    except Exception as e:  # transformers' own validation: a wrongly typed field, an unknown value
+        reason = str(e).strip().splitlines()
+        raise CheckpointError(
+            f"{file}: transformers cannot read it ({' '.join(line.strip() for line in reason[:2])}); fix that "
+            "field or copy config.json from the model's original release"
+        ) from None
+    read_index(path)
     for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         check_safetensors_header(file)
     return cfg
@@ -105,8 +181,13 @@ def check_overrides(name: str, overrides: dict) -> None:
     """``model.overrides`` of a preset: every value of the type of the field it replaces."""
     from moe_tune.models.presets import preset_config
 
-    defaults = preset_config(name).to_dict()
+    preset = preset_config(name)
+    defaults = preset.to_dict()
     for key, value in overrides.items():
+        if key not in defaults and not hasattr(preset, key):  # a typo would be silently ignored by transformers
+            near = difflib.get_close_matches(key, defaults, n=1)
+            hint = f"did you mean model.overrides.{near[0]}?" if near else f"the fields are those of {name}'s config"
+            raise ConfigError(f"model.overrides.{key}: {name}'s config has no field {key}; {hint}")
         default = defaults.get(key)
         if default is not None and not _same_type(value, default):
             kind = type(default).__name__
@@ -114,6 +195,7 @@ def check_overrides(name: str, overrides: dict) -> None:
                 f"model.overrides.{key}={value!r} must be a {kind} (as the preset's {key}={default!r}); "
                 f"try model.overrides.{key}={default!r}"
             )
+    check_sizes(preset_config(name, overrides).to_dict(), lambda key: f"model.overrides.{key}", "change the override")
 
 
 def config_differences(saved, requested: dict) -> list[str]:
@@ -131,4 +213,12 @@ def config_differences(saved, requested: dict) -> list[str]:
     return out
 
 
-__all__ = ["check_overrides", "check_safetensors_header", "check_source_dir", "config_differences", "read_config_json"]
+__all__ = [
+    "check_overrides",
+    "check_safetensors_header",
+    "check_sizes",
+    "check_source_dir",
+    "config_differences",
+    "read_config_json",
+    "read_index",
+]

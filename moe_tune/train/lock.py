@@ -117,12 +117,19 @@ def init_run_lock(output_dir: str, rank: int) -> RunLock | None:
 
 
 def check_output_dir(output_dir: str) -> None:
-    """ConfigError unless ``output_dir`` is a directory or can become one: an existing file there (or in place of
-    one of its parents) would otherwise be a FileExistsError traceback from Hydra's or this lock's mkdir."""
+    """ConfigError unless ``output_dir`` is a writable directory or can become one: an existing file there (or in
+    place of one of its parents), or a directory this process cannot write, would otherwise be an OSError traceback
+    from Hydra's or this lock's mkdir."""
     path = os.path.abspath(output_dir)
     while not os.path.lexists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
     if os.path.isdir(path):
+        if not os.access(path, os.W_OK | os.X_OK):  # read-only file system or no permission
+            where = "" if path == os.path.abspath(output_dir) else f" (under {path})"
+            raise ConfigError(
+                f"output_dir={output_dir}{where} is not writable (a read-only file system or no permission); give an "
+                "output_dir you can write to"
+            )
         return
     where = "is a file" if path == os.path.abspath(output_dir) else f"is under {path}, which is a file"
     raise ConfigError(

@@ -1,0 +1,143 @@
+"""A model source that cannot be trained is one line before anything is written: a sharded checkpoint whose index
+is malformed, names a missing shard or a shard outside ``model.path``; a config.json field of the wrong type or
+size; ``model.overrides`` with a typo, a size below 1 or more experts per token than experts; a seed torch cannot
+take; an output_dir this process cannot write."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from moe_tune.config import CheckpointError, ConfigError
+from moe_tune.models.hf_io import CheckpointReader
+from moe_tune.models.source_check import check_overrides, check_source_dir
+from tests.harness import PY, cli_env
+
+
+@pytest.fixture
+def sharded(tmp_path, tiny_checkpoint):
+    """A tiny checkpoint saved in shards with an index (as a hub download of a large model is)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(tiny_checkpoint(), dtype=torch.float32).save_pretrained(
+        out, max_shard_size="60KB"
+    )
+    assert len(list(out.glob("*.safetensors"))) > 2
+    return out
+
+
+def _index(path) -> tuple[str, dict]:
+    file = os.path.join(path, "model.safetensors.index.json")
+    return file, json.load(open(file))
+
+
+def test_an_intact_sharded_checkpoint_passes(sharded):
+    check_source_dir(str(sharded))
+    reader = CheckpointReader(str(sharded))
+    assert set(reader.weight_map.values()) == {p.name for p in sharded.glob("*.safetensors")}
+
+
+def test_a_missing_shard_is_named(sharded):
+    shard = sorted(sharded.glob("*.safetensors"))[1]
+    shard.unlink()
+    for check in (check_source_dir, CheckpointReader):
+        with pytest.raises(CheckpointError, match=f"names {shard.name}, which .* does not hold"):
+            check(str(sharded))
+
+
+def test_a_malformed_index_is_named(sharded):
+    file, _ = _index(sharded)
+    with open(file, "w") as f:
+        f.write('{"weight_map": {"a": ')
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json: not a valid index"):
+        check_source_dir(str(sharded))
+
+
+@pytest.mark.parametrize("where", ["absolute", "parent"])
+def test_an_index_pointing_outside_the_directory_is_refused(sharded, tmp_path, where):
+    """Weights read from elsewhere would train silently on another checkpoint's tensors."""
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(sharded, elsewhere)
+    file, index = _index(sharded)
+    key, shard = next(iter(index["weight_map"].items()))
+    index["weight_map"][key] = str(elsewhere / shard) if where == "absolute" else f"../elsewhere/{shard}"
+    json.dump(index, open(file, "w"))
+    for check in (check_source_dir, CheckpointReader):
+        with pytest.raises(CheckpointError, match="shards must be file names inside"):
+            check(str(sharded))
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("hidden_size", "big", "hidden_size='big' must be a whole number >= 1"),
+        ("num_hidden_layers", 0, "num_hidden_layers=0 must be a whole number >= 1"),
+        ("num_experts_per_tok", 9, "num_experts_per_tok=9 is more than the model's 8 experts"),
+        ("rms_norm_eps", "tiny", "transformers cannot read it"),
+    ],
+)
+def test_a_bad_config_json_field_is_one_line(tiny_checkpoint, field, value, message):
+    path = tiny_checkpoint()
+    file = os.path.join(path, "config.json")
+    cfg = json.load(open(file))
+    cfg[field] = value
+    json.dump(cfg, open(file, "w"))
+    with pytest.raises((CheckpointError, ConfigError), match=message) as e:
+        check_source_dir(path)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_expert_per_tok": 2}, "no field num_expert_per_tok; did you mean model.overrides.num_experts_per_tok"),
+        ({"hidden_size": -8}, "model.overrides.hidden_size=-8 must be a whole number >= 1"),
+        ({"num_hidden_layers": 0}, "model.overrides.num_hidden_layers=0 must be a whole number >= 1"),
+        ({"num_experts_per_tok": 64}, "num_experts_per_tok=64 is more than the model's 8 experts"),
+    ],
+)
+def test_bad_model_overrides_are_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check_overrides("tiny_qwen3_moe", overrides)
+
+
+def test_good_model_overrides_pass():
+    check_overrides("tiny_qwen3_moe", {"num_hidden_layers": 3, "num_experts_per_tok": 8, "num_experts": 8})
+
+
+def _cli(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PY, "-m", "moe_tune", *args], capture_output=True, text=True, env=cli_env(), timeout=300, **kwargs
+    )
+
+
+def test_a_missing_shard_and_a_huge_seed_stop_before_output_dir_exists(sharded, tmp_path):
+    next(iter(sharded.glob("*-00002-*.safetensors"))).unlink()
+    for args in ([f"model.path={sharded}"], ["train.seed=99999999999999999999"]):
+        out = tmp_path / "run"
+        r = _cli([*args, f"output_dir={out}", "train.steps=1"])
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not out.exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/1"), reason="needs Linux's /proc")
+def test_an_output_dir_without_write_permission_is_one_line(tmp_path):
+    """A directory this process cannot write: /proc/1 (not writable even by root, who writes anywhere else), or a
+    directory without write permission where the suite does not run as root."""
+    parent = "/proc/1"
+    if os.geteuid() != 0:
+        parent = str(tmp_path / "locked")
+        os.mkdir(parent, 0o555)
+    r = _cli([f"output_dir={parent}/run", "train.steps=1"])
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [
+        f"moe-tune: error: output_dir={parent}/run (under {parent}) is not writable (a read-only file system or no "
+        "permission); give an output_dir you can write to"
+    ]
