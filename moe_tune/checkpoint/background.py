@@ -44,7 +44,8 @@ def _layout(state: dict) -> list:
 
 class CheckpointSaver:
     """The run's saves, one at a time: ``run(job)`` runs ``job`` on a writer thread when ``async_save`` (after
-    the previous one finished), else inline. ``stage(state)`` copies ``state``'s tensors to the host."""
+    the previous one finished), else inline. ``prepare(state)`` allocates the host copy ahead, ``stage(state)``
+    copies ``state``'s tensors into it."""
 
     def __init__(self, async_save: bool, device=None):
         self.async_save = async_save
@@ -95,10 +96,8 @@ class CheckpointSaver:
         return self._decided
 
     def stage(self, state: dict) -> tuple[dict, int]:
-        """A host copy of ``state`` (the same buffers every save) and this
-        rank's bytes. Synchronous saves write the live tensors. At the first background save every rank agrees
-        (a collective) whether the node's ranks' copies fit in its available memory; if any rank's do not, every
-        save of the run is synchronous."""
+        """A host copy of ``state`` (into the same buffers every save) and this rank's bytes; a synchronous save
+        writes the live tensors. Whether the copies fit is agreed at ``prepare`` or, without it, here."""
         size = _bytes(state)
         if self._preparing is not None:
             self._preparing.join()
