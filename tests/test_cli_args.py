@@ -68,6 +68,14 @@ def test_every_builtin_model_is_a_config():
         (["model.overrides.num_hidden_layers=1"], "add it with +model.overrides.num_hidden_layers=1"),
         (["train.steps=abc"], "train.steps='abc' is not an integer; give train.steps a value of that type"),
         (["train.lr=fast"], "train.lr='fast' is not a number"),
+        # OmegaConf's own message for a bool, with every override after it (the whole command line).
+        (["data.packing=maybe"], "data.packing='maybe' is not true or false; give data.packing=true or data.packing"),
+        # Hydra's grammar takes non-ASCII letters in quoted values only; "write overrides as key=value" misled.
+        (
+            ["data.path=données.jsonl"],
+            "data.path=données.jsonl: Hydra reads a value with letters outside ASCII ('é') only in quotes; write "
+            "data.path='données.jsonl' (\"data.path='données.jsonl'\" in a shell, so that the quotes reach moe-tune)",
+        ),
         (
             ["peft=lora", "peft.target=attention"],
             "peft.target is a list; write it in brackets: 'peft.target=[attention]'",
@@ -98,6 +106,7 @@ def test_bad_command_line_is_one_line_exit_2(args, line, tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith("moe-tune: error: "), err
     assert line in err
     assert "+train.stepz=5" not in err and "To append" not in err  # never Hydra's suggestion to add a key
+    assert "(overrides:" not in err and "write overrides as key=value" not in err
 
 
 @pytest.mark.parametrize(

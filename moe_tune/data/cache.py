@@ -8,12 +8,14 @@ seed) and ``train.seq_len``, and the code (a hash of this package's source files
 old entries are never read again (delete the directory to reclaim the space).
 
 One process per node builds an entry (local rank 0) and writes it atomically (a temporary file renamed into
-place); with a process group the other ranks wait at a barrier, without one (independent processes) a file lock
-serialises builders, so the second finds the first's entry.
+place); with a process group the other ranks wait at a barrier, without one (independent processes) a lock on
+``<key>.pt.lock`` serialises builders, so the second finds the first's entry. The lock file is removed by its
+holder before it unlocks, so none is left behind (``_lock`` says why that stays safe).
 """
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import hashlib
 import json
@@ -76,12 +78,38 @@ def cached(cache_dir: str, key: str, build: Callable[[], dict]) -> dict:
         if entry is not None:
             return entry
         return _read(path) if os.path.isfile(path) else build()  # an unwritable cache: every rank builds
-    from filelock import FileLock
-
-    with FileLock(path + ".lock"):
+    lock = path + ".lock"
+    try:
+        fd = _lock(lock)
+    except OSError as e:  # a cache directory we may read but not write
+        log.warning("data.cache_dir=%s cannot be locked (%s); tokenizing without a cache", cache_dir, e)
+        return _read(path) if os.path.isfile(path) else build()
+    try:
         if os.path.isfile(path):
             return _read(path)
         return _write(path, build())
+    finally:
+        os.remove(lock)  # before the unlock: a waiter that then gets this lock sees its file gone (_lock)
+        os.close(fd)
+
+
+def _lock(lock_path: str) -> int:
+    """The descriptor of ``lock_path``, exclusively flocked. Its holder deletes the file before unlocking, so none
+    is left behind; a waiter that gets the lock after that holds a file nobody else can see, so it checks that
+    ``lock_path`` is still the file it locked and, if not, locks the new one (the usual unlink-safe flock loop):
+    two builders of one entry never overlap."""
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.path.samestat(os.fstat(fd), os.stat(lock_path)):
+                return fd
+        except FileNotFoundError:  # deleted between our lock and the check: lock the next one
+            pass
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
 
 
 def _read(path: str) -> dict:

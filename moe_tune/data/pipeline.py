@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from moe_tune.config import DataConfig, DataError
 from moe_tune.data.encode import IGNORE, Encoder
 from moe_tune.data.records import TEMPLATE_FAULTS, BadRecord, detect_format, normalize
+from moe_tune.data.templates import RenderTimeout
 
 log = logging.getLogger("moe_tune")
 
@@ -124,6 +125,8 @@ def encode_one(record, fmt: str, cfg: DataConfig, encoder: Encoder):
         return encoder(normalize(record, fmt, cfg))
     except BadRecord as bad:
         return bad
+    except RenderTimeout as e:  # the template's fault: stops the run whatever data.on_bad_record says
+        return BadRecord("template_timeout", str(e))
 
 
 def encode_all(items: list[tuple[str, object, str]], cfg: DataConfig, encoder: Encoder, tally: Tally) -> list:

@@ -47,7 +47,7 @@ class BadRecord(Exception):
 
 # Reasons that are the chat template's fault, not the record's: the run stops at the first such record whatever
 # data.on_bad_record says (skipping would drop every record of its shape), and the detail names the fix.
-TEMPLATE_FAULTS = ("template_rewrites_history",)
+TEMPLATE_FAULTS = ("template_rewrites_history", "template_timeout")
 
 
 @dataclass

@@ -10,6 +10,8 @@ import functools
 import json
 import os
 import socket
+import stat
+import sys
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +20,8 @@ from moe_tune.config import DataError
 from moe_tune.data.records import BadRecord
 
 EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+# The byte-order mark some Windows editors write at the start of a UTF-8 file: not part of the first record.
+BOM = b"\xef\xbb\xbf"
 
 
 @dataclass(frozen=True)
@@ -37,11 +41,20 @@ def resolve(path: str, key: str = "data.path") -> list[Source]:
         names = sorted(n for n in os.listdir(path) if not n.startswith(".") and _kind(n))
         if not names:
             raise DataError(f"{key}={path} has no {'/'.join(EXTENSIONS)} files and is not a save_to_disk directory")
+        for n in names:  # read as records, a directory, FIFO or device would fail (or never end) mid-read
+            what = _not_regular(os.path.join(path, n))
+            if what:
+                raise DataError(
+                    f"{key}={path}: its entry {n} is {what}, not a regular file; move it out of the directory or "
+                    f"rename it (every {'/'.join(EXTENSIONS)} entry is read as records)"
+                )
         return [Source(_kind(n), os.path.join(path, n), key) for n in names]
     if os.path.isfile(path):
         if not _kind(path):
             raise DataError(f"{key}={path}: unknown file type; give a {'/'.join(EXTENSIONS)} file or a directory")
         return [Source(_kind(path), path, key)]
+    if os.path.lexists(path):  # there, but neither a file nor a directory: /dev/zero, a FIFO, a broken link
+        raise DataError(f"{key}={path} is {_not_regular(path)}, not a regular file; give a file or a directory")
     if path.startswith((".", "/", "~")) or _kind(path) or path.count("/") > 1:  # a path, not a hub name
         raise DataError(f"{key}={path} does not exist; give a file, a directory or a hub dataset name (owner/name)")
     return [Source("hub", path, key)]
@@ -49,6 +62,21 @@ def resolve(path: str, key: str = "data.path") -> list[Source]:
 
 def _kind(name: str) -> str | None:
     return EXTENSIONS.get(os.path.splitext(name)[1].lower())
+
+
+def _not_regular(path: str) -> str | None:
+    """What ``path`` is if not a regular file (after following links): "a directory", "a FIFO", ... or None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:  # a broken or looping link, or an entry we may not stat
+        target = f" to {os.readlink(path)}" if os.path.islink(path) else ""
+        return f"a link{target} that cannot be followed ({e.strerror})"
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"))
+    kinds += ((stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    what = next((name for test, name in kinds if test(mode)), "a special file")
+    return f"{what} (a link to {os.path.realpath(path)})" if os.path.islink(path) else what
 
 
 def _is_saved(path: str) -> bool:
@@ -89,8 +117,10 @@ def iter_records(source: Source, streaming: bool = True) -> Iterator[tuple[str, 
 
 def _iter_json(path: str) -> Iterator[tuple[str, object]]:
     with open(path, "rb") as f:
+        start = len(BOM) if f.read(len(BOM)) == BOM else 0
+        f.seek(start)
         head = f.read(4096).lstrip()
-        f.seek(0)
+        f.seek(start)
         if path.lower().endswith(".json") and head.startswith(b"["):  # one JSON array of records
             yield from _iter_json_array(path, f.read())
             return
@@ -109,6 +139,8 @@ def _iter_json(path: str) -> Iterator[tuple[str, object]]:
                 yield f"{path}:{n}", json.loads(text.rstrip("\r\n"))
             except json.JSONDecodeError as e:
                 yield f"{path}:{n}", BadRecord("invalid_json", f"not valid JSON ({_json_fault(e)})")
+            except RecursionError:  # json's C parser recurses once per nesting level, within Python's limit
+                yield f"{path}:{n}", BadRecord("invalid_json", _too_deep())
 
 
 def _iter_json_array(path: str, raw: bytes) -> Iterator[tuple[str, object]]:
@@ -121,8 +153,15 @@ def _iter_json_array(path: str, raw: bytes) -> Iterator[tuple[str, object]]:
         detail = f"not valid JSON ({_json_fault(e)}; the whole JSON array is dropped)"
         yield f"{path}:{e.lineno}", BadRecord("invalid_json", detail)
         return
+    except RecursionError:
+        yield path, BadRecord("invalid_json", _too_deep("; the whole JSON array is dropped"))
+        return
     for i, record in enumerate(records):
         yield f"{path}:record {i + 1}", record
+
+
+def _too_deep(more: str = "") -> str:
+    return f"not readable JSON (nested more than about {sys.getrecursionlimit()} levels deep{more})"
 
 
 def _json_fault(e: json.JSONDecodeError) -> str:

@@ -6,13 +6,20 @@ The family is recognised by its template's text (strings no other family's templ
 from any checkpoint of the family is recognised whatever its model_type; a template that already has
 ``{% generation %}`` blocks is used as it is. A variant is used only if it renders a probe chat exactly as the
 tokenizer's template does (another revision of the family's template is left alone).
+
+Every render is bounded in time (``render_chat``): a template whose loops do not end in time (nested
+``range(100000)``) stops the run with a line naming the record, instead of hanging it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
+import threading
 from dataclasses import dataclass
+
+from moe_tune.config import DataError
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # model_type -> (name in log lines, strings only that family's chat template has)
@@ -28,6 +35,70 @@ PROBE = [
     {"role": "user", "content": "1+2="},
     {"role": "assistant", "content": "3", "reasoning_content": "one plus two", "thinking": "one plus two"},
 ]
+
+
+# CPU seconds one render of one record may take. An ordinary render takes milliseconds at most; CPU time, not wall
+# time, so that a loaded machine does not stop a run that would finish.
+RENDER_LIMIT_S = 10.0
+
+
+class RenderTimeout(BaseException):
+    """A render ran past RENDER_LIMIT_S. A BaseException: the ``except Exception`` that turns a template's own
+    errors into a skippable bad record must not catch it (the template's fault stops the run, see records.py's
+    TEMPLATE_FAULTS)."""
+
+    def __init__(self, seconds: float):
+        super().__init__(
+            f"the chat template did not finish rendering it within {seconds:g} s of CPU time (the limit on one "
+            "render: a loop in the template that does not end, or not in time); fix the template, or give another "
+            "with data.chat_template=<jinja file>"
+        )
+
+
+def render_chat(tokenizer, messages: list[dict], **kwargs):
+    """``tokenizer.apply_chat_template(messages, **kwargs)``, stopped with RenderTimeout once the process has
+    spent RENDER_LIMIT_S of user CPU time in it: ITIMER_VIRTUAL's SIGVTALRM, whose handler Python runs between two
+    bytecodes of the template's compiled code, wherever its loops are. Costs two timer system calls a render (2-5
+    us on a loaded 2-core machine, where a two-message render took 40-130 us). Unbounded where Python cannot take
+    the signal (a thread other than the main one) or where SIGVTALRM has another handler or another virtual timer
+    runs (a profiler's: not ours to replace)."""
+    if not _can_time():
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    _rendering.seconds = RENDER_LIMIT_S
+    signal.setitimer(signal.ITIMER_VIRTUAL, RENDER_LIMIT_S)
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    finally:
+        _rendering.seconds = 0.0  # first: a signal arriving from here on is ignored
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+
+
+class _Rendering:
+    seconds = 0.0  # the limit of the render in progress; 0: none is
+    handler: bool | None = None  # SIGVTALRM goes to _expire (None: not asked yet)
+
+
+_rendering = _Rendering()
+
+
+def _expire(signum, frame) -> None:
+    if _rendering.seconds:
+        seconds, _rendering.seconds = _rendering.seconds, 0.0
+        raise RenderTimeout(seconds)
+
+
+def _can_time() -> bool:
+    """SIGVTALRM reaches ``_expire`` and no other virtual timer runs. The handler is installed at the first render
+    where SIGVTALRM has the default one, and kept (outside a render it does nothing; the default action would end
+    the process): asking for the handler at every render costs more than the render's timer (signal.getsignal
+    converts it to an enum by raising and catching)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if _rendering.handler is None:
+        _rendering.handler = signal.getsignal(signal.SIGVTALRM) in (signal.SIG_DFL, _expire)
+        if _rendering.handler:
+            signal.signal(signal.SIGVTALRM, _expire)
+    return _rendering.handler and not signal.getitimer(signal.ITIMER_VIRTUAL)[0]
 
 
 @dataclass(frozen=True)
@@ -59,9 +130,11 @@ def training_template(tokenizer, template: str | None) -> TrainingTemplate | Non
 
 def _render(tokenizer, template: str) -> str | None:
     try:
-        return tokenizer.apply_chat_template(PROBE, chat_template=template, tokenize=False)
+        return render_chat(tokenizer, PROBE, chat_template=template, tokenize=False)
     except Exception:  # jinja's own, or the template's raise_exception
         return None
+    except RenderTimeout as e:  # the tokenizer's own template, before any record: no record to name
+        raise DataError(f"rendering a three-message probe chat: {e}") from None
 
 
 def end_of_turn_token(tokenizer, template: str | None) -> str | None:
@@ -71,7 +144,7 @@ def end_of_turn_token(tokenizer, template: str | None) -> str | None:
     probe = "moe_tune probe"
     chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": probe}]
     try:
-        text = tokenizer.apply_chat_template(chat, chat_template=template, tokenize=False)
+        text = render_chat(tokenizer, chat, chat_template=template, tokenize=False)
     except Exception:  # jinja's own, or the template's raise_exception
         return None
     if not template or probe not in text:

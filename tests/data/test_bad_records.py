@@ -160,3 +160,20 @@ def test_no_trainable_token_anywhere_names_train_seq_len(tmp_path):
     record = json.dumps({"prompt": "1234567890" * 4, "response": "x"}).encode()
     with pytest.raises(DataError, match=r"within train\.seq_len=32: raise train\.seq_len or check data\.train_on"):
         build(tmp_path, [record, record], on_bad_record="skip")
+
+
+def test_json_nested_past_the_parsers_depth_is_a_bad_line(tmp_path):
+    """A line nested 100,000 deep made json's C parser raise RecursionError, which no data.on_bad_record caught: it
+    is invalid JSON like any other, named by file:line, and skipped under skip (a JSON array file: dropped whole)."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(DataError) as e:
+        build(tmp_path, [GOOD, deep, GOOD])
+    assert str(e.value).startswith(f"{tmp_path / 'data.jsonl'}:2: not readable JSON (nested more than about ")
+    assert str(e.value).endswith("levels deep); fix the line or set data.on_bad_record=skip")
+    train = build(tmp_path, [GOOD, deep, GOOD], on_bad_record="skip")
+    assert train.stats["records_skipped"] == {"invalid_json": 1} and train.stats["records_used"] == 2
+    array = tmp_path / "array.json"
+    array.write_bytes(b"[" + deep + b"]")
+    cfg = DataConfig(name="jsonl", path=str(array), num_samples=0, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError, match=r"array\.json: not readable JSON .*; the whole JSON array is dropped\)"):
+        build_datasets(cfg, build_tokenizer(), 32, seed=0)

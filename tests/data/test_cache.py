@@ -105,3 +105,44 @@ def test_rank0_tokenizes_and_the_other_rank_reads(cfg, tmp_path):
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert (r0["calls"], r1["calls"]) == (len(CHATS), 0)
     assert torch.equal(r0["rows"], r1["rows"]) and len(entries(cfg)) == 1
+
+
+def test_no_lock_file_is_left(cfg):
+    """Every build (the CLI's record check and the run each build) left a <key>.pt.lock beside its entry."""
+    build(cfg)
+    build(cfg)
+    assert sorted(os.listdir(cfg.cache_dir)) == entries(cfg)
+
+
+def test_a_second_builder_of_an_entry_waits_and_reads_the_first_ones(tmp_path):
+    """The lock that serialises independent processes still does (threads here: each opens the lock file itself,
+    so their flocks exclude each other as two processes' would), and is gone once both are done."""
+    import threading
+
+    from moe_tune.data.cache import cached
+
+    holding, release, order = threading.Event(), threading.Event(), []
+
+    def first() -> dict:
+        holding.set()
+        release.wait(30)
+        order.append("first built")
+        return {"x": torch.ones(2)}
+
+    def second() -> dict:
+        order.append("second built")
+        return {"x": torch.zeros(2)}
+
+    out = {}
+    a = threading.Thread(target=lambda: out.setdefault("a", cached(str(tmp_path), "k", first)))
+    a.start()
+    assert holding.wait(30)
+    b = threading.Thread(target=lambda: out.setdefault("b", cached(str(tmp_path), "k", second)))
+    b.start()
+    b.join(0.5)
+    assert b.is_alive() and os.path.exists(tmp_path / "k.pt.lock")  # waiting on the first builder's lock
+    release.set()
+    a.join(30)
+    b.join(30)
+    assert order == ["first built"] and torch.equal(out["b"]["x"], torch.ones(2))
+    assert os.listdir(tmp_path) == ["k.pt"]

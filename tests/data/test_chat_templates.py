@@ -6,7 +6,10 @@ end-of-turn token outside a generation block's mask is warned about."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import signal
 
 import pytest
 
@@ -135,3 +138,63 @@ def test_end_of_turn_outside_the_mask_is_warned_about(caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2  # once per encoder
     assert warnings[0].startswith("data: the chat template's end-of-turn token <|im_end|> falls outside the assistant")
+
+
+ENDLESS = (  # 10^10 iterations: hours; the run hung on it
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+)
+
+
+class Hung(BaseException):
+    """The render was not stopped: raised by the test's own wall-clock alarm so that the suite fails, not hangs."""
+
+
+@contextlib.contextmanager
+def fail_after(seconds: float):
+    def expired(signum, frame):
+        raise Hung(f"the render was not stopped within {seconds} s of wall time")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("on_bad_record", ["error", "skip"])
+def test_a_render_that_does_not_end_stops_the_run_at_the_limit(tmp_path, monkeypatch, on_bad_record):
+    """A chat template with nested loops hung the run: each render is stopped at RENDER_LIMIT_S of CPU time, with
+    the record and the limit in one line; the template's fault, so skip does not drop record after record (each
+    taking the limit). An ordinary render leaves the timer off (a timer left running would also leave the next
+    render unbounded), and SIGVTALRM outside a render does nothing."""
+    from moe_tune.config import DataError
+    from moe_tune.data import build_datasets, templates
+
+    chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    encoder = Encoder(build_tokenizer(), DataConfig(), 64)
+    assert encoder.render(chat["messages"], None).endswith("a<|im_end|>\n")
+    assert signal.getitimer(signal.ITIMER_VIRTUAL) == (0.0, 0.0)
+    signal.raise_signal(signal.SIGVTALRM)  # outside a render: ignored
+
+    monkeypatch.setattr(templates, "RENDER_LIMIT_S", 0.3)
+    (tmp_path / "endless.jinja").write_text(ENDLESS)
+    (tmp_path / "data.jsonl").write_text(json.dumps(chat) + "\n")
+    cfg = DataConfig(
+        name="jsonl",
+        path=str(tmp_path / "data.jsonl"),
+        num_samples=0,
+        cache_dir=str(tmp_path / "cache"),
+        chat_template=str(tmp_path / "endless.jinja"),
+        on_bad_record=on_bad_record,
+    )
+    with pytest.raises(DataError) as e, fail_after(60):
+        build_datasets(cfg, build_tokenizer(), 32, seed=0)
+    assert str(e.value) == (
+        f"{tmp_path / 'data.jsonl'}:1: the chat template did not finish rendering it within 0.3 s of CPU time (the "
+        "limit on one render: a loop in the template that does not end, or not in time); fix the template, or give "
+        "another with data.chat_template=<jinja file>"
+    )
+    assert signal.getitimer(signal.ITIMER_VIRTUAL) == (0.0, 0.0)

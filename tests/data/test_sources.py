@@ -178,6 +178,83 @@ def test_with_network_the_hub_is_asked(monkeypatch, no_network):
     assert seen == [True, False, False] and constants.HF_HUB_OFFLINE is False
 
 
+def test_a_utf8_byte_order_mark_on_line_1_is_accepted(tmp_path):
+    """Some Windows editors start a UTF-8 file with a BOM; it was read as part of the first record (refused as
+    invalid JSON). A JSON Lines file and a JSON array file with one read as without."""
+    write_jsonl(tmp_path / "ref.jsonl", CHATS)
+    expected = rows(tmp_path, tmp_path / "ref.jsonl")
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + (tmp_path / "ref.jsonl").read_bytes())
+    assert torch.equal(rows(tmp_path, tmp_path / "bom.jsonl"), expected)
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(CHATS).encode())
+    assert torch.equal(rows(tmp_path, tmp_path / "bom.json"), expected)
+
+
+def _fifo(path) -> None:
+    os.mkfifo(path)
+
+
+def _directory(path) -> None:
+    os.mkdir(path)
+
+
+def _link_to_dev_zero(path) -> None:
+    os.symlink("/dev/zero", path)
+
+
+def _broken_link(path) -> None:
+    os.symlink(path.parent / "gone.jsonl", path)
+
+
+@pytest.mark.parametrize(
+    "make,what",
+    [
+        (_directory, "a directory"),
+        (_fifo, "a FIFO"),
+        (_link_to_dev_zero, "a character device (a link to /dev/zero)"),
+        (_broken_link, "a link to {gone} that cannot be followed (No such file or directory)"),
+    ],
+)
+def test_an_entry_that_is_not_a_regular_file_is_named(tmp_path, make, what):
+    """A directory's x.jsonl that is a directory, a FIFO (reading it waits for a writer forever) or a link to
+    /dev/zero (endless) gave tracebacks or hung: one line naming the entry, before any record is read."""
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "a.jsonl", CHATS)
+    make(data / "x.jsonl")
+    with pytest.raises(DataError) as e:
+        rows(tmp_path, data)
+    what = what.format(gone=data / "gone.jsonl")
+    assert str(e.value) == (
+        f"data.path={data}: its entry x.jsonl is {what}, not a regular file; move it out of the directory or rename "
+        "it (every .jsonl/.json/.parquet/.csv/.arrow entry is read as records)"
+    )
+
+
+@pytest.mark.parametrize("path,what", [("/dev/zero", "a character device"), ("fifo.jsonl", "a FIFO")])
+def test_a_data_path_that_is_not_a_regular_file(tmp_path, path, what):
+    """data.path=/dev/zero was said not to exist."""
+    if path == "fifo.jsonl":
+        path = tmp_path / path
+        os.mkfifo(path)
+    with pytest.raises(DataError) as e:
+        rows(tmp_path, path)
+    assert str(e.value) == f"data.path={path} is {what}, not a regular file; give a file or a directory"
+
+
+def test_a_fifo_in_the_data_directory_is_one_line_exit_2_and_writes_nothing(tmp_path):
+    """The same through the command line: exit code 2, one line, no output_dir (the probe's traceback)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "a.jsonl", CHATS)
+    os.mkfifo(data / "b.jsonl")
+    run = tmp_path / "run"
+    cmd = [PY, "-m", "moe_tune", f"data.path={data}", f"output_dir={run}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=tmp_path, timeout=300)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"moe-tune: error: data.path={data}: its entry b.jsonl is a FIFO, not a regular file")
+    assert not run.exists()
+
+
 def test_missing_local_path(tmp_path):
     with pytest.raises(DataError, match=r"data\.path=.*missing\.jsonl does not exist"):
         rows(tmp_path, tmp_path / "missing.jsonl")
