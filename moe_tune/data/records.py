@@ -170,6 +170,8 @@ def _tools(record: dict) -> list | None:
             tools = json.loads(tools) if tools.strip() else None
         except json.JSONDecodeError as e:
             raise BadRecord("wrong_type", f"tools is a string but not JSON ({e})") from None
+        except RecursionError:  # json's C parser recurses once per nesting level
+            raise BadRecord("wrong_type", "tools is a string nested too deep to read as JSON") from None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise BadRecord("wrong_type", f"tools must be a list of objects, got {_show(tools)}")
     return tools or None

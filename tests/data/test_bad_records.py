@@ -177,3 +177,10 @@ def test_json_nested_past_the_parsers_depth_is_a_bad_line(tmp_path):
     cfg = DataConfig(name="jsonl", path=str(array), num_samples=0, cache_dir=str(tmp_path / "cache"))
     with pytest.raises(DataError, match=r"array\.json: not readable JSON .*; the whole JSON array is dropped\)"):
         build_datasets(cfg, build_tokenizer(), 32, seed=0)
+    tools = json.dumps({**json.loads(GOOD), "tools": deep.decode()}).encode()  # tools held as a JSON string
+    with pytest.raises(DataError) as e:
+        build(tmp_path, [GOOD, tools])
+    assert str(e.value) == (
+        f"{tmp_path / 'data.jsonl'}:2: tools is a string nested too deep to read as JSON; fix the record or set "
+        "data.on_bad_record=skip"
+    )
