@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -16,6 +17,15 @@ import time
 from moe_tune.cli_args import CONF_DIR, compose, to_config  # noqa: F401
 
 QUIET_EXIT_DELAY_S = 5.0
+INTERRUPTED = "moe-tune: interrupted; nothing saved since the last checkpoint"
+
+
+def honour_sigint() -> None:
+    """Ctrl-C stops the process from its start to its exit, whatever SIGINT disposition it inherited. A process
+    started with ``&`` by a non-interactive shell (a script, a CI step, a wrapper that backgrounds the run) inherits
+    SIGINT ignored, and Python keeps that: Ctrl-C would be dropped while the run starts and obeyed once
+    ``StopSignal`` takes it over for training. Here it raises KeyboardInterrupt (one line, exit 130) until then."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def fail(message: str, quiet: bool = False) -> None:
@@ -47,12 +57,20 @@ def precheck(argv: list[str]) -> list[str]:
         if cli_args.runs_job(args):
             check_inputs(cfg, world_known=not args.multirun)
     except UserError as e:
-        from moe_tune.dist.env import dist_env
-
         # Before any process group: every rank reads the same command line and files and finds the same error,
         # so the first rank of each node says it (2 ranks on one node: one line, not two).
-        fail(str(e), quiet=dist_env().local_rank > 0)
+        fail(str(e), quiet=not first_rank_of_node())
     return argv
+
+
+def first_rank_of_node() -> bool:
+    """Whether this process is its node's first rank (a lone process is). A process no launcher started answers
+    without importing moe_tune.dist (and torch): a bad value is said at once."""
+    if "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
+        return True
+    from moe_tune.dist.env import dist_env
+
+    return dist_env().local_rank == 0
 
 
 # output_dir's entries before Hydra creates it (None: it did not exist), for restore_output_dir.
@@ -88,10 +106,10 @@ def restore_output_dir(output_dir: str) -> None:
 def check_inputs(dict_cfg, world_known: bool) -> None:
     """The values and the model files, before Hydra creates the run directory: a bad one leaves nothing written.
     With the world size known (not a sweep, whose launcher picks it), the trainer's whole check runs here."""
-    from moe_tune.build import check_model_source
-    from moe_tune.config.validate import check_values
+    from moe_tune.loggers import require_logger
 
     cfg = to_config(dict_cfg)
+    require_logger(cfg.logger)  # no import: a missing tracker package is said before torch and the model load
     if world_known:
         from moe_tune.train import Trainer
 
@@ -101,6 +119,8 @@ def check_inputs(dict_cfg, world_known: bool) -> None:
         Trainer.check_config(cfg)
         check_records(cfg)
     else:
+        from moe_tune.build import check_model_source
+        from moe_tune.config.validate import check_values
         from moe_tune.data import check_data_sources
 
         check_values(cfg)
@@ -180,17 +200,18 @@ def register_launcher() -> None:
 
 
 def main() -> None:
-    import hydra
-
-    from moe_tune.config import register_configs
-
+    honour_sigint()
     try:
+        import hydra
+
+        from moe_tune.config import register_configs
+
         sys.argv[1:] = precheck(sys.argv[1:])
         register_configs()
         register_launcher()
         hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(run)()
     except KeyboardInterrupt:  # Ctrl-C before training started, or a second one while it stopped
-        print("moe-tune: interrupted; nothing saved since the last checkpoint", file=sys.stderr)
+        print(INTERRUPTED, file=sys.stderr)
         raise SystemExit(128 + 2) from None
 
 

@@ -25,26 +25,41 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def check_overrides(overrides: list[str]) -> None:
-    """A bad key or value is one line and exit 2 before torchrun starts any rank (each would find it again, among
-    torchrun's own lines); what needs the model or the data is checked by the ranks, as without the launcher."""
+    """A bad key or value, or a logger whose package is missing, is one line and exit 2 before torchrun starts any
+    rank (each would find it again, among torchrun's own lines); what needs the model or the data is checked by the
+    ranks, as without the launcher."""
     from moe_tune.cli import fail
     from moe_tune.cli_args import check, to_config
     from moe_tune.config import UserError
     from moe_tune.config.validate import check_values
+    from moe_tune.loggers import require_logger
 
     try:
-        check_values(to_config(check(overrides)))
+        cfg = to_config(check(overrides))
+        check_values(cfg)
+        require_logger(cfg.logger)
     except UserError as e:
         fail(str(e))
 
 
 def main(argv: list[str] | None = None) -> int:
+    from moe_tune.cli import INTERRUPTED, honour_sigint
+
+    honour_sigint()
+    try:
+        return launch(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:  # Ctrl-C before torchrun's agent took SIGINT over (it stops the ranks after that)
+        print(INTERRUPTED, file=sys.stderr)
+        return 128 + 2
+
+
+def launch(argv: list[str]) -> int:
+    launcher, overrides = split_argv(argv)
+    check_overrides(overrides)  # before torch is imported: a value to fix is said at once
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    launcher, overrides = split_argv(sys.argv[1:] if argv is None else argv)
-    check_overrides(overrides)
     args = parse_args([*launcher, "-m", "moe_tune", *overrides])
     try:
         run(args)

@@ -157,12 +157,14 @@ def assert_hf_logits_equal(hf_dir) -> None:
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
-def signal_after_rows(cmd: list[str], env: dict[str, str], run_dir, rows: int, signum: int) -> tuple[int, str]:
-    """Start ``cmd``, send ``signum`` once ``run_dir``'s metrics.jsonl has ``rows`` lines (or after 240 s), and
-    return (exit code, stderr)."""
+def signal_after_rows(
+    cmd: list[str], env: dict[str, str], run_dir, rows: int, signum: int, preexec_fn=None
+) -> tuple[int, str]:
+    """Start ``cmd`` (``preexec_fn``: run in the child before it starts, as Popen's), send ``signum`` once
+    ``run_dir``'s metrics.jsonl has ``rows`` lines (or after 240 s), and return (exit code, stderr)."""
     import time
 
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=preexec_fn)
     metrics = Path(run_dir) / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and p.poll() is None:

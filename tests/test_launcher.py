@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 
 import pytest
 
+from moe_tune.cli import INTERRUPTED
 from moe_tune.launch import split_argv
 from tests.harness import FAST_RUN, PY, signal_after_rows
 from tests.test_cli import BAD_FAMILY, BAD_FAMILY_LINE
@@ -40,25 +40,68 @@ def test_a_stop_signal_exits_128_plus_it_without_a_traceback(tmp_path, cli_env, 
     assert [d.name for d in (run / "checkpoints").iterdir() if (d / "COMPLETE").exists()], err[-3000:]
 
 
-def test_ctrl_c_in_one_process_saves_and_before_training_is_one_line(tmp_path, cli_env):
-    """moe-tune alone: Ctrl-C stops after the next agreed step with a checkpoint (exit 130, no traceback); a
-    Ctrl-C before training starts is one line, exit 130."""
+# SIGINT as a child inherits it, whatever pytest's own: a terminal leaves it at its default; a non-interactive shell
+# leaves it ignored for a process started with "&" (job control off), and Python keeps an inherited ignore.
+INHERITED_SIGINT = {"default": signal.SIG_DFL, "ignored": signal.SIG_IGN}
+
+# Runs the module argv[1] as ``python -m`` would, printing STARTING on stderr when it first imports torch: the run
+# has begun checking its inputs, seconds before training.
+STARTING = "test: importing torch"
+MARK_STARTING = f"""
+import runpy, sys
+
+class MarkTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            print({STARTING!r}, file=sys.stderr, flush=True)
+
+sys.meta_path.insert(0, MarkTorch())
+sys.argv[0] = sys.argv.pop(1)
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+def inheriting(inherited: str):
+    """Popen's preexec_fn: the child starts with SIGINT ``inherited`` (kept across exec, as a shell leaves it)."""
+    return lambda: signal.signal(signal.SIGINT, INHERITED_SIGINT[inherited])
+
+
+def ctrl_c_while_starting(module: str, args: list[str], env: dict, inherited: str) -> tuple[int, list[str]]:
+    """``python -m module args`` started with SIGINT ``inherited``, sent SIGINT once it prints STARTING:
+    (exit code, its stderr lines after that one)."""
+    cmd = [PY, "-c", MARK_STARTING, module, *args]
+    p = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, preexec_fn=inheriting(inherited))
+    for line in iter(p.stderr.readline, ""):
+        if line.rstrip("\n") == STARTING:
+            p.send_signal(signal.SIGINT)
+            break
+    after = p.stderr.read()
+    return p.wait(timeout=60), after.splitlines()
+
+
+@pytest.mark.parametrize("inherited", INHERITED_SIGINT)
+def test_ctrl_c_in_one_process_saves_and_before_training_is_one_line(tmp_path, cli_env, inherited):
+    """moe-tune alone, whether SIGINT was inherited at its default or ignored: Ctrl-C during training stops after
+    the next agreed step with a checkpoint (exit 130, no traceback); a Ctrl-C while the run starts is one line,
+    exit 130, nothing written."""
     run = tmp_path / "run"
     args = [f"output_dir={run}", "train.steps=100000", "checkpoint.export_hf=false", *FAST_RUN]
-    code, err = signal_after_rows([PY, "-m", "moe_tune", *args], cli_env, run, 2, signal.SIGINT)
+    cmd = [PY, "-m", "moe_tune", *args]
+    code, err = signal_after_rows(cmd, cli_env, run, 2, signal.SIGINT, preexec_fn=inheriting(inherited))
     assert code == 130 and "stopped by signal 2 after step" in err and "Traceback" not in err, err[-3000:]
     assert [d.name for d in (run / "checkpoints").iterdir() if (d / "COMPLETE").exists()], err[-3000:]
-    early = subprocess.Popen(
-        [PY, "-m", "moe_tune", f"output_dir={tmp_path / 'early'}", *FAST_RUN],
-        env=cli_env,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    time.sleep(3)  # importing torch and composing: not training yet
-    early.send_signal(signal.SIGINT)
-    _, err = early.communicate(timeout=120)
-    assert early.returncode == 130 and "Traceback" not in err, err[-3000:]
-    assert err.strip().splitlines()[-1] == "moe-tune: interrupted; nothing saved since the last checkpoint"
+    early = tmp_path / "early"
+    code, lines = ctrl_c_while_starting("moe_tune", [f"output_dir={early}", *FAST_RUN], cli_env, inherited)
+    assert (code, lines) == (130, [INTERRUPTED]) and not early.exists()
+
+
+@pytest.mark.parametrize("inherited", INHERITED_SIGINT)
+def test_ctrl_c_to_the_launcher_before_torchrun_starts_is_one_line(tmp_path, cli_env, inherited):
+    out = tmp_path / "run"
+    args = ["--standalone", "--nproc-per-node", "2", f"output_dir={out}", *FAST_RUN]
+    code, lines = ctrl_c_while_starting("moe_tune.launch", args, cli_env, inherited)
+    assert (code, lines) == (130, [INTERRUPTED]) and not out.exists()
 
 
 def test_a_ranks_exit_2_is_the_launchers(tmp_path, cli_env):

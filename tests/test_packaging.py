@@ -1,11 +1,10 @@
 """The package as a user installs it from PyPI (issue 18, item 3): a wheel built from this checkout, installed into a
-fresh virtual environment (``--system-site-packages``: torch and the other dependencies come from this one, the
-wheel's moe_tune shadows the checkout's), carries its configs and runs the default fine-tune from another
-directory."""
+fresh virtual environment, carries its configs and runs the default fine-tune from another directory."""
 
 import os
 import shutil
 import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -19,19 +18,46 @@ def _run(cmd: list, **kwargs) -> subprocess.CompletedProcess:
     return r
 
 
+def running_site_dirs() -> list[str]:
+    """The directories this interpreter imports from, outside the checkout: where torch, Hydra and the other
+    dependencies are, whether this is a virtualenv (whose base interpreter lacks them, so a
+    ``--system-site-packages`` venv would not see them), a conda env or a system install (user site included)."""
+    root = os.path.realpath(ROOT)
+    dirs = []
+    for entry in filter(None, sys.path):  # "": the current directory, the checkout when pytest runs there
+        path = os.path.realpath(entry)
+        if os.path.isdir(path) and path != root and not path.startswith(root + os.sep) and path not in dirs:
+            dirs.append(path)
+    return dirs
+
+
+def add_site_dirs(venv, dirs: list[str]) -> None:
+    """Append ``dirs`` to ``venv``'s sys.path, after its own site-packages (the wheel's moe_tune comes first). Plain
+    lines in a .pth file: the .pth files inside those directories are not run, so an editable install of this
+    checkout there does not put the checkout on the path."""
+    (site_packages,) = (venv / "lib").glob("python*/site-packages")
+    (site_packages / "running_interpreter.pth").write_text("".join(d + "\n" for d in dirs))
+
+
 @pytest.mark.slow
 def test_wheel_runs_the_default_fine_tune_from_another_directory(tmp_path):
     src = tmp_path / "src"  # a copy: building in the checkout would leave build/ and egg-info behind
-    shutil.copytree(os.path.join(ROOT, "moe_tune"), src / "moe_tune", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("moe_tune", "hydra_plugins"):  # pyproject.toml's packages
+        shutil.copytree(os.path.join(ROOT, package), src / package, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(os.path.join(ROOT, name), src / name)
     _run([PY, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "dist", src])
     (wheel,) = (tmp_path / "dist").glob("moe_tune-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"moe_tune/conf/config.yaml", "moe_tune/conf/model/tiny_qwen3_moe.yaml"} <= names
+    assert {
+        "moe_tune/conf/config.yaml",
+        "moe_tune/conf/model/tiny_qwen3_moe.yaml",
+        "hydra_plugins/moe_tune_launcher/slurm.py",  # the CLI registers this launcher at start
+    } <= names
 
     venv = tmp_path / "venv"
-    _run([PY, "-m", "venv", "--system-site-packages", venv])
+    _run([PY, "-m", "venv", venv])
+    add_site_dirs(venv, running_site_dirs())
     _run([venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel])
     env = {k: v for k, v in os.environ.items() if k not in (*LAUNCH_VARS, "PYTHONPATH")}
     env["OMP_NUM_THREADS"] = "1"

@@ -12,7 +12,7 @@ backends.py  TensorBoardLogger (torch.utils.tensorboard), WandbLogger (offline b
 heatmap.py   expert_load_image: the layers x experts load as an image (matplotlib)
 
 A chosen backend whose package is missing fails before the run starts (``require_logger``), as one line naming
-the package and the install command.
+the package and the command that installs just it.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ import os
 from moe_tune.config import ConfigError, LoggerConfig
 from moe_tune.loggers.base import Logger, flatten, scalars
 
-INSTALL = "pip install 'moe_tune[track]'"
 # The package each backend imports (torch.utils.tensorboard needs the tensorboard package).
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+# The extra of pyproject.toml that installs that package alone (``track`` brings every tracker and matplotlib).
+EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 
 def _installed(module: str) -> bool:
@@ -39,7 +40,8 @@ def require_logger(cfg: LoggerConfig) -> None:
     """ConfigError (exit 2, one line) if ``cfg`` asks for a package that is not installed. Cheap: no import."""
     package = PACKAGES.get(cfg.name)
     if package is not None and not _installed(package):
-        raise ConfigError(f"logger={cfg.name} needs the {package} package: {INSTALL}; or logger=none")
+        install = f"pip install 'moe_tune[{EXTRAS[cfg.name]}]'"
+        raise ConfigError(f"logger={cfg.name} needs the {package} package: {install}; or logger=none")
     if cfg.name != "none" and cfg.expert_load_image_every > 0 and not _installed("matplotlib"):
         raise ConfigError(
             f"logger.expert_load_image_every={cfg.expert_load_image_every} draws with matplotlib, which is not "
@@ -63,4 +65,4 @@ def build_logger(cfg: LoggerConfig, output_dir: str, rank: int, config_dict: dic
     return BACKENDS[cfg.name](cfg, log_dir, config_dict, start_step)
 
 
-__all__ = ["INSTALL", "Logger", "build_logger", "flatten", "require_logger", "scalars"]
+__all__ = ["EXTRAS", "Logger", "build_logger", "flatten", "require_logger", "scalars"]

@@ -1,19 +1,24 @@
 """Experiment loggers, each read back with its own tracker's reader: TensorBoard's EventAccumulator, the W&B
 offline run file (its records parsed with wandb's own protobuf classes), MLflow's client on the file store.
-Only rank 0 logs; a missing package is one ConfigError line naming the install command."""
+Only rank 0 logs; a missing package is one ConfigError line naming the extra that installs it, said by the CLI and
+the launcher before torch is imported and before anything is written."""
 
 from __future__ import annotations
 
 import glob
 import importlib.util
 import json
+import os
+import subprocess
 import sys
+import tomllib
 
 import numpy as np
 import pytest
 
 from moe_tune.config import ConfigError, LoggerConfig
-from moe_tune.loggers import Logger, build_logger, flatten, require_logger, scalars
+from moe_tune.loggers import EXTRAS, PACKAGES, Logger, build_logger, flatten, require_logger, scalars
+from tests.harness import PY, ROOT, cli_env
 
 ROWS = [
     {"step": 1, "loss": 2.5, "lr": 1e-3, "grad_norm": 4.0, "skipped_steps": 0, "expert_load/layer_0": 1.25},
@@ -25,7 +30,7 @@ IMAGE = np.arange(6 * 8 * 3, dtype=np.uint8).reshape(6, 8, 3)
 
 def _needs(module: str):
     return pytest.mark.skipif(
-        importlib.util.find_spec(module) is None, reason=f"{module} is not installed (pip install 'moe_tune[track]')"
+        importlib.util.find_spec(module) is None, reason=f"{module} is not installed (pip install 'moe_tune[{module}]')"
     )
 
 
@@ -60,7 +65,50 @@ def test_a_missing_package_is_one_line_with_the_install_command(monkeypatch, nam
     monkeypatch.setitem(sys.modules, package, None)  # find_spec sees it as not installed
     with pytest.raises(ConfigError) as e:
         require_logger(LoggerConfig(name=name))
-    assert str(e.value) == f"logger={name} needs the {package} package: pip install 'moe_tune[track]'; or logger=none"
+    assert str(e.value) == f"logger={name} needs the {package} package: pip install 'moe_tune[{name}]'; or logger=none"
+
+
+def test_each_loggers_extra_installs_its_package_alone():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    for name, extra in EXTRAS.items():
+        distribution = {"mlflow": "mlflow-skinny"}.get(PACKAGES[name], PACKAGES[name])  # mlflow's lighter build
+        requirements = extras[extra]
+        assert len(requirements) == 1 and requirements[0].startswith(distribution + ">="), (name, extra, requirements)
+
+
+# Runs an entry point (argv[1], a module) with a package (argv[2]) hidden as if not installed; prints on stdout
+# whether torch had been imported when it exited.
+HIDDEN = """
+import runpy, sys
+
+class NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == HIDE:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+HIDE = sys.argv.pop(2)
+sys.meta_path.insert(0, NotInstalled())
+sys.argv[0] = sys.argv.pop(1)
+try:
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+finally:
+    print("torch imported:", "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(
+    "entry, name",
+    [("moe_tune", "tensorboard"), ("moe_tune", "wandb"), ("moe_tune", "mlflow"), ("moe_tune.launch", "tensorboard")],
+)
+def test_a_missing_package_is_said_before_torch_is_imported_and_anything_written(tmp_path, entry, name):
+    out = tmp_path / "run"
+    launcher = ["--standalone", "--nproc-per-node", "2"] if entry == "moe_tune.launch" else []
+    cmd = [PY, "-c", HIDDEN, entry, PACKAGES[name], *launcher, f"logger={name}", f"output_dir={out}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=120)
+    said = f"moe-tune: error: logger={name} needs the {PACKAGES[name]} package: pip install 'moe_tune[{name}]'"
+    assert r.returncode == 2 and r.stderr.splitlines() == [f"{said}; or logger=none"], r.stderr[-3000:]
+    assert r.stdout.strip() == "torch imported: False" and not out.exists()
 
 
 def test_the_expert_load_image_needs_matplotlib(monkeypatch):
