@@ -59,6 +59,9 @@ class Built:
 
 
 BASE_MODEL = "base_model"  # a tiny preset's starting checkpoint, built by rank 0 inside output_dir
+# An earlier base_model/ built for other settings, kept until the run that replaced it starts (a refused run puts it
+# back: restore_base_model).
+SET_ASIDE_BASE_MODEL = ".base_model.set_aside"
 
 
 def build_source(cfg: Config, rank: int) -> tuple[str | None, object]:
@@ -110,8 +113,10 @@ def check_family(model: ModelConfig, model_type: str, architectures: list[str] |
 
 
 def drop_stale_base_model(path: str, name: str, overrides: dict) -> None:
-    """A ``base_model/`` built earlier for another preset or other ``model.overrides`` is removed (and rebuilt by
-    the caller): it would otherwise silently win over the config asked for."""
+    """A ``base_model/`` built earlier for another preset or other ``model.overrides`` is set aside (and rebuilt by
+    the caller): it would otherwise silently win over the config asked for. It is the base of that earlier run's
+    checkpoints, so it is only moved (to ``SET_ASIDE_BASE_MODEL`` beside it): a run refused while it starts puts it
+    back (``restore_base_model``), one that starts deletes it (``discard_set_aside_base_model``)."""
     from transformers import AutoConfig
 
     from moe_tune.models.presets import PRESETS
@@ -126,7 +131,23 @@ def drop_stale_base_model(path: str, name: str, overrides: dict) -> None:
     diffs = ["config.json unreadable"] if saved is None else config_differences(saved, requested)
     if diffs:
         log.warning("%s was built for other model settings (%s); rebuilding it", path, "; ".join(diffs))
-        shutil.rmtree(path)
+        aside = os.path.join(os.path.dirname(path), SET_ASIDE_BASE_MODEL)
+        shutil.rmtree(aside, ignore_errors=True)  # left by a run that neither started nor was refused (killed)
+        os.replace(path, aside)
+
+
+def restore_base_model(output_dir: str) -> None:
+    """A run refused while it started: the ``base_model/`` it set aside comes back in place of the one it built."""
+    aside = os.path.join(output_dir, SET_ASIDE_BASE_MODEL)
+    if os.path.isdir(aside):
+        path = os.path.join(output_dir, BASE_MODEL)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(aside, path)
+
+
+def discard_set_aside_base_model(output_dir: str) -> None:
+    """A run that started (rank 0): the earlier ``base_model/`` it replaced goes."""
+    shutil.rmtree(os.path.join(output_dir, SET_ASIDE_BASE_MODEL), ignore_errors=True)
 
 
 # Any of these makes a directory's tokenizer loadable by AutoTokenizer (fast, sentencepiece or BPE vocabularies).

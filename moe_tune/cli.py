@@ -79,18 +79,20 @@ _BEFORE: dict[str, set[str] | None] = {}
 
 def restore_output_dir(output_dir: str) -> None:
     """A one-process run refused while setting up (a value found bad once the model is known) leaves output_dir
-    as the command found it: the lock file and the base model it created there go, and the directory too if
-    Hydra created it for this run and nothing else is in it. With more ranks they stay: another rank may still
-    be reading the base model rank 0 built, and no collective is safe on an error path."""
+    as the command found it: the lock file and the base model it created there go (an earlier base model it
+    replaced comes back), and the directory too if Hydra created it for this run and nothing else is in it. With
+    more ranks they stay: another rank may still be reading the base model rank 0 built, and no collective is safe
+    on an error path."""
     import shutil
 
-    from moe_tune.build import BASE_MODEL
+    from moe_tune.build import BASE_MODEL, restore_base_model
     from moe_tune.dist.env import dist_env
     from moe_tune.train.lock import LOCK_NAME
 
     path = os.path.abspath(output_dir)
     if path not in _BEFORE or dist_env().world_size > 1 or not os.path.isdir(path):
         return
+    restore_base_model(path)
     before, ours = _BEFORE[path], {LOCK_NAME, BASE_MODEL}
     if before is None and set(os.listdir(path)) <= ours:
         shutil.rmtree(path, ignore_errors=True)

@@ -4,6 +4,7 @@ not silently used; a run that fails on its input leaves an earlier ``config.json
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 from moe_tune.build import build_source
@@ -40,6 +41,51 @@ def test_a_failed_run_leaves_config_json_as_it_was(tmp_path, cli_env):
     r = subprocess.run([PY, "-m", "moe_tune", *args], capture_output=True, text=True, env=cli_env, timeout=300)
     assert r.returncode == 2 and f"{data}:2" in r.stderr, r.stderr[-3000:]
     assert (run / "config.json").read_text() == '{"earlier": "run"}'
+
+
+def _tree_digest(root) -> dict[str, str]:
+    """Every file and directory under ``root``: relative path -> sha256 of its bytes ("dir" for a directory)."""
+    import hashlib
+
+    return {
+        str(p.relative_to(root)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in root.rglob("*")
+    }
+
+
+def test_a_run_refused_in_a_used_output_dir_leaves_it_as_it_was(tmp_path, cli_env):
+    """Another preset into an output_dir whose checkpoint it cannot resume is refused (exit 2) once the model is
+    known, after it rebuilt base_model/ for its own settings: the earlier run's base_model/ (its checkpoints'
+    base) comes back, byte for byte, and nothing else changes. A run that starts keeps the base it built."""
+    run = tmp_path / "run"
+    common = [f"output_dir={run}", "train.seq_len=64", "train.micro_batch_size=2", "data.num_samples=64"]
+    r = subprocess.run(
+        [PY, "-m", "moe_tune", *common, "train.steps=1", "checkpoint.every=1", "train.precision=fp32"],
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    before = _tree_digest(run)
+    other = ["model=tiny_deepseek_v3", "train.steps=2", "train.precision=fp32"]
+    r = subprocess.run(
+        [PY, "-m", "moe_tune", *common, *other], capture_output=True, text=True, env=cli_env, timeout=300
+    )
+    assert r.returncode == 2 and "does not match the model" in r.stderr, r.stderr[-3000:]
+    assert "rebuilding it" in r.stderr  # the refusal came after the rebuild it undid
+    assert _tree_digest(run) == before
+
+    r = subprocess.run(
+        [PY, "-m", "moe_tune", *common, *other, "checkpoint.resume=none", "checkpoint.every=0"],
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((run / "base_model" / "config.json").read_text())["model_type"] == "deepseek_v3"
+    assert not [name for name in os.listdir(run) if name.startswith(".base_model")]
 
 
 def _checkpoint_without(tmp_path, *names, vocab_size=None):

@@ -1,5 +1,6 @@
 """``moe-tune-export``: a training checkpoint to a Hugging Face directory; bad input exits 2."""
 
+import json
 import subprocess
 
 import pytest
@@ -122,3 +123,64 @@ def test_a_custom_chat_template_is_exported_with_the_model(tmp_path, cli_env, pe
         end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         for path in (run / "hf", out):
             assert end in GenerationConfig.from_pretrained(path).eos_token_id
+
+
+def _tree_digest(root) -> dict[str, str]:
+    """Every file under ``root`` (relative path -> sha256 of its bytes): what a refusal must leave as it was."""
+    import hashlib
+
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()
+    }
+
+
+def test_export_refuses_a_model_it_did_not_write_or_a_checkpoints_base(tmp_path, capsys, cli_env):
+    """A model directory is replaced by moe-tune-export only if it wrote it (moe_tune_export.json) and no
+    checkpoint of the run reads its model there: a LoRA run's own base_model/ (with or without --merge, from any
+    of its checkpoints; marked as an export too, as a run trained from an export would be) and a copied model
+    directory are one line, exit 2, their files untouched. --overwrite replaces a model directory; an export (its
+    own, a run's hf/) is replaced without it."""
+    import shutil
+
+    from moe_tune.export_cli import main as export_main
+
+    run = tmp_path / "lora"
+    run_cli([f"output_dir={run}", "peft=lora", "train.steps=2", "checkpoint.every=1", *FAST_RUN], cli_env)
+    base = run / "base_model"
+    downloaded = tmp_path / "downloaded"  # a model directory moe_tune did not export (as a download is)
+    shutil.copytree(base, downloaded)
+
+    def refused(args: list[str]) -> str:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            export_main(args)
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert exit_.value.code == 2 and len(lines) == 1, lines
+        return lines[0]
+
+    (base / "moe_tune_export.json").write_text("{}")  # a checkpoint's source even so
+    before, copy = _tree_digest(run), _tree_digest(downloaded)
+    for step, merge in [("step_2", ["--merge"]), ("step_2", []), ("step_1", ["--merge"])]:
+        line = refused([str(run / "checkpoints" / step), str(base), *merge])
+        assert f"{base} is the model checkpoint {run / 'checkpoints' / step} was trained from" in line, line
+        assert "--overwrite" in line
+    step = str(run / "checkpoints" / "step_2")
+    line = refused([step, str(downloaded), "--merge"])
+    assert f"{downloaded} holds a model that moe-tune-export did not write" in line and "--overwrite" in line, line
+    assert _tree_digest(run) == before and _tree_digest(downloaded) == copy
+
+    export_main([step, str(downloaded), "--merge", "--overwrite"])
+    assert (downloaded / "moe_tune_export.json").is_file() and not (downloaded / "adapter_config.json").exists()
+    export_main([step, str(downloaded)])  # an earlier export: replaced without --overwrite (now the adapter)
+    export_main([step, str(run / "hf")])  # the run's own hf/ is an export too
+    assert (downloaded / "adapter_config.json").is_file() and not (downloaded / "config.json").exists()
+
+    # Asked to, it replaces the run's base; the resume's refusal then names that directory once.
+    export_main([step, str(base), "--merge", "--overwrite"])
+    from moe_tune.checkpoint.state import check_base
+    from moe_tune.config import CheckpointError
+
+    meta = json.loads((run / "checkpoints" / "step_2" / "meta.json").read_text())
+    with pytest.raises(CheckpointError) as error:
+        check_base(meta, {}, 0, str(base), step)
+    assert str(error.value).count(str(base)) == 1 and "have changed since the adapters were trained" in str(error.value)

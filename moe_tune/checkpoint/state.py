@@ -83,9 +83,14 @@ def check_base(
     saved_fingerprint = meta.get("base_fingerprint")
     if saved_fingerprint is not None and source is not None:
         if base_fingerprint(source) != saved_fingerprint:
+            trained_on = meta.get("source")
+            if trained_on and os.path.realpath(trained_on) == os.path.realpath(source):
+                what = f"{source} have changed since the adapters were trained on them"
+            else:
+                what = f"{source} differ from those of {trained_on}, which they were trained on"
             raise CheckpointError(
                 f"checkpoint {path} holds LoRA adapters of another base model: the config.json or weight files of "
-                f"{source} differ from those of {meta.get('source')}, which they were trained on; {fix}"
+                f"{what}; {fix}"
             )
         return
     saved = meta["config"]["model"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 
 from moe_tune.config import DataConfig, DataError
+from moe_tune.data.cut import CUT_MARGIN, cut_sample, longest_token_chars, max_record_chars
 from moe_tune.data.records import BadRecord, Chat, Completion, Text
 from moe_tune.data.templates import GENERATION_BLOCK, end_of_turn_token, training_template
 
@@ -45,8 +46,11 @@ class Encoder:
         self.end_of_turn: dict[str, str | None] = {}  # template -> its end-of-turn token (warned about once)
         self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         self.eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        self.max_chars = max_record_chars(tokenizer, seq_len)  # what is rendered and tokenized of a record
+        self.noted_cut = False  # the cut's log line, once
 
     def __call__(self, sample: Chat | Completion | Text) -> tuple[list[int], list[int]]:
+        sample, cut = self._cut(sample)
         if isinstance(sample, Chat):
             ids, labels = self.chat(sample)
         elif isinstance(sample, Completion):
@@ -64,8 +68,27 @@ class Encoder:
                 raise BadRecord("no_trainable_token", detail)
             n = len(ids)
             fix = f"raise train.seq_len to at least {n} (e.g. train.seq_len={1 << (n - 1).bit_length()})"
-            raise BadRecord("no_trainable_token", f"{detail} within train.seq_len={self.seq_len} ({n} tokens)", fix)
+            if cut:  # its length is unknown: far above train.seq_len
+                fix = f"raise train.seq_len above {n}, or shorten the record"
+            size = f"over {n}" if cut else n
+            raise BadRecord("no_trainable_token", f"{detail} within train.seq_len={self.seq_len} ({size} tokens)", fix)
         return ids, labels
+
+    def _cut(self, sample: Chat | Completion | Text) -> tuple[Chat | Completion | Text, bool]:
+        """(the sample cut to ``max_chars`` characters of text, whether it was); says once that records are cut."""
+        sample, cut = cut_sample(sample, self.max_chars)
+        if cut and not self.noted_cut:
+            self.noted_cut = True
+            log.info(
+                "data: a record longer than %d characters (%d x the tokenizer's longest token, %d characters, x "
+                "train.seq_len=%d) is cut to that before it is tokenized: its first train.seq_len tokens are the "
+                "same, and memory stays bounded whatever a record's size",
+                self.max_chars,
+                CUT_MARGIN,
+                longest_token_chars(self.tokenizer),
+                self.seq_len,
+            )
+        return sample, cut
 
     def _tokens(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids

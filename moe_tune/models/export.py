@@ -181,8 +181,10 @@ def as_umask_allows(path: str) -> None:
     os.chmod(path, 0o666 & ~umask)
 
 
+# Written into every export (moe-tune-export's and a run's hf/): what moe-tune-export may replace without --overwrite.
+EXPORT_MARKER = "moe_tune_export.json"
 # What an export writes besides SIDE_FILES (copied from the source) and its weight files.
-_EXPORT_FILES = ("config.json", "model.safetensors.index.json", "adapter_config.json")
+_EXPORT_FILES = ("config.json", "model.safetensors.index.json", "adapter_config.json", EXPORT_MARKER)
 
 
 def _written_by_an_export(name: str) -> bool:
@@ -215,6 +217,29 @@ def check_export_target(out_dir: str) -> None:
         )
 
 
+def check_replaceable(out_dir: str, sources: dict[str, str], overwrite: bool = False) -> None:
+    """moe-tune-export's guard over ``check_export_target``: unless ``overwrite``, an existing non-empty ``out_dir``
+    must be an earlier export (it holds EXPORT_MARKER) and no checkpoint's model: ``sources`` maps each model
+    directory a checkpoint reads (its run's source, a LoRA run's base) to that checkpoint. Replacing a model
+    directory moe_tune did not write (a download, a run's base_model/) would destroy the only copy of those
+    weights, and replacing a checkpoint's base would leave its adapters unusable. Raises ConfigError."""
+    check_export_target(out_dir)
+    if overwrite or not os.path.isdir(out_dir):
+        return
+    real = os.path.realpath(out_dir)
+    for source, checkpoint in sources.items():
+        if os.path.realpath(source) == real:
+            raise ConfigError(
+                f"{out_dir} is the model checkpoint {checkpoint} was trained from, which it needs to resume and "
+                "export; give a new directory for the export (or --overwrite to replace it anyway)"
+            )
+    if os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, EXPORT_MARKER)):
+        raise ConfigError(
+            f"{out_dir} holds a model that moe-tune-export did not write (no {EXPORT_MARKER}), and an export "
+            "replaces its directory as a whole; give a new directory (or --overwrite to replace it)"
+        )
+
+
 def write_checkpoint_atomic(model, out_dir: str, writer=None, **options) -> None:
     """``writer(model, dir, **options)`` (default ``write_checkpoint``; ``peft_export.write_adapter`` for a LoRA
     adapter) into a temporary sibling of ``out_dir`` (same filesystem), then swapped in by rank 0
@@ -235,6 +260,8 @@ def write_checkpoint_atomic(model, out_dir: str, writer=None, **options) -> None
         dist.barrier()  # every rank writes into the fresh temporary directory
     (writer or write_checkpoint)(model, tmp, **options)  # ends with a barrier over all ranks when world > 1
     if rank == 0:
+        with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
+            json.dump({"written_by": "moe_tune"}, f)
         target = os.path.join(parent, name)
         if os.path.lexists(target):
             os.replace(target, old)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from moe_tune import checkpoint as ckpt
-from moe_tune.build import Built, build_training_model, check_model_source
+from moe_tune.build import Built, build_training_model, check_model_source, discard_set_aside_base_model
 from moe_tune.config import Config, resolved, validate
 from moe_tune.config.unused import unused_settings
 from moe_tune.env import require_backends
@@ -92,6 +92,8 @@ class Trainer:
         # Last: a tracker's run starts only once everything else could be built.
         rank = self.rank if write_run_files else -1
         self.logger = build_logger(cfg.logger, cfg.output_dir, rank, asdict(cfg), start_step=self.step)
+        if self.rank == 0 and write_run_files:  # the run starts: the base_model/ it rebuilt is its own
+            discard_set_aside_base_model(cfg.output_dir)
 
     @staticmethod
     def check_config(cfg: Config) -> None:

@@ -11,7 +11,7 @@ import torch
 
 import moe_tune
 from moe_tune.export_cli import main as export_main
-from moe_tune.models.export import write_checkpoint_atomic
+from moe_tune.models.export import EXPORT_MARKER, write_checkpoint_atomic
 from moe_tune.models.presets import build_tiny_checkpoint
 from tests.harness import FAST_RUN, assert_hf_logits_equal, read_hf_tensors, run_cli
 
@@ -24,8 +24,10 @@ def _model(path: str, seed: int):
 
 
 def _plant_stale(out, like) -> None:
-    """What an earlier export in 2 shards left: two shard files and an index naming them."""
+    """What an earlier export in 2 shards left: two shard files and an index naming them, and its mark."""
     os.makedirs(out, exist_ok=True)
+    if not os.path.samefile(out, like):
+        shutil.copy(os.path.join(like, EXPORT_MARKER), os.path.join(out, EXPORT_MARKER))
     weights = os.path.join(like, "model.safetensors")
     for name in STALE[:2]:
         shutil.copy(weights, os.path.join(out, name))
