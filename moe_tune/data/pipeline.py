@@ -84,7 +84,8 @@ def report_stats(name: str, s: dict, warn_truncated: bool = True) -> None:
     if s["records_truncated"] and warn_truncated:
         log.warning(
             "%s: %d of %d records are longer than train.seq_len and were cut at its end (their later tokens, "
-            "later assistant turns included, are not trained on); raise train.seq_len to keep them",
+            "later assistant turns included, are not trained on; one far longer is cut by characters before it is "
+            "tokenized, which keeps its first train.seq_len tokens); raise train.seq_len to keep them",
             name,
             s["records_truncated"],
             s["records_used"],
