@@ -140,7 +140,8 @@ def load(trainer, path: str) -> None:
 def apply_new_hyperparameters(trainer, saved: dict) -> None:
     """Hyperparameters given anew on a resume take effect from the resumed step, logged (the checkpoint restores
     the groups' and scheduler's values, which would otherwise silently win): ``train.lr`` rescales the schedule's
-    peak and the current rate; ``optim.betas``, ``eps`` and ``weight_decay`` replace the groups'. The schedule's
+    peak and the current rate; ``optim.betas`` and ``eps`` replace the groups', and each group's weight decay is this run's rule's
+    (``_weight_decays``). The schedule's
     shape (``optim.warmup_steps``, ``schedule``, ``min_lr_ratio``, ``train.steps``) is always this run's config;
     a change is logged too, as the rate follows the new shape from the next step. So are ``train.precision`` and
     ``optim.stochastic_rounding`` (the weights and moments load into this run's dtypes; forgetting them on a
@@ -163,10 +164,13 @@ def apply_new_hyperparameters(trainer, saved: dict) -> None:
         if key == "betas":
             old, new = tuple(old), tuple(new)
         if old != new:
-            for group in groups:
-                group[key] = new
+            if key != "weight_decay":  # weight decay: per group, below
+                for group in groups:
+                    group[key] = new
             changes.append(f"optim.{key} {old} -> {new}")
-    changes += _changed(trainer.cfg, saved, [("train", "precision")])
+    for group, decay in zip(groups, _weight_decays(trainer)):
+        group["weight_decay"] = decay
+    changes += _changed(trainer.cfg, saved, [("train", "precision"), ("optim", "decay_norms_and_biases")])
     # As each run applied it (automatic: on for bf16 parameters; a checkpoint from before the key: off).
     was = rounds_stochastically(saved["train"]["precision"], saved["optim"].get("stochastic_rounding", False))
     now = rounds_stochastically(t.precision, o.stochastic_rounding)
@@ -184,6 +188,22 @@ def apply_new_hyperparameters(trainer, saved: dict) -> None:
         for report, items in ((log.warning, changes), (log.info, shape)):
             if items:
                 report("resuming with this run's %s (the checkpoint had the former)", "; ".join(items))
+
+
+def _weight_decays(trainer) -> list[float]:
+    """Each param group's weight decay as this run's config gives it (``moe_tune.optim.param_groups``'s rule):
+    the checkpoint's groups may have been split otherwise, or saved with another decay, and norms and biases
+    keep 0 unless ``optim.decay_norms_and_biases``."""
+    from moe_tune.optim import is_decayed
+
+    o = trainer.cfg.optim
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    return [
+        o.weight_decay
+        if o.decay_norms_and_biases or any(is_decayed(names.get(id(p), ""), p) for p in group["params"])
+        else 0.0
+        for group in trainer.optimizer.param_groups
+    ]
 
 
 def _changed(cfg, saved: dict, keys: list[tuple[str, str]]) -> list[str]:

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from moe_tune.config import CheckpointError
 from moe_tune.lora import is_adapter
 from moe_tune.models.families import Family
-from moe_tune.models.source_check import read_index
+from moe_tune.models.shard_index import read_index
 from moe_tune.moe.experts import GroupedExperts
 
 # Stacked expert tensors (dim 0: experts): the weights, their biases and their LoRA adapters.

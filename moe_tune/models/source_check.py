@@ -13,6 +13,7 @@ import os
 import struct
 
 from moe_tune.config import CheckpointError, ConfigError
+from moe_tune.models.shard_index import read_index
 
 # A safetensors file starts with the header's length (8 bytes, little-endian) and then that many bytes of JSON.
 HEADER_LEN_BYTES = 8
@@ -84,7 +85,6 @@ def check_safetensors_header(file: str) -> None:
         raise CheckpointError(f"{file}: {size} bytes, but its header lists {HEADER_LEN_BYTES + n + end}; {fix}")
 
 
-INDEX = "model.safetensors.index.json"
 # Sizes a model needs at least one of: zero or less would build a model without that part, or fail mid-run.
 SIZE_FIELDS = (
     "vocab_size",
@@ -101,32 +101,6 @@ SIZE_FIELDS = (
     "num_experts_per_tok",
 )
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
-def read_index(path: str) -> dict[str, str] | None:
-    """``path``'s sharded-checkpoint index as tensor name -> shard file (None: not sharded). Every shard must be a
-    plain file name inside ``path`` that exists: an absolute path or one leading elsewhere would read weights
-    from outside ``model.path``, a missing shard is an interrupted download."""
-    file = os.path.join(path, INDEX)
-    if not os.path.isfile(file):
-        return None
-    fix = "download the checkpoint again (or copy the index from the model's original release)"
-    try:
-        with open(file, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-        raise CheckpointError(f"{file}: not a valid index ({e}); {fix}") from None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(f'{file}: no "weight_map" of tensor names to shard files; {fix}')
-    for shard in sorted(set(weight_map.values())):
-        if os.path.basename(shard) != shard or shard in ("", ".", ".."):
-            raise CheckpointError(
-                f"{file} names the shard {shard!r}: shards must be file names inside {path} (a path would read "
-                f"weights from elsewhere); {fix}"
-            )
-        if not os.path.isfile(os.path.join(path, shard)):
-            raise CheckpointError(f"{file} names {shard}, which {path} does not hold (an interrupted download?); {fix}")
-    return weight_map
 
 
 def check_sizes(fields: dict, name, fix: str) -> None:
@@ -220,5 +194,4 @@ __all__ = [
     "check_source_dir",
     "config_differences",
     "read_config_json",
-    "read_index",
 ]

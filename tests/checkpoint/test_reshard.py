@@ -163,6 +163,7 @@ def _plain_trainer(steps: int = 1, split: bool = False, stochastic: bool = False
     named = list(model.named_parameters())
     experts = [p for n, p in named if ".experts." in n]
     groups = [[p for n, p in named if ".experts." not in n], experts] if split else [[p for _, p in named]]
+    cfg.optim.weight_decay = 0.1  # the config the optimizer was built from (a resume applies its decay rule)
     hyper = dict(lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     opt_class = StochasticRoundingAdamW if stochastic else torch.optim.AdamW
     opt = opt_class([{"params": g} for g in groups], **hyper)
@@ -233,7 +234,7 @@ def test_hyperparameters_given_anew_on_resume_take_effect(tmp_path, caplog):
     assert resumed.scheduler.base_lrs == pytest.approx([b / 4 for b in saved.scheduler.base_lrs])
     assert resumed.scheduler.get_last_lr() == pytest.approx([before["lr"] / 4])
     assert group["weight_decay"] == 0.05 and group["betas"] == before["betas"]
-    for change in ("train.lr", "optim.weight_decay 0.0 -> 0.05", "train.steps"):
+    for change in ("train.lr", "optim.weight_decay 0.1 -> 0.05", "train.steps"):
         assert change in caplog.text, caplog.text
     # Nothing changed: nothing logged, the checkpoint's values exactly.
     caplog.clear()
@@ -322,3 +323,33 @@ def test_lora_adapters_reshard_ep2_to_one_process_to_dp_shard2(tmp_path, no_laun
     layout: EP=2 (adapters sharded with the experts, outside FSDP2) -> one process -> FSDP over 2 ranks."""
     lora = ["peft=lora", "peft.rank=8"]
     _chain(tmp_path, [(2, ["parallel.ep=2", *lora]), (1, lora), (2, ["parallel.dp_shard=2", *lora])])
+
+
+@pytest.mark.parametrize("saved_decay", [0.1, 0.0])
+def test_a_resume_keeps_norms_and_biases_out_of_weight_decay(tmp_path, saved_decay):
+    """Saved with decay 0.1 (its groups split by the rule) or 0 (one group), resumed with 0.2: the groups of
+    matrices decay at 0.2, those of norms and biases at 0 (they got 0.2 too when the new value went to every
+    group)."""
+    from moe_tune import checkpoint as ckpt
+    from moe_tune.optim import build_scheduler, is_decayed, param_groups
+
+    def trainer(decay: float, steps: int):
+        t = _plain_trainer(steps=0, num_hidden_layers=1)
+        t.cfg.optim.weight_decay = decay
+        t.optimizer = torch.optim.AdamW(param_groups(t.model.named_parameters(), decay, False), lr=t.cfg.train.lr)
+        t.scheduler = build_scheduler(t.optimizer, t.cfg.optim, total_steps=10)
+        for _ in range(steps):
+            _plain_step(t)
+        return t
+
+    saved = trainer(saved_decay, steps=2)
+    ckpt.save(saved, str(tmp_path / "step_2"))
+    resumed = trainer(0.2, steps=0)
+    ckpt.load(resumed, str(tmp_path / "step_2"))
+    names = {id(p): n for n, p in resumed.model.named_parameters()}
+    decays = {
+        (group["weight_decay"], is_decayed(names[id(p)], p))
+        for group in resumed.optimizer.param_groups
+        for p in group["params"]
+    }
+    assert decays == {(0.2, True), (0.0, False)}

@@ -1,0 +1,37 @@
+"""A sharded Hugging Face checkpoint's index (``model.safetensors.index.json``): tensor name -> shard file, checked
+before any shard is read (by the source checks and by the reader that loads the weights)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from moe_tune.config import CheckpointError
+
+INDEX = "model.safetensors.index.json"
+
+
+def read_index(path: str) -> dict[str, str] | None:
+    """``path``'s sharded-checkpoint index as tensor name -> shard file (None: not sharded). Every shard must be a
+    plain file name inside ``path`` that exists: an absolute path or one leading elsewhere would read weights
+    from outside ``model.path``, a missing shard is an interrupted download."""
+    file = os.path.join(path, INDEX)
+    if not os.path.isfile(file):
+        return None
+    fix = "download the checkpoint again (or copy the index from the model's original release)"
+    try:
+        with open(file, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{file}: not a valid index ({e}); {fix}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f'{file}: no "weight_map" of tensor names to shard files; {fix}')
+    for shard in sorted(set(weight_map.values())):
+        if os.path.basename(shard) != shard or shard in ("", ".", ".."):
+            raise CheckpointError(
+                f"{file} names the shard {shard!r}: shards must be file names inside {path} (a path would read "
+                f"weights from elsewhere); {fix}"
+            )
+        if not os.path.isfile(os.path.join(path, shard)):
+            raise CheckpointError(f"{file} names {shard}, which {path} does not hold (an interrupted download?); {fix}")
+    return weight_map
