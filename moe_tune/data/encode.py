@@ -27,7 +27,7 @@ import logging
 from moe_tune.config import DataConfig, DataError
 from moe_tune.data.cut import CUT_MARGIN, cut_sample, longest_token_chars, max_record_chars
 from moe_tune.data.records import BadRecord, Chat, Completion, Text
-from moe_tune.data.templates import GENERATION_BLOCK, end_of_turn_token, training_template
+from moe_tune.data.templates import GENERATION_BLOCK, end_of_turn_token, render_chat, training_template
 
 log = logging.getLogger("moe_tune")
 IGNORE = -100
@@ -100,7 +100,8 @@ class Encoder:
                 "(e.g. the one in your model's tokenizer_config.json), or give prompt/response or text records"
             )
         try:
-            return self.tokenizer.apply_chat_template(
+            return render_chat(
+                self.tokenizer,
                 messages,
                 tools=tools,
                 chat_template=template or self.template,
@@ -146,7 +147,8 @@ class Encoder:
 
     def _marked(self, sample: Chat, template: str) -> tuple[list[int], list[int]] | None:
         """Masks from the template's generation blocks; None if their spans do not pair with assistant messages."""
-        out = self.tokenizer.apply_chat_template(
+        out = render_chat(
+            self.tokenizer,
             sample.messages,
             tools=sample.tools,
             chat_template=template,
