@@ -58,8 +58,10 @@ def test_default_run_end_to_end(tmp_path, cli_env):
     tps = sorted(r["tokens_per_s_per_gpu"] for r in rows)
     assert 0 < tps[0] <= summary["tokens_per_s_per_gpu"] <= tps[-1]  # a median of the rows
     for r in rows:
-        # TFLOP/s per GPU = FLOPs per token x tokens/s per GPU (the formula in metrics.py)
-        assert r["tflops_per_gpu"] == pytest.approx(summary["flops_per_token"] * r["tokens_per_s_per_gpu"] / 1e12)
+        # TFLOP/s per GPU = FLOPs per token x row positions/s per GPU, padding included (metrics.py): real tokens/s
+        # over the row fill
+        positions_per_s = r["tokens_per_s_per_gpu"] / r["row_fill"]
+        assert r["tflops_per_gpu"] == pytest.approx(summary["flops_per_token"] * positions_per_s / 1e12)
         assert r["lr"] > 0 and r["grad_norm"] > 0
     assert_hf_logits_equal(str(tmp_path / "hf"))
 
