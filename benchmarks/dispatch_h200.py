@@ -303,7 +303,7 @@ def meta() -> dict:
 
 
 def main() -> None:
-    from moe_tune.dist.env import destroy_distributed, init_distributed
+    from moe_tune.distributed.process_group import destroy_distributed, init_distributed
 
     env = init_distributed()
     group, rank = dist.group.WORLD, env.rank

@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from moe_tune.moe.fp8_grouped import emulated_scaled_grouped_mm, fp8_grouped_mm, quantize_rows, scaled_grouped_mm
+from moe_tune.kernels.fp8_grouped import emulated_scaled_grouped_mm, fp8_grouped_mm, quantize_rows, scaled_grouped_mm
 
 E, D, I, ROWS = 128, 2048, 768, 32768  # noqa: E741 (I: expert hidden dim, the moe/ legend)
 FLOP = 3 * 2 * ROWS * (D * 2 * I + I * D)

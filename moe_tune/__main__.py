@@ -1,3 +1,3 @@
-from moe_tune.cli import main
+from moe_tune.cli.train import main
 
 main()

@@ -19,9 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moe_tune.config import CheckpointError, Config, ConfigError, ModelConfig, ParallelDims, validate
+from moe_tune.config import CheckpointError, Config, ConfigError, ModelConfig, validate
 from moe_tune.config.model_dir import model_dir_problem
-from moe_tune.dist.mesh import ParallelMesh, build_mesh
+from moe_tune.distributed.dims import ParallelDims
+from moe_tune.distributed.expert_parallel import ep_dispatchers
+from moe_tune.distributed.fsdp import experts_options
+from moe_tune.distributed.mesh import ParallelMesh, build_mesh
+from moe_tune.distributed.parallelize import parallelize
 from moe_tune.lora import LoRASpec
 from moe_tune.metrics import flops_per_token
 from moe_tune.models.families import expert_dims, num_experts
@@ -30,7 +34,6 @@ from moe_tune.models.init import init_random
 from moe_tune.models.lora import init_lora
 from moe_tune.models.model import ModelOptions, MoECausalLM, build_model, materialize
 from moe_tune.models.source_check import check_overrides, check_source_dir, config_differences
-from moe_tune.parallel import ep_dispatchers, experts_options, parallelize
 
 log = logging.getLogger("moe_tune")
 
@@ -262,7 +265,7 @@ def source_loader(source: str | None, seed: int) -> Callable[[MoECausalLM], None
 
 
 def build_training_model(cfg: Config, env) -> Built:
-    """moe_tune's model for ``cfg`` on this process group (``env``: ``moe_tune.dist.env``'s rank, world, device)."""
+    """moe_tune's model for ``cfg`` on this process group (``env``: ``moe_tune.distributed.process_group``'s rank, world, device)."""
     source, hf_config = build_source(cfg, env.rank)
     tokenizer = build_tokenizer(source)
     check_family(cfg.model, hf_config.model_type)

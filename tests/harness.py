@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe_tune.dist.env import destroy_distributed, init_distributed
+from moe_tune.distributed.process_group import destroy_distributed, init_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable

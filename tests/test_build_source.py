@@ -8,7 +8,7 @@ import os
 import subprocess
 
 from moe_tune.build import build_source
-from moe_tune.cli import compose, to_config
+from moe_tune.cli.train import compose, to_config
 from moe_tune.models.presets import build_tiny_checkpoint
 from tests.harness import PY
 

@@ -26,16 +26,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "moe_tune"
 
 # Layers, top first. A module may import from its own layer or any layer above (a lower number), never from a
-# layer below. An entry names a module or a package (all its submodules). "moe_tune.__init__" is the
-# package's own __init__.py only. Within a layer the modules may import each other (acyclically, rule a).
+# layer below. An entry names a module or a package (all its submodules); a module takes the layer of its longest
+# matching entry, so one package can span layers (``moe_tune.distributed``: the layout's arithmetic beside the
+# config, its meshes above the model, the parallelisms that wrap a built model below it). "moe_tune.__init__" is
+# the package's own __init__.py only. Within a layer the modules may import each other (acyclically, rule a).
+# The last layer holds the entry points (``moe_tune.cli``), the ``python -m`` doors that only call them, and the
+# benchmark's rows (each row's process is an entry point of its own).
 LAYERS: list[tuple[str, ...]] = [
-    ("moe_tune.config",),
-    ("moe_tune.dist",),
+    ("moe_tune.config", "moe_tune.distributed.dims"),
+    ("moe_tune.distributed.process_group", "moe_tune.distributed.mesh"),
     ("moe_tune.kernels",),
     ("moe_tune.lora",),
     ("moe_tune.moe",),
     ("moe_tune.models",),
-    ("moe_tune.parallel",),
+    ("moe_tune.distributed",),
     (
         "moe_tune.data",
         "moe_tune.optim",
@@ -49,13 +53,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("moe_tune.train",),
     (
         "moe_tune.cli",
-        "moe_tune.cli_args",
         "moe_tune.bench",
-        "moe_tune.export_cli",
         "moe_tune.launch",
-        "moe_tune.slurm_launcher",
         "moe_tune.__init__",
         "moe_tune.__main__",
+        "moe_tune.bench.__main__",
+        "moe_tune.env.__main__",
     ),
 ]
 MAX_FILE_LINES = 400
@@ -97,14 +100,17 @@ def is_package(module: str, files: dict[str, str]) -> bool:
 
 
 def layer_of(module: str) -> int | None:
+    """The layer of the longest entry of LAYERS that names ``module`` or a package above it."""
+    best, best_len = None, -1
     for i, entries in enumerate(LAYERS):
         for entry in entries:
             if entry == f"{PACKAGE}.__init__":
-                if module == PACKAGE:
-                    return i
-            elif module == entry or module.startswith(entry + "."):
-                return i
-    return None
+                hit = module == PACKAGE
+            else:
+                hit = module == entry or module.startswith(entry + ".")
+            if hit and len(entry) > best_len:
+                best, best_len = i, len(entry)
+    return best
 
 
 def _resolve_relative(module: str, files: dict[str, str], level: int, name: str | None) -> str:

@@ -1,1 +1,1 @@
-"""moe_tune's Hydra launcher plugin (``hydra/launcher=submitit_slurm``): see ``moe_tune.slurm_launcher``."""
+"""moe_tune's Hydra launcher plugin (``hydra/launcher=submitit_slurm``): see ``moe_tune.cli.slurm``."""

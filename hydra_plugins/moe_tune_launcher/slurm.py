@@ -1,5 +1,5 @@
 """``SlurmLauncher``: Hydra's submitit launcher with one Slurm task per rank, whose every rank's exit comes back to
-the submitter (``moe_tune.slurm_launcher`` says why and how). It lives in ``hydra_plugins`` because Hydra takes
+the submitter (``moe_tune.cli.slurm`` says why and how). It lives in ``hydra_plugins`` because Hydra takes
 launchers from there only; Hydra imports this module at every start (of any Hydra app), so it imports neither
 moe_tune nor submitit at the top."""
 
@@ -87,8 +87,8 @@ else:
             import submitit
             from hydra.core.utils import JobReturn, JobStatus
 
+            from moe_tune.cli.slurm import RankExit, exit_of
             from moe_tune.config import register_configs
-            from moe_tune.slurm_launcher import RankExit, exit_of
 
             register_configs()  # before Hydra composes the job's config here, as the submitter did
             submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
@@ -122,7 +122,7 @@ else:
             os.environ.setdefault("SUBMITIT_PREEMPT_SIGNAL", "TERM")
             from submitit.core.utils import UncompletedJobError
 
-            from moe_tune.slurm_launcher import failure_line, job_exit_code, quiet_submitit
+            from moe_tune.cli.slurm import failure_line, job_exit_code, quiet_submitit
 
             with quiet_submitit():  # its sacct polls: no line twice, none at every poll
                 try:
@@ -141,6 +141,6 @@ else:
             """Every task's RankExit of the job whose rank-0 JobReturn is ``first`` (all its tasks have ended)."""
             import submitit
 
-            rank0 = first.return_value  # a moe_tune.slurm_launcher.RankExit
+            rank0 = first.return_value  # a moe_tune.cli.slurm.RankExit
             job = submitit.SlurmJob(self.params["submitit_folder"], rank0.job_id, tasks=range(rank0.num_tasks))
             return [rank0] + [job.task(i).result().return_value for i in range(1, rank0.num_tasks)]

@@ -1,5 +1,7 @@
+"""``python -m moe_tune.bench`` = ``moe-tune-bench``."""
+
 import sys
 
-from moe_tune.bench import main
+from moe_tune.cli.bench import main
 
 sys.exit(main())

@@ -193,7 +193,7 @@ def hf_model_on_meta(
     from transformers import AutoModelForCausalLM
 
     from moe_tune.bench.peft_baseline import base_dtype
-    from moe_tune.parallel import apply_ac
+    from moe_tune.distributed.activation_checkpoint import apply_ac
 
     aux = cfg.train.aux_loss_coef if cfg.peft.name == "none" or cfg.peft.train_router else 0.0
     if hasattr(hf_config, "output_router_logits"):
@@ -221,8 +221,8 @@ def hf_model_on_meta(
 
 
 def _mesh(env):
-    from moe_tune.config import ParallelDims
-    from moe_tune.dist.mesh import build_mesh
+    from moe_tune.distributed.dims import ParallelDims
+    from moe_tune.distributed.mesh import build_mesh
 
     world = env.world_size
     return build_mesh(ParallelDims(dp_replicate=1, dp_shard=world, ep=1, world_size=world), env.device.type)
@@ -233,7 +233,7 @@ def _shard(model: nn.Module, mesh, cfg: Config, env) -> None:
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from moe_tune.bench.peft_baseline import decoder_layers
-    from moe_tune.parallel import mixed_precision_policy
+    from moe_tune.distributed.fsdp import mixed_precision_policy
 
     mp = mixed_precision_policy(cfg.train.precision)
     reshard = cfg.parallel.reshard_after_forward
@@ -313,7 +313,7 @@ class Baseline(Trainer):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_tune.cli import compose, precheck, to_config
+    from moe_tune.cli.train import compose, precheck, to_config
 
     parser = argparse.ArgumentParser(prog="python -m moe_tune.bench.baseline", description=__doc__.splitlines()[0])
     parser.add_argument("--experts", default="grouped_mm", choices=EXPERTS_IMPLEMENTATIONS)
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe-tune-bench baseline: error: {e}", file=sys.stderr)
         return 2
     finally:
-        from moe_tune.dist.env import destroy_distributed
+        from moe_tune.distributed.process_group import destroy_distributed
 
         destroy_distributed()
     return 0

@@ -165,7 +165,7 @@ def _distributed_setup(cfg: Config, hf_config, ep: int, world: int):
         ParallelismSizes,
     )
 
-    from moe_tune.parallel import mixed_precision_policy
+    from moe_tune.distributed.fsdp import mixed_precision_policy
 
     num_experts = next(
         (
@@ -243,8 +243,8 @@ class Peer(Trainer):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_tune.cli import compose, precheck, to_config
-    from moe_tune.dist.env import destroy_distributed
+    from moe_tune.cli.train import compose, precheck, to_config
+    from moe_tune.distributed.process_group import destroy_distributed
 
     parser = argparse.ArgumentParser(prog="python -m moe_tune.bench.peer", description=__doc__.splitlines()[0])
     parser.add_argument("--dispatcher", default="torch", help="NeMo AutoModel MoE dispatcher: torch or deepep")

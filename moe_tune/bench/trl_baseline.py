@@ -263,7 +263,7 @@ def _one_gpu() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_tune.cli import compose, precheck, to_config
+    from moe_tune.cli.train import compose, precheck, to_config
 
     parser = argparse.ArgumentParser(prog="python -m moe_tune.bench.trl_baseline", description=__doc__.splitlines()[0])
     parser.add_argument(

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch.distributed as dist
 
 from moe_tune.config import CheckpointError
-from moe_tune.dist.env import rank_world
+from moe_tune.distributed.process_group import rank_world
 from moe_tune.run_record import write_json
 
 COMPLETE = "COMPLETE"

@@ -1,9 +1,8 @@
-"""The run's configuration: the schema (Hydra structured configs), the parallel layout, and ``validate``.
+"""The run's configuration: the schema (Hydra structured configs) and ``validate`` (the parallel layout it checks is ``moe_tune.distributed.dims``).
 
 Imports no torch and nothing of moe_tune below it: every other layer may import it.
 """
 
-from moe_tune.config.dims import ParallelDims
 from moe_tune.config.schema import (
     AC_MODES,
     COMM_CONFIGS,
@@ -67,7 +66,6 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
-    "ParallelDims",
     "PeftConfig",
     "SymmMemConfig",
     "TrainConfig",

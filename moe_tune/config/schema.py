@@ -195,7 +195,7 @@ class OptimConfig:
     # so updates below bf16's resolution are not lost. None (automatic): on exactly when the parameters are bf16
     # (train.precision=bf16; ``rounds_stochastically``); true needs train.precision=bf16; false rounds to nearest.
     stochastic_rounding: bool | None = None
-    # The update as Triton kernels on a GPU (moe_tune/optim/kernels.py): AdamW as one kernel per large parameter
+    # The update as Triton kernels on a GPU (moe_tune/kernels/adamw.py): AdamW as one kernel per large parameter
     # (torch's fused kernel for the rest; same maths and state as torch's fused AdamW, moe_tune/optim/adamw.py);
     # stochastic rounding as one kernel per parameter drawing its random bits inside. On an H200, bf16, 8-layer
     # Qwen3 shapes: the update 39.5 -> 20.3 ms, micro-batch 1 +22%, micro-batch 4 +0.3-1.7% (benchmarks/README.md).

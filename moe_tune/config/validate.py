@@ -11,7 +11,6 @@ import os
 
 from moe_tune.config.data_checks import check_data
 from moe_tune.config.data_schema import BAD_RECORD_POLICIES, DATA_FORMATS, PACKING_STRATEGIES, TRAIN_ON
-from moe_tune.config.dims import ParallelDims
 from moe_tune.config.model_dir import model_dir_problem
 from moe_tune.config.schema import (
     AC_MODES,
@@ -34,6 +33,7 @@ from moe_tune.config.schema import (
     PeftConfig,
     profiled_steps,
 )
+from moe_tune.distributed.dims import ParallelDims
 
 
 def world_size_from_env() -> int:

@@ -3,12 +3,12 @@
   backends.py  ``unusable_reason`` (cheap: installed? GPU? compute capability?), ``require_backends(cfg)`` (the
                start-of-run check) and ``probe`` (runs a tiny call of the backend);
   probes.py    the tiny runs ``probe`` calls;
-  report.py    ``moe-tune-env`` (``main``), ``versions()``, ``gpus()``, ``collect()``.
+  report.py    ``versions()``, ``gpus()``, ``collect()``: what ``moe-tune-env`` (``moe_tune.cli.env``) prints.
 
 ``import moe_tune.env`` imports no torch and no backend: they load inside the functions.
 """
 
 from moe_tune.env.backends import BACKENDS, probe, require_backends, unusable_reason
-from moe_tune.env.report import collect, main, versions
+from moe_tune.env.report import collect, versions
 
-__all__ = ["BACKENDS", "collect", "main", "probe", "require_backends", "unusable_reason", "versions"]
+__all__ = ["BACKENDS", "collect", "probe", "require_backends", "unusable_reason", "versions"]

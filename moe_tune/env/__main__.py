@@ -2,6 +2,6 @@
 
 import sys
 
-from moe_tune.env import main
+from moe_tune.cli.env import main
 
 sys.exit(main())

@@ -76,7 +76,7 @@ def run_grouped_mm_fp8() -> tuple[bool, str]:
     import torch
     import torch.nn.functional as F
 
-    from moe_tune.moe.fp8_grouped import fp8_grouped_mm
+    from moe_tune.kernels.fp8_grouped import fp8_grouped_mm
 
     g = torch.Generator().manual_seed(0)
     counts = [40, 0, 152, 64]

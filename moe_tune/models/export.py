@@ -19,7 +19,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from moe_tune.config import ConfigError
-from moe_tune.dist.env import rank_world
+from moe_tune.distributed.process_group import rank_world
 from moe_tune.models.hf_io import (
     EXPERT_PARAM,
     SIDE_FILES,

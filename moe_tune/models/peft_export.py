@@ -17,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from moe_tune.dist.env import rank_world
+from moe_tune.distributed.process_group import rank_world
 from moe_tune.lora import ADAPTER, is_adapter
 from moe_tune.models.export import full_tensor, gather_experts, save_safetensors, write_chat_template
 from moe_tune.models.hf_io import EXPERT_PARAM, expert_offsets

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_tune.kernels.fp8_grouped import fp8_grouped_mm
 from moe_tune.lora import ExpertsAdapter, LoRASpec
-from moe_tune.moe.fp8_grouped import fp8_grouped_mm
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_tune.optim.kernels import nearest_update
+from moe_tune.kernels.adamw import nearest_update
 
 
 def adamw_values(p, g, m, v, lr, beta1, beta2, eps, weight_decay, bc1, bc2, skip, grad_scale):

@@ -19,7 +19,7 @@ from a checkpoint (which holds the steps) draws the same bits as one that never 
 update after it share a step and so a seed: the skipped one writes nothing back.) On a GPU (with
 ``optim.compiled=true``, the default) each parameter is one Triton pass that draws its bits inside the kernel,
 from a hash of each element's offset and a key derived from the parameter's seed on the device, so the step count
-is never read by the host (``moe_tune.optim.kernels.stochastic_update``: 20.8 ms per step for 5.6 B parameters on
+is never read by the host (``moe_tune.kernels.adamw.stochastic_update``: 20.8 ms per step for 5.6 B parameters on
 an H200, as round-to-nearest's 20.3); elsewhere, and with ``optim.compiled=false``, the update runs eagerly per
 chunk of ``chunk`` elements (bounding the fp32 temporaries) with bits from ``torch.randint``, seeded on the host.
 The two draw different bits from the same seed: a run is reproducible on one kind of device.
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from moe_tune.kernels.adamw import SEGMENT, stochastic_update
 from moe_tune.optim.adamw import _local, adamw_values, run_closure
-from moe_tune.optim.kernels import SEGMENT, stochastic_update
 
 _CHUNK = 1 << 25
 # ``_seed`` is linear in the step: seed(step) = (seed(0) + step * _STEP_FACTOR) mod 2^62, which the device computes.

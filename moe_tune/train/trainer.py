@@ -56,7 +56,7 @@ class Trainer:
         write_run_files: bool = True,
     ):
         from moe_tune.data import build_datasets
-        from moe_tune.dist.env import init_distributed
+        from moe_tune.distributed.process_group import init_distributed
 
         cfg = resolved(cfg)  # automatic values decided: the run applies and records them
         self.cfg, t = cfg, cfg.train
@@ -184,7 +184,7 @@ class Trainer:
     def _clip_grad_norm(self) -> torch.Tensor:
         if self.built.clip_grad_norm is not None:
             return self.built.clip_grad_norm()
-        from moe_tune.parallel import clip_divisor, global_grad_norm
+        from moe_tune.distributed.clip import clip_divisor, global_grad_norm
 
         norm = global_grad_norm(self.model, self.mesh)
         if self.cfg.optim.max_grad_norm > 0:  # clipped inside the optimizer's kernel (clip_divisor)
@@ -376,7 +376,7 @@ class Trainer:
             self.saver.wait()
 
     def export(self, out_dir: str) -> None:
-        from moe_tune.parallel import export_hf
+        from moe_tune.models.hf_export import export_hf
 
         dtype = None if self.cfg.model.dtype == "source" else self.cfg.model.dtype
         export_hf(self.model, out_dir, self.mesh, dtype=dtype, chat_template=self.data.chat_template)

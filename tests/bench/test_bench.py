@@ -12,10 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from moe_tune.bench import finish_rows, parse_variants, split_overrides
 from moe_tune.bench.baseline import apply_forced_balanced_routing, hf_flops_per_token
+from moe_tune.bench.plans import parse_variants
 from moe_tune.bench.report import markdown
-from moe_tune.bench.runner import failure_reason
+from moe_tune.bench.runner import failure_reason, split_overrides
+from moe_tune.bench.workload import finish_rows
 from moe_tune.config import ConfigError
 from moe_tune.metrics import flops_per_token
 from moe_tune.models.model import build_model
@@ -170,7 +171,7 @@ def test_the_peer_starts_from_the_preset_draw_of_the_other_rows(tmp_path):
     parameter dtype. (With NeMo installed on CPU, the peer's loss curve matched moe_tune's to 2e-5 from it.)"""
     from moe_tune.bench.baseline import _num_experts
     from moe_tune.bench.peer import _preset_checkpoint
-    from moe_tune.cli import compose, to_config
+    from moe_tune.cli.train import compose, to_config
     from moe_tune.models.init import init_random
 
     small = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32}
@@ -276,7 +277,7 @@ def importlib_missing(name: str) -> bool:
     ],
 )
 def test_unrunnable_row_sets_stop_before_any_row(argv, words, tmp_path, capsys):
-    from moe_tune.bench import main
+    from moe_tune.cli.bench import main
 
     assert main([*argv, "--out", str(tmp_path / "out")]) == 2
     assert words in capsys.readouterr().err

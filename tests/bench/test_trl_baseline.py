@@ -10,7 +10,7 @@ import pytest
 
 from moe_tune.bench.plans import build_plans
 from moe_tune.bench.runner import Row, read_run
-from moe_tune.cli import compose, to_config
+from moe_tune.cli.train import compose, to_config
 
 SEQ_LEN = 128
 
@@ -95,7 +95,7 @@ def test_without_trl_the_bench_names_the_extra_to_install(monkeypatch):
     ],
 )
 def test_a_workload_the_trl_row_cannot_run_stops_the_bench_before_any_row(tmp_path, capsys, overrides, words):
-    from moe_tune.bench import main
+    from moe_tune.cli.bench import main
 
     data = tmp_path / "chat.jsonl"
     write_chats(data, 2)

@@ -28,6 +28,6 @@ def _writer(path: str):
 
 if __name__ == "__main__":
     background.storage_writer = _writer  # the name the save looks up
-    from moe_tune.cli import main
+    from moe_tune.cli.train import main
 
     main()

@@ -170,7 +170,7 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(t
 
 
 def test_export_of_a_damaged_checkpoint_is_exit_2_naming_the_file(tmp_path, make_trainer, capsys):  # noqa: F811
-    from moe_tune.export_cli import main
+    from moe_tune.cli.export import main
 
     _run(make_trainer, tmp_path, 2)
     shard = os.path.join(_ckpt(tmp_path, 2), "__0_0.distcp")

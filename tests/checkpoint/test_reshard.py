@@ -28,7 +28,7 @@ TOL = 1e-6
 def _run(rank: int, out: str, overrides: list[str], result: str) -> None:
     """Train ``out``'s run to STEPS (or one step when it resumes), saving and exporting after each step; rank 0
     writes the losses and each param group's hyperparameters (after the load, then after each step)."""
-    from moe_tune.cli import compose, to_config
+    from moe_tune.cli.train import compose, to_config
     from moe_tune.train import Trainer
 
     t = Trainer(to_config(compose([f"output_dir={out}", *COMMON, *overrides])), write_run_files=False)
@@ -55,7 +55,7 @@ def _hypers(t) -> list[dict]:
 
 def _in_process(out, overrides: list[str], result: str) -> None:
     """One process, no launcher: the layout without any parallelism."""
-    from moe_tune.dist.env import destroy_distributed
+    from moe_tune.distributed.process_group import destroy_distributed
 
     try:
         _run(0, str(out), overrides, result)

@@ -49,7 +49,7 @@ def test_malicious_metadata_is_refused_on_resume_and_export(tmp_path, cli_env):
     line = resumed.stderr.strip().splitlines()[-1]
     assert "refusing to load" in line and os.path.join(checkpoint, ".metadata") in line and "posix.system" in line
     export = subprocess.run(
-        [PY, "-m", "moe_tune.export_cli", checkpoint, str(tmp_path / "hf")],
+        [PY, "-m", "moe_tune.cli.export", checkpoint, str(tmp_path / "hf")],
         capture_output=True,
         text=True,
         env=cli_env,

@@ -1,6 +1,6 @@
 """``model.path`` without a config.json: one line saying what the path is (a hub id, which moe_tune does not
 download; a file; a PEFT adapter, with its base model) and what to give instead. The CLI's own runs of these lines:
-tests/test_cli.py."""
+tests/cli/test_train.py."""
 
 from __future__ import annotations
 

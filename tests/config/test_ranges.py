@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from moe_tune import cli
+from moe_tune.cli import train as cli
 from moe_tune.models.source_check import check_safetensors_header
 from tests.harness import PY
 

@@ -3,7 +3,7 @@ these silently ignored)."""
 
 import pytest
 
-from moe_tune.cli_args import compose, to_config
+from moe_tune.config.overrides import compose, to_config
 from moe_tune.config.unused import unused_settings
 
 

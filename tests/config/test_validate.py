@@ -1,11 +1,11 @@
 """Every file in conf/ composes and validates; every validation error has its message (the CLI's exit 2 and one
-line: tests/test_cli.py)."""
+line: tests/cli/test_train.py)."""
 
 import os
 
 import pytest
 
-from moe_tune.cli import CONF_DIR, compose, to_config
+from moe_tune.cli.train import CONF_DIR, compose, to_config
 from moe_tune.config import Config, ConfigError, validate
 from moe_tune.env import require_backends
 from tests.harness import ROOT

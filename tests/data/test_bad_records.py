@@ -137,8 +137,8 @@ def test_nothing_usable_is_one_line(tmp_path):
 
 
 def test_a_step_without_label_tokens_is_not_nan(tmp_path):
-    from moe_tune.cli import compose, to_config
-    from moe_tune.dist.env import destroy_distributed
+    from moe_tune.cli.train import compose, to_config
+    from moe_tune.distributed.process_group import destroy_distributed
     from moe_tune.train import Trainer
 
     overrides = ["train.seq_len=32", "train.micro_batch_size=2", "data.num_samples=32", "train.precision=fp32"]

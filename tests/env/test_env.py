@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from moe_tune.cli import env as env_cli
 from moe_tune.env import backends
 from moe_tune.env import report as env
 
@@ -26,7 +27,7 @@ def _row(report: dict, name: str) -> dict:
 
 
 def test_json_flag_parses_and_lists_every_backend(capsys):
-    assert env.main(["--json"]) == 0
+    assert env_cli.main(["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert {r["backend"] for r in data["backends"]} == set(backends.BACKENDS)
     assert data["versions"]["torch"] == torch.__version__
@@ -35,7 +36,7 @@ def test_json_flag_parses_and_lists_every_backend(capsys):
 
 
 def test_text_output_has_one_line_per_backend(capsys):
-    assert env.main([]) == 0
+    assert env_cli.main([]) == 0
     out = capsys.readouterr().out
     assert "torch" in out and "GPUs:" in out
     for name in backends.BACKENDS:
@@ -124,8 +125,8 @@ def test_module_runs_and_imports_nothing_heavy():
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
 
 
-def test_package_exports_the_entry_points():
+def test_package_exports_the_report_and_the_checks():
     import moe_tune.env as pkg
 
-    assert pkg.main is env.main and pkg.versions is env.versions  # pyproject: moe-tune-env = "moe_tune.env:main"
+    assert pkg.versions is env.versions and pkg.collect is env.collect
     assert pkg.require_backends is backends.require_backends

@@ -61,7 +61,8 @@ def test_training_builds_take_no_mask_packed_or_not(checkpoint, monkeypatch):
     import transformers.masking_utils as masking
 
     from moe_tune.build import model_options
-    from moe_tune.config import Config, ParallelDims
+    from moe_tune.config import Config
+    from moe_tune.distributed.dims import ParallelDims
 
     cfg = Config()
     dims = ParallelDims(1, 1, 1, 1)

@@ -10,7 +10,7 @@ import shutil
 import torch
 
 import moe_tune
-from moe_tune.export_cli import main as export_main
+from moe_tune.cli.export import main as export_main
 from moe_tune.models.export import EXPORT_MARKER, write_checkpoint_atomic
 from moe_tune.models.presets import build_tiny_checkpoint
 from tests.harness import FAST_RUN, assert_hf_logits_equal, read_hf_tensors, run_cli

@@ -13,12 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_tune.cli import compose, to_config
+from moe_tune.cli.train import compose, to_config
 from moe_tune.config import ConfigError, validate
 from moe_tune.env import backends, require_backends
-from moe_tune.lora import LoRASpec
-from moe_tune.moe.experts import ExpertsOptions, ExpertsSpec, GroupedExperts
-from moe_tune.moe.fp8_grouped import (
+from moe_tune.kernels.fp8_grouped import (
     E4M3_MAX,
     ROW_ALIGN,
     FP8GroupedMM,
@@ -28,6 +26,8 @@ from moe_tune.moe.fp8_grouped import (
     quantize_group_columns,
     quantize_rows,
 )
+from moe_tune.lora import LoRASpec
+from moe_tune.moe.experts import ExpertsOptions, ExpertsSpec, GroupedExperts
 from tests.tiny import rel_err
 
 FP8_TOL = 5e-2
@@ -249,7 +249,7 @@ def test_backend_check_refuses_without_sm90(monkeypatch, gpu, message):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_cli_exits_2_without_a_gpu(cli_env, tmp_path):
-    from tests.test_cli_args import _moe_tune
+    from tests.config.test_overrides import _moe_tune
 
     r = _moe_tune([f"output_dir={tmp_path / 'run'}", "kernels.experts=grouped_mm_fp8"], cli_env, tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr

@@ -11,8 +11,8 @@ from tests.harness import FAST_TRAINER
 def make_trainer(tmp_path):
     """``make_trainer(*overrides, out=None) -> Trainer`` writing into ``out`` (default: tmp_path), with no Hugging
     Face export; the process group it creates is destroyed after the test."""
-    from moe_tune.cli import compose, to_config
-    from moe_tune.dist.env import destroy_distributed
+    from moe_tune.cli.train import compose, to_config
+    from moe_tune.distributed.process_group import destroy_distributed
     from moe_tune.train import Trainer
 
     def make(*overrides, out=None):

@@ -57,7 +57,7 @@ def _step_under_fsdp(rank: int, path: str, output_dir: str, precision: str) -> t
     """One Trainer step on the FSDP-sharded model from this rank's micro-batches of ``_global_rows``: whether any
     sharded parameter held a reduced gradient at each micro-batch's forward, the full gradients the optimizer
     stepped with, and the step's gradient norm."""
-    from moe_tune.cli import compose, to_config
+    from moe_tune.cli.train import compose, to_config
     from moe_tune.train import Trainer
 
     overrides = [

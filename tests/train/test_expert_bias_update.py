@@ -68,7 +68,7 @@ def _gather(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _bias_body(rank: int, output_dir: str, parallel: list[str]) -> None:
-    from moe_tune.cli import compose, to_config
+    from moe_tune.cli.train import compose, to_config
     from moe_tune.train import Trainer
 
     trainer = Trainer(to_config(compose([f"output_dir={output_dir}", *OVERRIDES, *parallel])))

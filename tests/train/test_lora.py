@@ -65,7 +65,7 @@ def test_lora_trains_adapters_only_resumes_bitwise_and_exports_for_peft(tmp_path
         assert rel_err(via_peft, logits) < LORA_TOL
         merged_dir = tmp_path / "merged"
         r = subprocess.run(
-            [PY, "-m", "moe_tune.export_cli", str(straight / "checkpoints" / "step_6"), str(merged_dir), "--merge"],
+            [PY, "-m", "moe_tune.cli.export", str(straight / "checkpoints" / "step_6"), str(merged_dir), "--merge"],
             capture_output=True,
             text=True,
             env=cli_env,
@@ -97,7 +97,7 @@ def test_a_checkpoint_of_adapters_refuses_another_base_and_follows_a_moved_one(t
     # the seed-1 base to name with --base.
     other = tmp_path / "other"
     run_cli([f"output_dir={other}", "train.steps=1", "train.seed=1", "checkpoint.export_hf=false", *LORA], cli_env)
-    export = [PY, "-m", "moe_tune.export_cli", str(step), str(tmp_path / "out"), "--merge", "--base"]
+    export = [PY, "-m", "moe_tune.cli.export", str(step), str(tmp_path / "out"), "--merge", "--base"]
     r = subprocess.run([*export, str(other / "base_model")], capture_output=True, text=True, env=cli_env)
     assert r.returncode == 2 and "another base model" in r.stderr, r.stderr[-2000:]
     assert "give --base the directory of the base model" in r.stderr and "model.path" not in r.stderr
@@ -113,7 +113,7 @@ def test_a_checkpoint_of_adapters_refuses_another_base_and_follows_a_moved_one(t
 def test_export_merge_of_a_full_fine_tune_is_refused(tmp_path, cli_env):
     run_cli([f"output_dir={tmp_path}", "train.steps=1", "checkpoint.every=1", *FAST_RUN], cli_env)
     r = subprocess.run(
-        [PY, "-m", "moe_tune.export_cli", str(tmp_path / "checkpoints" / "step_1"), str(tmp_path / "out"), "--merge"],
+        [PY, "-m", "moe_tune.cli.export", str(tmp_path / "checkpoints" / "step_1"), str(tmp_path / "out"), "--merge"],
         capture_output=True,
         text=True,
         env=cli_env,

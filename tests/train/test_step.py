@@ -7,14 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_tune.cli import compose, to_config
+from moe_tune.cli.train import compose, to_config
 
 FAST = ["train.seq_len=48", "train.micro_batch_size=2", "data.num_samples=64", "train.precision=fp32"]
 
 
 @pytest.fixture
 def trainer(tmp_path):
-    from moe_tune.dist.env import destroy_distributed
+    from moe_tune.distributed.process_group import destroy_distributed
     from moe_tune.train import Trainer
 
     overrides = ["train.global_batch_size=4", "train.aux_loss_coef=0", "train.z_loss_coef=0"]
@@ -70,7 +70,7 @@ def test_clipped_step_equals_torch_clip_then_adamw(tmp_path, max_norm):
     eps makes the update depend on the gradients' scale (Adam's first step is otherwise scale-free)."""
     import copy
 
-    from moe_tune.dist.env import destroy_distributed
+    from moe_tune.distributed.process_group import destroy_distributed
     from moe_tune.train import Trainer
 
     overrides = [f"optim.max_grad_norm={max_norm}", "optim.eps=0.01", "train.aux_loss_coef=0", "train.z_loss_coef=0"]
@@ -128,7 +128,7 @@ def test_balancing_losses_take_their_own_coefficients(tmp_path):
     gives another update. A large eps makes AdamW's update follow the gradients' scale."""
     import copy
 
-    from moe_tune.dist.env import destroy_distributed
+    from moe_tune.distributed.process_group import destroy_distributed
     from moe_tune.train import Trainer
 
     aux_coef, z_coef = 0.01, 0.3

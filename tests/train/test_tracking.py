@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from moe_tune.cli import compose, to_config
+from moe_tune.cli.train import compose, to_config
 from tests.harness import FAST_TRAINER
 
 pytest.importorskip("tensorboard", reason="logger=tensorboard needs tensorboard (pip install 'moe_tune[tensorboard]')")
@@ -19,7 +19,7 @@ pytest.importorskip("matplotlib", reason="the expert-load image needs matplotlib
 def test_tensorboard_holds_the_metrics_rows_the_layer_loads_and_the_images(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from moe_tune.dist.env import destroy_distributed
+    from moe_tune.distributed.process_group import destroy_distributed
     from moe_tune.train import Trainer
 
     # tiny_deepseek_v3: decoder layer 0 is dense, so the MoE layers' loads are layer_1 and layer_2 (they were

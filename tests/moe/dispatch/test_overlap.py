@@ -1,7 +1,7 @@
 """comm.overlap=true against false: the MoE layer with its tokens in two pipelined halves gives the plain layer's
 output and gradients (fp32, 1e-6), on 2 gloo ranks under EP=2 (uneven and empty splits, odd token counts, one
 token, a rank without tokens, a gated shared expert) and in one process through the dispatcher contract's
-default (sequential) async methods. The tiny Qwen3-MoE model under EP=2: tests/parallel/test_overlap.py."""
+default (sequential) async methods. The tiny Qwen3-MoE model under EP=2: tests/distributed/test_overlap.py."""
 
 from __future__ import annotations
 

@@ -1,0 +1,76 @@
+"""``python -m moe_tune.launch [torchrun options] [moe-tune overrides]``: torchrun running ``-m moe_tune``, with the
+exit code a job scheduler needs.
+
+torchrun itself exits 1 with its agent's traceback when it is stopped by a signal (Slurm's time limit or
+preemption), although every rank saved the agreed step and exited 128 + the signal; and it exits 1 for a rank's
+exit 2 (a value to fix). Here the launcher exits 128 + the signal with one line in the first case, and with the
+first failed rank's own exit code (its error line already printed) in the second.
+
+    python -m moe_tune.launch --standalone --nproc-per-node 8 model=hf model.path=/ckpt parallel.ep=8
+
+Arguments up to the first ``key=value`` override are torchrun's (``--nproc-per-node 8`` or ``--nproc-per-node=8``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(torchrun's arguments, moe_tune's overrides): overrides start at the first ``key=value`` not led by ``-``."""
+    for i, arg in enumerate(argv):
+        if not arg.startswith("-") and "=" in arg:
+            return argv[:i], argv[i:]
+    return argv, []
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """A bad key or value, or a logger whose package is missing, is one line and exit 2 before torchrun starts any
+    rank (each would find it again, among torchrun's own lines); what needs the model or the data is checked by the
+    ranks, as without the launcher."""
+    from moe_tune.cli.train import fail
+    from moe_tune.config import UserError
+    from moe_tune.config.overrides import check, to_config
+    from moe_tune.config.validate import check_values
+    from moe_tune.loggers import require_logger
+
+    try:
+        cfg = to_config(check(overrides))
+        check_values(cfg)
+        require_logger(cfg.logger)
+    except UserError as e:
+        fail(str(e))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from moe_tune.cli.train import INTERRUPTED, honour_sigint
+
+    honour_sigint()
+    try:
+        return launch(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:  # Ctrl-C before torchrun's agent took SIGINT over (it stops the ranks after that)
+        print(INTERRUPTED, file=sys.stderr)
+        return 128 + 2
+
+
+def launch(argv: list[str]) -> int:
+    launcher, overrides = split_argv(argv)
+    check_overrides(overrides)  # before torch is imported: a value to fix is said at once
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args([*launcher, "-m", "moe_tune", *overrides])
+    try:
+        run(args)
+    except SignalException as e:
+        # The agent sent the signal on to every rank and waited for them: each saved the step they agreed on.
+        print(f"moe-tune: stopped by signal {e.sigval}; checkpoint.resume=auto continues", file=sys.stderr)
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode  # -N: killed by signal N
+        if failure.exitcode != 2:  # 2: the rank printed the one line that says why
+            print(f"moe-tune: rank {rank} exited with code {failure.exitcode}", file=sys.stderr)
+        return code
+    return 0

@@ -1,0 +1,221 @@
+"""``moe-tune`` / ``python -m moe_tune``: the only place a DictConfig exists.
+
+Overrides are composed once up front so that a bad key or value is reported as one line with exit code 2
+(Hydra's own handler would print a multi-line error and exit 1); then Hydra runs the job as usual, which
+keeps multirun and launchers (``hydra/launcher=submitit_slurm ... -m``) working.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+
+# compose and to_config: tests and the benchmark compose through moe_tune.cli
+from moe_tune.config.overrides import CONF_DIR, compose, to_config  # noqa: F401
+
+QUIET_EXIT_DELAY_S = 5.0
+INTERRUPTED = "moe-tune: interrupted; nothing saved since the last checkpoint"
+
+
+def honour_sigint() -> None:
+    """Ctrl-C stops the process from its start to its exit, whatever SIGINT disposition it inherited. A process
+    started with ``&`` by a non-interactive shell (a script, a CI step, a wrapper that backgrounds the run) inherits
+    SIGINT ignored, and Python keeps that: Ctrl-C would be dropped while the run starts and obeyed once
+    ``StopSignal`` takes it over for training. Here it raises KeyboardInterrupt (one line, exit 130) until then."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def fail(message: str, quiet: bool = False) -> None:
+    """Print the one line and exit 2. ``quiet``: the node's first rank found the same error and prints it; this
+    rank waits, so that rank exits first and torchrun stops this one before it prints (an earlier exit here could
+    cut the printing rank short). A rank still running after the wait found the error alone: it prints it."""
+    if quiet:
+        time.sleep(QUIET_EXIT_DELAY_S)
+    print(f"moe-tune: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def precheck(argv: list[str]) -> list[str]:
+    """Check the command line before Hydra sees it: one line and exit 2 for a bad key, value or model file, before
+    anything is written. Returns the arguments Hydra gets (``--help`` is answered here)."""
+    from moe_tune.config import UserError
+    from moe_tune.config import overrides as cli_args
+
+    try:
+        args, argv = cli_args.parse(argv)
+        if args.hydra_help:
+            return ["--hydra-help"]  # Hydra's own help composes without the app's config: overrides would fail it
+        if cli_args.composed_by_hydra_alone(args) or args.shell_completion:
+            return argv
+        if args.help:
+            print(cli_args.help_text(args.overrides))
+            raise SystemExit(0)
+        cfg = cli_args.check(args.overrides, multirun=args.multirun)
+        if cli_args.runs_job(args):
+            check_inputs(cfg, world_known=not args.multirun)
+    except UserError as e:
+        # Before any process group: every rank reads the same command line and files and finds the same error,
+        # so the first rank of each node says it (2 ranks on one node: one line, not two).
+        fail(str(e), quiet=not first_rank_of_node())
+    return argv
+
+
+def first_rank_of_node() -> bool:
+    """Whether this process is its node's first rank (a lone process is). A process no launcher started answers
+    without importing moe_tune.distributed (and torch): a bad value is said at once."""
+    if "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
+        return True
+    from moe_tune.distributed.process_group import dist_env
+
+    return dist_env().local_rank == 0
+
+
+# output_dir's entries before Hydra creates it (None: it did not exist), for restore_output_dir.
+_BEFORE: dict[str, set[str] | None] = {}
+
+
+def restore_output_dir(output_dir: str) -> None:
+    """A one-process run refused while setting up (a value found bad once the model is known) leaves output_dir
+    as the command found it: the lock file and the base model it created there go (an earlier base model it
+    replaced comes back), and the directory too if Hydra created it for this run and nothing else is in it. With
+    more ranks they stay: another rank may still be reading the base model rank 0 built, and no collective is safe
+    on an error path."""
+    import shutil
+
+    from moe_tune.build import BASE_MODEL, restore_base_model
+    from moe_tune.distributed.process_group import dist_env
+    from moe_tune.train.lock import LOCK_NAME
+
+    path = os.path.abspath(output_dir)
+    if path not in _BEFORE or dist_env().world_size > 1 or not os.path.isdir(path):
+        return
+    restore_base_model(path)
+    before, ours = _BEFORE[path], {LOCK_NAME, BASE_MODEL}
+    if before is None and set(os.listdir(path)) <= ours:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for name in ours - (before or set()):  # what this run created (a model=hf run builds no base model)
+        entry = os.path.join(path, name)
+        if os.path.isdir(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+        elif os.path.lexists(entry):
+            os.remove(entry)
+
+
+def check_inputs(dict_cfg, world_known: bool) -> None:
+    """The values and the model files, before Hydra creates the run directory: a bad one leaves nothing written.
+    With the world size known (not a sweep, whose launcher picks it), the trainer's whole check runs here."""
+    from moe_tune.loggers import require_logger
+
+    cfg = to_config(dict_cfg)
+    require_logger(cfg.logger)  # no import: a missing tracker package is said before torch and the model load
+    if world_known:
+        from moe_tune.train import Trainer
+
+        path = os.path.abspath(cfg.output_dir)
+        _BEFORE[path] = set(os.listdir(path)) if os.path.isdir(path) else None
+
+        Trainer.check_config(cfg)
+        check_records(cfg)
+    else:
+        from moe_tune.build import check_model_source
+        from moe_tune.config.validate import check_values
+        from moe_tune.data import check_data_sources
+
+        check_values(cfg)
+        check_model_source(cfg)
+        check_data_sources(cfg)
+
+
+def check_records(cfg) -> None:
+    """Read and encode the training and validation records (not a streamed set, read as the run goes): a bad
+    record is one line and exit 2 with nothing written. The tokenized set lands in data.cache_dir, where the
+    trainer finds it (same records, options and tokenizer: the model's own, or the built-in one a preset's
+    base_model/ holds a copy of)."""
+    from moe_tune.build import build_tokenizer
+    from moe_tune.data import build_datasets
+
+    data = cfg.data
+    if data.streaming or (data.name == "random" and data.path is None):
+        return
+    quiet = logging.getLogger("moe_tune")
+    level, quiet.level = quiet.level, logging.ERROR  # its warnings (records cut) come again, logged, in the run
+    try:
+        build_datasets(data, build_tokenizer(cfg.model.path), cfg.train.seq_len, cfg.train.seed)
+    finally:
+        quiet.setLevel(level)
+
+
+def run(dict_cfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from moe_tune.config import UserError
+
+    cfg = to_config(dict_cfg)
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        # Each job of a sweep (or of a launcher such as submitit_slurm) gets its own run directory.
+        cfg.output_dir = HydraConfig.get().runtime.output_dir
+    from moe_tune.distributed.process_group import destroy_distributed, dist_env
+    from moe_tune.train import Trainer
+    from moe_tune.train.lock import release_held
+
+    # The process group (if the trainer made one) is torn down where every rank leaves together: a bad value
+    # found once the model or data is known (exit 2, one line), a finished run, a stop on a signal. Not after
+    # an error on one rank, where NCCL could wait for the others: torchrun ends those jobs.
+    try:
+        trainer = Trainer(cfg)
+    except UserError as e:
+        if os.path.abspath(cfg.output_dir) in release_held():  # only a run that held output_dir wrote to it
+            restore_output_dir(cfg.output_dir)
+        destroy_distributed()
+        # Every rank finds it (the lock's verdict is broadcast, checksums gathered, the model and data the same on
+        # each): under torchrun the node's first rank says it, as before the group. Not under submitit, whose
+        # submitter joins the ranks' lines into one (a waiting rank would be stopped there without its line).
+        env = dist_env()
+        fail(str(e), quiet=env.launcher == "torchrun" and env.local_rank > 0)
+    try:
+        trainer.fit()
+    except UserError as e:  # found while training (a streamed record): on this rank alone, so no group teardown
+        release_held()
+        fail(str(e))
+    except SystemExit:
+        release_held()
+        destroy_distributed()
+        raise
+    release_held()  # the run lock on output_dir
+    destroy_distributed()
+
+
+def register_launcher() -> None:
+    """Hydra finds launchers by listing the ``hydra_plugins`` namespace package, and an editable install
+    (setuptools' import hook, ``pip install -e .``) is invisible to that listing although the module imports:
+    register moe_tune's launcher by its class, so ``hydra/launcher=submitit_slurm`` works from any install."""
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.moe_tune_launcher.slurm import SlurmLauncher
+
+    Plugins.instance().register(SlurmLauncher)
+
+
+def main() -> None:
+    honour_sigint()
+    try:
+        import hydra
+
+        from moe_tune.config import register_configs
+
+        sys.argv[1:] = precheck(sys.argv[1:])
+        register_configs()
+        register_launcher()
+        hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(run)()
+    except KeyboardInterrupt:  # Ctrl-C before training started, or a second one while it stopped
+        print(INTERRUPTED, file=sys.stderr)
+        raise SystemExit(128 + 2) from None
+
+
+if __name__ == "__main__":
+    main()

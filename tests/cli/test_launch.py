@@ -1,0 +1,143 @@
+"""``python -m moe_tune.launch``: torchrun running moe_tune, exiting with the code a scheduler needs (torchrun
+itself exits 1 with its agent's traceback on SIGTERM, and 1 for a rank's exit 2)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+import pytest
+
+from moe_tune.cli.launch import split_argv
+from moe_tune.cli.train import INTERRUPTED
+from tests.harness import FAST_RUN, PY, signal_after_rows
+from tests.cli.test_train import BAD_FAMILY, BAD_FAMILY_LINE
+
+LAUNCH = [PY, "-m", "moe_tune.launch", "--standalone", "--nproc-per-node", "2"]
+
+
+def test_split_argv_at_the_first_override():
+    assert split_argv(["--nproc-per-node", "8", "--standalone", "a.b=1", "c=2"]) == (
+        ["--nproc-per-node", "8", "--standalone"],
+        ["a.b=1", "c=2"],
+    )
+    assert split_argv(["--nproc-per-node=2", "--rdzv-endpoint=h:1", "x=y"]) == (
+        ["--nproc-per-node=2", "--rdzv-endpoint=h:1"],
+        ["x=y"],
+    )
+    assert split_argv(["--standalone"]) == (["--standalone"], [])
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl_c"])
+def test_a_stop_signal_exits_128_plus_it_without_a_traceback(tmp_path, cli_env, signum):
+    """SIGTERM (Slurm) or SIGINT (Ctrl-C in the terminal reaches the launcher, which passes it on) to the
+    launcher: both ranks save the agreed step; the launcher exits 128 + the signal with one line."""
+    run = tmp_path / "run"
+    args = [f"output_dir={run}", "train.steps=100000", "checkpoint.export_hf=false", "parallel.ep=2", *FAST_RUN]
+    code, err = signal_after_rows(LAUNCH + args, cli_env, run, 2, signum)
+    assert code == 128 + signum, err[-3000:]
+    assert f"moe-tune: stopped by signal {int(signum)}" in err and "Traceback" not in err, err[-3000:]
+    assert [d.name for d in (run / "checkpoints").iterdir() if (d / "COMPLETE").exists()], err[-3000:]
+
+
+# SIGINT as a child inherits it, whatever pytest's own: a terminal leaves it at its default; a non-interactive shell
+# leaves it ignored for a process started with "&" (job control off), and Python keeps an inherited ignore.
+INHERITED_SIGINT = {"default": signal.SIG_DFL, "ignored": signal.SIG_IGN}
+
+# Runs the module argv[1] as ``python -m`` would, printing STARTING on stderr when it first imports torch: the run
+# has begun checking its inputs, seconds before training.
+STARTING = "test: importing torch"
+MARK_STARTING = f"""
+import runpy, sys
+
+class MarkTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            print({STARTING!r}, file=sys.stderr, flush=True)
+
+sys.meta_path.insert(0, MarkTorch())
+sys.argv[0] = sys.argv.pop(1)
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+def inheriting(inherited: str):
+    """Popen's preexec_fn: the child starts with SIGINT ``inherited`` (kept across exec, as a shell leaves it)."""
+    return lambda: signal.signal(signal.SIGINT, INHERITED_SIGINT[inherited])
+
+
+def ctrl_c_while_starting(module: str, args: list[str], env: dict, inherited: str) -> tuple[int, list[str]]:
+    """``python -m module args`` started with SIGINT ``inherited``, sent SIGINT once it prints STARTING:
+    (exit code, its stderr lines after that one)."""
+    cmd = [PY, "-c", MARK_STARTING, module, *args]
+    p = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, preexec_fn=inheriting(inherited))
+    for line in iter(p.stderr.readline, ""):
+        if line.rstrip("\n") == STARTING:
+            p.send_signal(signal.SIGINT)
+            break
+    after = p.stderr.read()
+    return p.wait(timeout=60), after.splitlines()
+
+
+@pytest.mark.parametrize("inherited", INHERITED_SIGINT)
+def test_ctrl_c_in_one_process_saves_and_before_training_is_one_line(tmp_path, cli_env, inherited):
+    """moe-tune alone, whether SIGINT was inherited at its default or ignored: Ctrl-C during training stops after
+    the next agreed step with a checkpoint (exit 130, no traceback); a Ctrl-C while the run starts is one line,
+    exit 130, nothing written."""
+    run = tmp_path / "run"
+    args = [f"output_dir={run}", "train.steps=100000", "checkpoint.export_hf=false", *FAST_RUN]
+    cmd = [PY, "-m", "moe_tune", *args]
+    code, err = signal_after_rows(cmd, cli_env, run, 2, signal.SIGINT, preexec_fn=inheriting(inherited))
+    assert code == 130 and "stopped by signal 2 after step" in err and "Traceback" not in err, err[-3000:]
+    assert [d.name for d in (run / "checkpoints").iterdir() if (d / "COMPLETE").exists()], err[-3000:]
+    early = tmp_path / "early"
+    code, lines = ctrl_c_while_starting("moe_tune", [f"output_dir={early}", *FAST_RUN], cli_env, inherited)
+    assert (code, lines) == (130, [INTERRUPTED]) and not early.exists()
+
+
+@pytest.mark.parametrize("inherited", INHERITED_SIGINT)
+def test_ctrl_c_to_the_launcher_before_torchrun_starts_is_one_line(tmp_path, cli_env, inherited):
+    out = tmp_path / "run"
+    args = ["--standalone", "--nproc-per-node", "2", f"output_dir={out}", *FAST_RUN]
+    code, lines = ctrl_c_while_starting("moe_tune.launch", args, cli_env, inherited)
+    assert (code, lines) == (130, [INTERRUPTED]) and not out.exists()
+
+
+def test_a_ranks_exit_2_is_the_launchers(tmp_path, cli_env):
+    r = subprocess.run(
+        LAUNCH + [f"output_dir={tmp_path}", *BAD_FAMILY], capture_output=True, text=True, env=cli_env, timeout=300
+    )
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert BAD_FAMILY_LINE in r.stderr
+
+
+@pytest.mark.parametrize(
+    "bad, said", [("train.lr=-1", "train.lr=-1.0 is out of range"), ("train.stepz=1", "train.stepz")], ids=str
+)
+def test_a_bad_value_or_key_is_one_line_before_any_rank_starts(tmp_path, cli_env, bad, said):
+    """The launcher checks keys and values before torchrun starts the ranks: its one line is all of stderr (no
+    torchrun banner or rank-failure lines), exit 2, nothing written."""
+    out = tmp_path / "run"
+    r = subprocess.run(LAUNCH + [f"output_dir={out}", bad], capture_output=True, text=True, env=cli_env)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("moe-tune: error:"), r.stderr[-3000:]
+    assert said in lines[0] and not out.exists()
+
+
+def test_the_slurm_launcher_is_found_from_an_installed_moe_tune(tmp_path):
+    """Outside the clone, as an installed moe_tune runs (the suite's own install is editable, whose import hook
+    Hydra's listing of hydra_plugins does not see): the CLI's registration makes the class that
+    hydra/launcher=submitit_slurm names one Hydra can instantiate."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = (
+        "from hydra.core.plugins import Plugins\n"
+        "from moe_tune.cli.train import register_launcher\n"
+        "register_launcher()\n"
+        "print(sorted(n for n in Plugins.instance().class_name_to_class if 'moe_tune_launcher' in n))\n"
+    )
+    r = subprocess.run([PY, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "['hydra_plugins.moe_tune_launcher.slurm.SlurmLauncher']", r.stdout

@@ -1,0 +1,65 @@
+"""The launch scripts are valid bash and hand every override to ``python -m moe_tune.launch`` (the real runs: the
+Slurm ones in tests/slurm/, the launcher itself in tests/cli/test_launch.py)."""
+
+import os
+import re
+import subprocess
+
+import pytest
+
+from tests.harness import ROOT
+
+SBATCH = os.path.join(ROOT, "launch", "slurm", "train.sbatch")
+TORCHRUN = os.path.join(ROOT, "launch", "torchrun.sh")
+
+
+@pytest.mark.parametrize("script", [SBATCH, TORCHRUN])
+def test_scripts_are_valid_bash(script):
+    r = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_sbatch_asks_for_nothing_a_partition_may_refuse():
+    """GPUs, CPUs and exclusivity come from sbatch's command line (a GPU request is refused on a node without
+    GPUs, a fixed CPU count leaves the job pending on smaller nodes); a signal before the time limit, requeue."""
+    directives = re.findall(r"^#SBATCH\s+(--[\w-]+)(?:=(\S+))?", open(SBATCH).read(), flags=re.M)
+    names = {name for name, _ in directives}
+    assert not names & {"--gpus-per-node", "--gres", "--gpus", "--cpus-per-task", "--exclusive", "--mem"}
+    assert ("--signal", "B:TERM@120") in directives and "--requeue" in names
+
+
+def stub_bin(tmp_path, **scripts: str) -> str:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in scripts.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return f"{bin_dir}:{os.environ['PATH']}"
+
+
+def test_sbatch_runs_one_launcher_per_node_with_overrides(tmp_path):
+    """Stand-ins for srun, scontrol and python: the command the script builds, and its log in the run directory."""
+    path = stub_bin(
+        tmp_path,
+        srun='while [[ $1 == --* ]]; do shift; done; "$@"',  # srun's own options, then the task's command
+        scontrol="echo node001; echo node002",
+        python=f'echo "$@" > {tmp_path}/argv',
+    )
+    env = dict(os.environ, PATH=path, SLURM_JOB_NODELIST="node[001-002]", SLURM_JOB_NUM_NODES="2")
+    env.update(SLURM_JOB_ID="42", SLURM_JOB_NAME="moe_tune", SLURM_GPUS_ON_NODE="8", SLURM_CPUS_PER_TASK="64")
+    run = tmp_path / "run"
+    r = subprocess.run(["bash", SBATCH, "parallel.ep=8", f"output_dir={run}"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    argv = (tmp_path / "argv").read_text().split()
+    assert argv[:4] == ["-m", "moe_tune.launch", "--nnodes", "2"]
+    assert argv[argv.index("--nproc-per-node") + 1] == "8" and "node001:20042" in argv
+    assert argv[-2:] == ["parallel.ep=8", f"output_dir={run}"]
+    assert "job 42 exited with 0" in (run / "logs" / "slurm-42.out").read_text()
+
+
+def test_torchrun_sh_starts_one_rank_per_gpu(tmp_path):
+    path = stub_bin(tmp_path, python=f'echo "$@" > {tmp_path}/argv', **{"nvidia-smi": "echo GPU 0; echo GPU 1"})
+    r = subprocess.run([TORCHRUN, "parallel.ep=2"], capture_output=True, text=True, env=dict(os.environ, PATH=path))
+    assert r.returncode == 0, r.stderr
+    argv = (tmp_path / "argv").read_text().split()
+    assert argv == ["-m", "moe_tune.launch", "--standalone", "--nproc-per-node", "2", "parallel.ep=2"]

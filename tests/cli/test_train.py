@@ -1,0 +1,329 @@
+"""The ``moe-tune`` command: the default run end to end (the files README.md lists under Outputs), under torchrun with 2 ranks,
+bad input as one line with exit 2 (before and after the process group exists), and Hydra's multirun."""
+
+import importlib.metadata
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+from tests.harness import FAST_RUN, PY, ROOT, assert_hf_logits_equal, read_metrics, run_cli
+
+CONTRACT_METRICS = {
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "tokens_per_s_per_gpu",
+    "tflops_per_gpu",
+    "peak_mem_gib",
+}
+CONTRACT_SUMMARY = {
+    "config",
+    "versions",
+    "hardware",
+    "commit",
+    "final_loss",
+    "tokens_per_s_per_gpu",
+    "tflops_per_gpu",
+    "peak_mem_gib",
+}
+
+
+@pytest.mark.slow
+def test_default_run_end_to_end(tmp_path, cli_env):
+    """`moe-tune` with no overrides but the run directory: loss falls, files as README.md lists them, hf/ loads."""
+    commits = {_git_head()}
+    run_cli([f"output_dir={tmp_path}"], cli_env)
+    commits.add(_git_head())  # other commits may land while it runs
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 61)) and all(CONTRACT_METRICS <= set(r) for r in rows)
+    first, last = sum(r["loss"] for r in rows[:5]) / 5, sum(r["loss"] for r in rows[-5:]) / 5
+    assert last < 0.5 * first, (first, last)
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
+    assert CONTRACT_SUMMARY <= set(summary)
+    # The values, not only the keys: this run's config, versions, commit and rows.
+    with open(tmp_path / "config.json") as f:
+        assert summary["config"] == json.load(f)
+    assert summary["config"]["model"]["name"] == "tiny_qwen3_moe"
+    assert summary["versions"]["torch"] == torch.__version__
+    assert summary["versions"]["moe_tune"] == importlib.metadata.version("moe_tune")  # what ran, from a wheel too
+    assert summary["commit"] in commits, (summary["commit"], commits)
+    assert summary["hardware"].startswith("cpu (") and summary["hardware"].endswith("x 1 processes")
+    assert summary["final_loss"] == rows[-1]["loss"]
+    tps = sorted(r["tokens_per_s_per_gpu"] for r in rows)
+    assert 0 < tps[0] <= summary["tokens_per_s_per_gpu"] <= tps[-1]  # a median of the rows
+    for r in rows:
+        # TFLOP/s per GPU = FLOPs per token x row positions/s per GPU, padding included (metrics.py): real tokens/s
+        # over the row fill
+        positions_per_s = r["tokens_per_s_per_gpu"] / r["row_fill"]
+        assert r["tflops_per_gpu"] == pytest.approx(summary["flops_per_token"] * positions_per_s / 1e12)
+        assert r["lr"] > 0 and r["grad_norm"] > 0
+    assert_hf_logits_equal(str(tmp_path / "hf"))
+
+
+def _git_head() -> str:
+    if os.environ.get("MOE_TUNE_COMMIT"):
+        return os.environ["MOE_TUNE_COMMIT"]
+    return subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.dist
+def test_two_rank_torchrun_gloo(tmp_path, cli_env):
+    """The default job under torchrun with 2 ranks (FSDP2 on gloo, then EP=2): one run directory, rank 0 writes."""
+    r = run_cli([f"output_dir={tmp_path / 'dp'}", "train.steps=4", *FAST_RUN], cli_env, nproc=2)
+    assert r.stderr.count(f"[rank0] outputs in {tmp_path / 'dp'}") == 1 and "[rank1] outputs" not in r.stderr
+    run_cli([f"output_dir={tmp_path / 'ep'}", "train.steps=4", "parallel.ep=2", *FAST_RUN], cli_env, nproc=2)
+    dp, ep = read_metrics(tmp_path / "dp"), read_metrics(tmp_path / "ep")
+    assert [r["step"] for r in dp] == [1, 2, 3, 4] == [r["step"] for r in ep]
+    # Same data, same weights: expert parallelism changes where experts run, not the maths.
+    for a, b in zip(dp, ep):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a["loss"], b["loss"])
+    assert_hf_logits_equal(str(tmp_path / "ep" / "hf"))
+
+
+BAD_FAMILY = ["model.family=mixtral", "train.steps=2", *FAST_RUN]
+BAD_FAMILY_LINE = "moe-tune: error: model.family=mixtral but the checkpoint's model_type is qwen3_moe"
+
+
+@pytest.mark.dist
+def test_bad_value_found_after_the_process_group_exists(tmp_path, cli_env):
+    """model.family disagrees with the checkpoint: known only once the model config is read, after every rank
+    joined the process group. Rank 0 exits 2 with the one line, no traceback; torchrun then fails the job, and
+    nothing hangs. Rank 1 finds it too and waits, as before the group: the line is printed once (it was twice)."""
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moe_tune"]
+    r = subprocess.run(
+        cmd + [f"output_dir={tmp_path}", *BAD_FAMILY], capture_output=True, text=True, env=cli_env, timeout=300
+    )
+    assert r.returncode != 0
+    assert r.stderr.count(BAD_FAMILY_LINE) == 1, r.stderr[-3000:]
+    # torchrun's root cause (the first rank to exit) is our exit code, not a crash or its own SIGTERM.
+    root_cause = r.stderr.split("Root Cause", 1)[-1]
+    assert "rank      : 0 " in root_cause and "exitcode  : 2 " in root_cause, r.stderr[-3000:]
+    # The message is never an exception rendered by Python: no frame of moe_tune's code, no exception line.
+    frames = [line for line in r.stderr.splitlines() if line.lstrip().startswith('File "') and "moe_tune" in line]
+    assert not frames, r.stderr[-3000:]
+    assert all(line.startswith("moe-tune: error: ") for line in r.stderr.splitlines() if "model.family=mixtral" in line)
+    # Found after the process group existed: rank 0 had built the base model before the ranks' barrier (and
+    # leaves it: rank 1 may be reading it).
+    assert (tmp_path / "base_model" / "config.json").exists()
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "existing, own_model", [(False, False), (True, False), (True, True)], ids=["new_dir", "existing_dir", "model_hf"]
+)
+def test_a_value_found_bad_once_the_model_is_known_leaves_output_dir_as_it_was(
+    tmp_path, cli_env, tiny_checkpoint, existing, own_model
+):
+    """peft.target is checked against the model's linears, after the run took its lock and built its base
+    model: one line, exit 2, and output_dir as the command found it (a new one gone, an existing one's files
+    kept, nothing added)."""
+    out = tmp_path / "run"
+    if existing:
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    model = ["model=hf", f"model.path={tiny_checkpoint()}"] if own_model else []  # builds no base_model/
+    args = [f"output_dir={out}", *model, "peft=lora", "peft.target=[qproj]", "train.steps=1"]
+    line = _one_error_line(args, cli_env)
+    assert "peft.target names 'qproj', which is no linear of this model" in line
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] if existing else not out.exists()
+
+
+def test_bad_value_after_the_process_group_exists_tears_it_down(tmp_path, monkeypatch, capsys):
+    """In process (one rank): the group was created before the value was found bad, and the CLI destroys it
+    before exiting 2 (with NCCL, an exit without destroy_process_group() warns and can hang)."""
+    import torch.distributed as dist
+
+    from moe_tune.cli.train import compose, run
+    from moe_tune.distributed.process_group import destroy_distributed
+
+    destroy_distributed()  # a group left over from an earlier in-process test
+    created = []
+    init_process_group = dist.init_process_group
+
+    def spy(*args, **kwargs):
+        created.append(kwargs.get("world_size"))
+        return init_process_group(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", spy)
+    with pytest.raises(SystemExit) as e:
+        run(compose([f"output_dir={tmp_path}", *BAD_FAMILY]))
+    assert e.value.code == 2
+    assert created == [1]  # the group existed when the error was found
+    assert not dist.is_initialized()  # and it is gone
+    assert capsys.readouterr().err.count(BAD_FAMILY_LINE) == 1
+
+
+def test_a_waiting_rank_that_is_not_stopped_prints_its_line(monkeypatch, capsys):
+    """A rank that leaves the line to its node's first rank still prints it when that rank did not fail (the
+    error was its own): the line is late, never lost."""
+    from moe_tune.cli import train as cli
+
+    monkeypatch.setattr(cli, "QUIET_EXIT_DELAY_S", 0.0)
+    with pytest.raises(SystemExit) as e:
+        cli.fail("data.jsonl:2: not valid JSON", quiet=True)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "moe-tune: error: data.jsonl:2: not valid JSON\n"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["model.bogus=1"], "model.bogus is not a config key"),
+        (["parallel.ep=x"], "parallel.ep"),
+        (["comm=nccl_magic"], "comm"),
+        (["parallel.ep=3"], "parallel.ep (3) must divide"),
+        (["model.path=/nonexistent"], "model.path=/nonexistent does not exist; moe_tune reads local checkpoints only"),
+        (["kernels=te"], "TransformerEngine is not installed"),
+        (["model.family=mixtral"], "model.family=mixtral but the checkpoint's model_type is qwen3_moe"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(args, message, cli_env, tmp_path):
+    assert message in _one_error_line([f"output_dir={tmp_path}", *args], cli_env)
+
+
+@pytest.mark.dist
+def test_bad_value_under_two_ranks_is_one_line(tmp_path, cli_env):
+    """A value found bad before any process group exists: only the node's first rank prints the line (each rank
+    found the same error in the same command line), and it is torchrun's root cause: the quiet rank exits after
+    it, so torchrun cannot stop the printing rank first."""
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moe_tune"]
+    out = tmp_path / "run"
+    r = subprocess.run(cmd + [f"output_dir={out}", "train.lr=-1"], capture_output=True, text=True, env=cli_env)
+    assert r.stderr.count("moe-tune: error: train.lr=-1.0 is out of range") == 1, r.stderr[-3000:]
+    root_cause = r.stderr.split("Root Cause", 1)[-1]
+    assert "rank      : 0 " in root_cause and "exitcode  : 2 " in root_cause, r.stderr[-3000:]
+    assert not out.exists()
+
+
+def _one_error_line(args: list[str], env, cwd=None) -> str:
+    """``moe-tune args`` exits 2 with exactly one non-empty stderr line (no traceback): that line."""
+    r = subprocess.run([PY, "-m", "moe_tune", *args], capture_output=True, text=True, env=env, timeout=120, cwd=cwd)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["data=jsonl", "data.path=/nonexistent/chat.jsonl"], "data.path=/nonexistent/chat.jsonl does not exist"),
+        (["checkpoint.resume=/nonexistent/step_5"], "checkpoint.resume=/nonexistent/step_5 does not exist"),
+    ],
+)
+def test_cli_missing_input_path_exits_2_before_output_dir_exists(args, message, cli_env, tmp_path):
+    run_dir = tmp_path / "run"
+    assert message in _one_error_line([f"output_dir={run_dir}", *args], cli_env)
+    assert not run_dir.exists()  # no lock, no base model, no config written
+
+
+def test_cli_missing_val_path_names_data_val_path(cli_env, tmp_path):
+    """A wrong data.val_path next to a good data.path was reported as ``data.path=<it> does not exist``."""
+    (tmp_path / "train.jsonl").write_text('{"text": "a record"}\n')
+    args = [f"output_dir={tmp_path / 'run'}", f"data.path={tmp_path / 'train.jsonl'}", "data.val_path=nonexist.jsonl"]
+    assert _one_error_line(args, cli_env, cwd=tmp_path).startswith(
+        "moe-tune: error: data.val_path=nonexist.jsonl does not exist; give a file"
+    )
+
+
+def test_cli_hub_dataset_offline_is_one_line_at_once(cli_env, tmp_path):
+    """A hub dataset name with HF_HUB_OFFLINE=1 and no copy in the datasets cache: the line, not datasets' retries."""
+    run_dir = tmp_path / "run"
+    env = {**cli_env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets")}
+    line = _one_error_line([f"output_dir={run_dir}", "data.path=someone/some-dataset"], env)
+    assert "someone/some-dataset is not a local file or directory nor in the datasets cache, and the hub is out" in line
+    assert line.endswith("or unset HF_HUB_OFFLINE")
+    assert not run_dir.exists()
+
+
+def test_cli_malformed_record_exits_2_before_output_dir_exists(cli_env, tmp_path):
+    """A bad JSONL line (data.on_bad_record=error, the default) is found before the run's lock or a preset's
+    base_model/ is written: one line naming file:line and the fix, exit 2, no output_dir."""
+    data = tmp_path / "chat.jsonl"
+    good = '{"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}'
+    data.write_text(good + "\n" + '{"messages": [' + "\n")
+    run_dir = tmp_path / "run"
+    line = _one_error_line([f"output_dir={run_dir}", "data=jsonl", f"data.path={data}", "train.seq_len=64"], cli_env)
+    # file:line once: json's own "line 2 column 1 (char 15)" (it counted the line's newline) read as another line
+    assert line == (
+        f"moe-tune: error: {data}:2: not valid JSON (Expecting value at column 15); fix the line or set "
+        "data.on_bad_record=skip"
+    )
+    assert not run_dir.exists()  # no lock, no base model, no config written
+
+
+def test_cli_hub_id_as_model_path_says_it_is_not_downloaded(cli_env, tmp_path):
+    """``model.path=Qwen/Qwen3-30B-A3B``: not "no config.json" in a directory named after the cwd, but that moe_tune
+    reads local checkpoints only and how to get one."""
+    line = _one_error_line([f"output_dir={tmp_path / 'run'}", "model.path=Qwen/Qwen3-30B-A3B"], cli_env, cwd=tmp_path)
+    assert line == (
+        f"moe-tune: error: model.path=Qwen/Qwen3-30B-A3B does not exist (no directory {tmp_path}/Qwen/Qwen3-30B-A3B); "
+        "moe_tune reads local checkpoints only and downloads nothing from the Hugging Face hub: download it first "
+        "(hf download Qwen/Qwen3-30B-A3B --local-dir <dir>), then give model.path=<dir>"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_lora_export_as_model_path_names_its_base_and_the_merge(cli_env, tmp_path):
+    """A LoRA run's hf/ (a PEFT adapter) as model.path: the line names the base model and the run's checkpoint to
+    merge; the merge it names gives a directory model.path takes."""
+    from moe_tune.config.model_dir import model_dir_problem
+
+    run = tmp_path / "lora"
+    args = [f"output_dir={run}", "peft=lora", "train.steps=2", "checkpoint.every=2", *FAST_RUN]
+    run_cli(args, cli_env)
+    line = _one_error_line([f"output_dir={tmp_path / 'next'}", f"model.path={run / 'hf'}"], cli_env)
+    assert line.startswith(f"moe-tune: error: model.path={run / 'hf'} is a PEFT LORA adapter (adapter_config.json, ")
+    assert f"its base model is {run / 'base_model'} (adapter_config.json's base_model_name_or_path): " in line
+    assert f"give model.path={run / 'base_model'}, or merge the adapter into its base first (moe-tune-export " in line
+    checkpoint = run / "checkpoints" / "step_2"
+    assert f"{checkpoint} <dir> --merge, or PEFT's merge_and_unload) and give model.path=<dir>" in line
+    merged = tmp_path / "merged"
+    export = [PY, "-m", "moe_tune.cli.export", str(checkpoint), str(merged), "--merge"]
+    subprocess.run(export, check=True, env=cli_env, capture_output=True, timeout=300)
+    assert model_dir_problem(str(merged)) is None
+
+
+def test_cli_unsupported_architecture_exits_2(tmp_path, cli_env, tiny_checkpoint):
+    """A dense (Llama) checkpoint: one line naming it and the supported families, exit 2."""
+    from moe_tune.models.presets import build_tokenizer
+
+    llama = tiny_checkpoint("llama")
+    build_tokenizer(llama)
+    line = _one_error_line([f"output_dir={tmp_path / 'run'}", "model=hf", f"model.path={llama}"], cli_env)
+    assert "model_type 'llama' (LlamaForCausalLM) is not a supported MoE family" in line and "qwen3_moe" in line
+    assert not (tmp_path / "run").exists()  # found from config.json, before the run takes its lock
+
+
+def test_a_checkpoint_given_to_a_preset_of_another_family_names_model_hf(tmp_path, cli_env, tiny_checkpoint):
+    """model.path with a preset chosen (tiny_qwen3_moe) and an OLMoE checkpoint: the fix is model=hf (the preset's
+    family is not the user's), said before anything is written. model.path alone chooses model=hf itself."""
+    olmoe = tiny_checkpoint("olmoe")
+    line = _one_error_line([f"output_dir={tmp_path / 'run'}", "model=tiny_qwen3_moe", f"model.path={olmoe}"], cli_env)
+    assert f"load your checkpoint with model=hf model.path={olmoe}" in line and "model_type olmoe" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_hydra_multirun_gives_each_job_its_own_run_directory(tmp_path, cli_env):
+    """`moe-tune -m a=1,2`: Hydra's sweep (the same path the submitit_slurm launcher takes) runs both jobs."""
+    r = run_cli(
+        [
+            "-m",
+            f"output_dir={tmp_path}",
+            "train.lr=1e-3,2e-3",
+            "train.steps=2",
+            "checkpoint.export_hf=false",
+            *FAST_RUN,
+        ],
+        cli_env,
+    )
+    for job in ("0", "1"):
+        rows = read_metrics(tmp_path / "multirun" / job)
+        assert [row["step"] for row in rows] == [1, 2], r.stdout
+    lrs = [json.load(open(tmp_path / "multirun" / j / "config.json"))["train"]["lr"] for j in ("0", "1")]
+    assert lrs == [1e-3, 2e-3]

@@ -1,0 +1,203 @@
+"""The command line before Hydra runs it (issue 18, item 4): Hydra's flags with separate values, ``--help`` with the
+user's groups, unknown keys (``+`` included) as one line naming the closest keys, type errors naming the key and
+type, every built-in model name a config, and no output_dir made for a config that cannot run."""
+
+import os
+import subprocess
+
+import pytest
+
+from moe_tune.cli.train import precheck
+from moe_tune.config.overrides import group_options
+from tests.harness import PY
+
+
+def _moe_tune(args: list[str], env: dict[str, str], cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "moe_tune", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--cfg", "job", "train.steps=3"], "steps: 3"),
+        (["train.steps=3", "-c", "job"], "steps: 3"),  # an override before the flag, as users type them
+        (["--package", "train", "--cfg", "job", "train.lr=0.5"], "# @package train\nsteps: 60"),
+        (["-p", "model", "-c", "job", "model=mixtral_8x7b"], "name: mixtral_8x7b"),
+        (["--info", "defaults"], "Defaults List"),
+        # data.path alone reads the user's records as data=jsonl (it recorded data.name: arithmetic).
+        (["-c", "job", "-p", "data", "data.path=chat.jsonl"], "name: jsonl\npath: chat.jsonl\nnum_samples: 0"),
+        # model.path alone loads the checkpoint as model=hf (it kept the default preset's name and family).
+        (["-c", "job", "-p", "model", "model.path=ckpt"], "name: hf\npath: ckpt"),
+    ],
+)
+def test_hydra_flags_take_separate_values(args, expected, cli_env, tmp_path):
+    """``--cfg job`` and the like print without running and without making output_dir (they were overrides)."""
+    r = _moe_tune([f"output_dir={tmp_path / 'run'}", *args], cli_env, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert expected in r.stdout, r.stdout[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_help_lists_the_user_groups_and_keys(capsys):
+    with pytest.raises(SystemExit) as e:
+        precheck(["--help", "train.steps=7"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "base_" not in out  # the schema's ConfigStore entries are no options
+    lines = {line.split(":")[0].strip(): line for line in out.splitlines() if line.startswith("  ")}
+    assert lines["comm"] == "  comm: all_to_all, deepep, symm_mem"
+    assert "hf" in lines["model"] and "submitit_slurm" not in lines["model"]
+    assert "steps: 7" in out and "--cfg job" in out
+
+
+def test_every_builtin_model_is_a_config():
+    """The names a model error lists are the configs ``model=<name>`` finds (mixtral_8x7b was listed, not a config)."""
+    from moe_tune.models.presets import PRESETS
+
+    assert set(group_options()["model"]) == set(PRESETS) | {"hf"}
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["train.stepz=5"], "train.stepz is not a config key; did you mean train.steps"),
+        (["+train.stepz=5"], "+train.stepz is not a config key (+ adds no key"),
+        (["steps=5"], "steps is not a config key; did you mean train.steps?"),
+        (["comm.num_sms=8"], "comm.num_sms is an option of comm=deepep, not of comm=all_to_all; add comm=deepep"),
+        (["+train.steps=5"], "+train.steps: train.steps is already a key; write train.steps=<value> without the +"),
+        (["model.overrides.num_hidden_layers=1"], "add it with +model.overrides.num_hidden_layers=1"),
+        (["train.steps=abc"], "train.steps='abc' is not an integer; give train.steps a value of that type"),
+        (["train.lr=fast"], "train.lr='fast' is not a number"),
+        # OmegaConf's own message for a bool, with every override after it (the whole command line).
+        (["data.packing=maybe"], "data.packing='maybe' is not true or false; give data.packing=true or data.packing"),
+        # Hydra's grammar takes non-ASCII letters in quoted values only; "write overrides as key=value" misled.
+        (
+            ["data.path=données.jsonl"],
+            "data.path=données.jsonl: Hydra reads a value with letters outside ASCII ('é') only in quotes; write "
+            "data.path='données.jsonl' (\"data.path='données.jsonl'\" in a shell, so that the quotes reach moe-tune)",
+        ),
+        (
+            ["peft=lora", "peft.target=attention"],
+            "peft.target is a list; write it in brackets: 'peft.target=[attention]'",
+        ),
+        (["peft.rank=16"], "peft.rank=16 configures LoRA, but peft=none trains every weight; add peft=lora"),
+        (
+            ["model=mixtral_8x7"],
+            "model=mixtral_8x7 is not one of deepseek_v3, glm4_5_air, gpt_oss_20b, hf, mixtral_8x7b",
+        ),
+        (["model=hf"], "model=hf needs model.path=<local Hugging Face checkpoint directory>"),
+        (["-m", "--cfg", "job"], "-m and --cfg together"),
+        # a,b is a sweep to Hydra: its "Ambiguous value" lines and exit 1 without -m.
+        (
+            ["peft=lora", "peft.target=q_proj,k_proj"],
+            "peft.target=q_proj,k_proj is a sweep to Hydra (a,b: one run per value); peft.target is a list; write "
+            "it in brackets: 'peft.target=[q_proj,k_proj]' (quoted for the shell)",
+        ),
+        (["train.steps=1,2"], "train.steps=1,2 is a sweep (one run per value), which runs with -m; add -m or give"),
+        (["-m", "peft=lora", "peft.target=q_proj,k_proj"], "to sweep over lists under -m: 'peft.target=[q_proj],[k_"),
+    ],
+)
+def test_bad_command_line_is_one_line_exit_2(args, line, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        precheck([f"output_dir={run_dir}", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("moe-tune: error: "), err
+    assert line in err
+    assert "+train.stepz=5" not in err and "To append" not in err  # never Hydra's suggestion to add a key
+    assert "(overrides:" not in err and "write overrides as key=value" not in err
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["parallel.ep=3"], "parallel.ep (3) must divide"),
+        (["train.global_batch_size=3"], "train.global_batch_size (3) must be a multiple"),
+        (["comm=deepep"], "comm=deepep needs expert parallelism"),
+    ],
+)
+def test_no_output_dir_for_a_config_that_cannot_run(args, line, cli_env, tmp_path):
+    """Checks that need the world size ran after Hydra had made output_dir: now before (torchrun's WORLD_SIZE)."""
+    r = _moe_tune([f"output_dir={tmp_path / 'run'}", *args], cli_env, tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert line in r.stderr
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_relative_model_path_is_recorded_absolute(tmp_path, monkeypatch):
+    """model.path is what checkpoints and LoRA adapters point to as their base: relative, it would name another
+    directory for moe-tune-export or a resume run from elsewhere."""
+    from moe_tune.config.overrides import compose, to_config
+    from tests.tiny import save_tiny
+
+    save_tiny(tmp_path / "base", "qwen3_moe")
+    monkeypatch.chdir(tmp_path)
+    assert to_config(compose(["model=hf", "model.path=base"])).model.path == str(tmp_path / "base")
+
+
+@pytest.mark.parametrize(
+    "overrides,name",
+    [
+        (["data.path=chat.jsonl"], "jsonl"),
+        (["experiment=qwen3_30b_a3b_1gpu", "data.path=chat.jsonl"], "jsonl"),  # over the experiment's data=random
+        (["data=random", "data.path=chat.jsonl"], "random"),  # an explicit choice stays (validate refuses it)
+        (["data.path=null"], "arithmetic"),
+    ],
+)
+def test_data_path_alone_chooses_data_jsonl(overrides, name):
+    """``data.path=x`` without ``data=jsonl`` trained on x but recorded data.name: arithmetic (and its options)."""
+    from moe_tune.config.overrides import compose, parse
+
+    assert compose(overrides).data.name == name
+    assert ("data=jsonl" in parse(overrides)[1]) == (name == "jsonl")
+
+
+@pytest.mark.parametrize(
+    "overrides,name",
+    [
+        (["model.path=ckpt"], "hf"),
+        (["experiment=qwen3_30b_a3b_1gpu", "model.path=ckpt"], "hf"),  # over the experiment's model choice
+        (["model=qwen3_30b_a3b", "model.path=ckpt"], "qwen3_30b_a3b"),  # an explicit choice stays
+        (["model.path=null"], "tiny_qwen3_moe"),
+    ],
+)
+def test_model_path_alone_chooses_model_hf(overrides, name):
+    """``model.path=<dir>`` without ``model=hf`` kept the default preset (recorded as model.name, and a checkpoint
+    of another family was refused), where ``data.path`` alone already chose ``data=jsonl``."""
+    from moe_tune.config.overrides import compose, parse
+
+    assert compose(overrides).model.name == name
+    assert ("model=hf" in parse(overrides)[1]) == (name == "hf")
+
+
+def test_model_path_alone_loads_any_family_and_a_preset_of_another_stays_refused(tiny_checkpoint, tmp_path, capsys):
+    """The new-user trial: a Mixtral checkpoint given as model.path alone was refused (exit 2, 'load your
+    checkpoint with model=hf'); an explicit preset of another family with it still is."""
+    mixtral = tiny_checkpoint("mixtral")
+    out = f"output_dir={tmp_path / 'run'}"
+    assert "model=hf" in precheck([out, f"model.path={mixtral}"])
+    with pytest.raises(SystemExit) as e:
+        precheck([out, "model=qwen3_30b_a3b", f"model.path={mixtral}"])
+    assert e.value.code == 2
+    assert "but model=qwen3_30b_a3b is a preset of family qwen3_moe" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["-m", "hydra.mode=MULTIRUN"])
+def test_sweeps_pass_under_multirun(mode, tmp_path):
+    """Hydra's sweeps (a,b; lists as [a],[b]) under -m reach Hydra unchanged."""
+    args = [mode, f"output_dir={tmp_path}", "peft=lora", "peft.target=[q_proj],[k_proj]", "train.lr=1e-3,2e-3"]
+    assert sorted(precheck(args)) == sorted(args)
+
+
+def test_local_data_paths_are_recorded_absolute_and_hub_names_as_given(tmp_path, monkeypatch):
+    """A relative data.path / data.val_path (recorded in config.json and checkpoints) would mean another file for a
+    resume or export run from another directory; a hub dataset's name is no path and stays as given."""
+    from moe_tune.config.overrides import compose, to_config
+
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    (tmp_path / "val.jsonl").write_text("{}\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = to_config(compose(["data.path=train.jsonl", "data.val_path=./val.jsonl"]))
+    assert (cfg.data.path, cfg.data.val_path) == (str(tmp_path / "train.jsonl"), str(tmp_path / "val.jsonl"))
+    assert to_config(compose(["data.path=org/some_dataset"])).data.path == "org/some_dataset"
