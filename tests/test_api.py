@@ -1,5 +1,5 @@
-"""The Python API as README shows it (issue 18, item 8): ``out.logits`` with labels whenever no backward can follow
-(eval mode, torch.no_grad()), and None in a training forward, where the fused loss never builds them."""
+"""The Python API as docs/python-api.md shows it (issue 18, item 8): ``out.logits`` with labels whenever no backward
+can follow (eval mode, torch.no_grad()), and None in a training forward, where the fused loss never builds them."""
 
 import torch
 
@@ -27,15 +27,15 @@ def test_logits_with_labels_outside_training_none_in_training(tiny_checkpoint):
 
 
 def test_readme_from_checkpoint_runs_as_written_after_import_moe_tune(tmp_path, cli_env):
-    """README's ``moe_tune.build.from_checkpoint(...)`` after a plain ``import moe_tune`` (new-user trial: an
+    """docs/lora.md's ``moe_tune.build.from_checkpoint(...)`` after a plain ``import moe_tune`` (new-user trial: an
     AttributeError, moe_tune had no attribute build). ``import moe_tune`` still loads neither torch nor build."""
     import re
     import subprocess
 
     from tests.harness import FAST_RUN, PY, ROOT, run_cli
 
-    readme = open(f"{ROOT}/README.md").read()
-    snippet = re.search(r"`(model, cfg = moe_tune\.build\.from_checkpoint\(\"outputs/run/[^`]*)`", readme).group(1)
+    page = open(f"{ROOT}/docs/lora.md").read()
+    snippet = re.search(r"`(model, cfg = moe_tune\.build\.from_checkpoint\(\"outputs/run/[^`]*)`", page).group(1)
     run_cli([f"output_dir={tmp_path / 'outputs' / 'run'}", "train.steps=1", "checkpoint.every=1", *FAST_RUN], cli_env)
     code = (
         "import sys\nimport moe_tune\nassert 'torch' not in sys.modules and 'moe_tune.build' not in sys.modules\n"
