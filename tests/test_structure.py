@@ -1,4 +1,5 @@
-"""The house rules of STYLE.md, read from the source with ``ast`` (no moe_tune code is imported):
+"""The house rules of CONTRIBUTING.md that imports and lengths show, read from the source with ``ast`` (no moe_tune
+code is imported):
 
 (a) no import cycle among moe_tune modules, function-level (lazy) imports counted;
 (b) imports go one way: a module imports only from its own layer or the layers above it (LAYERS, top first),
@@ -6,6 +7,8 @@
 (c) no file in moe_tune/ over MAX_FILE_LINES lines;
 (d) no function or method over MAX_FUNCTION_LINES lines, from ``def`` to the end of its body (decorators not
     counted).
+
+LAYERS is also the layer table of docs/architecture.md: tests/test_docs.py holds the two to the same rows.
 
 An import is any ``import``/``from ... import`` statement anywhere in a module (top level, inside functions,
 under ``if TYPE_CHECKING:``), plus registry strings ``"moe_tune.pkg.module:Name"`` that code resolves with
@@ -219,7 +222,7 @@ def cycles(edges: list[Edge]) -> list[list[str]]:
 
 def test_every_module_is_placed_in_a_layer():
     unplaced = [f"{rel}: {module}" for module, rel in module_files().items() if layer_of(module) is None]
-    assert not unplaced, "modules in no layer of LAYERS (add them to the table in tests/test_structure.py):\n" + (
+    assert not unplaced, "modules in no layer of LAYERS (add them to LAYERS here and to docs/architecture.md):\n" + (
         "\n".join(unplaced)
     )
 
