@@ -2,9 +2,9 @@
 
 ``python -m moe_tune.bench.report <bench-*.json>`` re-renders the table and chart next to a result file.
 
-MFU = achieved TFLOP/s per GPU / the GPU's dense BF16 peak from its datasheet (no sparsity):
-H100 SXM and H200: 989 TFLOP/s; B200: 2250; A100: 312. The achieved TFLOP/s use the FLOP formula of
-``moe_tune.metrics`` (6 x active matmul parameters per token + causal attention).
+MFU = achieved TFLOP/s per GPU / the GPU's dense BF16 peak from its datasheet (``PEAK_BF16_TFLOPS``, no
+sparsity). The achieved TFLOP/s use the FLOP formula of ``moe_tune.metrics`` (6 x active matmul parameters per token
++ causal attention).
 """
 
 from __future__ import annotations

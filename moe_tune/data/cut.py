@@ -1,6 +1,6 @@
 """A record cut by characters before it is rendered and tokenized: only its first ``train.seq_len`` tokens can be
-trained on, and rendering and tokenizing a whole record costs far more memory than its text (token lists,
-offsets, several renders per chat record: a 50 MB record took over 9 GB). The tokenizer is given at most
+trained on, and rendering and tokenizing a whole record costs many times more memory than its text (token lists,
+offsets, several renders per chat record). The tokenizer is given at most
 ``max_chars`` characters of a record's own text, whatever its size, and the first ``seq_len`` tokens stay those
 of the whole record.
 

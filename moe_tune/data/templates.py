@@ -58,8 +58,8 @@ class RenderTimeout(BaseException):
 def render_chat(tokenizer, messages: list[dict], **kwargs):
     """``tokenizer.apply_chat_template(messages, **kwargs)``, stopped with RenderTimeout once the process has
     spent RENDER_LIMIT_S of user CPU time in it: ITIMER_VIRTUAL's SIGVTALRM, whose handler Python runs between two
-    bytecodes of the template's compiled code, wherever its loops are. Costs two timer system calls a render (2-5
-    us on a loaded 2-core machine, where a two-message render took 40-130 us). Unbounded where Python cannot take
+    bytecodes of the template's compiled code, wherever its loops are. Costs two timer system calls a render, small
+    beside the render itself. Unbounded where Python cannot take
     the signal (a thread other than the main one) or where SIGVTALRM has another handler or another virtual timer
     runs (a profiler's: not ours to replace)."""
     if not _can_time():

@@ -7,8 +7,8 @@ FSDP2's hooks on the layer are unchanged. Applied after activation checkpointing
 
 A layer under full activation checkpointing has its own forward compiled *inside* the checkpoint, not the
 checkpoint: dynamo traces a checkpoint as one higher-order op and runs it eagerly as a whole when its body has a
-graph break (the MoE dispatch has them), which left full AC + compile at eager speed (measured: 6,380 against
-5,892 tokens/s eager, LoRA on Qwen3-30B-A3B, one H200).
+graph break (the MoE dispatch has them), which left full AC + compile at eager speed (benchmarks/README.md, "LoRA
+on the full Qwen3-30B-A3B").
 """
 
 from __future__ import annotations

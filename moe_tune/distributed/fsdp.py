@@ -74,8 +74,8 @@ def apply_fsdp(
     lora = len(trained) < sum(1 for _ in model.parameters())
     stored_as_computed = mp.param_dtype is None or all(p.dtype == mp.param_dtype for p in trained)
     if dims.world_size == 1 and (stored_as_computed or lora):
-        # One rank and no casts to do: FSDP2 would only add all-gather/reduce-scatter copies over a group of one
-        # (measured on one H200, bf16, micro-batch 1: about 30 ms of a 150 ms step). bf16_fp32_master keeps
+        # One rank and no casts to do: FSDP2 would only add all-gather/reduce-scatter copies over a group of one, a
+        # large share of a small step (benchmarks/README.md, "Three stacks in one run"). bf16_fp32_master keeps
         # FSDP2 on one rank: its mixed precision is the bf16 compute of the fp32 parameters. With LoRA the
         # frozen base is stored in bf16 already and the adapters cast themselves to the input's dtype.
         return

@@ -8,9 +8,9 @@ p, g, m, v of any float dtype and write p, m, v back in their dtypes:
   nothing random is stored or read (drawing the bits with ``torch.randint`` first wrote and read 12 bytes per
   parameter, more than the update's own 14 with bf16). The bits are murmur3's 32-bit finalizer (a bijection with
   full avalanche) of offset x golden ratio + key: p takes the low 16, m the high 16 and v their XOR (independent
-  of each alone, so each rounding is unbiased). Three integer multiplies per element: Triton's Philox (40) made
-  the kernel compute-bound on an H200, 53 against 20 ms for the 5.6 B parameters of the 8-layer workload, and two
-  such hashes per element 32 ms (benchmarks/README.md).
+  of each alone, so each rounding is unbiased). Three integer multiplies per element, because Triton's Philox (40)
+  made the kernel compute-bound and two such hashes per element were slower too (benchmarks/README.md,
+  "Stochastic rounding's update").
 Hyperparameters are passed by value with each launch; ``skip``/``scale`` (found_inf and grad_scale), the bias
 corrections and the random bits' key are device tensors, so a launch copies nothing from the host and nothing is
 read back. The kernels live in ``triton_kernels``, imported on
@@ -21,7 +21,8 @@ installed).
 from __future__ import annotations
 
 BLOCK = 4096  # elements per program: a bandwidth-bound pass, 8 warps of 16-byte accesses
-# Stochastic rounding has more arithmetic per element: smaller programs (20.8 ms per step vs 31.3 at 4096 on 8 warps).
+# Stochastic rounding has more arithmetic per element, so smaller programs won the block sweep (benchmarks/README.md,
+# "Stochastic rounding's update").
 STOCHASTIC_BLOCK, STOCHASTIC_WARPS = 1024, 4
 # The random bits are drawn from the elements' 32-bit offsets: a launch covers at most this many elements (the
 # caller splits larger parameters into segments, each with its own seed).

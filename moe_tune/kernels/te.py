@@ -8,8 +8,8 @@ What changes (parameter names stay Hugging Face's, so loading and export are unt
     attention function; packed rows arrive as ``cu_seq_lens_q`` and run in TE's ``thd`` layout. A call it
     cannot express (v head size unlike q's, attention dropout) falls back to SDPA with the same causal, window
     and per-sequence masking, logged once per reason; GPT-OSS's attention sinks keep eager attention.
-Experts stay on grouped_mm (TE's GroupedLinear loops over experts: 28 TFLOP/s against 582 for
-``torch._grouped_mm`` on an H200); the router, the norms' statistics and the loss stay in higher precision.
+Experts stay on grouped_mm (TE's GroupedLinear loops over experts, where ``torch._grouped_mm`` runs them as one
+grouped GEMM); the router, the norms' statistics and the loss stay in higher precision.
 
 ``kernels.fp8``: ``current`` (per-tensor current scaling), ``delayed`` (amax history) or ``blockwise`` (a scale
 per 128 values of activations and gradients, per 128 x 128 block of weights, E4M3 throughout, as DeepSeek-V3

@@ -1,18 +1,18 @@
 """AdamW with one Triton kernel per large parameter on a GPU (``optim.compiled=true``).
 
-torch's fused AdamW updates bf16 parameters and moments at about 2.3 TB/s on an H200 (34.6 ms per step for the
-5.6 B parameters of the 8-layer Qwen3-30B-A3B workload, where reading p, g, m, v and writing p, m, v moves 78 GB),
-the largest single item of a micro-batch-1 step. Here each parameter's update is one pass over its flattened
-storage: the same maths in fp32, written back rounded to nearest, as torch's ``_fused_adamw_`` does
-(``adamw_values`` is the reference; on a CPU it runs eagerly; ``moe_tune.optim.stochastic`` rounds the same values
-stochastically). torch.compile's kernel for it reached only 1.34 TB/s with bf16 (dynamic shapes), hence Triton.
+torch's fused AdamW is bound by memory (it reads p, g, m, v and writes p, m, v) and was the largest single item of
+a micro-batch-1 step (benchmarks/README.md, "Host syncs per step, and the optimizer"). Here each parameter's update
+is one pass over its flattened storage: the same maths in fp32, written back rounded to nearest, as torch's
+``_fused_adamw_`` does (``adamw_values`` is the reference; on a CPU it runs eagerly; ``moe_tune.optim.stochastic``
+rounds the same values stochastically). torch.compile's kernel for it was slower than torch's own with bf16
+(dynamic shapes; the same section), hence Triton.
 
 It is ``torch.optim.AdamW`` with another ``step``: the same parameter groups and state (``step`` a float32
 tensor on the parameter's device, ``exp_avg``, ``exp_avg_sq``), so checkpoints move between the two, and the
 same ``found_inf`` (1 skips the update on the device and does not count the step, as torch's fused kernel) and
 ``grad_scale`` (every gradient is divided by it: clipping). A step only queues work on the device: the
 hyperparameters go by value with each launch and the step counts add device tensors, so nothing is read back
-(one such read per step cost 9% of a micro-batch-1 step on an H200: benchmarks/README.md).
+(a read per step makes the host wait for the GPU: benchmarks/README.md, "Host syncs per step, and the optimizer").
 """
 
 from __future__ import annotations

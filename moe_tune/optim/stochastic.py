@@ -2,8 +2,8 @@
 ``train.precision=bf16``).
 
 With bf16 parameters and round-to-nearest, an update smaller than half a bf16 step of the weight is lost: a weight
-near 0.5 has a step of 2^-8 ~ 0.004, while AdamW moves it by about the learning rate (3e-5 in fine-tuning). On an
-H200 such runs stalled (+159% final loss after 100 steps, ``benchmarks/results/2026-11-30-1xH200/precision.md``).
+near 0.5 has a step of 2^-8 ~ 0.004, while AdamW moves it by about the learning rate (3e-5 in fine-tuning), so
+such runs stall (benchmarks/README.md, "Precision and kernel sets").
 Here the update is computed in fp32 and rounded to bf16 up or down with probability proportional to the distance,
 so the rounding is unbiased (E[round(x)] = x) and small updates accumulate on average. The two moments are kept in
 bf16 and rounded the same way. State: 4 bytes per parameter, against 12 for fp32 master weights with fp32 moments.
@@ -19,9 +19,10 @@ from a checkpoint (which holds the steps) draws the same bits as one that never 
 update after it share a step and so a seed: the skipped one writes nothing back.) On a GPU (with
 ``optim.compiled=true``, the default) each parameter is one Triton pass that draws its bits inside the kernel,
 from a hash of each element's offset and a key derived from the parameter's seed on the device, so the step count
-is never read by the host (``moe_tune.kernels.adamw.stochastic_update``: 20.8 ms per step for 5.6 B parameters on
-an H200, as round-to-nearest's 20.3); elsewhere, and with ``optim.compiled=false``, the update runs eagerly per
-chunk of ``chunk`` elements (bounding the fp32 temporaries) with bits from ``torch.randint``, seeded on the host.
+is never read by the host (``moe_tune.kernels.adamw.stochastic_update``, as fast as rounding to nearest because the
+pass is bound by memory: benchmarks/README.md, "Stochastic rounding's update"); elsewhere, and with
+``optim.compiled=false``, the update runs eagerly per chunk of ``chunk`` elements (bounding the fp32 temporaries)
+with bits from ``torch.randint``, seeded on the host.
 The two draw different bits from the same seed: a run is reproducible on one kind of device.
 """
 
