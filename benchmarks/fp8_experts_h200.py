@@ -2,7 +2,7 @@
 
     python benchmarks/fp8_experts_h200.py check OUT_DIR          the CUDA kernel against bf16 and the emulation
     python benchmarks/fp8_experts_h200.py micro OUT_DIR          (a) one experts block, Qwen3-30B-A3B shapes
-    bash: python -m moe_tune.bench ... --out OUT_DIR/train       (b) training rows (the command is in README.md)
+    bash: python -m moe_tune.bench ... --out OUT_DIR/train       (b) training rows (all of it: RESULTS_DIR/command.txt)
     python benchmarks/fp8_experts_h200.py report OUT_DIR RESULTS_DIR   JSON + Markdown + PNG
 
 (a) 128 experts, dim 2048, expert hidden 768: gate_up 2048 -> 1536, SwiGLU, down 768 -> 2048, on 32768 routed

@@ -19,7 +19,7 @@ class AutoModelForCausalLM:
         return from_pretrained(path, dtype=dtype, kernels=kernels, device=device, **options)
 
 
-# Submodules of the Python API reachable as attributes after a plain ``import moe_tune`` (README's
+# Submodules of the Python API reachable as attributes after a plain ``import moe_tune`` (docs/python-api.md's
 # ``moe_tune.build.from_checkpoint``), imported on first use so that ``import moe_tune`` stays light.
 LAZY_SUBMODULES = ("build",)
 

@@ -77,7 +77,7 @@ def step_row(
     peak: tuple[float, float],
     **extra,
 ) -> dict:
-    """One metrics.jsonl line (the fields README.md lists under Outputs, then ``extra``); ``tokens``: the step's
+    """One metrics.jsonl line (the fields docs/checkpoints-and-outputs.md lists, then ``extra``); ``tokens``: the step's
     (real tokens, label tokens, row positions) over all ranks; ``dt``: its seconds; ``peak``: its peak allocated
     and reserved GiB (``peak_memory_gib``). tokens_per_s counts real tokens, not padding; tflops_per_gpu counts
     every position, which the GPU computes padding or not."""

@@ -1,5 +1,6 @@
 """What a run leaves beside its metrics: the logging setup, the resolved config, and summary.json with the commit,
-versions and hardware it ran on (README.md, Outputs). Shared by the trainer, the benchmark and its baselines."""
+versions and hardware it ran on (docs/checkpoints-and-outputs.md). Shared by the trainer, the benchmark and its
+baselines."""
 
 from __future__ import annotations
 
@@ -61,8 +62,8 @@ def write_config(cfg: Config) -> None:
 
 
 def write_run_summary(cfg: Config, rank: int, world: int, device, flops_per_token: float, metrics, **extra) -> dict:
-    """summary.json (README.md, Outputs): resolved config, versions, hardware, commit, ``extra``, then the metrics'
-    aggregates. Every rank returns it; rank 0 writes it."""
+    """summary.json (docs/checkpoints-and-outputs.md): resolved config, versions, hardware, commit, ``extra``, then
+    the metrics' aggregates. Every rank returns it; rank 0 writes it."""
     from moe_tune.env import versions
 
     summary = {

@@ -1,5 +1,6 @@
-"""The ``moe-tune`` command: the default run end to end (the files README.md lists under Outputs), under torchrun with 2 ranks,
-bad input as one line with exit 2 (before and after the process group exists), and Hydra's multirun."""
+"""The ``moe-tune`` command: the default run end to end (the files docs/checkpoints-and-outputs.md lists), under
+torchrun with 2 ranks, bad input as one line with exit 2 (before and after the process group exists), and Hydra's
+multirun."""
 
 import importlib.metadata
 import json
@@ -35,7 +36,8 @@ CONTRACT_SUMMARY = {
 
 @pytest.mark.slow
 def test_default_run_end_to_end(tmp_path, cli_env):
-    """`moe-tune` with no overrides but the run directory: loss falls, files as README.md lists them, hf/ loads."""
+    """`moe-tune` with no overrides but the run directory: loss falls, files as docs/checkpoints-and-outputs.md lists
+    them, hf/ loads."""
     commits = {_git_head()}
     run_cli([f"output_dir={tmp_path}"], cli_env)
     commits.add(_git_head())  # other commits may land while it runs

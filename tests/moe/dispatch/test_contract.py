@@ -40,7 +40,7 @@ def _gpu_skip(backend: str) -> str | None:
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         return "needs 2 CUDA GPUs"
     if backend == "deepep" and importlib.util.find_spec("deep_ep") is None:
-        return "DeepEP is not installed (build it from source tag v1.2.1; see README)"
+        return "DeepEP is not installed (build it from source tag v1.2.1; see docs/launching.md)"
     if backend == "symm_mem":
         from torch.distributed import _symmetric_memory as symm
 
