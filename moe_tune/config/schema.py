@@ -9,9 +9,10 @@ dispatcher its own config. This module imports no torch and nothing else of moe_
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from moe_tune.config.constraints import field
 from moe_tune.config.data_schema import DataConfig
 
 PRECISIONS = ("fp32", "amp_bf16", "bf16_fp32_master", "bf16")
@@ -22,6 +23,7 @@ FP8_BACKWARDS = ("fp8", "high_precision", "dequantized")
 FP8_FORMATS = ("hybrid", "e4m3")
 AC_MODES = ("none", "full", "selective")
 SCHEDULES = ("cosine", "constant")
+COMM_NAMES = ("all_to_all", "deepep", "symm_mem")  # COMM_CONFIGS' keys
 
 
 class UserError(ValueError):
@@ -45,9 +47,8 @@ class ModelConfig:
     # A name from moe_tune/conf/model (tiny models are built locally) or a local Hugging Face directory in `path`.
     name: str = "tiny_qwen3_moe"
     path: str | None = None
-    # dtype of the exported hf/ weights: "source" keeps each tensor's dtype from the source checkpoint.
-    # (Training dtypes are train.precision's.)
-    dtype: str = "source"
+    # "source" keeps each tensor's dtype from the source checkpoint (training dtypes are train.precision's).
+    dtype: str = field("source", choices=("source", "float32", "bfloat16"), help="the exported hf/ weights' dtype")
     # For built-in models: overrides of the Hugging Face config fields (e.g. num_hidden_layers).
     overrides: dict[str, Any] = field(default_factory=dict)
     # The Hugging Face model_type this model follows ("auto": read from model.path's config.json).
@@ -60,7 +61,9 @@ class ParallelConfig:
     # -1: every rank not used by dp_replicate.
     dp_shard: int = -1
     ep: int = 1
-    activation_checkpointing: str = "none"
+    activation_checkpointing: str = field(
+        "none", choices=AC_MODES, help="recomputed in backward: nothing, each layer, or each layer's attention"
+    )
     # Reshard parameters after forward (ZeRO-3); False keeps them gathered until backward (ZeRO-2-like).
     reshard_after_forward: bool = True
 
@@ -69,7 +72,7 @@ class ParallelConfig:
 class CommConfig:
     """Token dispatch between expert-parallel ranks; ``name`` picks the backend and its options class."""
 
-    name: str = "all_to_all"
+    name: str = field("all_to_all", choices=COMM_NAMES)
     # Split each MoE layer's tokens in two halves and pipeline them, so that one half's all-to-all runs on a side
     # CUDA stream while the other half's experts (or the shared expert) compute. Backends in OVERLAP_BACKENDS only.
     overlap: bool = False
@@ -83,7 +86,7 @@ OVERLAP_BACKENDS = ("all_to_all",)
 class AllToAllConfig(CommConfig):
     """NCCL/gloo ``all_to_all_single`` (split sizes cross the host once per layer)."""
 
-    name: str = "all_to_all"
+    name: str = field("all_to_all", choices=COMM_NAMES)
     # Send each token once to every ep rank holding any of its experts (weighted and summed there), instead of
     # once per routed expert: with top-8 of 128 experts on 2 ranks, about 4x fewer rows on the wire. Off by
     # default until measured on GPUs (tested on CPU only; benchmarks/README.md, issue 14).
@@ -92,51 +95,47 @@ class AllToAllConfig(CommConfig):
 
 @dataclass
 class DeepEPConfig(CommConfig):
-    name: str = "deepep"
-    # Streaming multiprocessors given to DeepEP's communication kernels (even: DeepEP pairs them per channel).
-    num_sms: int = 24
+    name: str = field("deepep", choices=COMM_NAMES)
+    # Streaming multiprocessors given to DeepEP's communication kernels.
+    num_sms: int = field(24, ge=2, multiple_of=2, help="DeepEP pairs SMs per channel")
 
 
 @dataclass
 class SymmMemConfig(CommConfig):
-    name: str = "symm_mem"
-    # Worst-case rows one rank receives, per token, in units of top_k; >= ep never overflows.
-    capacity_factor: float = 2.0
+    name: str = field("symm_mem", choices=COMM_NAMES)
+    # Worst-case rows one rank receives, per token, in units of top_k.
+    capacity_factor: float = field(2.0, gt=0, help=">= parallel.ep never overflows")
     # Tokens per rank the symmetric buffers are sized for; None: the largest batch of any rank at the first step.
-    max_tokens: int | None = None
+    max_tokens: int | None = field(None, ge=1)
     # Check capacity overflow after every batch (one host sync per layer) instead of once per logged step.
     debug: bool = False
 
 
-COMM_CONFIGS: dict[str, type[CommConfig]] = {
-    "all_to_all": AllToAllConfig,
-    "deepep": DeepEPConfig,
-    "symm_mem": SymmMemConfig,
-}
+COMM_CONFIGS: dict[str, type[CommConfig]] = dict(zip(COMM_NAMES, (AllToAllConfig, DeepEPConfig, SymmMemConfig)))
 
 
 @dataclass
 class KernelsConfig:
-    name: str = "torch"
+    name: str = field("torch", choices=KERNEL_SETS)
     # Routed experts: "grouped_mm" (bf16 grouped GEMMs), "grouped_mm_fp8" (the same GEMMs in FP8 E4M3 with row-wise
     # scales, forward and backward, through torch._scaled_grouped_mm: needs an sm90+ GPU and expert dims that are
     # multiples of 16; not with compile=true, whose gradients came out wrong; LoRA deltas and biases stay bf16;
     # measured 0.71x the bf16 tokens/s: an option, not the default), "loop" (one matmul per expert: the reference).
-    experts: str = "grouped_mm"
-    fp8: str = "none"
+    experts: str = field("grouped_mm", choices=EXPERT_KERNELS, help="the routed experts' GEMMs")
+    fp8: str = field("none", choices=FP8_MODES, help="TransformerEngine's FP8 recipe, with kernels=te")
     # fp8=delayed only: the scale comes from the amax over this many past steps ("max") or the last ("most_recent").
-    fp8_amax_history_len: int = 1024
-    fp8_amax_compute_algo: str = "max"
+    fp8_amax_history_len: int = field(1024, ge=1, help="steps of amax history for kernels.fp8=delayed")
+    fp8_amax_compute_algo: str = field("max", choices=("max", "most_recent"))
     # fp8=current only: accumulate the forward GEMM in fp32 in chunks (TE's default for current is Hopper's fast,
     # ~14-bit accumulation there; blockwise always splits, delayed offers no choice).
     fp8_fprop_split_accumulator: bool = False
     # Backward GEMMs: "fp8" (quantized, TE's default), or FP8 in the forward only: "high_precision" keeps the bf16
     # operands for the backward, "dequantized" the FP8 ones dequantized (less memory). Not with fp8=delayed.
     # current + high_precision is the recommended FP8 setting: the only one within 2% of bf16 in all measured runs.
-    fp8_backward: str = "fp8"
+    fp8_backward: str = field("fp8", choices=FP8_BACKWARDS)
     # None: the recipe's own format (current and delayed: "hybrid", E4M3 forward and E5M2 gradients; blockwise
     # and mxfp8: E4M3). "e4m3": E4M3 throughout (measured: no smaller loss difference than hybrid on an H200).
-    fp8_format: str | None = None
+    fp8_format: str | None = field(None, choices=FP8_FORMATS)
     compile: bool = False
     # torch.compile's ``dynamic`` for each layer. None (automatic): a graph first compiled for the shapes it met,
     # recompiled once with symbolic sizes where they change (the expert-parallel rows per step, packed sequence
@@ -145,7 +144,7 @@ class KernelsConfig:
     # Chunked linear cross-entropy that never materialises the full logits; on a GPU each chunk's softmax and
     # gradient are one Triton kernel in place over its bf16 logits (moe_tune/kernels/triton_loss.py).
     fused_loss: bool = True
-    loss_chunk_size: int = 4096
+    loss_chunk_size: int = field(4096, ge=1, help="tokens per loss chunk")
 
     def fp8_options(self) -> dict:
         """The keyword arguments of ``moe_tune.kernels.te.fp8_recipe`` that this config sets."""
@@ -165,32 +164,32 @@ LOGGERS = ("none", "tensorboard", "wandb", "mlflow")
 class LoggerConfig:
     """Experiment tracking beside metrics.jsonl: the same fields, plus expert load per layer."""
 
-    name: str = "none"
+    name: str = field("none", choices=LOGGERS)
     # None: <output_dir>/<name> (tensorboard event files, wandb's offline run, mlflow's file store).
     log_dir: str | None = None
     project: str = "moe_tune"
     run_name: str | None = None
     # wandb: "offline" writes locally (wandb sync uploads it later); "online" needs network and a login.
-    mode: str = "offline"
-    # Every this many steps, an image of expert load per layer (0: never).
-    expert_load_image_every: int = 0
+    mode: str = field("offline", choices=("offline", "online"))
+    # Every this many steps, an image of expert load per layer.
+    expert_load_image_every: int = field(0, ge=0, help="0: never")
 
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
-    weight_decay: float = 0.0
+    name: str = field("adamw", choices=("adamw",))
+    weight_decay: float = field(0.0, ge=0)
     # false: weight decay leaves norms, biases (routers' and GPT-OSS's experts' included) and every other 1-D
     # parameter (GPT-OSS's attention sinks) alone, as Megatron does (Transformers' Trainer: norms and biases);
     # true: every trained parameter is decayed. (DeepSeek-V3's router correction bias is a buffer: never decayed.)
     decay_norms_and_biases: bool = False
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    warmup_steps: int = 10
-    schedule: str = "cosine"
-    min_lr_ratio: float = 0.1
-    # Gradients are scaled so their global norm is at most this (inside the optimizer's kernel); 0: no clipping.
-    max_grad_norm: float = 1.0
+    betas: tuple[float, float] = field((0.9, 0.95), ge=0, lt=1)
+    eps: float = field(1e-8, gt=0, example="1e-8")
+    warmup_steps: int = field(10, ge=0, help="steps of linear warmup")
+    schedule: str = field("cosine", choices=SCHEDULES)
+    min_lr_ratio: float = field(0.1, ge=0, le=1, help="the final learning rate over train.lr")
+    # Gradients are scaled so their global norm is at most this (inside the optimizer's kernel).
+    max_grad_norm: float = field(1.0, ge=0, help="the gradient clipping norm; 0: no clipping")
     # AdamW in fp32, rounded stochastically back to the bf16 parameters and moments (moe_tune/optim/stochastic.py),
     # so updates below bf16's resolution are not lost. None (automatic): on exactly when the parameters are bf16
     # (train.precision=bf16; ``rounds_stochastically``); true needs train.precision=bf16; false rounds to nearest.
@@ -217,34 +216,34 @@ def profiled_steps(start_step: int = 0) -> range:
 
 @dataclass
 class TrainConfig:
-    steps: int = 60
-    seq_len: int = 256
-    micro_batch_size: int = 4
+    steps: int = field(60, ge=1, help="optimizer steps")
+    seq_len: int = field(256, ge=2, help="tokens per row")
+    micro_batch_size: int = field(4, ge=1, help="rows per rank and forward pass")
     # -1: micro_batch_size x data-parallel size (no gradient accumulation).
-    global_batch_size: int = -1
-    seed: int = 0
-    lr: float = 3e-3
-    precision: str = "bf16_fp32_master"
+    global_batch_size: int = field(-1, ge=1, also=-1, help="micro_batch_size x data-parallel ranks")
+    seed: int = field(0, ge=0, lt=2**63, help="torch's seed is a 64-bit integer")
+    lr: float = field(3e-3, gt=0, help="the peak learning rate", example="3e-4")
+    precision: str = field("bf16_fp32_master", choices=PRECISIONS)
     # Load-balancing: auxiliary loss coefficient, router z-loss and aux-loss-free bias update rate.
-    aux_loss_coef: float = 0.001
-    z_loss_coef: float = 0.0
-    bias_update_rate: float = 0.0
+    aux_loss_coef: float = field(0.001, ge=0)
+    z_loss_coef: float = field(0.0, ge=0)
+    bias_update_rate: float = field(0.0, ge=0)
     # Forced balanced routing for benchmarks (token i goes to experts i*k..i*k+k-1 mod E).
     force_balanced_routing: bool = False
     # The host waits for the GPU (writes the metrics rows of the steps since, prints progress, checks for NaN and
     # signals) every this many steps and at the last; every step still gets its row. 1 costs a sync per step
     # (measured on one H200 at micro-batch 1: 14% fewer tokens/s than 5).
-    log_every: int = 10
-    # Held-out loss and perplexity every this many steps and at the end (0: at the end only), when data has a
-    # validation set (data.val_path or data.val_fraction).
-    eval_every: int = 0
+    log_every: int = field(10, ge=1, help="steps between logged rows, which are the only steps that wait for the GPU")
+    # Held-out loss and perplexity every this many steps and at the end, when data has a validation set
+    # (data.val_path or data.val_fraction).
+    eval_every: int = field(0, ge=0, help="0: at the end only")
     # torch.profiler on rank 0 over steps 7-9 (profiled_steps: as the log numbers them, from the run's start): a step
     # summary and top ops in profile_rank0.{txt,json}, the trace in trace_rank0.json (moe_tune/train/profile.py).
     profile: bool = False
-    warmup_steps_excluded: int = 3
+    warmup_steps_excluded: int = field(3, ge=0, help="first steps left out of the summary's medians")
     # A step whose global gradient norm is NaN/inf is skipped on the device (weights and optimizer state untouched);
     # after more than this many such steps in a row the run stops with exit code 1 (diverged, or broken data).
-    max_nonfinite_steps: int = 5
+    max_nonfinite_steps: int = field(5, ge=0, help="0 stops at the first step with a non-finite gradient norm")
 
 
 PEFT_METHODS = ("none", "lora")
@@ -255,10 +254,10 @@ class PeftConfig:
     """Parameter-efficient fine-tuning: ``none`` trains every weight; ``lora`` trains low-rank adapters only, the
     base frozen (stored in bf16 unless train.precision=fp32, with no gradients and no optimizer state)."""
 
-    name: str = "none"
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
+    name: str = field("none", choices=PEFT_METHODS)
+    rank: int = field(16, ge=1, help="the adapters' rank")
+    alpha: float = field(32.0, gt=0, help="the adapters' scale is alpha / rank")
+    dropout: float = field(0.0, ge=0, lt=1, help="on the adapters' input")
     # Words: attention (every linear of the attention), mlp (dense MLPs and shared experts), experts (the routed
     # experts, as grouped adapters); or the end of a linear's dotted name (q_proj, shared_experts.down_proj).
     target: list[str] = field(default_factory=lambda: ["attention", "experts"])
@@ -269,9 +268,9 @@ class PeftConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0
-    # Complete checkpoints kept: after each save the oldest beyond this many are deleted (0: keep every one).
-    keep_last: int = 0
+    every: int = field(0, ge=0, help="steps between checkpoints; 0: none", example="100")
+    # After each save the oldest complete checkpoints beyond this many are deleted.
+    keep_last: int = field(0, ge=0, help="complete checkpoints kept; 0: every one", example="3")
     resume: str = "auto"
     export_hf: bool = True
     # SIGTERM/SIGUSR1 (Slurm's time limit or preemption, torchrun's shutdown) and SIGINT (Ctrl-C): every rank

@@ -24,7 +24,7 @@ CASES = {
     "train.lr=-1": "train.lr=-1.0 is out of range: it must be > 0",
     "optim.betas=[2,3]": "optim.betas=[2.0,3.0] is out of range: it must be two values in [0, 1)",
     "optim.eps=-1": "optim.eps=-1.0 is out of range: it must be > 0",
-    "train.log_every=0": "train.log_every (0) must be >= 1",
+    "train.log_every=0": "train.log_every=0 is out of range: it must be >= 1",
     "data.num_samples=0": "data.num_samples=0 is out of range: it must be >= 1",
     "kernels.loss_chunk_size=0": "kernels.loss_chunk_size=0 is out of range: it must be >= 1",
     "+model.overrides.num_hidden_layers=abc": "model.overrides.num_hidden_layers='abc' must be a int",

@@ -80,7 +80,7 @@ def test_overlap_validates_for_all_to_all():
         (["kernels=te", "kernels.compile=true"], 1, "kernels=te with kernels.compile=true is not supported"),
         (["train.profile=true", "train.steps=8"], 1, "train.profile=true traces steps 7-9"),
         (["kernels.fp8_amax_compute_algo=mean"], 1, "kernels.fp8_amax_compute_algo='mean' is not one of max"),
-        (["kernels.fp8_amax_history_len=0"], 1, "kernels.fp8_amax_history_len (0) must be at least 1"),
+        (["kernels.fp8_amax_history_len=0"], 1, "kernels.fp8_amax_history_len=0 is out of range: it must be >= 1"),
         (
             ["kernels=te", "kernels.fp8=current", "kernels.fp8_amax_history_len=16"],
             1,
@@ -96,7 +96,7 @@ def test_overlap_validates_for_all_to_all():
             1,
             "optim.stochastic_rounding=true rounds bf16 parameters (got train.precision=bf16_fp32_master",
         ),
-        (["train.max_nonfinite_steps=-1"], 1, "train.max_nonfinite_steps (-1) must be >= 0"),
+        (["train.max_nonfinite_steps=-1"], 1, "train.max_nonfinite_steps=-1 is out of range: it must be >= 0"),
         (["peft.rank=8"], 1, "peft.rank=8 configures LoRA, but peft=none trains every weight; add peft=lora"),
         (["peft.target=[attention]", "peft.alpha=8"], 1, "peft.alpha=8.0, peft.target=[attention] configures LoRA"),
         (["checkpoint.keep_last=-1"], 1, "checkpoint.keep_last=-1 is out of range"),
@@ -125,8 +125,8 @@ def test_overlap_validates_for_all_to_all():
             1,
             "train.global_batch_size (6) must be a multiple",
         ),
-        (["train.steps=0"], 1, "must be positive"),
-        (["train.log_every=0"], 1, "train.log_every (0) must be >= 1"),
+        (["train.steps=0"], 1, "train.steps=0 is out of range: it must be >= 1 (optimizer steps); try train.steps=60"),
+        (["train.log_every=0"], 1, "train.log_every=0 is out of range: it must be >= 1"),
         (["optim.schedule=linear"], 1, "optim.schedule='linear' is not one of cosine, constant"),
         (["data.name=wiki"], 1, "data='wiki' is not built in (arithmetic, random)"),
         # data=jsonl without a path: what is missing, not data.num_samples' range (which it fails too).
