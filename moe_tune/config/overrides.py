@@ -306,20 +306,41 @@ def _describe(e: Exception, overrides: list[str]) -> str:
     return f"{msg} (overrides: {' '.join(overrides) or 'none'})"
 
 
+def checked_keys() -> list[str]:
+    """A line per key whose field carries choices or a range: what it takes and means, in schema order (a comm
+    backend's own keys after comm, naming it). A group's ``name`` is left out: its options are the group's."""
+    from moe_tune.config import CommConfig, Config
+    from moe_tune.config.constraints import constrained_fields
+
+    shared = {f.name for f in dataclasses.fields(CommConfig)}
+    lines = []
+    for key, _, constraint in constrained_fields(Config):
+        if "." in key:
+            lines.append(f"  {key}: {constraint.text()}")
+        if key == "comm":
+            for option, cls in COMM_CONFIGS.items():
+                own = [(k, c) for k, f, c in constrained_fields(cls, "comm.") if f.name not in shared]
+                lines += [f"  {k}: {c.text()} [comm={option}]" for k, c in own]
+    return lines
+
+
 def help_text(overrides: list[str]) -> str:
-    """``moe-tune --help``: usage, the config groups with their options, Hydra's flags, the composed config."""
+    """``moe-tune --help``: usage, the config groups with their options, the keys' allowed values, Hydra's flags,
+    the composed config."""
     from omegaconf import OmegaConf
 
     groups = "\n".join(f"  {g}: {', '.join(opts)}" for g, opts in group_options().items())
+    checked = "\n".join(checked_keys())
     return (
         "moe-tune: fine-tune a Hugging Face Mixture-of-Experts model (a Hydra app: moe_tune/conf).\n\n"
         "Usage: moe-tune [group=option ...] [key=value ...]\n"
         "       torchrun --nproc-per-node N -m moe_tune [group=option ...] [key=value ...]\n\n"
         f"Config groups (group=option):\n{groups}\n\n"
+        f"Allowed values (key: what it takes (what it means); checked before anything runs):\n{checked}\n\n"
         "Hydra's flags: --cfg job|hydra|all (print the config, run nothing), --package KEY, --resolve,\n"
         "  --info [all|config|defaults|defaults-tree|plugins|searchpath], -m (sweeps and launchers), --hydra-help\n\n"
         f"Config (key=value; with the overrides given):\n{OmegaConf.to_yaml(check(overrides))}"
     )
 
 
-__all__ = ["CONF_DIR", "check", "compose", "help_text", "parse", "runs_job", "schema_keys", "to_config"]
+__all__ = ["CONF_DIR", "check", "checked_keys", "compose", "help_text", "parse", "runs_job", "schema_keys", "to_config"]

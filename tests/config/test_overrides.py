@@ -50,6 +50,21 @@ def test_help_lists_the_user_groups_and_keys(capsys):
     assert "steps: 7" in out and "--cfg job" in out
 
 
+def test_help_lists_each_key_s_allowed_values(capsys):
+    """What a key takes is read off its field (choices, range and help), a comm backend's own keys naming it."""
+    from moe_tune.config import Config
+    from moe_tune.config.constraints import constrained_fields
+
+    with pytest.raises(SystemExit):
+        precheck(["--help"])
+    out = capsys.readouterr().out
+    assert "\n  optim.min_lr_ratio: in [0, 1] (the final learning rate over train.lr)\n" in out
+    assert "\n  train.precision: fp32, amp_bf16, bf16_fp32_master, bf16\n" in out
+    assert "\n  comm.num_sms: >= 2 and a multiple of 2 (DeepEP pairs SMs per channel) [comm=deepep]\n" in out
+    for key, _, constraint in constrained_fields(Config):
+        assert "." not in key or f"\n  {key}: {constraint.text()}\n" in out, key
+
+
 def test_every_builtin_model_is_a_config():
     """The names a model error lists are the configs ``model=<name>`` finds (mixtral_8x7b was listed, not a config)."""
     from moe_tune.models.presets import PRESETS
