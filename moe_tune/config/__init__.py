@@ -1,4 +1,5 @@
-"""The run's configuration: the schema (Hydra structured configs) and ``validate`` (the parallel layout it checks is ``moe_tune.distributed.dims``).
+"""The run's configuration: the schema (Hydra structured configs, each key's choices, range and help on its field:
+``constraints``) and ``validate`` (the parallel layout it checks is ``moe_tune.distributed.dims``).
 
 Imports no torch and nothing of moe_tune below it: every other layer may import it.
 """

@@ -3,9 +3,11 @@ outside any of them, naming the key; every set of choices is spelled once, by th
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import inspect
+import os
 from collections import defaultdict
 
 import pytest
@@ -13,6 +15,7 @@ import pytest
 from moe_tune.config import COMM_CONFIGS, Config, ConfigError, data_schema, schema, validate
 from moe_tune.config.constraints import Constraint, constrained_fields, constraint_of, key_of
 from moe_tune.config.validate import check_values
+from tests.harness import ROOT
 
 VALIDATE_SOURCE = inspect.getsource(importlib.import_module("moe_tune.config.validate"))
 
@@ -81,23 +84,36 @@ def test_every_default_is_allowed():
 
 
 def test_each_set_of_choices_is_spelled_once():
-    """A set of choices is one tuple, the choices of one key (comm's backends' name fields are all ``comm``), and
-    validate spells none of them again."""
-    keys_by_set: dict[tuple, set[str]] = defaultdict(set)
-    objects = set()
+    """A set of choices is the choices of one key (comm's backends' name fields are all ``comm``), written once in
+    moe_tune/ (the tuple a field names, or its own literal), and validate.py names none of them."""
+    keys_by_set: dict[frozenset, set[str]] = defaultdict(set)
     for cls in [Config, *COMM_CONFIGS.values()]:
         prefix = "comm." if cls in COMM_CONFIGS.values() else ""
         for key, _, c in constrained_fields(cls, prefix):
             if c.choices is not None:
-                keys_by_set[c.choices].add(key)
-                objects.add(id(c.choices))
+                keys_by_set[frozenset(c.choices)].add(key)
     assert all(len(keys) == 1 for keys in keys_by_set.values()), keys_by_set
+    written = string_tuples(os.path.join(ROOT, "moe_tune"))
+    assert {tuple(sorted(s)): written[s] for s in keys_by_set if len(written[s]) != 1} == {}
     named = {
         name: value
         for module in (schema, data_schema)
         for name, value in vars(module).items()
         if name.isupper() and isinstance(value, tuple) and all(isinstance(v, str) for v in value)
     }
-    assert {name for name, value in named.items() if id(value) not in objects} == NOT_CHOICES
+    assert {name for name, value in named.items() if frozenset(value) not in keys_by_set} == NOT_CHOICES
     assert "is not one of" not in VALIDATE_SOURCE
     assert [name for name in named if name in VALIDATE_SOURCE] == sorted(NOT_CHOICES)
+
+
+def string_tuples(top: str) -> dict[frozenset, list[str]]:
+    """Where each tuple literal of strings stands in the .py files under ``top`` (file:line), by its set."""
+    found: dict[frozenset, list[str]] = defaultdict(list)
+    for folder, _, names in os.walk(top):
+        for name in (n for n in names if n.endswith(".py")):
+            path = os.path.join(folder, name)
+            for node in ast.walk(ast.parse(open(path).read())):
+                if isinstance(node, ast.Tuple) and node.elts and all(isinstance(e, ast.Constant) for e in node.elts):
+                    if all(isinstance(e.value, str) for e in node.elts):
+                        found[frozenset(e.value for e in node.elts)].append(f"{path}:{node.lineno}")
+    return found
