@@ -180,7 +180,6 @@ FIGURE = re.compile(r"\d[\d.,]* ?(?:ms|us|µs|GB/s|TB/s|GiB/s|tokens/s|TFLOP/s)\
 # have moved to benchmarks/README.md.
 PENDING = {
     "moe_tune/checkpoint/manifest.py",
-    "moe_tune/config/schema.py",
 }
 
 

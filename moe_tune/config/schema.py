@@ -120,7 +120,8 @@ class KernelsConfig:
     # Routed experts: "grouped_mm" (bf16 grouped GEMMs), "grouped_mm_fp8" (the same GEMMs in FP8 E4M3 with row-wise
     # scales, forward and backward, through torch._scaled_grouped_mm: needs an sm90+ GPU and expert dims that are
     # multiples of 16; not with compile=true, whose gradients came out wrong; LoRA deltas and biases stay bf16;
-    # measured 0.71x the bf16 tokens/s: an option, not the default), "loop" (one matmul per expert: the reference).
+    # slower than bf16 so far, its eager quantization dominating: an option, not the default; benchmarks/README.md,
+    # "Precision and kernel sets"), "loop" (one matmul per expert: the reference).
     experts: str = field("grouped_mm", choices=EXPERT_KERNELS, help="the routed experts' GEMMs")
     fp8: str = field("none", choices=FP8_MODES, help="TransformerEngine's FP8 recipe, with kernels=te")
     # fp8=delayed only: the scale comes from the amax over this many past steps ("max") or the last ("most_recent").
@@ -131,7 +132,8 @@ class KernelsConfig:
     fp8_fprop_split_accumulator: bool = False
     # Backward GEMMs: "fp8" (quantized, TE's default), or FP8 in the forward only: "high_precision" keeps the bf16
     # operands for the backward, "dequantized" the FP8 ones dequantized (less memory). Not with fp8=delayed.
-    # current + high_precision is the recommended FP8 setting: the only one within 2% of bf16 in all measured runs.
+    # current + high_precision is the recommended FP8 setting: the only one whose loss stayed within the precision
+    # protocol's bound of bf16 in every measured run (benchmarks/README.md, "Precision and kernel sets").
     fp8_backward: str = field("fp8", choices=FP8_BACKWARDS)
     # None: the recipe's own format (current and delayed: "hybrid", E4M3 forward and E5M2 gradients; blockwise
     # and mxfp8: E4M3). "e4m3": E4M3 throughout (measured: no smaller loss difference than hybrid on an H200).
@@ -196,8 +198,8 @@ class OptimConfig:
     stochastic_rounding: bool | None = None
     # The update as Triton kernels on a GPU (moe_tune/kernels/adamw.py): AdamW as one kernel per large parameter
     # (torch's fused kernel for the rest; same maths and state as torch's fused AdamW, moe_tune/optim/adamw.py);
-    # stochastic rounding as one kernel per parameter drawing its random bits inside. On an H200, bf16, 8-layer
-    # Qwen3 shapes: the update 39.5 -> 20.3 ms, micro-batch 1 +22%, micro-batch 4 +0.3-1.7% (benchmarks/README.md).
+    # stochastic rounding as one kernel per parameter drawing its random bits inside: one pass over each parameter's
+    # storage instead of several (benchmarks/README.md, "Stochastic rounding's update").
     # false: torch's fused AdamW (and stochastic rounding eagerly, with torch.randint's bits).
     compiled: bool = True
 
@@ -231,8 +233,8 @@ class TrainConfig:
     # Forced balanced routing for benchmarks (token i goes to experts i*k..i*k+k-1 mod E).
     force_balanced_routing: bool = False
     # The host waits for the GPU (writes the metrics rows of the steps since, prints progress, checks for NaN and
-    # signals) every this many steps and at the last; every step still gets its row. 1 costs a sync per step
-    # (measured on one H200 at micro-batch 1: 14% fewer tokens/s than 5).
+    # signals) every this many steps and at the last; every step still gets its row. 1 costs a sync per step, which
+    # shows at small micro-batches (benchmarks/README.md, index row "Logging cadence").
     log_every: int = field(10, ge=1, help="steps between logged rows, which are the only steps that wait for the GPU")
     # Held-out loss and perplexity every this many steps and at the end, when data has a validation set
     # (data.val_path or data.val_fraction).
@@ -316,9 +318,9 @@ GROUPS = {
 def rounds_stochastically(precision: str, stochastic_rounding: bool | None) -> bool:
     """Whether a run with these ``train.precision`` and ``optim.stochastic_rounding`` values rounds its AdamW
     update stochastically: automatic (None) means exactly for bf16 parameters, whose round-to-nearest update loses
-    every change below half a bf16 step (at lr 3e-5 the loss stalled at 1.9-2.8x fp32 master weights' after 100
-    steps; stochastic rounding ended within 1.4% of it, at 0.99x plain bf16's speed on an H200:
-    benchmarks/README.md)."""
+    every change below half a bf16 step, so at fine-tuning learning rates the loss stalls where stochastic rounding
+    follows fp32 master weights at bf16's speed (benchmarks/README.md, "Stochastic rounding's update" and
+    "Precision and kernel sets")."""
     return precision == "bf16" if stochastic_rounding is None else stochastic_rounding
 
 
