@@ -37,8 +37,11 @@ needs_te = pytest.mark.skipif(
 def checkpoint_trainer(**fields):
     """What ``moe_tune.checkpoint`` reads of a Trainer, for a model built without one: ``fields`` (model,
     optimizer, scheduler, step, cfg) over one rank, no source, one micro-batch per step, no custom chat template."""
+    from moe_tune.distributed.dims import BatchLayout
+
     data = types.SimpleNamespace(chat_template=None)
-    return types.SimpleNamespace(**{"rank": 0, "source": None, "accum": 1, "dp_size": 1, "data": data, **fields})
+    layout = BatchLayout.from_config(fields["cfg"].train, dp_size=1)
+    return types.SimpleNamespace(**{"rank": 0, "source": None, "layout": layout, "data": data, **fields})
 
 
 # -- ranks in processes -------------------------------------------------------------------------------------

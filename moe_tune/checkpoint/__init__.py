@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+from dataclasses import replace
 
 import torch
 
@@ -36,11 +37,11 @@ from moe_tune.checkpoint.state import (
     names_match,
     param_groups_by_name,
     restore_model,
-    rows_per_step,
     scheduler_by_name,
 )
 from moe_tune.checkpoint.state import is_extra_state as _is_extra_state
-from moe_tune.config import CheckpointError, rounds_stochastically
+from moe_tune.config import CheckpointError, TrainConfig, rounds_stochastically
+from moe_tune.distributed.dims import BatchLayout
 
 COMPLETE = "COMPLETE"
 log = logging.getLogger("moe_tune")
@@ -104,7 +105,7 @@ def load(trainer, path: str) -> None:
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     check_settings(meta, trainer.cfg, path)  # another peft: named in settings, before any tensor is read
-    keep_global_batch(trainer, meta, path)
+    trainer.layout = keep_global_batch(trainer.layout, trainer.cfg.train, meta, path, trainer.rank)
     if frozen_names(trainer.model):  # adapters only: the base is the run's own, and must be the one they fit
         from dataclasses import asdict
 
@@ -217,40 +218,39 @@ def _changed(cfg, saved: dict, keys: list[tuple[str, str]]) -> list[str]:
     return changed
 
 
-def keep_global_batch(trainer, meta: dict, path: str) -> None:
-    """A resume continues the run's data order: step s reads the rows after those of steps 0..s-1, s x the rows
-    per step, so the global batch must stay what it was (another layout with train.global_batch_size=-1 would
-    silently replay or skip rows, and change the batch). With train.global_batch_size=-1 the trainer takes the
-    checkpoint's by accumulating micro-batches; a global batch it cannot keep, or another one set on purpose, is
-    one line (CheckpointError)."""
-    t = trainer.cfg.train
+def keep_global_batch(layout: BatchLayout, train: TrainConfig, meta: dict, path: str, rank: int = 0) -> BatchLayout:
+    """The layout a resume trains with, which continues the run's data order: step s reads the rows after those of
+    steps 0..s-1, s x the rows per step, so the global batch must stay what it was (another layout with
+    train.global_batch_size=-1 would silently replay or skip rows, and change the batch). With
+    train.global_batch_size=-1 the checkpoint's is kept by accumulating micro-batches; a global batch that cannot
+    be kept, or another one set on purpose, is one line (CheckpointError)."""
     saved = meta.get("rows_per_step") or meta["config"]["train"].get("global_batch_size", -1)
-    per_micro = t.micro_batch_size * trainer.dp_size
-    if saved == -1 or saved == rows_per_step(trainer):  # a checkpoint older than rows_per_step with -1: unknown
-        return
-    if t.global_batch_size == -1 and saved % per_micro == 0:
-        trainer.accum = saved // per_micro
-        if trainer.rank == 0:
+    per_micro, dp = layout.rows_per_micro_batch, layout.dp_size
+    if saved == -1 or saved == layout.rows_per_step:  # a checkpoint older than rows_per_step with -1: unknown
+        return layout
+    if train.global_batch_size == -1 and saved % per_micro == 0:
+        kept = replace(layout, accum=saved // per_micro)
+        if rank == 0:
             log.info(
                 "keeping the checkpoint's global batch of %d rows: %d micro-batches of %d per rank x %d ranks",
                 saved,
-                trainer.accum,
-                t.micro_batch_size,
-                trainer.dp_size,
+                kept.accum,
+                kept.micro_batch_size,
+                dp,
             )
-        return
-    if t.global_batch_size != -1:
+        return kept
+    if train.global_batch_size != -1:
         fix = f"set train.global_batch_size={saved} (or -1 to keep the checkpoint's)"
-    elif saved == trainer.dp_size:
+    elif saved == dp:
         fix = "set train.micro_batch_size=1"
-    elif saved % trainer.dp_size == 0:
-        fix = f"set train.micro_batch_size to a divisor of {saved // trainer.dp_size}"
+    elif saved % dp == 0:
+        fix = f"set train.micro_batch_size to a divisor of {saved // dp}"
     else:
         fix = f"resume on a number of data-parallel ranks that divides {saved}"
     raise CheckpointError(
         f"checkpoint {path} was trained with {saved} rows per optimizer step and this run would take "
-        f"{rows_per_step(trainer)} (train.micro_batch_size={t.micro_batch_size} x {trainer.dp_size} data-parallel "
-        f"ranks x {trainer.accum} micro-batches), which would replay or skip data; {fix}"
+        f"{layout.rows_per_step} (train.micro_batch_size={layout.micro_batch_size} x {dp} data-parallel "
+        f"ranks x {layout.accum} micro-batches), which would replay or skip data; {fix}"
     )
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from moe_tune.checkpoint import background, manifest, safe
 from moe_tune.checkpoint.background import CheckpointSaver
-from moe_tune.checkpoint.state import extra_state_file, flat_state, frozen_names, is_extra_state, rows_per_step
+from moe_tune.checkpoint.state import extra_state_file, flat_state, frozen_names, is_extra_state
 from moe_tune.run_record import write_json
 
 log = logging.getLogger("moe_tune")
@@ -92,7 +92,7 @@ def _stage(trainer, path: str, saver: CheckpointSaver) -> tuple[dict, dict | Non
             "param_groups": optim_sd["param_groups"],
             "source": trainer.source,
             "config": asdict(trainer.cfg),
-            "rows_per_step": rows_per_step(trainer),  # the global batch, which a resume keeps (the data order)
+            "rows_per_step": trainer.layout.rows_per_step,  # the global batch, which a resume keeps (the data order)
             "chat_template": trainer.data.chat_template,  # data.chat_template's text: moe-tune-export writes it
         }
         if saver.async_save:  # the live scheduler and groups change at the next step

@@ -29,6 +29,7 @@ from moe_tune import checkpoint as ckpt
 from moe_tune.build import Built, build_training_model, check_model_source, discard_set_aside_base_model
 from moe_tune.config import Config, resolved, validate
 from moe_tune.config.unused import unused_settings
+from moe_tune.distributed.dims import BatchLayout
 from moe_tune.env import require_backends
 from moe_tune.loggers import build_logger, require_logger
 from moe_tune.metrics import MetricsWriter, StepTimer, peak_memory_gib, step_row
@@ -47,7 +48,7 @@ log = logging.getLogger("moe_tune")
 class Trainer:
     """``builder(cfg, env) -> Built`` makes the model on its mesh (default: moe_tune's own); the trainer adds the
     optimizer, data, metrics and the loop. ``moe_tune.checkpoint`` reads ``model``, ``optimizer``, ``scheduler``,
-    ``step``, ``rank``, ``source``, ``cfg``, ``accum``, ``dp_size`` and ``data.chat_template``."""
+    ``step``, ``rank``, ``source``, ``cfg``, ``layout`` and ``data.chat_template``."""
 
     def __init__(
         self,
@@ -72,7 +73,8 @@ class Trainer:
         self.built = built = builder(cfg, self.env)
         self.model, self.mesh, self.source, self.tokenizer = built.model, built.mesh, built.source, built.tokenizer
         self.moe_layers, self.flops_per_token = built.moe_layers, built.flops_per_token
-        self.dp_size, self.accum = self._batch_layout()
+        # Every rank is a data-parallel rank (EP borrows its ranks from dp_shard).
+        self.layout = BatchLayout.from_config(t, dp_size=self.world)
         self.optimizer, self.scheduler = self.build_optimizer()
         vocab_size = self.model.config.vocab_size
         self.data, self.val_data = build_datasets(cfg.data, self.tokenizer, t.seq_len, t.seed, vocab_size=vocab_size)
@@ -109,13 +111,6 @@ class Trainer:
         require_logger(cfg.logger)
 
     # -- building ----------------------------------------------------------------------------------
-    def _batch_layout(self) -> tuple[int, int]:
-        t = self.cfg.train
-        dp = self.world  # every rank is a data-parallel rank (EP borrows its ranks from dp_shard)
-        per_micro = t.micro_batch_size * dp
-        accum = 1 if t.global_batch_size == -1 else t.global_batch_size // per_micro
-        return dp, accum
-
     def build_optimizer(self):
         from moe_tune.optim import build_optimizer, build_scheduler, report_rounding
 
@@ -135,18 +130,18 @@ class Trainer:
         """Every micro-batch of ``step``, then one optimizer update. Returns the step's mean loss over its label
         tokens and the global gradient norm, as device tensors (nothing here waits for the device), and the
         learning rate the update applied."""
-        model = self.model
-        tokens = self.data.step_tokens(step, self.cfg.train.micro_batch_size, self.accum, self.dp_size)  # all ranks'
-        batches = [self._micro_batch(step, m) for m in range(self.accum)]
+        model, layout = self.model, self.layout
+        tokens = self.data.step_tokens(step, layout)  # all ranks'
+        batches = [self._micro_batch(step, m) for m in range(layout.accum)]
         normalizer = self._loss_normalizer(batches)
         ce_sum = torch.zeros((), device=self.device)
         load_LE = None  # rows per expert of every bias-corrected router, summed over the step's micro-batches
         for m, (ids, labels, pos) in enumerate(batches):
             if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 root: reduce on the last micro-batch
-                model.set_requires_gradient_sync(m == self.accum - 1)
+                model.set_requires_gradient_sync(m == layout.accum - 1)
             with self._autocast():
                 out = model(ids, labels=labels, position_ids=pos, loss_normalizer=normalizer)
-            extra = (out.loss - out.ce_loss) / self.accum  # balancing losses, averaged over micro-batches
+            extra = (out.loss - out.ce_loss) / layout.accum  # balancing losses, averaged over micro-batches
             (out.ce_loss + extra).backward()
             ce_sum += out.ce_loss.detach()
             load_LE = self._expert_load() if load_LE is None else load_LE + self._expert_load()
@@ -162,11 +157,10 @@ class Trainer:
             self._update_expert_bias(load_LE)
         if dist.is_initialized():
             dist.all_reduce(ce_sum)  # mesh: all ranks; per-rank sums of token losses / (global / dp)
-        return {"loss": ce_sum / self.dp_size, "grad_norm": grad_norm, "tokens": tokens, "lr": lr}
+        return {"loss": ce_sum / layout.dp_size, "grad_norm": grad_norm, "tokens": tokens, "lr": lr}
 
     def _micro_batch(self, step: int, micro: int):
-        t = self.cfg.train
-        return self.data.micro_batch(step, micro, t.micro_batch_size, self.accum, self.rank, self.dp_size, self.device)
+        return self.data.micro_batch(step, micro, self.layout, self.rank, self.device)
 
     def _loss_normalizer(self, batches) -> torch.Tensor:
         """The loss is a mean over every label token of the step on all ranks: count them first. FSDP averages
@@ -174,7 +168,7 @@ class Trainer:
         total = sum((labels[:, 1:] != -100).sum() for _, labels, _ in batches).float()
         if dist.is_initialized():
             dist.all_reduce(total)  # mesh: all ranks (every rank is data parallel)
-        return total.clamp(min=1) / self.dp_size
+        return total.clamp(min=1) / self.layout.dp_size
 
     def _autocast(self):
         if self.cfg.train.precision == "amp_bf16":
@@ -287,8 +281,7 @@ class Trainer:
 
     def _evaluate(self) -> torch.Tensor:
         """The held-out loss over the whole validation set of every rank (a device tensor: no host sync)."""
-        t = self.cfg.train
-        batches = self.val_data.batches(t.micro_batch_size, self.rank, self.dp_size, self.device)
+        batches = self.val_data.batches(self.layout, self.rank, self.device)
         return evaluate(self.model, batches, self.device, self._autocast)
 
     def _draw_expert_load(self, counts_LE: torch.Tensor | None) -> None:
@@ -327,8 +320,7 @@ class Trainer:
         if num_layers:
             extra["expert_load_max_over_mean"] = rest[0]
         layers = {f"expert_load/layer_{m.layer_idx}": v for m, v in zip(self.moe_layers, rest[1 : 1 + num_layers])}
-        t = self.cfg.train
-        positions = t.seq_len * t.micro_batch_size * self.accum * self.dp_size
+        positions = self.cfg.train.seq_len * self.layout.rows_per_step
         skipped = self.guard.skipped - sum(not math.isfinite(g) for g in norms)  # as of before the first
         rows = []
         for (step, lr, out), loss, grad_norm, (seconds, peak) in zip(pending, losses, norms, timed):

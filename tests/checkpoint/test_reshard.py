@@ -122,22 +122,19 @@ def test_the_global_batch_is_kept_across_a_resume_with_another_micro_batch(tmp_p
     ],
 )
 def test_keep_global_batch(global_batch, micro_batch, dp, saved, expect):
-    import types
-
     from moe_tune.checkpoint import keep_global_batch
     from moe_tune.config import CheckpointError, Config
+    from moe_tune.distributed.dims import BatchLayout
 
     cfg = Config()
     cfg.train.global_batch_size, cfg.train.micro_batch_size = global_batch, micro_batch
-    accum = 1 if global_batch == -1 else global_batch // (micro_batch * dp)
-    trainer = types.SimpleNamespace(cfg=cfg, dp_size=dp, accum=accum, rank=0)
+    layout = BatchLayout.from_config(cfg.train, dp)
     meta = {"config": {"train": {"global_batch_size": -1}}, **({} if saved is None else {"rows_per_step": saved})}
     if isinstance(expect, int):
-        keep_global_batch(trainer, meta, "ckpt")
-        assert trainer.accum == expect
+        assert keep_global_batch(layout, cfg.train, meta, "ckpt") == BatchLayout(micro_batch, expect, dp)
     else:
         with pytest.raises(CheckpointError, match="replay or skip data") as e:
-            keep_global_batch(trainer, meta, "ckpt")
+            keep_global_batch(layout, cfg.train, meta, "ckpt")
         assert str(e.value).endswith(expect), str(e.value)
 
 
