@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict
@@ -32,14 +31,15 @@ from moe_tune.config.unused import unused_settings
 from moe_tune.distributed.dims import BatchLayout
 from moe_tune.env import require_backends
 from moe_tune.loggers import build_logger, require_logger
-from moe_tune.metrics import MetricsWriter, StepTimer, peak_memory_gib, step_row
+from moe_tune.metrics import MetricsWriter, StepTimer
 from moe_tune.run_record import setup_logging, write_config, write_run_summary
 from moe_tune.train.cadence import Cadence
-from moe_tune.train.evaluate import evaluate, perplexity
+from moe_tune.train.evaluate import evaluate
 from moe_tune.train.guard import Diverged, NonFiniteGuard
 from moe_tune.train.lock import check_output_dir, init_run_lock
 from moe_tune.train.profile import build_profiler
 from moe_tune.train.progress import Progress
+from moe_tune.train.rows import metrics_rows
 from moe_tune.train.signals import StopSignal
 
 log = logging.getLogger("moe_tune")
@@ -47,8 +47,8 @@ log = logging.getLogger("moe_tune")
 
 class Trainer:
     """``builder(cfg, env) -> Built`` makes the model on its mesh (default: moe_tune's own); the trainer adds the
-    optimizer, data, metrics and the loop. ``moe_tune.checkpoint`` reads ``model``, ``optimizer``, ``scheduler``,
-    ``step``, ``rank``, ``source``, ``cfg``, ``layout`` and ``data.chat_template``."""
+    optimizer, data, metrics and the loop. It is the one owner of its state: checkpointing takes its components
+    (``checkpoint_state``) and a resume returns the step and batch layout, which the trainer applies."""
 
     def __init__(
         self,
@@ -88,7 +88,9 @@ class Trainer:
         )
         self.guard = NonFiniteGuard(t.max_nonfinite_steps, self.device, warn=self.rank == 0)
         self.saver = ckpt.CheckpointSaver(cfg.checkpoint.async_save, self.device)  # one save in flight at most
-        self.step = ckpt.maybe_resume(self, cfg.checkpoint.resume) if built.checkpointable else 0
+        self.step = 0
+        if built.checkpointable:
+            self._resume()
         if self.rank == 0 and write_run_files:
             write_config(cfg)  # only once the config, model, data and checkpoint are known to be usable
         # Last: a tracker's run starts only once everything else could be built.
@@ -111,6 +113,21 @@ class Trainer:
         require_logger(cfg.logger)
 
     # -- building ----------------------------------------------------------------------------------
+    def checkpoint_state(self) -> ckpt.RunState:
+        """What a checkpoint saves and loads into: the components, the batch layout and the run's identity."""
+        chat_template = self.data.chat_template
+        return ckpt.RunState(
+            self.model, self.optimizer, self.scheduler, self.cfg, self.layout, self.rank, self.source, chat_template
+        )
+
+    def _resume(self) -> None:
+        """``checkpoint.resume``'s checkpoint loads into the model, optimizer and scheduler; the step and batch
+        layout it gives are the trainer's to apply, and metrics rows of the steps about to be replayed go."""
+        resumed = ckpt.maybe_resume(self.checkpoint_state(), self.cfg.checkpoint.resume)
+        if resumed is not None:
+            self.step, self.layout = resumed.step, resumed.layout
+        self.metrics.drop_after(self.step)
+
     def build_optimizer(self):
         from moe_tune.optim import build_optimizer, build_scheduler, report_rounding
 
@@ -260,7 +277,18 @@ class Trainer:
         if self.cadence.draws(self.step):
             self._draw_expert_load(counts_LE)
         val_loss = self._evaluate() if self.cadence.evals(self.step) else None
-        rows, layers = self._metrics_rows(pending, timer.take(), counts_LE, val_loss)
+        rows, layers = metrics_rows(
+            pending,
+            timer.take(),
+            positions=self.cfg.train.seq_len * self.layout.rows_per_step,
+            skipped=self.guard.skipped,
+            world=self.world,
+            flops_per_token=self.flops_per_token,
+            device=self.device,
+            val_loss=val_loss,
+            counts_LE=counts_LE,
+            layer_idx=[m.layer_idx for m in self.moe_layers],
+        )
         for row in rows:
             self.metrics.log(row)
             self.logger.log(row["step"], {**row, **layers} if row is rows[-1] else row)
@@ -268,8 +296,8 @@ class Trainer:
             progress.report(rows[-1])
         if diverged:
             self._stop_diverged(diverged)  # before any save: no checkpoint after the limit was passed
-        if self.cadence.checkpoint_every:
-            ckpt.prepare_save(self, self.saver)  # the first sync step: the host copy is allocated while training
+        if self.cadence.checkpoint_every:  # the first sync step: the host copy is allocated while training
+            ckpt.prepare_save(self.checkpoint_state(), self.saver)
         if self.cadence.saves(self.step):
             self.save(wait=False)
         return stop.agreed(self.device) and self.step < self.cfg.train.steps
@@ -292,48 +320,6 @@ class Trainer:
         # host sync: the counts for the image, on image steps only (a sync step: the device is idle)
         image = expert_load_image(counts_LE.cpu().numpy(), self.step, [m.layer_idx for m in self.moe_layers])
         self.logger.log_image(self.step, "expert_load", image)
-
-    def _metrics_rows(
-        self, pending: list, timed: list, counts_LE: torch.Tensor | None, val_loss: torch.Tensor | None
-    ) -> tuple[list[dict], dict]:
-        """The metrics.jsonl rows of the ``pending`` steps (``timed``: their seconds and peaks), the last with the
-        validation loss and the expert load (max over mean; per decoder layer i as ``expert_load/layer_<i>``, the second
-        value returned, for the experiment logger)."""
-        n = len(pending)
-        outs = [out for *_, out in pending]
-        values = [o["loss"].float() for o in outs] + [o["grad_norm"].float().to(self.device) for o in outs]
-        if val_loss is not None:
-            values.append(val_loss.float())
-        num_layers = 0
-        if counts_LE is not None:
-            loads = counts_LE.float()
-            ratio_L = (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1)).to(self.device)
-            values += [ratio_L.mean(), *ratio_L]
-            num_layers = len(ratio_L)
-        # host sync: one .tolist() per sync step for its rows (the device is idle: the timer synced)
-        flat = torch.stack(values).tolist()
-        losses, norms, rest = flat[:n], flat[n : 2 * n], flat[2 * n :]
-        extra = {}
-        if val_loss is not None:
-            val = rest.pop(0)
-            extra.update(val_loss=val, val_ppl=perplexity(val))
-        if num_layers:
-            extra["expert_load_max_over_mean"] = rest[0]
-        layers = {f"expert_load/layer_{m.layer_idx}": v for m, v in zip(self.moe_layers, rest[1 : 1 + num_layers])}
-        positions = self.cfg.train.seq_len * self.layout.rows_per_step
-        skipped = self.guard.skipped - sum(not math.isfinite(g) for g in norms)  # as of before the first
-        rows = []
-        for (step, lr, out), loss, grad_norm, (seconds, peak) in zip(pending, losses, norms, timed):
-            skipped += not math.isfinite(grad_norm)  # the guard's rule: a non-finite norm skipped the update
-            tokens = (*out["tokens"], positions)  # real, label, positions: all ranks'
-            row = step_row(step, loss, grad_norm, lr, tokens, seconds, self.world, self.flops_per_token, peak)
-            rows.append({**row, "skipped_steps": skipped})
-        # The sync step's row: its evaluation's memory too, its validation loss and expert loads.
-        rows[-1]["peak_mem_gib"], rows[-1]["peak_reserved_gib"] = map(
-            max, zip(timed[-1][1], peak_memory_gib(self.device))
-        )
-        rows[-1].update(extra)
-        return rows, layers
 
     def _stop_diverged(self, diverged: Diverged) -> None:
         if self.rank == 0:
@@ -363,7 +349,7 @@ class Trainer:
 
     def save(self, wait: bool = True) -> None:
         """A checkpoint of this step; ``wait=False`` (the loop's) returns while a background write goes on."""
-        ckpt.save(self, self._checkpoint_path(), self.saver)
+        ckpt.save(self.checkpoint_state(), self.step, self._checkpoint_path(), self.saver)
         if wait:
             self.saver.wait()
 
