@@ -34,11 +34,29 @@ needs_te = pytest.mark.skipif(
 )
 
 
-def checkpoint_trainer(**fields):
-    """What ``moe_tune.checkpoint`` reads of a Trainer, for a model built without one: ``fields`` (model,
-    optimizer, scheduler, step, cfg) over one rank, no source, one micro-batch per step, no custom chat template."""
-    data = types.SimpleNamespace(chat_template=None)
-    return types.SimpleNamespace(**{"rank": 0, "source": None, "accum": 1, "dp_size": 1, "data": data, **fields})
+class CheckpointRun(types.SimpleNamespace):
+    """What a Trainer hands ``moe_tune.checkpoint``, for a model built without one: ``model``, ``optimizer``,
+    ``scheduler``, ``step`` and ``cfg`` over one rank, no source, one micro-batch per step, no custom chat
+    template; ``save`` and ``load`` as the trainer does them (a load's step applied by the run, here)."""
+
+    def state(self):
+        from moe_tune.checkpoint import RunState
+        from moe_tune.distributed.dims import BatchLayout
+
+        layout = BatchLayout.from_config(self.cfg.train, dp_size=1)
+        return RunState(self.model, self.optimizer, self.scheduler, self.cfg, layout)
+
+    def save(self, path: str) -> float:
+        from moe_tune import checkpoint as ckpt
+
+        return ckpt.save(self.state(), self.step, path)
+
+    def load(self, path: str):
+        from moe_tune import checkpoint as ckpt
+
+        resumed = ckpt.load(self.state(), path)
+        self.step = resumed.step
+        return resumed
 
 
 # -- ranks in processes -------------------------------------------------------------------------------------

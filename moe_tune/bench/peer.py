@@ -35,6 +35,7 @@ from torch import nn
 from moe_tune.bench.baseline import check_workload, hf_flops_per_token, peer_optimizer
 from moe_tune.build import Built
 from moe_tune.config import Config, ConfigError, UserError
+from moe_tune.distributed.dims import BatchLayout
 from moe_tune.train import Trainer
 
 DEFAULT_BACKEND = {"attn": "sdpa", "linear": "torch", "experts": "torch_mm", "rope_fusion": False}
@@ -110,9 +111,8 @@ def build_nemo_model(cfg: Config, env, backend_kwargs: dict, requested_ep: int |
             shutil.rmtree(weights)
     model.train()
     t = cfg.train
-    accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.micro_batch_size * env.world_size)
     return Built(
-        model=NeMoCausalLM(model, accum),
+        model=NeMoCausalLM(model, BatchLayout.from_config(t, dp_size=env.world_size).accum),
         mesh=None,
         source=source,
         tokenizer=build_tokenizer(source),

@@ -41,6 +41,7 @@ from transformers import TrainerCallback
 from moe_tune.bench.plans import TRL_ATTENTION, TRL_INSTALL, workload_problem
 from moe_tune.config import Config, ConfigError, UserError
 from moe_tune.data.packing import IGNORE
+from moe_tune.distributed.dims import BatchLayout
 from moe_tune.metrics import MetricsWriter, StepTimer, step_row
 
 log = logging.getLogger("moe_tune")
@@ -186,7 +187,7 @@ def build_trainer(cfg: Config, model, tokenizer, samples: list, meter: StepMeter
         output_dir=os.path.join(cfg.output_dir, "trl"),
         max_steps=t.steps,
         per_device_train_batch_size=t.micro_batch_size,
-        gradient_accumulation_steps=1 if t.global_batch_size == -1 else t.global_batch_size // t.micro_batch_size,
+        gradient_accumulation_steps=BatchLayout.from_config(t, dp_size=1).accum,  # one process
         learning_rate=t.lr,
         max_grad_norm=o.max_grad_norm,
         bf16=t.precision != "fp32",

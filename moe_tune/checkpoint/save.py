@@ -14,14 +14,15 @@ import torch.distributed as dist
 
 from moe_tune.checkpoint import background, manifest, safe
 from moe_tune.checkpoint.background import CheckpointSaver
-from moe_tune.checkpoint.state import extra_state_file, flat_state, frozen_names, is_extra_state, rows_per_step
+from moe_tune.checkpoint.run_state import RunState
+from moe_tune.checkpoint.state import extra_state_file, flat_state, frozen_names, is_extra_state
 from moe_tune.run_record import write_json
 
 log = logging.getLogger("moe_tune")
 
 
-def save(trainer, path: str, saver: CheckpointSaver | None = None) -> float:
-    """Save ``trainer``'s state as ``path``; returns the seconds training was blocked. With a background
+def save(state: RunState, step: int, path: str, saver: CheckpointSaver | None = None) -> float:
+    """Save ``state`` at optimizer step ``step`` as ``path``; returns the seconds training was blocked. With a background
     ``saver`` (``checkpoint.async_save``) that is the wait for the previous save plus the device-to-host copy; the
     write, the manifest and ``COMPLETE`` follow on the writer thread. Without one: synchronous, complete on
     return."""
@@ -32,28 +33,29 @@ def save(trainer, path: str, saver: CheckpointSaver | None = None) -> float:
     # complete while rewritten): what a disk-full message can point to.
     root = os.path.dirname(os.path.dirname(path))
     previous = next((p for p in manifest.complete_checkpoints(root) if p != path), None)
-    with safe.disk_full_exits(path, previous, trainer.rank):
-        if trainer.rank == 0 and os.path.isfile(os.path.join(path, manifest.COMPLETE)):
+    with safe.disk_full_exits(path, previous, state.rank):
+        if state.rank == 0 and os.path.isfile(os.path.join(path, manifest.COMPLETE)):
             os.remove(os.path.join(path, manifest.COMPLETE))
         if dist.is_initialized():
             dist.barrier()  # no rank writes into the directory while it still claims to be complete
         staged_at = time.perf_counter()
-        state, meta, num_bytes = _stage(trainer, path, saver)
+        tensors, meta, num_bytes = _stage(state, step, path, saver)
         staging = time.perf_counter() - staged_at
-    job = functools.partial(_write, state, meta, path, trainer.step, trainer.rank, saver.group(), trainer.cfg)
+    keep = state.cfg.checkpoint.keep_last
+    job = functools.partial(_write, tensors, meta, path, step, state.rank, saver.group(), keep)
 
     def on_error(e: BaseException) -> None:
-        with safe.disk_full_exits(path, previous, trainer.rank):
+        with safe.disk_full_exits(path, previous, state.rank):
             raise e
 
     saver.run(job, on_error)
     stall = time.perf_counter() - start
-    if trainer.rank == 0:
+    if state.rank == 0:
         how = "async, written in the background" if saver.async_save else "sync (checkpoint.async_save=false)"
         log.info(
             "checkpoint_stall step=%d stall_s=%.3f staging_s=%.3f wait_previous_s=%.3f staged_gib=%.3f: "
             "training was blocked %.2f s by the save of %s (%s)",
-            trainer.step,
+            step,
             stall,
             staging,
             waited,
@@ -65,51 +67,51 @@ def save(trainer, path: str, saver: CheckpointSaver | None = None) -> float:
     return stall
 
 
-def prepare_save(trainer, saver: CheckpointSaver) -> None:
+def prepare_save(state: RunState, saver: CheckpointSaver) -> None:
     """Allocate a background save's host copy ahead of the first save, off the training thread (once the
     optimizer's state exists: after the first step)."""
     if saver.wants_buffers():
-        saver.prepare(flat_state(trainer.model, trainer.optimizer)[0])
+        saver.prepare(flat_state(state.model, state.optimizer)[0])
 
 
-def _stage(trainer, path: str, saver: CheckpointSaver) -> tuple[dict, dict | None, int]:
+def _stage(state: RunState, step: int, path: str, saver: CheckpointSaver) -> tuple[dict, dict | None, int]:
     """On the training thread: the tensors to write (host copies for a background save, this rank's bytes),
     meta.json's content (rank 0, host values of this step), the modules' extra state written."""
-    flat, model_sd, optim_sd = flat_state(trainer.model, trainer.optimizer)
+    flat, model_sd, optim_sd = flat_state(state.model, state.optimizer)
     extra = {k: v for k, v in model_sd.items() if is_extra_state(k)}
     if extra:  # small: written now, before the writer's collectives and COMPLETE
         os.makedirs(path, exist_ok=True)
-        torch.save(extra, extra_state_file(path, trainer.rank))
-        manifest.fsync(extra_state_file(path, trainer.rank))
-    state, num_bytes = saver.stage(flat)
+        torch.save(extra, extra_state_file(path, state.rank))
+        manifest.fsync(extra_state_file(path, state.rank))
+    tensors, num_bytes = saver.stage(flat)
     meta = None
-    if trainer.rank == 0:
+    if state.rank == 0:
         from dataclasses import asdict
 
         meta = {
-            "step": trainer.step,
-            "scheduler": trainer.scheduler.state_dict(),
+            "step": step,
+            "scheduler": state.scheduler.state_dict(),
             "param_groups": optim_sd["param_groups"],
-            "source": trainer.source,
-            "config": asdict(trainer.cfg),
-            "rows_per_step": rows_per_step(trainer),  # the global batch, which a resume keeps (the data order)
-            "chat_template": trainer.data.chat_template,  # data.chat_template's text: moe-tune-export writes it
+            "source": state.source,
+            "config": asdict(state.cfg),
+            "rows_per_step": state.layout.rows_per_step,  # the global batch, which a resume keeps (the data order)
+            "chat_template": state.chat_template,  # data.chat_template's text: moe-tune-export writes it
         }
         if saver.async_save:  # the live scheduler and groups change at the next step
             meta = copy.deepcopy(meta)
-        if trainer.source is not None and frozen_names(trainer.model):  # LoRA: what the adapters belong to
+        if state.source is not None and frozen_names(state.model):  # LoRA: what the adapters belong to
             from moe_tune.models.source_check import base_fingerprint
 
-            meta["base_fingerprint"] = base_fingerprint(trainer.source)
-    return state, meta, num_bytes
+            meta["base_fingerprint"] = base_fingerprint(state.source)
+    return tensors, meta, num_bytes
 
 
-def _write(state: dict, meta: dict | None, path: str, step: int, rank: int, group, cfg) -> None:
+def _write(tensors: dict, meta: dict | None, path: str, step: int, rank: int, group, keep: int) -> None:
     """The save's files, then COMPLETE (collective on ``group``: the writer's, or the default group inline)."""
     import torch.distributed.checkpoint as dcp
 
     start = time.perf_counter()
-    dcp.save(state, storage_writer=background.storage_writer(path), process_group=group)  # every file fsync'd
+    dcp.save(tensors, storage_writer=background.storage_writer(path), process_group=group)  # every file fsync'd
     if rank == 0:
         write_json(os.path.join(path, "meta.json"), meta)  # flushed and fsync'd
     written = time.perf_counter()
@@ -120,7 +122,6 @@ def _write(state: dict, meta: dict | None, path: str, step: int, rank: int, grou
         dist.barrier(group=group)
     done = time.perf_counter()
     root = os.path.dirname(os.path.dirname(path))
-    keep = cfg.checkpoint.keep_last
     if rank == 0 and keep:  # after the last barrier: every rank is done with the older ones
         for old in manifest.prune(root, keep):
             log.info("deleted %s (checkpoint.keep_last=%d)", old, keep)

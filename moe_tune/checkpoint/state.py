@@ -211,8 +211,3 @@ def names_match(path: str, fix: str = _MISMATCH_FIX):
 def extra_state_file(path: str, rank: int) -> str:
     """Where rank ``rank`` keeps its modules' extra state in checkpoint ``path``."""
     return os.path.join(path, f"extra_state.rank{rank}.pt")
-
-
-def rows_per_step(trainer) -> int:
-    """The global batch in rows: what a resume keeps (the data order)."""
-    return trainer.cfg.train.micro_batch_size * trainer.accum * trainer.dp_size

@@ -22,7 +22,7 @@ from moe_tune.config.schema import (
     PeftConfig,
     profiled_steps,
 )
-from moe_tune.distributed.dims import ParallelDims
+from moe_tune.distributed.dims import BatchLayout, ParallelDims
 
 
 def world_size_from_env() -> int:
@@ -45,7 +45,7 @@ def validate(
         dims.check_experts(num_experts)
     if expert_dims is not None:
         check_expert_dims(cfg.kernels.experts, *expert_dims)
-    _check_batch(cfg, dims)
+    BatchLayout.from_config(cfg.train, dims.dp)  # the global batch: a whole number of micro-batches
     if cfg.comm.name != "all_to_all" and dims.ep == 1:
         raise ConfigError(f"comm={cfg.comm.name} needs expert parallelism; set parallel.ep>1 or comm=all_to_all")
     if cfg.comm.overlap and dims.ep == 1:
@@ -170,16 +170,6 @@ def _check_train(cfg: Config) -> None:
         raise ConfigError(
             f"comm.overlap=true is implemented for comm={' or comm='.join(OVERLAP_BACKENDS)} only, not "
             f"comm={comm.name}; set comm.overlap=false or comm=all_to_all"
-        )
-
-
-def _check_batch(cfg: Config, dims: ParallelDims) -> None:
-    t = cfg.train
-    per_step = t.micro_batch_size * dims.dp
-    if t.global_batch_size != -1 and t.global_batch_size % per_step:
-        raise ConfigError(
-            f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
-            f"({t.micro_batch_size}) x data-parallel ranks ({dims.dp}); try train.global_batch_size={per_step}"
         )
 
 

@@ -21,13 +21,13 @@ def build_datasets(
 ) -> tuple[PackedDataset, ValDataset | None]:
     """The training set and the validation set (None without data.val_path / data.val_fraction).
 
-    train: ``micro_batch(step, micro, micro_batch_size, accum, dp_rank, dp_size, device)`` -> (ids, labels,
-    position ids or None), [micro_batch_size, seq_len] each; the rows of a step depend only on (seed, step, micro,
-    dp_rank, dp_size), so resuming at a step is exact. In memory (``PackedDataset``) or, with data.streaming=true,
+    train: ``micro_batch(step, micro, layout, dp_rank, device)`` -> (ids, labels, position ids or None),
+    [layout.micro_batch_size, seq_len] each; the rows of a step depend only on (seed, step, micro, dp_rank, the
+    ``BatchLayout``), so resuming at a step is exact. In memory (``PackedDataset``) or, with data.streaming=true,
     read lazily (``StreamingDataset``, same method).
-    val: ``ValDataset`` (always in memory): ``batches(micro_batch_size, dp_rank, dp_size, device)`` yields
-    (ids, labels, position ids or None) and covers every val row exactly once over the ranks, the same number of
-    batches on every rank (``num_batches(micro_batch_size, dp_size)``; padding rows have labels -100 only);
+    val: ``ValDataset`` (always in memory): ``batches(layout, dp_rank, device)`` yields (ids, labels, position ids
+    or None) and covers every val row exactly once over the ranks, the same number of batches on every rank
+    (``num_batches(layout)``; padding rows have labels -100 only);
     ``num_label_tokens`` counts its label tokens (causal shift: labels[:, 1:] != -100).
     Both carry ``stats`` (records_read, records_used, records_skipped {reason: n}, first_skipped {reason:
     where}, records_truncated, tokens, label_tokens, rows): put ``train.stats`` into summary.json.

@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 import torch
 
+from moe_tune.distributed.dims import BatchLayout
+
 IGNORE = -100  # label of a position that carries no loss (transformers' convention)
 
 Row = tuple[list[int], list[int], list[int], int]  # ids, labels, position ids (seq_len each), real tokens
@@ -133,30 +135,30 @@ def to_device(ids: torch.Tensor, labels: torch.Tensor, pos: torch.Tensor, device
 
 class MicroBatches:
     """The row layout every training set shares: micro-batch ``micro`` of optimizer step ``step`` on data-parallel
-    rank ``dp_rank`` holds the global rows ``row_indices(...)``, so the rows of a step depend on the step alone (an
-    exact resume) and the ranks' rows together are the step's. Subclasses give ``rows(...)`` -> CPU tensors."""
+    rank ``dp_rank`` holds the global rows ``row_indices(...)`` of the run's ``BatchLayout``, so the rows of a step
+    depend on the step alone (an exact resume) and the ranks' rows together are the step's. Subclasses give
+    ``rows(step, micro, layout, dp_rank)`` -> CPU tensors."""
 
     # The data.chat_template text the chat records were rendered with (None: the tokenizer's own, or no chat
     # records): the exported model carries it, so inference formats prompts as training did.
     chat_template: str | None = None
 
     @staticmethod
-    def row_indices(step: int, micro: int, micro_batch_size: int, accum: int, dp_rank: int, dp_size: int) -> range:
-        per_step = micro_batch_size * accum * dp_size
-        start = step * per_step + (micro * dp_size + dp_rank) * micro_batch_size
-        return range(start, start + micro_batch_size)
+    def row_indices(step: int, micro: int, layout: BatchLayout, dp_rank: int) -> range:
+        start = step * layout.rows_per_step + (micro * layout.dp_size + dp_rank) * layout.micro_batch_size
+        return range(start, start + layout.micro_batch_size)
 
-    def step_tokens(self, step: int, micro_batch_size: int, accum: int, dp_size: int) -> tuple[int, int]:
+    def step_tokens(self, step: int, layout: BatchLayout) -> tuple[int, int]:
         """(real tokens, label tokens) in the rows of ``step`` on every rank together (the rows are known on each
         rank: no communication). Real: not padding; label: carrying loss after the causal shift, as the loss
         counts them."""
-        per_step = micro_batch_size * accum * dp_size
+        per_step = layout.rows_per_step
         counts = [self.row_tokens(i) for i in range(step * per_step, (step + 1) * per_step)]
         return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
-    def micro_batch(self, step: int, micro: int, micro_batch_size: int, accum: int, dp_rank: int, dp_size: int, device):
+    def micro_batch(self, step: int, micro: int, layout: BatchLayout, dp_rank: int, device):
         """``rows`` on ``device`` as (ids, labels, position ids or None); see ``to_device``."""
-        return to_device(*self.rows(step, micro, micro_batch_size, accum, dp_rank, dp_size), device)
+        return to_device(*self.rows(step, micro, layout, dp_rank), device)
 
 
 class PackedDataset(MicroBatches):
@@ -176,9 +178,9 @@ class PackedDataset(MicroBatches):
     def __len__(self) -> int:
         return self.ids.shape[0]
 
-    def rows(self, step: int, micro: int, micro_batch_size: int, accum: int, dp_rank: int, dp_size: int):
+    def rows(self, step: int, micro: int, layout: BatchLayout, dp_rank: int):
         """The rows of micro-batch ``micro`` of optimizer step ``step`` for data-parallel rank ``dp_rank``."""
-        idx = [self._row(i) for i in self.row_indices(step, micro, micro_batch_size, accum, dp_rank, dp_size)]
+        idx = [self._row(i) for i in self.row_indices(step, micro, layout, dp_rank)]
         return self.ids[idx], self.labels[idx], self.positions[idx]
 
     def row_tokens(self, i: int) -> tuple[int, int]:
@@ -196,11 +198,11 @@ class PackedDataset(MicroBatches):
 class ValDataset:
     """Held-out rows for evaluation, in a fixed order (no shuffle).
 
-    ``batches(micro_batch_size, dp_rank, dp_size, device)`` yields (ids, labels, position ids or None) batches of
-    ``micro_batch_size`` rows; over all ranks every row comes exactly once. Every rank yields the same number of
-    batches, ``num_batches(micro_batch_size, dp_size)``: the rows past the end are padding whose labels are all
-    -100 (they add nothing to a loss sum or a token count, so reduce sums of token losses and of label tokens
-    over ranks, then divide). Batch b of rank r holds rows ``(b * dp_size + r) * micro_batch_size + i``.
+    ``batches(layout, dp_rank, device)`` yields (ids, labels, position ids or None) batches of the layout's
+    ``micro_batch_size`` rows; over its ``dp_size`` ranks every row comes exactly once. Every rank yields the same
+    number of batches, ``num_batches(layout)``: the rows past the end are padding whose labels are all -100 (they
+    add nothing to a loss sum or a token count, so reduce sums of token losses and of label tokens over ranks,
+    then divide). Batch b of rank r holds rows ``(b * dp_size + r) * micro_batch_size + i``.
 
     ``stats`` as ``PackedDataset.stats``; ``num_label_tokens``: label tokens over all rows (the count a per-token
     mean divides by, with the causal shift: labels[:, 1:] != -100)."""
@@ -213,14 +215,13 @@ class ValDataset:
     def __len__(self) -> int:
         return self.ids.shape[0]
 
-    def num_batches(self, micro_batch_size: int, dp_size: int) -> int:
-        per_batch = micro_batch_size * dp_size
-        return -(-len(self) // per_batch)
+    def num_batches(self, layout: BatchLayout) -> int:
+        return -(-len(self) // layout.rows_per_micro_batch)
 
-    def batches(self, micro_batch_size: int, dp_rank: int, dp_size: int, device) -> Iterator[tuple]:
-        seq_len = self.ids.shape[1]
-        for b in range(self.num_batches(micro_batch_size, dp_size)):
-            start = (b * dp_size + dp_rank) * micro_batch_size
+    def batches(self, layout: BatchLayout, dp_rank: int, device) -> Iterator[tuple]:
+        seq_len, micro_batch_size = self.ids.shape[1], layout.micro_batch_size
+        for b in range(self.num_batches(layout)):
+            start = (b * layout.dp_size + dp_rank) * micro_batch_size
             idx = list(range(start, min(start + micro_batch_size, len(self))))
             ids, labels, pos = self.ids[idx], self.labels[idx], self.positions[idx]
             missing = micro_batch_size - len(idx)

@@ -26,6 +26,7 @@ from moe_tune.data.encode import IGNORE, Encoder
 from moe_tune.data.packing import MicroBatches, RowPacker
 from moe_tune.data.pipeline import RecordSource, Tally, encode_one, parsed
 from moe_tune.data.records import BadRecord
+from moe_tune.distributed.dims import BatchLayout
 
 SHUFFLE_BUFFER = 10_000  # records
 
@@ -46,8 +47,8 @@ class StreamingDataset(MicroBatches):
         self._next = 0  # index of the row self._rows yields next
         self._window: dict[int, tuple] = {}  # the rows read from the first one asked for since the last prune
 
-    def rows(self, step: int, micro: int, micro_batch_size: int, accum: int, dp_rank: int, dp_size: int):
-        indices = self.row_indices(step, micro, micro_batch_size, accum, dp_rank, dp_size)
+    def rows(self, step: int, micro: int, layout: BatchLayout, dp_rank: int):
+        indices = self.row_indices(step, micro, layout, dp_rank)
         for i in [i for i in self._window if i < indices[0]]:  # rows are asked for in order: those before are done
             del self._window[i]
         rows = [self._row(i) for i in indices]

@@ -1,16 +1,18 @@
-"""``ParallelDims``: the parallel layout of a run, resolved and checked once, before any process group exists.
+"""``ParallelDims``: the parallel layout of a run, resolved and checked once, before any process group exists;
+``BatchLayout``: the rows of one optimizer step over that layout's data-parallel ranks.
 
 world = dp_replicate x dp_shard, and expert parallelism borrows its ranks from dp_shard: dp_shard = efsdp x ep.
 ``ParallelDims.from_config`` fills ``parallel.dp_shard=-1`` and raises ConfigError for any layout that does not
 fit the world size; everything downstream (validate, the mesh, the model build, FSDP) receives the result.
-Pure arithmetic: no torch.
+``BatchLayout.from_config`` is made once from ``train.*`` and the data-parallel size; the data loader, the trainer,
+the checkpoint (the global batch a resume keeps) and the metrics read it. Pure arithmetic: no torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_tune.config.schema import ConfigError, ParallelConfig
+from moe_tune.config.schema import ConfigError, ParallelConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -72,3 +74,38 @@ class ParallelDims:
                 f"the model's number of experts ({num_experts}) must be divisible by parallel.ep ({self.ep}); "
                 f"try parallel.ep={fit}"
             )
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """One optimizer step's rows: ``accum`` micro-batches of ``micro_batch_size`` rows on each of ``dp_size``
+    data-parallel ranks. Micro-batch m of rank r holds the step's rows ``(m x dp_size + r) x micro_batch_size``
+    onwards (``moe_tune.data.packing.MicroBatches``), so the rows of a step depend on the step alone."""
+
+    micro_batch_size: int
+    accum: int
+    dp_size: int
+
+    @classmethod
+    def from_config(cls, train: TrainConfig, dp_size: int) -> BatchLayout:
+        """``train.global_batch_size=-1``: one micro-batch per rank; else as many as make the global batch, which
+        must be a whole number of them (ConfigError naming the fix)."""
+        per_micro = train.micro_batch_size * dp_size
+        if train.global_batch_size == -1:
+            return cls(train.micro_batch_size, 1, dp_size)
+        if train.global_batch_size % per_micro:
+            raise ConfigError(
+                f"train.global_batch_size ({train.global_batch_size}) must be a multiple of train.micro_batch_size "
+                f"({train.micro_batch_size}) x data-parallel ranks ({dp_size}); try train.global_batch_size={per_micro}"
+            )
+        return cls(train.micro_batch_size, train.global_batch_size // per_micro, dp_size)
+
+    @property
+    def rows_per_micro_batch(self) -> int:
+        """Rows of one micro-batch on every rank together."""
+        return self.micro_batch_size * self.dp_size
+
+    @property
+    def rows_per_step(self) -> int:
+        """The global batch in rows: what a resume keeps (the data order)."""
+        return self.micro_batch_size * self.accum * self.dp_size

@@ -3,6 +3,7 @@
 trainer.py   Trainer: a model from an injected builder, train_step(), the loop
 cadence.py   Cadence: which steps log, evaluate, draw, save a checkpoint and synchronize the host
 evaluate.py  evaluate: the held-out loss over every validation token of all ranks (eval mode, no_grad)
+rows.py      metrics_rows: a sync step's device values, read in one host sync, as metrics.jsonl rows
 guard.py     NonFiniteGuard: device-side counts of steps skipped for a non-finite gradient norm
 signals.py   StopSignal: SIGTERM/SIGUSR1, agreed by every rank on the same step
 profile.py   build_profiler: train.profile=true traces steps 7-9 (as logged) on rank 0

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict
@@ -29,16 +28,18 @@ from moe_tune import checkpoint as ckpt
 from moe_tune.build import Built, build_training_model, check_model_source, discard_set_aside_base_model
 from moe_tune.config import Config, resolved, validate
 from moe_tune.config.unused import unused_settings
+from moe_tune.distributed.dims import BatchLayout
 from moe_tune.env import require_backends
 from moe_tune.loggers import build_logger, require_logger
-from moe_tune.metrics import MetricsWriter, StepTimer, peak_memory_gib, step_row
+from moe_tune.metrics import MetricsWriter, StepTimer
 from moe_tune.run_record import setup_logging, write_config, write_run_summary
 from moe_tune.train.cadence import Cadence
-from moe_tune.train.evaluate import evaluate, perplexity
+from moe_tune.train.evaluate import evaluate
 from moe_tune.train.guard import Diverged, NonFiniteGuard
 from moe_tune.train.lock import check_output_dir, init_run_lock
 from moe_tune.train.profile import build_profiler
 from moe_tune.train.progress import Progress
+from moe_tune.train.rows import metrics_rows
 from moe_tune.train.signals import StopSignal
 
 log = logging.getLogger("moe_tune")
@@ -46,8 +47,8 @@ log = logging.getLogger("moe_tune")
 
 class Trainer:
     """``builder(cfg, env) -> Built`` makes the model on its mesh (default: moe_tune's own); the trainer adds the
-    optimizer, data, metrics and the loop. ``moe_tune.checkpoint`` reads ``model``, ``optimizer``, ``scheduler``,
-    ``step``, ``rank``, ``source``, ``cfg``, ``accum``, ``dp_size`` and ``data.chat_template``."""
+    optimizer, data, metrics and the loop. It is the one owner of its state: checkpointing takes its components
+    (``checkpoint_state``) and a resume returns the step and batch layout, which the trainer applies."""
 
     def __init__(
         self,
@@ -72,7 +73,8 @@ class Trainer:
         self.built = built = builder(cfg, self.env)
         self.model, self.mesh, self.source, self.tokenizer = built.model, built.mesh, built.source, built.tokenizer
         self.moe_layers, self.flops_per_token = built.moe_layers, built.flops_per_token
-        self.dp_size, self.accum = self._batch_layout()
+        # Every rank is a data-parallel rank (EP borrows its ranks from dp_shard).
+        self.layout = BatchLayout.from_config(t, dp_size=self.world)
         self.optimizer, self.scheduler = self.build_optimizer()
         vocab_size = self.model.config.vocab_size
         self.data, self.val_data = build_datasets(cfg.data, self.tokenizer, t.seq_len, t.seed, vocab_size=vocab_size)
@@ -86,7 +88,9 @@ class Trainer:
         )
         self.guard = NonFiniteGuard(t.max_nonfinite_steps, self.device, warn=self.rank == 0)
         self.saver = ckpt.CheckpointSaver(cfg.checkpoint.async_save, self.device)  # one save in flight at most
-        self.step = ckpt.maybe_resume(self, cfg.checkpoint.resume) if built.checkpointable else 0
+        self.step = 0
+        if built.checkpointable:
+            self._resume()
         if self.rank == 0 and write_run_files:
             write_config(cfg)  # only once the config, model, data and checkpoint are known to be usable
         # Last: a tracker's run starts only once everything else could be built.
@@ -109,12 +113,20 @@ class Trainer:
         require_logger(cfg.logger)
 
     # -- building ----------------------------------------------------------------------------------
-    def _batch_layout(self) -> tuple[int, int]:
-        t = self.cfg.train
-        dp = self.world  # every rank is a data-parallel rank (EP borrows its ranks from dp_shard)
-        per_micro = t.micro_batch_size * dp
-        accum = 1 if t.global_batch_size == -1 else t.global_batch_size // per_micro
-        return dp, accum
+    def checkpoint_state(self) -> ckpt.RunState:
+        """What a checkpoint saves and loads into: the components, the batch layout and the run's identity."""
+        chat_template = self.data.chat_template
+        return ckpt.RunState(
+            self.model, self.optimizer, self.scheduler, self.cfg, self.layout, self.rank, self.source, chat_template
+        )
+
+    def _resume(self) -> None:
+        """``checkpoint.resume``'s checkpoint loads into the model, optimizer and scheduler; the step and batch
+        layout it gives are the trainer's to apply, and metrics rows of the steps about to be replayed go."""
+        resumed = ckpt.maybe_resume(self.checkpoint_state(), self.cfg.checkpoint.resume)
+        if resumed is not None:
+            self.step, self.layout = resumed.step, resumed.layout
+        self.metrics.drop_after(self.step)
 
     def build_optimizer(self):
         from moe_tune.optim import build_optimizer, build_scheduler, report_rounding
@@ -135,18 +147,18 @@ class Trainer:
         """Every micro-batch of ``step``, then one optimizer update. Returns the step's mean loss over its label
         tokens and the global gradient norm, as device tensors (nothing here waits for the device), and the
         learning rate the update applied."""
-        model = self.model
-        tokens = self.data.step_tokens(step, self.cfg.train.micro_batch_size, self.accum, self.dp_size)  # all ranks'
-        batches = [self._micro_batch(step, m) for m in range(self.accum)]
+        model, layout = self.model, self.layout
+        tokens = self.data.step_tokens(step, layout)  # all ranks'
+        batches = [self._micro_batch(step, m) for m in range(layout.accum)]
         normalizer = self._loss_normalizer(batches)
         ce_sum = torch.zeros((), device=self.device)
         load_LE = None  # rows per expert of every bias-corrected router, summed over the step's micro-batches
         for m, (ids, labels, pos) in enumerate(batches):
             if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 root: reduce on the last micro-batch
-                model.set_requires_gradient_sync(m == self.accum - 1)
+                model.set_requires_gradient_sync(m == layout.accum - 1)
             with self._autocast():
                 out = model(ids, labels=labels, position_ids=pos, loss_normalizer=normalizer)
-            extra = (out.loss - out.ce_loss) / self.accum  # balancing losses, averaged over micro-batches
+            extra = (out.loss - out.ce_loss) / layout.accum  # balancing losses, averaged over micro-batches
             (out.ce_loss + extra).backward()
             ce_sum += out.ce_loss.detach()
             load_LE = self._expert_load() if load_LE is None else load_LE + self._expert_load()
@@ -162,11 +174,10 @@ class Trainer:
             self._update_expert_bias(load_LE)
         if dist.is_initialized():
             dist.all_reduce(ce_sum)  # mesh: all ranks; per-rank sums of token losses / (global / dp)
-        return {"loss": ce_sum / self.dp_size, "grad_norm": grad_norm, "tokens": tokens, "lr": lr}
+        return {"loss": ce_sum / layout.dp_size, "grad_norm": grad_norm, "tokens": tokens, "lr": lr}
 
     def _micro_batch(self, step: int, micro: int):
-        t = self.cfg.train
-        return self.data.micro_batch(step, micro, t.micro_batch_size, self.accum, self.rank, self.dp_size, self.device)
+        return self.data.micro_batch(step, micro, self.layout, self.rank, self.device)
 
     def _loss_normalizer(self, batches) -> torch.Tensor:
         """The loss is a mean over every label token of the step on all ranks: count them first. FSDP averages
@@ -174,7 +185,7 @@ class Trainer:
         total = sum((labels[:, 1:] != -100).sum() for _, labels, _ in batches).float()
         if dist.is_initialized():
             dist.all_reduce(total)  # mesh: all ranks (every rank is data parallel)
-        return total.clamp(min=1) / self.dp_size
+        return total.clamp(min=1) / self.layout.dp_size
 
     def _autocast(self):
         if self.cfg.train.precision == "amp_bf16":
@@ -266,7 +277,18 @@ class Trainer:
         if self.cadence.draws(self.step):
             self._draw_expert_load(counts_LE)
         val_loss = self._evaluate() if self.cadence.evals(self.step) else None
-        rows, layers = self._metrics_rows(pending, timer.take(), counts_LE, val_loss)
+        rows, layers = metrics_rows(
+            pending,
+            timer.take(),
+            positions=self.cfg.train.seq_len * self.layout.rows_per_step,
+            skipped=self.guard.skipped,
+            world=self.world,
+            flops_per_token=self.flops_per_token,
+            device=self.device,
+            val_loss=val_loss,
+            counts_LE=counts_LE,
+            layer_idx=[m.layer_idx for m in self.moe_layers],
+        )
         for row in rows:
             self.metrics.log(row)
             self.logger.log(row["step"], {**row, **layers} if row is rows[-1] else row)
@@ -274,8 +296,8 @@ class Trainer:
             progress.report(rows[-1])
         if diverged:
             self._stop_diverged(diverged)  # before any save: no checkpoint after the limit was passed
-        if self.cadence.checkpoint_every:
-            ckpt.prepare_save(self, self.saver)  # the first sync step: the host copy is allocated while training
+        if self.cadence.checkpoint_every:  # the first sync step: the host copy is allocated while training
+            ckpt.prepare_save(self.checkpoint_state(), self.saver)
         if self.cadence.saves(self.step):
             self.save(wait=False)
         return stop.agreed(self.device) and self.step < self.cfg.train.steps
@@ -287,8 +309,7 @@ class Trainer:
 
     def _evaluate(self) -> torch.Tensor:
         """The held-out loss over the whole validation set of every rank (a device tensor: no host sync)."""
-        t = self.cfg.train
-        batches = self.val_data.batches(t.micro_batch_size, self.rank, self.dp_size, self.device)
+        batches = self.val_data.batches(self.layout, self.rank, self.device)
         return evaluate(self.model, batches, self.device, self._autocast)
 
     def _draw_expert_load(self, counts_LE: torch.Tensor | None) -> None:
@@ -299,49 +320,6 @@ class Trainer:
         # host sync: the counts for the image, on image steps only (a sync step: the device is idle)
         image = expert_load_image(counts_LE.cpu().numpy(), self.step, [m.layer_idx for m in self.moe_layers])
         self.logger.log_image(self.step, "expert_load", image)
-
-    def _metrics_rows(
-        self, pending: list, timed: list, counts_LE: torch.Tensor | None, val_loss: torch.Tensor | None
-    ) -> tuple[list[dict], dict]:
-        """The metrics.jsonl rows of the ``pending`` steps (``timed``: their seconds and peaks), the last with the
-        validation loss and the expert load (max over mean; per decoder layer i as ``expert_load/layer_<i>``, the second
-        value returned, for the experiment logger)."""
-        n = len(pending)
-        outs = [out for *_, out in pending]
-        values = [o["loss"].float() for o in outs] + [o["grad_norm"].float().to(self.device) for o in outs]
-        if val_loss is not None:
-            values.append(val_loss.float())
-        num_layers = 0
-        if counts_LE is not None:
-            loads = counts_LE.float()
-            ratio_L = (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1)).to(self.device)
-            values += [ratio_L.mean(), *ratio_L]
-            num_layers = len(ratio_L)
-        # host sync: one .tolist() per sync step for its rows (the device is idle: the timer synced)
-        flat = torch.stack(values).tolist()
-        losses, norms, rest = flat[:n], flat[n : 2 * n], flat[2 * n :]
-        extra = {}
-        if val_loss is not None:
-            val = rest.pop(0)
-            extra.update(val_loss=val, val_ppl=perplexity(val))
-        if num_layers:
-            extra["expert_load_max_over_mean"] = rest[0]
-        layers = {f"expert_load/layer_{m.layer_idx}": v for m, v in zip(self.moe_layers, rest[1 : 1 + num_layers])}
-        t = self.cfg.train
-        positions = t.seq_len * t.micro_batch_size * self.accum * self.dp_size
-        skipped = self.guard.skipped - sum(not math.isfinite(g) for g in norms)  # as of before the first
-        rows = []
-        for (step, lr, out), loss, grad_norm, (seconds, peak) in zip(pending, losses, norms, timed):
-            skipped += not math.isfinite(grad_norm)  # the guard's rule: a non-finite norm skipped the update
-            tokens = (*out["tokens"], positions)  # real, label, positions: all ranks'
-            row = step_row(step, loss, grad_norm, lr, tokens, seconds, self.world, self.flops_per_token, peak)
-            rows.append({**row, "skipped_steps": skipped})
-        # The sync step's row: its evaluation's memory too, its validation loss and expert loads.
-        rows[-1]["peak_mem_gib"], rows[-1]["peak_reserved_gib"] = map(
-            max, zip(timed[-1][1], peak_memory_gib(self.device))
-        )
-        rows[-1].update(extra)
-        return rows, layers
 
     def _stop_diverged(self, diverged: Diverged) -> None:
         if self.rank == 0:
@@ -371,7 +349,7 @@ class Trainer:
 
     def save(self, wait: bool = True) -> None:
         """A checkpoint of this step; ``wait=False`` (the loop's) returns while a background write goes on."""
-        ckpt.save(self, self._checkpoint_path(), self.saver)
+        ckpt.save(self.checkpoint_state(), self.step, self._checkpoint_path(), self.saver)
         if wait:
             self.saver.wait()
 

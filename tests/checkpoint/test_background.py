@@ -64,7 +64,7 @@ def test_a_background_save_writes_the_step_it_was_asked_for(tmp_path, make_train
         trainer.train_step(i)
     trainer.step = 2
     at_save = _params(trainer.model)
-    stall = ckpt.save(trainer, _ckpt(tmp_path / "a", 2), trainer.saver)
+    stall = ckpt.save(trainer.checkpoint_state(), trainer.step, _ckpt(tmp_path / "a", 2), trainer.saver)
     assert gate.waiting.wait(30) and trainer.saver.pending()  # save returned with the write still to come
     assert stall < 30
     for i in range(2, 4):  # training goes on: the live tensors move

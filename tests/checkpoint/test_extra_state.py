@@ -7,12 +7,11 @@ import os
 
 import torch
 
-from moe_tune import checkpoint as ckpt
 from moe_tune.config import Config
 from moe_tune.models.init import init_random
 from moe_tune.models.model import build_model, materialize
 from moe_tune.models.presets import preset_config
-from tests.harness import checkpoint_trainer
+from tests.harness import CheckpointRun
 
 
 class _ExtraState(torch.nn.Module):
@@ -38,7 +37,7 @@ def _trainer(seed: int, nbytes: int):
     model.model.layers[0].te_like = _ExtraState(nbytes)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return checkpoint_trainer(model=model, optimizer=opt, scheduler=sched, step=3, cfg=Config())
+    return CheckpointRun(model=model, optimizer=opt, scheduler=sched, step=3, cfg=Config())
 
 
 def test_checkpoint_with_variable_size_extra_state_saves_and_resumes(tmp_path, monkeypatch):
@@ -47,9 +46,9 @@ def test_checkpoint_with_variable_size_extra_state_saves_and_resumes(tmp_path, m
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     saved.model(ids, labels=ids).loss.backward()
     saved.optimizer.step()
-    ckpt.save(saved, str(tmp_path / "step_3"))
+    saved.save(str(tmp_path / "step_3"))
     fresh = _trainer(seed=1, nbytes=0)  # a new process: nothing has run, empty extra state
-    ckpt.load(fresh, str(tmp_path / "step_3"))
+    fresh.load(str(tmp_path / "step_3"))
     for (name, a), b in zip(saved.model.named_parameters(), fresh.model.parameters()):
         assert torch.equal(a, b), name
     a_state = saved.optimizer.state_dict()["state"]
@@ -65,5 +64,5 @@ def test_checkpoint_with_variable_size_extra_state_saves_and_resumes(tmp_path, m
     # Without the saved extra state there is nothing of ours to unpickle: no opt-in.
     os.remove(tmp_path / "step_3" / "extra_state.rank0.pt")
     again = _trainer(seed=1, nbytes=0)
-    ckpt.load(again, str(tmp_path / "step_3"))
+    again.load(str(tmp_path / "step_3"))
     assert again.model.model.layers[0].te_like.pickle_opt_in == "0"

@@ -81,15 +81,14 @@ def test_another_model_is_named_after_the_parameters(tmp_path):
 
 
 def test_load_refuses_another_rank_before_reading_tensors(tmp_path):
-    from moe_tune import checkpoint as ckpt
 
     saved = _plain_trainer(steps=1, num_hidden_layers=1)
     saved.cfg.output_dir = str(tmp_path)
     saved.cfg.peft.name, saved.cfg.peft.rank = "lora", 16  # as meta.json records a rank-16 LoRA run
     path = os.path.join(tmp_path, "checkpoints", "step_1")
-    ckpt.save(saved, path)
+    saved.save(path)
     resumed = _plain_trainer(steps=0, num_hidden_layers=1)
     resumed.cfg.output_dir = str(tmp_path)
     resumed.cfg.peft.name, resumed.cfg.peft.rank = "lora", 8
     with pytest.raises(CheckpointError, match=r"\(checkpoint: peft.rank=16; this run: peft.rank=8\)"):
-        ckpt.load(resumed, path)
+        resumed.load(path)

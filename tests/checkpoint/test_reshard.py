@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import FAST_TRAINER, checkpoint_trainer, read_hf_tensors, run_ranks
+from tests.harness import FAST_TRAINER, CheckpointRun, read_hf_tensors, run_ranks
 
 STEPS = 5
 COMMON = [
@@ -122,22 +122,19 @@ def test_the_global_batch_is_kept_across_a_resume_with_another_micro_batch(tmp_p
     ],
 )
 def test_keep_global_batch(global_batch, micro_batch, dp, saved, expect):
-    import types
-
     from moe_tune.checkpoint import keep_global_batch
     from moe_tune.config import CheckpointError, Config
+    from moe_tune.distributed.dims import BatchLayout
 
     cfg = Config()
     cfg.train.global_batch_size, cfg.train.micro_batch_size = global_batch, micro_batch
-    accum = 1 if global_batch == -1 else global_batch // (micro_batch * dp)
-    trainer = types.SimpleNamespace(cfg=cfg, dp_size=dp, accum=accum, rank=0)
+    layout = BatchLayout.from_config(cfg.train, dp)
     meta = {"config": {"train": {"global_batch_size": -1}}, **({} if saved is None else {"rows_per_step": saved})}
     if isinstance(expect, int):
-        keep_global_batch(trainer, meta, "ckpt")
-        assert trainer.accum == expect
+        assert keep_global_batch(layout, cfg.train, meta, "ckpt") == BatchLayout(micro_batch, expect, dp)
     else:
         with pytest.raises(CheckpointError, match="replay or skip data") as e:
-            keep_global_batch(trainer, meta, "ckpt")
+            keep_global_batch(layout, cfg.train, meta, "ckpt")
         assert str(e.value).endswith(expect), str(e.value)
 
 
@@ -168,7 +165,7 @@ def _plain_trainer(steps: int = 1, split: bool = False, stochastic: bool = False
     opt_class = StochasticRoundingAdamW if stochastic else torch.optim.AdamW
     opt = opt_class([{"params": g} for g in groups], **hyper)
     sched = build_scheduler(opt, cfg.optim, total_steps=10)
-    trainer = checkpoint_trainer(model=model, optimizer=opt, scheduler=sched, step=0, cfg=cfg)
+    trainer = CheckpointRun(model=model, optimizer=opt, scheduler=sched, step=0, cfg=cfg)
     for _ in range(steps):
         _plain_step(trainer)
     return trainer
@@ -190,12 +187,11 @@ def _plain_step(t) -> float:
 def test_param_groups_and_optimizer_state_are_matched_by_name(tmp_path, stochastic, saved_split, resumed_split):
     """Two param groups (experts apart, as with EP) <-> one: each parameter gets its own moments and its group's
     hyperparameters and learning rate back, whatever group it is in now."""
-    from moe_tune import checkpoint as ckpt
 
     saved = _plain_trainer(steps=2, split=saved_split, stochastic=stochastic, num_hidden_layers=1)
-    ckpt.save(saved, str(tmp_path / "step_2"))
+    saved.save(str(tmp_path / "step_2"))
     resumed = _plain_trainer(steps=0, split=resumed_split, stochastic=stochastic, num_hidden_layers=1)
-    ckpt.load(resumed, str(tmp_path / "step_2"))
+    resumed.load(str(tmp_path / "step_2"))
     assert resumed.step == 2
     params = dict(saved.model.named_parameters())
     for name, p in resumed.model.named_parameters():
@@ -218,15 +214,15 @@ def test_param_groups_and_optimizer_state_are_matched_by_name(tmp_path, stochast
 def test_hyperparameters_given_anew_on_resume_take_effect(tmp_path, caplog):
     """train.lr, optim.weight_decay and train.steps changed for the resume: the peak and current rates scale by the
     lr ratio, the decay is the new one, the next step follows the new schedule; each change logged."""
-    from moe_tune import checkpoint as ckpt
 
     saved = _plain_trainer(steps=2, num_hidden_layers=1)
-    ckpt.save(saved, str(tmp_path / "step_2"))
+    saved.save(str(tmp_path / "step_2"))
     resumed = _plain_trainer(steps=0, num_hidden_layers=1)
     resumed.cfg.train.lr, resumed.cfg.optim.weight_decay = saved.cfg.train.lr / 4, 0.05
     resumed.cfg.train.steps = saved.cfg.train.steps + 10
     with caplog.at_level("INFO", logger="moe_tune"):
-        ckpt.load(resumed, str(tmp_path / "step_2"))
+        changes = resumed.load(str(tmp_path / "step_2")).changes
+    assert changes == ("train.lr 0.003 -> 0.00075", "optim.weight_decay 0.1 -> 0.05", "train.steps 60 -> 70")
     (group,), (before,) = resumed.optimizer.param_groups, saved.optimizer.param_groups
     assert group["lr"] == pytest.approx(before["lr"] / 4) and group["initial_lr"] == pytest.approx(
         before["initial_lr"] / 4
@@ -240,7 +236,7 @@ def test_hyperparameters_given_anew_on_resume_take_effect(tmp_path, caplog):
     caplog.clear()
     again = _plain_trainer(steps=0, num_hidden_layers=1)
     with caplog.at_level("INFO", logger="moe_tune"):
-        ckpt.load(again, str(tmp_path / "step_2"))
+        assert again.load(str(tmp_path / "step_2")).changes == ()
     assert "resuming with" not in caplog.text and again.optimizer.param_groups[0]["lr"] == before["lr"]
 
 
@@ -248,15 +244,14 @@ def test_a_resume_into_another_precision_or_rounding_says_so(tmp_path, caplog):
     """A bf16 + stochastic-rounding checkpoint resumed without those flags loads into this run's dtypes (fp32
     master weights, round to nearest): allowed, but a warning names both changes, so that a forgotten flag does
     not change memory and rounding silently; optim.compiled (the same maths) is logged as information."""
-    from moe_tune import checkpoint as ckpt
 
     saved = _plain_trainer(steps=1, stochastic=True, num_hidden_layers=1)
     saved.cfg.train.precision, saved.cfg.optim.stochastic_rounding = "bf16", True
     saved.cfg.optim.compiled = False
-    ckpt.save(saved, str(tmp_path / "step_1"))
+    saved.save(str(tmp_path / "step_1"))
     resumed = _plain_trainer(steps=0, num_hidden_layers=1)
     with caplog.at_level("INFO", logger="moe_tune"):
-        ckpt.load(resumed, str(tmp_path / "step_1"))
+        resumed.load(str(tmp_path / "step_1"))
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warned == [
         "resuming with this run's train.precision bf16 -> bf16_fp32_master; optim.stochastic_rounding True -> "
@@ -271,15 +266,14 @@ def test_a_resume_into_another_precision_or_rounding_says_so(tmp_path, caplog):
 def test_a_resume_with_other_data_or_another_model_path_says_so(tmp_path, caplog):
     """Other data for the remaining steps is named in the resume warning; a model.path other than the one the
     checkpoint was trained from is warned about too (its weights continue; the new path's are not loaded)."""
-    from moe_tune import checkpoint as ckpt
 
     saved = _plain_trainer(steps=1, num_hidden_layers=1)
     saved.cfg.data.path, saved.cfg.data.name, saved.cfg.model.path = "train.jsonl", "jsonl", "/ckpt/a"
-    ckpt.save(saved, str(tmp_path / "step_1"))
+    saved.save(str(tmp_path / "step_1"))
     resumed = _plain_trainer(steps=0, num_hidden_layers=1)
     resumed.cfg.data.path, resumed.cfg.data.name, resumed.cfg.model.path = "other.jsonl", "jsonl", "/ckpt/b"
     with caplog.at_level("INFO", logger="moe_tune"):
-        ckpt.load(resumed, str(tmp_path / "step_1"))
+        resumed.load(str(tmp_path / "step_1"))
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert "model.path /ckpt/b is not the checkpoint's (/ckpt/a): training continues from the checkpoint's" in warned[0]
     assert warned[1] == "resuming with this run's data.path train.jsonl -> other.jsonl (the checkpoint had the former)"
@@ -306,12 +300,11 @@ def test_a_lora_resume_from_a_moved_base_says_the_adapters_continue_on_it():
     ],
 )
 def test_names_that_do_not_match_the_model_are_a_checkpoint_error(tmp_path, saved, resumed, named):
-    from moe_tune import checkpoint as ckpt
     from moe_tune.config import CheckpointError
 
-    ckpt.save(_plain_trainer(**saved), str(tmp_path / "step_1"))
+    _plain_trainer(**saved).save(str(tmp_path / "step_1"))
     with pytest.raises(CheckpointError, match="does not match the model") as e:
-        ckpt.load(_plain_trainer(steps=0, **resumed), str(tmp_path / "step_1"))
+        _plain_trainer(steps=0, **resumed).load(str(tmp_path / "step_1"))
     assert named in str(e.value) and "\n" not in str(e.value), str(e.value)
     # Not this run's output_dir (Config's outputs/run): starting afresh over that would not help.
     assert str(e.value).endswith(f"without checkpoint.resume={tmp_path / 'step_1'}"), str(e.value)
@@ -330,7 +323,6 @@ def test_a_resume_keeps_norms_and_biases_out_of_weight_decay(tmp_path, saved_dec
     """Saved with decay 0.1 (its groups split by the rule) or 0 (one group), resumed with 0.2: the groups of
     matrices decay at 0.2, those of norms and biases at 0 (they got 0.2 too when the new value went to every
     group)."""
-    from moe_tune import checkpoint as ckpt
     from moe_tune.optim import build_scheduler, is_decayed, param_groups
 
     def trainer(decay: float, steps: int):
@@ -343,9 +335,9 @@ def test_a_resume_keeps_norms_and_biases_out_of_weight_decay(tmp_path, saved_dec
         return t
 
     saved = trainer(saved_decay, steps=2)
-    ckpt.save(saved, str(tmp_path / "step_2"))
+    saved.save(str(tmp_path / "step_2"))
     resumed = trainer(0.2, steps=0)
-    ckpt.load(resumed, str(tmp_path / "step_2"))
+    resumed.load(str(tmp_path / "step_2"))
     names = {id(p): n for n, p in resumed.model.named_parameters()}
     decays = {
         (group["weight_decay"], is_decayed(names[id(p)], p))

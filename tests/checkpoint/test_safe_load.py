@@ -11,10 +11,9 @@ import subprocess
 import pytest
 import torch
 
-from moe_tune import checkpoint as ckpt
 from moe_tune.checkpoint import safe
 from moe_tune.config import CheckpointError
-from tests.harness import FAST_RUN, PY, checkpoint_trainer, run_cli
+from tests.harness import FAST_RUN, PY, CheckpointRun, run_cli
 
 
 class _Payload:
@@ -111,15 +110,15 @@ def _trainer(tmp_path, state):
     model.model.layers[0].te_like = _TELike(state)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return checkpoint_trainer(model=model, optimizer=opt, scheduler=sched, step=1, cfg=Config())
+    return CheckpointRun(model=model, optimizer=opt, scheduler=sched, step=1, cfg=Config())
 
 
 def test_te_extra_state_is_screened_before_te_may_unpickle_it(tmp_path):
     marker = tmp_path / "payload_ran"
     benign = {"scale_fwd": torch.ones(3), "extra_fp8_variables": {"num_gemms": 3}}
-    ckpt.save(_trainer(tmp_path, benign), str(tmp_path / "good"))
-    ckpt.load(_trainer(tmp_path, None), str(tmp_path / "good"))  # tensors and containers pass
-    ckpt.save(_trainer(tmp_path, {"recipe": _Payload(str(marker))}), str(tmp_path / "bad"))
+    _trainer(tmp_path, benign).save(str(tmp_path / "good"))
+    _trainer(tmp_path, None).load(str(tmp_path / "good"))  # tensors and containers pass
+    _trainer(tmp_path, {"recipe": _Payload(str(marker))}).save(str(tmp_path / "bad"))
     with pytest.raises(CheckpointError, match=r"extra_state.rank0.pt .*posix.system is not allowed"):
-        ckpt.load(_trainer(tmp_path, None), str(tmp_path / "bad"))
+        _trainer(tmp_path, None).load(str(tmp_path / "bad"))
     assert not marker.exists()

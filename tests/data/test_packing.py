@@ -12,6 +12,7 @@ import torch
 
 from moe_tune.config import DataConfig
 from moe_tune.data import build_datasets
+from moe_tune.distributed.dims import BatchLayout
 from moe_tune.models.presets import build_tokenizer
 
 IGNORE = -100
@@ -124,7 +125,7 @@ def numbered(tmp_path, tok):
 
 
 def _rows_of(train, step: int, micro: int, rank: int, world: int, accum: int) -> list[tuple]:
-    ids, labels, _ = train.micro_batch(step, micro, MBS, accum, rank, world, torch.device("cpu"))
+    ids, labels, _ = train.micro_batch(step, micro, BatchLayout(MBS, accum, world), rank, torch.device("cpu"))
     assert ids.shape == labels.shape == (MBS, 16)
     return [tuple(r) for r in ids.tolist()]
 

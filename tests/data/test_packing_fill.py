@@ -15,6 +15,7 @@ import torch
 from moe_tune.config import DataConfig
 from moe_tune.data import build_datasets
 from moe_tune.data.packing import IGNORE, PackedDataset, RowPacker, pack_rows
+from moe_tune.distributed.dims import BatchLayout
 from moe_tune.metrics import step_row
 from moe_tune.models.presets import build_tokenizer
 
@@ -90,8 +91,9 @@ def test_streaming_best_fit_resumes_mid_epoch_on_two_ranks_exactly(tmp_path):
     mbs, accum, world = 2, 2, 2
 
     def step(data, s, rank):
-        counts = data.step_tokens(s, mbs, accum, world)
-        return counts, [torch.stack(data.rows(s, m, mbs, accum, rank, world)[:3]) for m in range(accum)]
+        layout = BatchLayout(mbs, accum, world)
+        counts = data.step_tokens(s, layout)
+        return counts, [torch.stack(data.rows(s, m, layout, rank)[:3]) for m in range(accum)]
 
     ranks = [build() for _ in range(world)]
     uninterrupted = {(s, r): step(ranks[r], s, r) for s in range(7) for r in range(world)}
@@ -105,7 +107,7 @@ def test_streaming_best_fit_resumes_mid_epoch_on_two_ranks_exactly(tmp_path):
             assert all(torch.equal(a, b) for a, b in zip(rows, uninterrupted[(s, r)][1]))
     one = build()
     for s in range(7):
-        whole = [torch.stack(one.rows(s, m, mbs, accum * world, 0, 1)[:3]) for m in range(accum * world)]
+        whole = [torch.stack(one.rows(s, m, BatchLayout(mbs, accum * world, 1), 0)[:3]) for m in range(accum * world)]
         split = [uninterrupted[(s, r)][1][m] for m in range(accum) for r in range(world)]
         assert all(torch.equal(a, b) for a, b in zip(whole, split))
     assert 0.9 < ranks[0].stats["row_fill"] < 1.0
@@ -122,10 +124,10 @@ def test_a_step_counts_real_and_label_tokens_of_its_rows_on_every_rank():
         ids[r, :n] = 5
         labels[r, 1:n] = 5  # n - 1 label tokens after the shift
     data = PackedDataset(ids, labels, torch.arange(seq_len).expand(4, seq_len), seed=0, lengths=torch.tensor(real))
-    tokens, label_tokens = data.step_tokens(0, 1, 2, 2)
+    tokens, label_tokens = data.step_tokens(0, BatchLayout(1, 2, 2))
     assert (tokens, label_tokens) == (24, 20)
     row = step_row(1, 1.0, 1.0, 1e-3, (tokens, label_tokens, 40), 2.0, 2, 1e12, (0.0, 0.0))
     assert row["tokens_per_s"] == 12.0 and row["tokens_per_s_per_gpu"] == 6.0 and row["label_tokens_per_s"] == 10.0
     assert row["row_fill"] == 0.6 and row["tflops_per_gpu"] == 10.0  # 40 positions / 2 s / 2 GPUs x 1 TFLOP
     full = PackedDataset(ids, labels, torch.arange(seq_len).expand(4, seq_len), seed=0)  # lengths None: full rows
-    assert full.step_tokens(0, 1, 2, 2)[0] == 40
+    assert full.step_tokens(0, BatchLayout(1, 2, 2))[0] == 40

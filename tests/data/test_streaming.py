@@ -12,6 +12,7 @@ import torch
 
 from moe_tune.config import DataConfig, DataError
 from moe_tune.data import build_datasets
+from moe_tune.distributed.dims import BatchLayout
 from moe_tune.models.presets import build_tokenizer
 
 SEQ_LEN, MBS = 48, 2
@@ -31,7 +32,7 @@ def stream(tmp_path, path, seed: int = 0, **options):
 
 
 def batch(data, step: int, rank: int = 0, world: int = 1, accum: int = 1, micro: int = 0) -> torch.Tensor:
-    ids, labels, pos = data.rows(step, micro, MBS, accum, rank, world)
+    ids, labels, pos = data.rows(step, micro, BatchLayout(MBS, accum, world), rank)
     return torch.stack([ids, labels, pos])
 
 
@@ -46,18 +47,20 @@ def test_ranks_split_one_global_sequence(tmp_path, data_file):
     single = stream(tmp_path, data_file)[0]
     ranks = [stream(tmp_path, data_file)[0] for _ in range(2)]
     for step in range(3):
-        whole = single.rows(step, 0, 2 * MBS, 1, 0, 1)[0]  # one rank, twice the rows per step
-        parts = [ranks[r].rows(step, 0, MBS, 1, r, 2)[0] for r in range(2)]
+        whole = single.rows(step, 0, BatchLayout(2 * MBS, 1, 1), 0)[0]  # one rank, twice the rows per step
+        parts = [ranks[r].rows(step, 0, BatchLayout(MBS, 1, 2), r)[0] for r in range(2)]
         assert torch.equal(torch.cat(parts), whole)
 
 
 def test_one_epoch_holds_every_record_once_then_goes_on(tmp_path, data_file):
     data = stream(tmp_path, data_file, packing=False)[0]  # one record per row
     tokenizer = build_tokenizer()
-    texts = [tokenizer.decode(data.rows(s, 0, 1, 1, 0, 1)[0][0], skip_special_tokens=True) for s in range(40)]
+    texts = [
+        tokenizer.decode(data.rows(s, 0, BatchLayout(1, 1, 1), 0)[0][0], skip_special_tokens=True) for s in range(40)
+    ]
     assert Counter(texts) == Counter(r["prompt"] + r["response"] for r in RECORDS)
     assert texts != [r["prompt"] + r["response"] for r in RECORDS]  # shuffled
-    data.rows(45, 0, 1, 1, 0, 1)
+    data.rows(45, 0, BatchLayout(1, 1, 1), 0)
     assert data.stats["epoch"] == 1 and data.stats["records_used"] >= 45
 
 

@@ -12,6 +12,7 @@ import torch
 
 from moe_tune.config import DataConfig, DataError
 from moe_tune.data import ValDataset, build_datasets
+from moe_tune.distributed.dims import BatchLayout
 from moe_tune.models.presets import build_tokenizer
 
 RECORDS = [{"text": f"record {i:03d}"} for i in range(50)]
@@ -59,13 +60,10 @@ def test_batches_cover_every_row_once(num_rows, micro_batch_size, dp_size):
     seq_len = 4
     ids = torch.arange(1, num_rows * seq_len + 1).view(num_rows, seq_len)
     val = ValDataset(ids, ids.clone(), torch.arange(seq_len).expand(num_rows, seq_len), pad_id=0)
-    per_rank = [list(val.batches(micro_batch_size, r, dp_size, "cpu")) for r in range(dp_size)]
+    layout = BatchLayout(micro_batch_size, 1, dp_size)
+    per_rank = [list(val.batches(layout, r, "cpu")) for r in range(dp_size)]
     expected_batches = -(-num_rows // (micro_batch_size * dp_size))
-    assert (
-        [len(b) for b in per_rank]
-        == [expected_batches] * dp_size
-        == [val.num_batches(micro_batch_size, dp_size)] * dp_size
-    )
+    assert [len(b) for b in per_rank] == [expected_batches] * dp_size == [val.num_batches(layout)] * dp_size
     seen = []
     for batches in per_rank:
         for ids_b, labels_b, pos in batches:

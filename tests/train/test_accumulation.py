@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_tune.distributed.dims import BatchLayout
 from tests.harness import run_ranks
 from tests.tiny import VOCAB, rel_err
 
@@ -74,7 +75,7 @@ def _step_under_fsdp(rank: int, path: str, output_dir: str, precision: str) -> t
         "train.aux_loss_coef=0",
     ]
     trainer = Trainer(to_config(compose(overrides)))
-    assert trainer.accum == ACCUM and trainer.dp_size == DP
+    assert trainer.layout == BatchLayout(MICRO, ACCUM, DP)
     model = trainer.model
     ids, labels = _global_rows()
 

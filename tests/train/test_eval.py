@@ -142,8 +142,7 @@ def test_trainer_evaluates_on_eval_steps_only_with_host_syncs_there(tmp_path, ma
             assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]), rel=1e-12)
             assert math.isfinite(r["val_loss"]) and r["val_loss"] > 0
     # The last row's value is the final model's loss over the whole validation set.
-    t = trainer.cfg.train
-    again = evaluate(trainer.model, trainer.val_data.batches(t.micro_batch_size, 0, 1, trainer.device), trainer.device)
+    again = evaluate(trainer.model, trainer.val_data.batches(trainer.layout, 0, trainer.device), trainer.device)
     assert rows[-1]["val_loss"] == pytest.approx(float(again), rel=1e-6)
     vals = [(r["val_loss"], r["step"]) for r in rows if "val_loss" in r]
     assert summary["final_val_loss"] == rows[-1]["val_loss"] and summary["final_val_ppl"] == rows[-1]["val_ppl"]

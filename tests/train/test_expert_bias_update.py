@@ -28,7 +28,7 @@ OVERRIDES = [
 def _step_batches(trainer, step: int) -> list:
     """The (ids, labels, position_ids) micro-batches the trainer takes for ``step`` on this rank (the one place
     this test reaches into the trainer's data path)."""
-    return [trainer._micro_batch(step, m) for m in range(trainer.accum)]
+    return [trainer._micro_batch(step, m) for m in range(trainer.layout.accum)]
 
 
 def _local_loads(trainer, batches) -> torch.Tensor:

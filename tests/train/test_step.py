@@ -26,7 +26,7 @@ def trainer(tmp_path):
 def step_batches(trainer, step: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """The (ids, labels, position_ids) micro-batches the trainer takes for ``step`` on this rank (the one place
     this test reaches into the trainer's data path)."""
-    return [trainer._micro_batch(step, m) for m in range(trainer.accum)]
+    return [trainer._micro_batch(step, m) for m in range(trainer.layout.accum)]
 
 
 def test_step_loss_is_the_mean_over_label_tokens(trainer):

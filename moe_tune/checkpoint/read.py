@@ -1,0 +1,66 @@
+"""Reading a complete checkpoint outside training: its meta.json and ``Config`` (``read_meta``), and its model
+tensors alone (``load_model_weights``), at any layout: what moe-tune-export and ``moe_tune.build`` use."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from moe_tune.checkpoint import manifest, safe
+from moe_tune.checkpoint.manifest import COMPLETE
+from moe_tune.checkpoint.state import model_entries, names_match, restore_model
+from moe_tune.config import CheckpointError
+
+
+def _hint(path: str) -> str:
+    """What to give instead of a run directory or a Hugging Face export."""
+    found = manifest.complete_checkpoints(path)
+    if found:
+        return f"; {path} is a run directory: give one of its checkpoints, e.g. {found[0]}"
+    for export in (path, os.path.join(path, "hf")):
+        if any(os.path.isfile(os.path.join(export, name)) for name in ("config.json", "adapter_config.json")):
+            return (
+                f"; {export} is a Hugging Face export, not a checkpoint (a run with checkpoint.every=0 saves none): "
+                "rerun with checkpoint.every=N, or load it with transformers (a LoRA adapter with PEFT, whose "
+                "merge_and_unload() merges it)"
+            )
+    return ""
+
+
+def read_meta(path: str):
+    """(meta.json, the run's ``Config``) of a complete checkpoint; CheckpointError naming what is missing."""
+    from omegaconf import OmegaConf
+
+    from moe_tune.config import Config, comm_config
+
+    meta_path = os.path.join(path, "meta.json")
+    if not os.path.isfile(os.path.join(path, COMPLETE)) or not os.path.isfile(meta_path):
+        raise CheckpointError(
+            f"{path} is not a complete moe-tune checkpoint (needs meta.json and {COMPLETE}){_hint(path)}"
+        )
+    problem = manifest.verify(path)  # sizes and checksums of every file, before any is read
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem}; use another checkpoint")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    saved = dict(meta["config"])
+    comm = comm_config(saved.pop("comm", {}))
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), saved))
+    cfg.comm = comm
+    return meta, cfg
+
+
+def load_model_weights(model, path: str) -> None:
+    """Only the model's tensors of a checkpoint into ``model`` (any layout: experts are stored one per key)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model_sd = get_model_state_dict(model)
+    flat = model_entries(model, model_sd)
+    problem = manifest.verify(path, checksums=False)  # read_meta checked the checksums
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem}; use another checkpoint")
+    with names_match(path):
+        safe.dcp_load(flat, path)  # no unpickling of anything but DCP's metadata classes
+    restore_model(flat, model_sd)
+    set_model_state_dict(model, model_sd)
+    safe.check_finite(model.state_dict().items(), f"checkpoint {path}")

@@ -1,0 +1,156 @@
+"""What a resume takes from the checkpoint and what it takes from this run, decided before anything loads.
+
+The global batch is the checkpoint's (``keep_global_batch``: the data order continues). Hyperparameters given
+anew are this run's: ``this_runs_hyperparameters`` writes them into the param groups and scheduler state about to
+be loaded (the checkpoint's values would otherwise silently win), so that each component takes them through its
+own ``load_state_dict``; ``report`` logs every difference once the load is done.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch
+
+from moe_tune.config import CheckpointError, Config, TrainConfig, rounds_stochastically
+from moe_tune.distributed.dims import BatchLayout
+
+log = logging.getLogger("moe_tune")
+
+
+def keep_global_batch(layout: BatchLayout, train: TrainConfig, meta: dict, path: str, rank: int = 0) -> BatchLayout:
+    """The layout a resume trains with, which continues the run's data order: step s reads the rows after those of
+    steps 0..s-1, s x the rows per step, so the global batch must stay what it was (another layout with
+    train.global_batch_size=-1 would silently replay or skip rows, and change the batch). With
+    train.global_batch_size=-1 the checkpoint's is kept by accumulating micro-batches; a global batch that cannot
+    be kept, or another one set on purpose, is one line (CheckpointError)."""
+    saved = meta.get("rows_per_step") or meta["config"]["train"].get("global_batch_size", -1)
+    per_micro, dp = layout.rows_per_micro_batch, layout.dp_size
+    if saved == -1 or saved == layout.rows_per_step:  # a checkpoint older than rows_per_step with -1: unknown
+        return layout
+    if train.global_batch_size == -1 and saved % per_micro == 0:
+        kept = replace(layout, accum=saved // per_micro)
+        if rank == 0:
+            log.info(
+                "keeping the checkpoint's global batch of %d rows: %d micro-batches of %d per rank x %d ranks",
+                saved,
+                kept.accum,
+                kept.micro_batch_size,
+                dp,
+            )
+        return kept
+    if train.global_batch_size != -1:
+        fix = f"set train.global_batch_size={saved} (or -1 to keep the checkpoint's)"
+    elif saved == dp:
+        fix = "set train.micro_batch_size=1"
+    elif saved % dp == 0:
+        fix = f"set train.micro_batch_size to a divisor of {saved // dp}"
+    else:
+        fix = f"resume on a number of data-parallel ranks that divides {saved}"
+    raise CheckpointError(
+        f"checkpoint {path} was trained with {saved} rows per optimizer step and this run would take "
+        f"{layout.rows_per_step} (train.micro_batch_size={layout.micro_batch_size} x {dp} data-parallel "
+        f"ranks x {layout.accum} micro-batches), which would replay or skip data; {fix}"
+    )
+
+
+def this_runs_hyperparameters(
+    cfg: Config, saved: dict, groups: list[dict], scheduler_state: dict, decays: list[float]
+) -> tuple[list[str], list[str]]:
+    """Write this run's hyperparameters into the checkpoint's param ``groups`` and ``scheduler_state`` (matched to
+    the current groups, not loaded yet), so that they take effect from the resumed step: ``train.lr`` rescales the
+    schedule's peak and the current rate; ``optim.betas`` and ``eps`` replace the groups', and each group's weight
+    decay is ``decays``' (this run's rule, ``weight_decays``). Returns (the changes warned about, the changes of
+    the schedule's shape), each ``"section.key old -> new"``; ``saved`` is the checkpoint's config.
+
+    The schedule's shape (``optim.warmup_steps``, ``schedule``, ``min_lr_ratio``, ``train.steps``) is always this
+    run's config; a change is reported as information, as the rate follows the new shape from the next step. So
+    are ``train.precision`` and ``optim.stochastic_rounding`` (the weights and moments load into this run's dtypes;
+    forgetting them on a resume would otherwise change memory and rounding silently) and ``optim.compiled`` (the
+    same maths); so is other data (``data.name``, ``path``, ``val_path``, ``val_fraction``: the remaining steps
+    read it)."""
+    t, o = cfg.train, cfg.optim
+    changes = []
+    if saved["train"]["lr"] != t.lr:
+        ratio = t.lr / saved["train"]["lr"]
+        scheduler_state["base_lrs"] = [lr * ratio for lr in scheduler_state["base_lrs"]]
+        for group in groups:
+            group["initial_lr"], group["lr"] = group["initial_lr"] * ratio, group["lr"] * ratio
+        scheduler_state["_last_lr"] = [group["lr"] for group in groups]  # LambdaLR's get_last_lr() after the load
+        changes.append(f"train.lr {saved['train']['lr']} -> {t.lr}")
+    for key in ("betas", "eps", "weight_decay"):
+        new = getattr(o, key)
+        old = saved["optim"].get(key, new)
+        if key == "betas":
+            old, new = tuple(old), tuple(new)
+        if old != new:
+            if key != "weight_decay":  # weight decay: per group, below
+                for group in groups:
+                    group[key] = new
+            changes.append(f"optim.{key} {old} -> {new}")
+    for group, decay in zip(groups, decays):
+        group["weight_decay"] = decay
+    changes += _changed(cfg, saved, [("train", "precision"), ("optim", "decay_norms_and_biases")])
+    # As each run applied it (automatic: on for bf16 parameters; a checkpoint from before the key: off).
+    was = rounds_stochastically(saved["train"]["precision"], saved["optim"].get("stochastic_rounding", False))
+    now = rounds_stochastically(t.precision, o.stochastic_rounding)
+    if was != now:
+        changes.append(f"optim.stochastic_rounding {was} -> {now}")
+    # The remaining steps read this run's data: another set changes what they train on.
+    changes += _changed(cfg, saved, [("data", k) for k in ("name", "path", "val_path", "val_fraction")])
+    # A longer run (train.steps) is the usual reason for a new shape: information, not a warning.
+    keys = [("optim", k) for k in ("warmup_steps", "schedule", "min_lr_ratio", "compiled")] + [("train", "steps")]
+    return changes, _changed(cfg, saved, keys)
+
+
+def weight_decays(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: Config) -> list[float]:
+    """Each param group's weight decay as this run's config gives it (``moe_tune.optim.param_groups``'s rule):
+    the checkpoint's groups may have been split otherwise, or saved with another decay, and norms and biases
+    keep 0 unless ``optim.decay_norms_and_biases``."""
+    from moe_tune.optim import is_decayed
+
+    o = cfg.optim
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [
+        o.weight_decay
+        if o.decay_norms_and_biases or any(is_decayed(names.get(id(p), ""), p) for p in group["params"])
+        else 0.0
+        for group in optimizer.param_groups
+    ]
+
+
+def _changed(cfg: Config, saved: dict, keys: list[tuple[str, str]]) -> list[str]:
+    """``"section.key old -> new"`` for each config value that differs from the checkpoint's (absent there: same)."""
+    changed = []
+    for section, key in keys:
+        new = getattr(getattr(cfg, section), key)
+        old = saved[section].get(key, new)
+        if old != new:
+            changed.append(f"{section}.{key} {old} -> {new}")
+    return changed
+
+
+def report(cfg: Config, saved: dict, changes: list[str], shape: list[str]) -> None:
+    """Rank 0's lines on what the resumed run takes from this run rather than from the checkpoint: a
+    ``model.path`` other than the checkpoint's (its weights continue; the new path's config and tokenizer are
+    used), then the changes (a warning) and the schedule's new shape (information)."""
+    source = saved["model"].get("path", cfg.model.path)
+    if source != cfg.model.path:
+        log.warning(other_source_message(cfg.model.path, source, lora=cfg.peft.name == "lora"))
+    for say, items in ((log.warning, changes), (log.info, shape)):
+        if items:
+            say("resuming with this run's %s (the checkpoint had the former)", "; ".join(items))
+
+
+def other_source_message(new: str, source: str, lora: bool) -> str:
+    """A resume whose model.path is not the checkpoint's: what each of them gives the run."""
+    if lora:  # the checkpoint holds adapters only; the base was checked to have the checkpoint's fingerprint
+        return (
+            f"model.path {new} is not the checkpoint's ({source}): the checkpoint's adapters continue on {new}'s base "
+            "weights, which have the checkpoint's fingerprint"
+        )
+    return (
+        f"model.path {new} is not the checkpoint's ({source}): training continues from the checkpoint's weights, with "
+        f"{new}'s config and tokenizer; to start from {new}'s weights, give another output_dir"
+    )
