@@ -6,7 +6,13 @@ code is imported):
     and every moe_tune module is placed in a layer;
 (c) no file in moe_tune/ over MAX_FILE_LINES lines;
 (d) no function or method over MAX_FUNCTION_LINES lines, from ``def`` to the end of its body (decorators not
-    counted).
+    counted);
+(e) no writes into another layer's objects, where the source shows them: no module outside ``moe_tune.train``
+    writes through a name ``trainer`` or a parameter annotated with ``Trainer``; no module writes a private
+    attribute (``x._name``) of an object other than ``self``/``cls``; no function writes through a parameter whose
+    annotation names a class of a moe_tune module in another layer. A write is an assignment (``=``, augmented,
+    annotated; attribute or item, at any depth below the name) or ``setattr``/``object.__setattr__`` with a
+    literal attribute name.
 
 LAYERS is also the layer table of docs/architecture.md: tests/test_docs.py holds the two to the same rows.
 
@@ -66,6 +72,17 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
+
+# Private attributes of third-party objects that moe_tune must write, where the library offers no public path:
+# (file, target as the source spells it) -> why.
+THIRD_PARTY_PRIVATE_WRITES = {
+    ("moe_tune/kernels/te.py", "model.config._attn_implementation"): "transformers picks a registered attention "
+    "function by this config property, and the model is built already",
+    ("moe_tune/models/model.py", "config._attn_implementation"): "transformers picks a registered attention "
+    "function by this config property, and the model is built already",
+    ("moe_tune/models/export.py", "generation._from_model_config"): "transformers' GenerationConfig has no public "
+    "setter for it; left True, transformers may rebuild generation_config.json from config.json",
+}
 
 REGISTRY_STRING = re.compile(r"(moe_tune(?:\.\w+)+):\w+")
 
@@ -304,6 +321,149 @@ def test_functions_are_at_most_60_lines():
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines (def to end of body):\n" + "\n".join(long)
 
 
+@dataclass(frozen=True)
+class Write:
+    path: str  # file of the writing module, relative to the repository
+    line: int
+    target: str  # what is written, as the source spells it
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.target} ({self.why})"
+
+
+def _root(node: ast.AST) -> tuple[str | None, list[str]]:
+    """The name an attribute/item chain starts from, and the attribute names along it (``a.b[0].c``: a, [b, c])."""
+    attrs = []
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        if isinstance(node, ast.Attribute):
+            attrs.append(node.attr)
+        node = node.value
+    return (node.id if isinstance(node, ast.Name) else None), attrs[::-1]
+
+
+def _written(tree: ast.AST):
+    """(node, object expression, attribute name or None for an item) of every write into an object in ``tree``."""
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and len(node.args) >= 2:
+            f, name = node.func, node.args[1]
+            setter = (isinstance(f, ast.Name) and f.id == "setattr") or (
+                isinstance(f, ast.Attribute) and f.attr == "__setattr__" and _root(f.value)[0] == "object"
+            )
+            if setter and isinstance(name, ast.Constant) and isinstance(name.value, str):
+                yield node, node.args[0], name.value
+        while targets:
+            t = targets.pop()
+            if isinstance(t, (ast.Tuple, ast.List)):
+                targets += t.elts
+            elif isinstance(t, ast.Starred):
+                targets.append(t.value)
+            elif isinstance(t, ast.Attribute):
+                yield node, t.value, t.attr
+            elif isinstance(t, ast.Subscript):
+                yield node, t.value, None
+
+
+def _is_private(attr: str | None) -> bool:
+    return attr is not None and attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__"))
+
+
+def _imported_names(module: str, tree: ast.AST, files: dict[str, str]) -> dict[str, str]:
+    """Local name -> the moe_tune module it names or comes from (``from pkg import Name``: pkg, or pkg.Name when
+    that is a module; ``import pkg.mod as m``: pkg.mod)."""
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith(PACKAGE) and a.asname:
+                    names[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve_relative(module, files, node.level, node.module) if node.level else node.module
+            if base and (base == PACKAGE or base.startswith(PACKAGE + ".")):
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    names[a.asname or a.name] = sub if sub in files else base
+    return names
+
+
+def _annotation_classes(annotation: ast.AST | None, imported: dict[str, str]) -> list[tuple[str, str]]:
+    """(class name, the moe_tune module it is imported from) of each name in a parameter's annotation."""
+    if annotation is None:
+        return []
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):  # a quoted annotation
+        try:
+            annotation = ast.parse(annotation.value, mode="eval").body
+        except SyntaxError:
+            return []
+    out = []
+    for node in ast.walk(annotation):
+        if isinstance(node, ast.Name) and node.id in imported:
+            out.append((node.id, imported[node.id]))
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported:
+            out.append(
+                (node.attr, imported[node.value.id])
+            )  # ckpt.RunState, with ``from moe_tune import checkpoint as ckpt``
+    return out
+
+
+def _foreign_parameters(module: str, fn: ast.AST, imported: dict[str, str]) -> dict[str, str]:
+    """Parameter name -> why it is not this module's to write: named ``trainer`` or annotated with ``Trainer``
+    (outside moe_tune.train), or annotated with a class imported from a module of another layer."""
+    args = fn.args
+    out = {}
+    for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
+        if a is None or a.arg in ("self", "cls"):
+            continue
+        classes = _annotation_classes(a.annotation, imported)
+        if not module.startswith(f"{PACKAGE}.train") and (
+            a.arg == "trainer" or any(c == "Trainer" for c, _ in classes)
+        ):
+            out[a.arg] = "the trainer's state is written only in moe_tune.train"
+            continue
+        for cls, owner in classes:
+            if layer_of(owner) is not None and layer_of(owner) != layer_of(module):
+                out[a.arg] = f"a {cls} of {owner} (layer {layer_of(owner)}), written from layer {layer_of(module)}"
+                break
+    return out
+
+
+def foreign_writes(files: dict[str, str]) -> list[Write]:
+    """Every write rule (e) forbids, in the files of ``files``."""
+    found = []
+    for module, rel in files.items():
+        with open(os.path.join(ROOT, rel)) as f:
+            tree = ast.parse(f.read(), filename=rel)
+        imported = _imported_names(module, tree, files)
+        foreign = {}  # id of a write node -> (parameter, why) of the function it is in
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                params = _foreign_parameters(module, fn, imported)
+                for node in ast.walk(fn):
+                    foreign[id(node)] = params
+        outside_train = not module.startswith(f"{PACKAGE}.train")
+        for node, obj, attr in _written(tree):
+            name, chain = _root(obj)
+            target = ast.unparse(obj) + (f".{attr}" if attr is not None else "[...]")
+            if outside_train and name == "trainer":
+                found.append(Write(rel, node.lineno, target, "the trainer's state is written only in moe_tune.train"))
+            elif name in foreign.get(id(node), {}):
+                found.append(Write(rel, node.lineno, target, foreign[id(node)][name]))
+            elif _is_private(attr) and not (name in ("self", "cls") and not chain):
+                if (rel, target) not in THIRD_PARTY_PRIVATE_WRITES:
+                    found.append(Write(rel, node.lineno, target, "a private attribute of another object"))
+    return sorted(set(found), key=lambda w: (w.path, w.line, w.target))
+
+
+def test_no_module_writes_into_another_layers_objects():
+    writes = foreign_writes(module_files())
+    assert not writes, f"{len(writes)} write(s) into objects another module owns:\n" + "\n".join(map(str, writes))
+
+
 # -- the checker on itself: small synthetic cases --------------------------------------------------------------
 
 
@@ -341,3 +501,65 @@ def test_checker_sees_lazy_imports_relative_imports_and_registry_strings(tmp_pat
     ]
     assert function_lengths(os.path.join(PACKAGE, "train.py")) == [(3, "g", 2)]
     assert layer_of("moe_tune") == 9 and layer_of("moe_tune.models.hf_io") == 5 and layer_of("moe_tune.x") is None
+
+
+def test_checker_sees_writes_into_objects_of_other_layers(tmp_path, monkeypatch):
+    """Rule (e) finds a checkpoint module writing the trainer's step (plain, augmented, nested, through a parameter
+    annotated with Trainer, by setattr), a scheduler's private attribute (and by object.__setattr__), and a
+    model module writing into a config parameter of another layer; it leaves alone the trainer's own writes, an
+    object's writes to its own private attributes, reads, and writes into same-layer or unannotated objects."""
+    pkg = tmp_path / PACKAGE
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config.py").write_text("class Config: ...\n")
+    (pkg / "train.py").write_text(
+        "class Trainer:\n    def f(self, trainer):\n        trainer.step = 1\n        self._step = 2\n"
+    )
+    (pkg / "checkpoint.py").write_text(
+        "from moe_tune.train import Trainer\n"
+        "def load(trainer, t: 'Trainer', scheduler, other):\n"
+        "    trainer.step = 1\n"
+        "    trainer.data.position += 1\n"
+        "    t.accum: int = 2\n"
+        "    setattr(t, 'layout', None)\n"
+        "    scheduler._last_lr = [0.1]\n"
+        "    object.__setattr__(scheduler, '_x', 0)\n"
+        "    a, (b, other.c) = 1, (2, 3)\n"
+        "    other.d, other._e = trainer.step, 4\n"
+        "class Saver:\n"
+        "    def __init__(self):\n"
+        "        self._n = 0\n"
+        "        setattr(self, '_m', 1)\n"
+        "        self.child._n = 2\n"
+        "    @classmethod\n"
+        "    def make(cls):\n"
+        "        cls._count = 1\n"
+    )
+    (pkg / "models.py").write_text(
+        "from moe_tune.config import Config\n"
+        "from moe_tune import models as same\n"
+        "def apply(cfg: Config, opts: 'same.Options', x):\n"
+        "    cfg.dtype = 'bf16'\n"
+        "    cfg.overrides['layers'] = 2\n"
+        "    opts.dtype = cfg.dtype\n"
+        "    x.y = 1\n"
+        "class Options: ...\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
+    got = [(w.path, w.line, w.target) for w in foreign_writes(module_files())]
+    assert got == [
+        ("moe_tune/checkpoint.py", 3, "trainer.step"),
+        ("moe_tune/checkpoint.py", 4, "trainer.data.position"),
+        ("moe_tune/checkpoint.py", 5, "t.accum"),
+        ("moe_tune/checkpoint.py", 6, "t.layout"),
+        ("moe_tune/checkpoint.py", 7, "scheduler._last_lr"),
+        ("moe_tune/checkpoint.py", 8, "scheduler._x"),
+        ("moe_tune/checkpoint.py", 10, "other._e"),
+        ("moe_tune/checkpoint.py", 15, "self.child._n"),
+        ("moe_tune/models.py", 4, "cfg.dtype"),
+        ("moe_tune/models.py", 5, "cfg.overrides[...]"),
+    ], got
+    whys = {w.target: w.why for w in foreign_writes(module_files())}
+    assert whys["t.accum"] == "the trainer's state is written only in moe_tune.train"
+    assert whys["scheduler._last_lr"] == "a private attribute of another object"
+    assert whys["cfg.dtype"] == "a Config of moe_tune.config (layer 0), written from layer 5"

@@ -31,7 +31,6 @@ import argparse
 import functools
 import logging
 import sys
-import types
 from dataclasses import replace
 
 import torch
@@ -74,11 +73,12 @@ def hf_flops_per_token(model: nn.Module, seq_len: int, frozen_base: bool = False
     return flops_per_token(model, seq_len, frozen_base) + (4.0 if frozen_base else 6.0) * extra
 
 
-def _balanced_router_forward(self, hidden_states: torch.Tensor):
+def _balanced_router_forward(self, real_forward, hidden_states: torch.Tensor):
     """A softmax top-k router (transformers v5: returns logits, gates, expert ids) with forced balanced routing:
     token t takes experts t*k .. t*k+k-1 mod E, gated by their softmax scores (fp32 island), renormalised where the
-    family renormalises (``norm_topk_prob``; Mixtral always does), in the dtype the family returns its gates."""
-    logits_TE, gates_TK, _ = self._real_forward(hidden_states)
+    family renormalises (``norm_topk_prob``; Mixtral always does), in the dtype the family returns its gates.
+    ``real_forward``: the router's own forward, which gives the logits."""
+    logits_TE, gates_TK, _ = real_forward(hidden_states)
     scores_TE = torch.softmax(logits_TE, dtype=torch.float32, dim=-1)
     T, K = logits_TE.shape[0], self.top_k
     arange = functools.partial(torch.arange, device=logits_TE.device)
@@ -100,8 +100,7 @@ def apply_forced_balanced_routing(model: nn.Module) -> int:
                 f"train.force_balanced_routing=true: the baseline can force only plain softmax top-k routers, not "
                 f"{type(r).__name__}; run this model with routing real (--routing real)"
             )
-        r._real_forward = r.forward
-        r.forward = types.MethodType(_balanced_router_forward, r)
+        r.forward = functools.partial(_balanced_router_forward, r, r.forward)
     if not routers:
         raise ConfigError("train.force_balanced_routing=true: no top-k router found in the Hugging Face model")
     return len(routers)

@@ -21,6 +21,7 @@ from moe_tune.models.families import Family, get_family
 from moe_tune.moe.dispatch import Dispatcher
 from moe_tune.moe.experts import ExpertsOptions
 from moe_tune.moe.layer import MoE
+from moe_tune.moe.stats import MoEStats, MoEStatsCollector
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,15 @@ class CausalLMOutput:
     aux_loss: torch.Tensor | None = None
     z_loss: torch.Tensor | None = None
     ce_loss: torch.Tensor | None = None
+    # The forward's routing statistics (rows per expert, each layer's balancing losses), one value per forward.
+    moe_stats: MoEStats | None = None
 
 
 class MoECausalLM(nn.Module):
     """Built by ``build_model``. ``packed_attention``: the attention takes packed rows' sequence boundaries as
     transformers' cu_seq_lens_q/k keyword arguments (TransformerEngine's: transformers builds no mask for a
-    registered attention function)."""
+    registered attention function). ``moe_stats``: the collector its MoE layers were given their slots by; each
+    forward's output carries what they put."""
 
     def __init__(
         self,
@@ -73,6 +77,7 @@ class MoECausalLM(nn.Module):
         options: ModelOptions,
         source_dir: str | None = None,
         packed_attention: bool = False,
+        moe_stats: MoEStatsCollector | None = None,
     ):
         super().__init__()
         # Hold the Hugging Face submodules directly so state-dict keys stay "model.*" and "lm_head.*".
@@ -91,6 +96,7 @@ class MoECausalLM(nn.Module):
             self.loss_fn = functools.partial(linear_cross_entropy, chunk_size=options.loss_chunk_size)
         self._hf_class = type(hf_model)
         self._moe_layers = [m for m in self.modules() if isinstance(m, MoE)]
+        self._moe_stats = moe_stats or MoEStatsCollector()
 
     # -- structure -------------------------------------------------------------------------------
     @property
@@ -131,10 +137,11 @@ class MoECausalLM(nn.Module):
                 )
             if position_ids is not None:
                 extra = packed_sequence_kwargs(position_ids.expand(input_ids.shape))
+        self._moe_stats.start()
         hidden = self.model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False, **extra
         ).last_hidden_state
-        out = CausalLMOutput()
+        out = CausalLMOutput(moe_stats=self._moe_stats.take())
         training = self.training and torch.is_grad_enabled()
         want_logits = (labels is None or not training) if return_logits is None else return_logits
         if want_logits:
@@ -156,13 +163,13 @@ class MoECausalLM(nn.Module):
             )
         out.ce_loss = ce_sum / loss_normalizer
         out.loss = out.ce_loss
-        if self.training:
-            moes = self.moe_layers()
-            if moes and self.aux_loss_coef:
-                out.aux_loss = torch.stack([m.aux_loss for m in moes]).mean()
+        if self.training and self.moe_layers():
+            stats = out.moe_stats
+            if self.aux_loss_coef:
+                out.aux_loss = torch.stack(stats.aux_loss).mean()
                 out.loss = out.loss + self.aux_loss_coef * out.aux_loss
-            if moes and self.z_loss_coef:
-                out.z_loss = torch.stack([m.z_loss for m in moes]).mean()
+            if self.z_loss_coef:
+                out.z_loss = torch.stack(stats.z_loss).mean()
                 out.loss = out.loss + self.z_loss_coef * out.z_loss
         return out
 
@@ -199,6 +206,7 @@ def build_model(
     from transformers import AutoModelForCausalLM
 
     options = options or ModelOptions()
+    moe_stats = MoEStatsCollector()
     family = get_family(config.model_type, getattr(config, "architectures", None))
     attn = options.attn_implementation or family.attn_implementation
     with torch.device("meta"):
@@ -212,7 +220,7 @@ def build_model(
             r = spec.router
             dispatcher = make_dispatcher(r.num_experts, r.top_k) if make_dispatcher else None
             expert_lora = options.lora if options.lora is not None and options.lora.experts else None
-            moe = MoE(spec, shared, dispatcher, options.experts, expert_lora, layer_idx=i)
+            moe = MoE(spec, shared, dispatcher, options.experts, expert_lora, layer_idx=i, stats=moe_stats.layer(i))
             _match_dtypes(moe, block, options.dtype)
             setattr(layer, family.block_attr, moe)
         packed_attention = False
@@ -227,7 +235,7 @@ def build_model(
             from moe_tune.models.lora import apply_lora
 
             apply_lora(hf, family.block_attr, options.lora, options.dtype)
-    return MoECausalLM(hf, family, options, source_dir, packed_attention)
+    return MoECausalLM(hf, family, options, source_dir, packed_attention, moe_stats)
 
 
 def _use_varlen_attention(config) -> bool:

@@ -14,6 +14,7 @@ from moe_tune.moe.dispatch.local import LocalDispatcher
 from moe_tune.moe.experts import ExpertsOptions, ExpertsSpec, GroupedExperts
 from moe_tune.moe.overlap import routed_in_halves
 from moe_tune.moe.router import Router, RouterSpec, expert_counts, load_balancing_loss, z_loss
+from moe_tune.moe.stats import LayerStats
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,9 @@ class MoE(nn.Module):
     """Router, dispatcher and this rank's experts. The dispatcher decides which experts are local (all of them
     without expert parallelism); ``shared`` are the Hugging Face block's shared-expert modules, adopted as is.
     ``lora``: adapters on the routed experts (given when LoRA targets them). ``layer_idx``: the decoder layer it
-    sits in (DeepSeek-V3's and GLM-4-MoE's leading layers are dense), which names its load in the logs."""
+    sits in (DeepSeek-V3's and GLM-4-MoE's leading layers are dense), which names its load in the logs.
+    ``stats``: where each forward puts its rows per expert and balancing losses (``moe_tune.moe.stats``; the
+    model's forward takes them); None: computed for routing only, kept nowhere."""
 
     def __init__(
         self,
@@ -50,9 +53,10 @@ class MoE(nn.Module):
         experts: ExpertsOptions | None = None,
         lora: LoRASpec | None = None,
         layer_idx: int | None = None,
+        stats: LayerStats | None = None,
     ):
         super().__init__()
-        self.spec, self.layer_idx = spec, layer_idx
+        self.spec, self.layer_idx, self.stats = spec, layer_idx, stats
         setattr(self, spec.router_attr, Router(spec.router, spec.experts.dim))
         self.dispatcher = dispatcher or LocalDispatcher(spec.router.num_experts, spec.router.top_k)
         d = self.dispatcher
@@ -61,10 +65,6 @@ class MoE(nn.Module):
         )
         for name, module in (shared or {}).items():
             setattr(self, name, module)
-        # Filled by every forward for the trainer: balancing losses (with graph) and rows per expert (detached).
-        self.aux_loss: torch.Tensor | None = None
-        self.z_loss: torch.Tensor | None = None
-        self.counts_E: torch.Tensor | None = None
 
     @property
     def router(self) -> Router:
@@ -79,12 +79,13 @@ class MoE(nn.Module):
         x_TD = x.reshape(-1, shape[-1])
         weights_TK, ids_TK, scores_TE, logits_TE = self.router(x_TD)
         counts_E = expert_counts(ids_TK, self.spec.router.num_experts)
-        if self.training:
-            if self.spec.aux_loss:
-                self.aux_loss = load_balancing_loss(scores_TE, counts_E, self.spec.router.top_k)
-            if self.spec.z_loss:
-                self.z_loss = z_loss(logits_TE)
-        self.counts_E = counts_E.detach()
+        if self.stats is not None:  # rows per expert (detached); balancing losses (with graph) in training
+            aux = z = None
+            if self.training and self.spec.aux_loss:
+                aux = load_balancing_loss(scores_TE, counts_E, self.spec.router.top_k)
+            if self.training and self.spec.z_loss:
+                z = z_loss(logits_TE)
+            self.stats.put(counts_E.detach(), aux, z)
 
         shared = self._shared if self.spec.shared_attr is not None else None
         if self.dispatcher.overlap:  # comm.overlap: two halves, communication beside compute (moe/overlap.py)

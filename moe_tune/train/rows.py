@@ -5,11 +5,11 @@ loss, expert load and peak memory."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 
 from moe_tune.metrics import peak_memory_gib, step_row
+from moe_tune.moe.stats import MoEStats
 from moe_tune.train.evaluate import perplexity
 
 
@@ -23,22 +23,21 @@ def metrics_rows(
     flops_per_token: float,
     device: torch.device,
     val_loss: torch.Tensor | None = None,
-    counts_LE: torch.Tensor | None = None,
-    layer_idx: Sequence[int] = (),
+    moe_stats: MoEStats | None = None,
 ) -> tuple[list[dict], dict]:
     """The rows of the ``pending`` steps ((step, lr, the training step's device values) each; ``timed``: their
     seconds and peaks; ``positions``: row positions per step over all ranks; ``skipped``: the guard's count of
-    skipped steps, these included), the last with the validation loss and the expert load of the decoder layers
-    ``layer_idx`` (max over mean; per layer i as ``expert_load/layer_<i>``, the second value returned, for the
-    experiment logger)."""
+    skipped steps, these included), the last with the validation loss and the expert load of ``moe_stats`` (the
+    last step's; max over mean, and per decoder layer i as ``expert_load/layer_<i>``, the second value returned,
+    for the experiment logger)."""
     n = len(pending)
     outs = [out for *_, out in pending]
     values = [o["loss"].float() for o in outs] + [o["grad_norm"].float().to(device) for o in outs]
     if val_loss is not None:
         values.append(val_loss.float())
     num_layers = 0
-    if counts_LE is not None:
-        loads = counts_LE.float()
+    if moe_stats is not None:
+        loads = moe_stats.counts_LE().float()
         ratio_L = (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1)).to(device)
         values += [ratio_L.mean(), *ratio_L]
         num_layers = len(ratio_L)
@@ -51,6 +50,7 @@ def metrics_rows(
         extra.update(val_loss=val, val_ppl=perplexity(val))
     if num_layers:
         extra["expert_load_max_over_mean"] = rest[0]
+    layer_idx = moe_stats.layer_idx if moe_stats is not None else ()
     layers = {f"expert_load/layer_{i}": v for i, v in zip(layer_idx, rest[1 : 1 + num_layers])}
     skipped -= sum(not math.isfinite(g) for g in norms)  # as of before the first
     rows = []

@@ -32,6 +32,7 @@ from moe_tune.distributed.dims import BatchLayout
 from moe_tune.env import require_backends
 from moe_tune.loggers import build_logger, require_logger
 from moe_tune.metrics import MetricsWriter, StepTimer
+from moe_tune.moe.stats import MoEStats
 from moe_tune.run_record import setup_logging, write_config, write_run_summary
 from moe_tune.train.cadence import Cadence
 from moe_tune.train.evaluate import evaluate
@@ -161,7 +162,7 @@ class Trainer:
             extra = (out.loss - out.ce_loss) / layout.accum  # balancing losses, averaged over micro-batches
             (out.ce_loss + extra).backward()
             ce_sum += out.ce_loss.detach()
-            load_LE = self._expert_load() if load_LE is None else load_LE + self._expert_load()
+            load_LE = self._add_expert_load(load_LE, out.moe_stats)
         grad_norm = self._clip_grad_norm()
         # A NaN/inf gradient anywhere makes the global norm non-finite on every rank (it is all-reduced): the
         # optimizer then skips the update on the device; the guard counts skipped steps, also on the device.
@@ -170,11 +171,13 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.cfg.train.bias_update_rate > 0 and load_LE is not None and load_LE.numel():
+        if load_LE is not None:
             self._update_expert_bias(load_LE)
         if dist.is_initialized():
             dist.all_reduce(ce_sum)  # mesh: all ranks; per-rank sums of token losses / (global / dp)
-        return {"loss": ce_sum / layout.dp_size, "grad_norm": grad_norm, "tokens": tokens, "lr": lr}
+        # moe_stats: the routing statistics of the step's last micro-batch (its loads, for the metrics).
+        loss = ce_sum / layout.dp_size
+        return {"loss": loss, "grad_norm": grad_norm, "tokens": tokens, "lr": lr, "moe_stats": out.moe_stats}
 
     def _micro_batch(self, step: int, micro: int):
         return self.data.micro_batch(step, micro, self.layout, self.rank, self.device)
@@ -202,22 +205,27 @@ class Trainer:
             self.optimizer.grad_scale = clip_divisor(norm, self.cfg.optim.max_grad_norm)
         return norm
 
-    def _biased_moes(self) -> list:
-        return [m for m in self.moe_layers if m.router.e_score_correction_bias is not None]
-
-    def _expert_load(self) -> torch.Tensor | None:
+    @functools.cached_property
+    def _biased_layers(self) -> list[int]:
+        """The decoder layers whose router's correction bias the run updates (train.bias_update_rate > 0)."""
         if self.cfg.train.bias_update_rate <= 0:
+            return []
+        return [m.layer_idx for m in self.moe_layers if m.router.e_score_correction_bias is not None]
+
+    def _add_expert_load(self, load_LE: torch.Tensor | None, stats: MoEStats) -> torch.Tensor | None:
+        """``load_LE`` plus a micro-batch's rows per expert (its forward's ``MoEStats``) of the biased layers."""
+        if not self._biased_layers:
             return None
-        moes = self._biased_moes()
-        return torch.stack([m.counts_E for m in moes]) if moes else torch.zeros(0, device=self.device)
+        loads = stats.counts_LE(self._biased_layers)
+        return loads if load_LE is None else load_LE + loads
 
     def _update_expert_bias(self, load_LE: torch.Tensor) -> None:
         """Aux-loss-free balancing, once per optimizer step, from the whole step's loads on every rank."""
         from moe_tune.moe.router import update_expert_bias
 
         # mesh: dp (all ranks): every rank applies the same update from everyone's counts
-        rate = self.cfg.train.bias_update_rate
-        update_expert_bias([m.router for m in self._biased_moes()], load_LE, rate, self.mesh.group("dp"))
+        routers = [m.router for m in self.moe_layers if m.layer_idx in self._biased_layers]
+        update_expert_bias(routers, load_LE, self.cfg.train.bias_update_rate, self.mesh.group("dp"))
 
     # -- the loop ----------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -272,10 +280,10 @@ class Trainer:
         for dispatcher in self._dispatchers:
             dispatcher.check()  # after the sync: every rank sees the same device-side verdicts
         diverged = self.guard.check(self.step)
-        # The training step's loads (its last micro-batch), kept before an evaluation's forwards replace them.
-        counts_LE = torch.stack([m.counts_E for m in self.moe_layers]) if self.moe_layers else None
+        # The last training step's routing statistics (its last micro-batch's): an evaluation's forwards have their own.
+        moe_stats = pending[-1][2]["moe_stats"] if self.moe_layers else None
         if self.cadence.draws(self.step):
-            self._draw_expert_load(counts_LE)
+            self._draw_expert_load(moe_stats)
         val_loss = self._evaluate() if self.cadence.evals(self.step) else None
         rows, layers = metrics_rows(
             pending,
@@ -286,8 +294,7 @@ class Trainer:
             flops_per_token=self.flops_per_token,
             device=self.device,
             val_loss=val_loss,
-            counts_LE=counts_LE,
-            layer_idx=[m.layer_idx for m in self.moe_layers],
+            moe_stats=moe_stats,
         )
         for row in rows:
             self.metrics.log(row)
@@ -312,13 +319,13 @@ class Trainer:
         batches = self.val_data.batches(self.layout, self.rank, self.device)
         return evaluate(self.model, batches, self.device, self._autocast)
 
-    def _draw_expert_load(self, counts_LE: torch.Tensor | None) -> None:
-        if self.rank != 0 or counts_LE is None:
+    def _draw_expert_load(self, moe_stats: MoEStats | None) -> None:
+        if self.rank != 0 or moe_stats is None:
             return
         from moe_tune.loggers.heatmap import expert_load_image
 
         # host sync: the counts for the image, on image steps only (a sync step: the device is idle)
-        image = expert_load_image(counts_LE.cpu().numpy(), self.step, [m.layer_idx for m in self.moe_layers])
+        image = expert_load_image(moe_stats.counts_LE().cpu().numpy(), self.step, list(moe_stats.layer_idx))
         self.logger.log_image(self.step, "expert_load", image)
 
     def _stop_diverged(self, diverged: Diverged) -> None:

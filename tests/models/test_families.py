@@ -53,8 +53,10 @@ def test_logits_and_loss_match_hf(checkpoint):
     assert rel_err(out.logits, ref.logits) < TOL
     assert rel_err(out.loss, ref.loss) < TOL
     # Routing is not trivial: every MoE layer spreads tokens over more experts than top-k.
-    for moe in ours.moe_layers():
-        assert int((moe.counts_E > 0).sum()) > moe.spec.router.top_k
+    moes = ours.moe_layers()
+    assert out.moe_stats.layer_idx == tuple(m.layer_idx for m in moes)
+    for moe, counts_E in zip(moes, out.moe_stats.counts_E, strict=True):
+        assert int((counts_E > 0).sum()) > moe.spec.router.top_k
 
 
 def _assert_grads_match(checkpoint: str, seed: int) -> None:
@@ -143,23 +145,25 @@ def test_aux_loss_matches_hand_formula(checkpoint):
     moes = ours.moe_layers()
     assert len(recorded) == len(moes) > 0
     sigmoid = moes[0].spec.router.score == "sigmoid"
-    for moe, (logits_TE, ids_TK) in zip(moes, recorded):
+    stats = out.moe_stats  # the forward's routing statistics, one entry per MoE layer
+    assert len(stats.counts_E) == len(stats.aux_loss) == len(moes)
+    for (logits_TE, ids_TK), counts, aux in zip(recorded, stats.counts_E, stats.aux_loss, strict=True):
         T, E = logits_TE.shape
         K = ids_TK.shape[1]
         probs_TE = logits_TE.sigmoid() if sigmoid else logits_TE.softmax(-1)
         probs_TE = probs_TE / probs_TE.sum(-1, keepdim=True)
         counts_E = torch.bincount(ids_TK.reshape(-1), minlength=E).double()
         expected = E / T * (counts_E * probs_TE.double().mean(0)).sum()
-        assert torch.equal(moe.counts_E, counts_E.long())
-        assert rel_err(moe.aux_loss, expected) < TOL
+        assert torch.equal(counts, counts_E.long())
+        assert rel_err(aux, expected) < TOL
         if not sigmoid:
             # Hugging Face's load_balancing_loss_func on one softmax router's logits: the same value (same
             # scaling, K when balanced), so published router_aux_loss_coef values keep their strength.
             from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-            assert rel_err(moe.aux_loss, load_balancing_loss_func((logits_TE,), E, K)) < TOL
+            assert rel_err(aux, load_balancing_loss_func((logits_TE,), E, K)) < TOL
     # The model's aux loss is the mean over MoE layers, added to the CE loss with aux_loss_coef.
-    assert rel_err(out.aux_loss, torch.stack([m.aux_loss for m in moes]).mean()) < 1e-6
+    assert rel_err(out.aux_loss, torch.stack(stats.aux_loss).mean()) < 1e-6
     assert rel_err(out.loss, out.ce_loss + 0.01 * out.aux_loss) < 1e-6
 
 

@@ -17,6 +17,7 @@ from moe_tune.moe.dispatch import build_dispatcher
 from moe_tune.moe.experts import ExpertsOptions, ExpertsSpec
 from moe_tune.moe.layer import MoE, MoESpec
 from moe_tune.moe.router import RouterSpec
+from moe_tune.moe.stats import LayerStats, MoEStats, MoEStatsCollector
 from tests.harness import run_ranks
 from tests.tiny import rel_err
 
@@ -31,15 +32,23 @@ LAYOUTS = {
 
 
 def build_moe(
-    layout: str, num_experts: int, top_k: int, score: str = "softmax", favour=None, seed: int = 0, z_loss=False
+    layout: str,
+    num_experts: int,
+    top_k: int,
+    score: str = "softmax",
+    favour=None,
+    seed: int = 0,
+    z_loss=False,
+    stats: LayerStats | None = None,
 ) -> MoE:
-    """``favour``: {expert: router bias}; a large bias sends every token to that expert."""
+    """``favour``: {expert: router bias}; a large bias sends every token to that expert. ``stats``: the layer's
+    slot (default: one of its own, which the tests read)."""
     spec = MoESpec(
         router=RouterSpec(num_experts=num_experts, top_k=top_k, score=score, bias=True, norm_topk_prob=True),
         experts=ExpertsSpec(num_experts=num_experts, dim=D, hidden=HIDDEN, **LAYOUTS[layout]),
         z_loss=z_loss,
     )
-    moe = MoE(spec)
+    moe = MoE(spec, stats=stats or LayerStats(None))
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in moe.parameters():
@@ -104,7 +113,7 @@ def test_grouped_matches_loop_and_dense(layout, case):
     gen = torch.Generator().manual_seed(1)
     x_TD, g_TD = torch.randn(T, D, generator=gen), torch.randn(T, D, generator=gen)
     y, gx, grads = run(moe, x_TD, g_TD, "grouped_mm")
-    counts_E = moe.counts_E
+    counts_E = moe.stats.counts_E
     assert int(counts_E.sum()) == T * moe.spec.router.top_k
     for ref_impl in ("loop", "dense"):
         y_ref, gx_ref, grads_ref = run(moe, x_TD, g_TD, ref_impl)
@@ -150,24 +159,32 @@ def test_no_tokens():
 
 
 def test_batched_shape_stats_and_tuple():
-    """[B, S, D] in, same shape out; per-layer statistics and losses for the trainer; GPT-OSS returns a tuple."""
+    """[B, S, D] in, same shape out; per-layer statistics and losses, taken as one value for the model's output
+    (the balancing losses in training only); GPT-OSS returns a tuple."""
     assert not MoESpec(RouterSpec(4, 2), ExpertsSpec(4, D, HIDDEN)).z_loss  # computed only when a run asks
-    moe = build_moe("out_in", num_experts=4, top_k=2, z_loss=True)
+    collector = MoEStatsCollector()
+    moe = build_moe("out_in", num_experts=4, top_k=2, z_loss=True, stats=collector.layer(3))
     x = torch.randn(2, 5, D)
     moe.train()
     y = moe(x)
     assert y.shape == x.shape
+    stats = collector.take()
+    assert stats.layer_idx == (3,) and collector.take() == MoEStats()  # taken once
+    (counts_E_got,), (aux_loss,), (z_loss,) = stats.counts_E, stats.aux_loss, stats.z_loss
     # The statistics' values, from the router's own outputs on the same tokens: Switch/GShard's E * sum f_i P_i
     # (f_i: rows per expert / T, P_i: mean probability) and ST-MoE's mean squared logsumexp.
     _, ids_TK, scores_TE, logits_TE = moe.router(x.reshape(-1, D))
     counts_E = torch.bincount(ids_TK.reshape(-1), minlength=4)
-    assert torch.equal(moe.counts_E, counts_E) and int(counts_E.sum()) == 2 * 5 * 2
+    assert torch.equal(counts_E_got, counts_E) and int(counts_E.sum()) == 2 * 5 * 2
+    assert torch.equal(stats.counts_LE(), counts_E[None]) and torch.equal(stats.counts_LE([3]), counts_E[None])
     expected_aux = 4 * ((counts_E.float() / 10) * scores_TE.mean(dim=0)).sum()
-    torch.testing.assert_close(moe.aux_loss, expected_aux, rtol=1e-6, atol=0)
-    torch.testing.assert_close(moe.z_loss, torch.logsumexp(logits_TE.float(), -1).square().mean(), rtol=1e-6, atol=0)
-    assert moe.aux_loss.requires_grad and moe.z_loss.requires_grad
+    torch.testing.assert_close(aux_loss, expected_aux, rtol=1e-6, atol=0)
+    torch.testing.assert_close(z_loss, torch.logsumexp(logits_TE.float(), -1).square().mean(), rtol=1e-6, atol=0)
+    assert aux_loss.requires_grad and z_loss.requires_grad and not counts_E_got.requires_grad
     moe.eval()
     torch.testing.assert_close(moe(x), y)
+    evaluated = collector.take()  # an evaluation's forward: its own loads, no balancing losses
+    assert torch.equal(evaluated.counts_E[0], counts_E) and evaluated.aux_loss == evaluated.z_loss == ()
     tupled = MoE(MoESpec(router=moe.spec.router, experts=moe.spec.experts, returns_tuple=True))
     tupled.load_state_dict(moe.state_dict())
     out, weights_TK = tupled.eval()(x)

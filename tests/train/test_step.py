@@ -137,14 +137,14 @@ def test_balancing_losses_take_their_own_coefficients(tmp_path):
     trainer = Trainer(cfg)
     try:
         reference = copy.deepcopy(trainer.model)
-        moes = reference.moe_layers()
         batches = step_batches(trainer, 0)
         normalizer = trainer._loss_normalizer(batches)
         z_share = 0.0
         for ids, labels, pos in batches:
-            ce = reference(ids, labels=labels, position_ids=pos, loss_normalizer=normalizer).ce_loss
-            aux = torch.stack([m.aux_loss for m in moes]).mean()
-            z = torch.stack([m.z_loss for m in moes]).mean()
+            out = reference(ids, labels=labels, position_ids=pos, loss_normalizer=normalizer)
+            ce, stats = out.ce_loss, out.moe_stats
+            aux = torch.stack(stats.aux_loss).mean()
+            z = torch.stack(stats.z_loss).mean()
             (ce + (aux_coef * aux + z_coef * z) / len(batches)).backward()
             z_share = max(z_share, float(z_coef * z.detach() / ce.detach()))
         assert z_share > 1e-3  # the z-loss term is large enough to move the update beyond the tolerance

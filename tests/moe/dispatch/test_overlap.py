@@ -16,6 +16,7 @@ from moe_tune.moe.dispatch.local import LocalDispatcher
 from moe_tune.moe.experts import ExpertsOptions, ExpertsSpec
 from moe_tune.moe.layer import MoE, MoESpec
 from moe_tune.moe.router import RouterSpec
+from moe_tune.moe.stats import LayerStats
 from tests.harness import run_ranks
 from tests.tiny import rel_err
 
@@ -45,7 +46,8 @@ def _moe(dispatcher, live: list[int] | None, dtype: torch.dtype = torch.float32)
         "shared_expert": nn.Sequential(nn.Linear(D, H), nn.SiLU(), nn.Linear(H, D)),
         "shared_expert_gate": nn.Linear(D, 1),
     }
-    moe = MoE(_spec(), shared, dispatcher, ExpertsOptions(impl="grouped_mm" if dtype == torch.float32 else "loop"))
+    impl = ExpertsOptions(impl="grouped_mm" if dtype == torch.float32 else "loop")
+    moe = MoE(_spec(), shared, dispatcher, impl, stats=LayerStats(None))
     g = torch.Generator().manual_seed(0)
     first, e = dispatcher.first_local_expert, dispatcher.num_local_experts
     with torch.no_grad():
@@ -68,7 +70,7 @@ def _run(moe: MoE, x: torch.Tensor, c: torch.Tensor):
     out = moe(x)
     (out * c).sum().backward()
     grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in moe.named_parameters()}
-    return out.detach(), x.grad, grads, moe.aux_loss.detach()
+    return out.detach(), x.grad, grads, moe.stats.aux_loss.detach()
 
 
 def _compare(plain, overlapped, what: str, tol: float = 1e-6) -> list[str]:
