@@ -10,8 +10,8 @@ import pytest
 
 from moe_tune.cli.launch import split_argv
 from moe_tune.cli.train import INTERRUPTED
-from tests.harness import FAST_RUN, PY, signal_after_rows
 from tests.cli.test_train import BAD_FAMILY, BAD_FAMILY_LINE
+from tests.harness import FAST_RUN, PY, signal_after_rows
 
 LAUNCH = [PY, "-m", "moe_tune.launch", "--standalone", "--nproc-per-node", "2"]
 
