@@ -10,9 +10,8 @@ import subprocess
 import pytest
 import torch
 
-from tests.harness import FAST_RUN, PY, read_hf_tensors, read_metrics, run_cli
+from tests.harness import FAST_RUN, PY, copy_checkpoint, read_hf_tensors, read_metrics, run_cli
 from tests.tiny import LORA_TOL, rel_err
-from tests.train.test_runs import _resume_from
 
 peft = pytest.importorskip("peft", reason="the LoRA exports are checked with PEFT (in the dev extra)")
 
@@ -45,7 +44,7 @@ def test_lora_trains_adapters_only_resumes_bitwise_and_exports_for_peft(tmp_path
     assert any(".experts.lora.gate_up_A@7" in k for k in model_keys)  # expert adapters stored one per expert
 
     # Resume: 3 steps, then 3 more from checkpoints/step_3, equals 6 straight, bitwise.
-    _resume_from(straight, resumed, 3)
+    copy_checkpoint(straight, resumed, 3)
     run_cli([f"output_dir={resumed}", *common], cli_env)
     a, b = [r["loss"] for r in read_metrics(straight)][3:], [r["loss"] for r in read_metrics(resumed)]
     assert len(b) == 3 and a == b, (a, b)
