@@ -143,6 +143,65 @@ def copy_checkpoint(straight, resumed, step: int, drop_extra_state: bool = False
             f.unlink()
 
 
+# -- a command in this process -----------------------------------------------------------------------------
+
+
+def run_main(args: list[str], cwd=None, main=None) -> subprocess.CompletedProcess:
+    """``moe-tune <args>`` (``main``: another entry point's ``main(argv)``) in this process, as the command runs it
+    (sys.argv, the working directory ``cwd``), without a Python and torch start-up: returns what
+    ``subprocess.run(..., capture_output=True, text=True)`` would. stdout and stderr hold what Python writes (print,
+    logging, then the warnings shown, as an interpreter's default filters show them); an exception that escapes is
+    exit 1 with its traceback on stderr. Not for what only a process shows: signals, the environment read at
+    import, writes from C++, torchrun."""
+    import contextlib
+    import io
+    import logging
+    import traceback
+    import warnings
+
+    from moe_tune.train.lock import release_held
+
+    if main is None:
+        from moe_tune.cli.train import main as train_main
+
+        def main(argv):  # reads sys.argv, as its console script does
+            return train_main()
+
+    out, err, saved_argv, here = io.StringIO(), io.StringIO(), sys.argv[:], os.getcwd()
+    code = 0
+    with contextlib.ExitStack() as stack:
+        shown = stack.enter_context(warnings.catch_warnings(record=True))
+        warnings.simplefilter("default")
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", category)
+        stack.enter_context(contextlib.redirect_stdout(out))
+        stack.enter_context(contextlib.redirect_stderr(err))
+        try:
+            if cwd is not None:
+                os.chdir(cwd)
+            sys.argv = [PY, *args]
+            main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, int | None):
+                print(e.code, file=sys.stderr)
+        except Exception:
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.argv = saved_argv
+            os.chdir(here)
+            release_held()  # a run refused or failed in this process leaves no lock behind
+            destroy_distributed()
+            root = logging.getLogger()
+            for handler in [h for h in root.handlers if getattr(h, "stream", None) in (out, err)]:
+                root.removeHandler(handler)  # the run's logging went to this call's stderr
+    stderr = err.getvalue() + "".join(
+        warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line) for w in shown
+    )
+    return subprocess.CompletedProcess(sys.argv[:1] + list(args), code, out.getvalue(), stderr)
+
+
 # -- the CLI in a subprocess ---------------------------------------------------------------------------------
 
 # Overrides that make a run of the default job take seconds on a CPU, and an in-process Trainer of it build and

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from tests.harness import (
     FAST_RUN,
     PY,
+    assert_hf_logits_equal,
     copy_checkpoint,
     needs_te,
     read_hf_tensors,
@@ -141,8 +142,24 @@ def test_sigterm_saves_the_step_every_rank_agreed_on_and_resumes(tmp_path, cli_e
     assert not differ, differ
 
 
-def _train_on_ranks(rank: int, overrides: list[str]) -> None:
-    train_run(overrides)
+def _train_on_ranks(rank: int, *runs: list[str]) -> None:
+    for overrides in runs:
+        train_run(overrides)
+
+
+@pytest.mark.dist
+def test_ep2_trains_as_fsdp_on_two_ranks(tmp_path):
+    """The default job on 2 gloo ranks, FSDP2 (dp_shard=2) then EP=2: same data, same weights, so the same losses
+    over 4 steps (expert parallelism changes where experts run, not the maths), and EP=2's hf/ loads in
+    transformers with moe_tune's logits. (The same through torchrun: tests/cli/test_train.py, slow.)"""
+    dp, ep = tmp_path / "dp", tmp_path / "ep"
+    common = ["train.steps=4", *FAST_RUN]
+    run_ranks(_train_on_ranks, 2, [f"output_dir={dp}", *common], [f"output_dir={ep}", "parallel.ep=2", *common])
+    a, b = read_metrics(dp), read_metrics(ep)
+    assert [r["step"] for r in a] == [1, 2, 3, 4] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x["loss"], y["loss"])
+    assert_hf_logits_equal(str(ep / "hf"))
 
 
 @pytest.mark.dist
