@@ -168,6 +168,14 @@ def run_main(args: list[str], cwd=None, main=None) -> subprocess.CompletedProces
             return train_main()
 
     out, err, saved_argv, here = io.StringIO(), io.StringIO(), sys.argv[:], os.getcwd()
+    # Logging as in a fresh interpreter: no handler but the last resort (warnings and errors to stderr) until the
+    # run configures its own; pytest's capture handlers come back after.
+    root = logging.getLogger()
+    saved_logging = root.handlers[:], root.level
+    last_resort = logging.StreamHandler(err)
+    last_resort.setLevel(logging.WARNING)
+    root.handlers = [last_resort]
+    root.setLevel(logging.WARNING)
     code = 0
     with contextlib.ExitStack() as stack:
         shown = stack.enter_context(warnings.catch_warnings(record=True))
@@ -193,9 +201,8 @@ def run_main(args: list[str], cwd=None, main=None) -> subprocess.CompletedProces
             os.chdir(here)
             release_held()  # a run refused or failed in this process leaves no lock behind
             destroy_distributed()
-            root = logging.getLogger()
-            for handler in [h for h in root.handlers if getattr(h, "stream", None) in (out, err)]:
-                root.removeHandler(handler)  # the run's logging went to this call's stderr
+            root.handlers = saved_logging[0]
+            root.setLevel(saved_logging[1])
     stderr = err.getvalue() + "".join(
         warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line) for w in shown
     )
