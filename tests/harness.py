@@ -68,7 +68,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn, world_size: int, port: int, backend: str, args: tuple) -> None:
+def _entry(rank: int, fn, world_size: int, port: int, backend: str, args: tuple, environ: dict[str, str]) -> None:
+    os.environ.clear()  # the test's environment when it called run_ranks (a forked rank has the server's)
+    os.environ.update(environ)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -90,22 +92,139 @@ def _entry(rank: int, fn, world_size: int, port: int, backend: str, args: tuple)
         destroy_distributed()
 
 
+# What a rank needs imported; the fork server imports it once per test session (never running a torch op, so no
+# thread pool or CUDA context is forked), and each gloo rank forks from it instead of starting Python and importing
+# torch and transformers anew (a spawned rank paid about 3 s of CPU for that, 2 ranks per call, ~50 calls a suite).
+FORK_SERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "moe_tune.build",
+    "moe_tune.train",
+    "tests.harness",
+]
+
+
 def run_ranks(fn, world_size: int = 2, *args, backend: str = "gloo") -> None:
     """``fn(rank, *args)`` on ``world_size`` local processes that share one default process group of ``backend``
     (gloo on CPU; nccl for GPU tests, one GPU per rank). gloo ranks see no GPU: on a GPU machine each would bind
     cuda:<rank> to its CPU group (torch 2.11 on one H200: SIGSEGV, or a failed deepcopy splitting the mesh's
-    groups; with CUDA_VISIBLE_DEVICES empty the same tests pass)."""
+    groups; with CUDA_VISIBLE_DEVICES empty the same tests pass). gloo ranks fork from a server that has imported
+    FORK_SERVER_PRELOAD; nccl ranks are spawned (a fresh process per GPU); either way a rank starts with this
+    process's environment as it is now."""
     hidden = {"CUDA_VISIBLE_DEVICES": ""} if backend == "gloo" else {}
     saved = {k: os.environ.get(k) for k in hidden}
-    os.environ.update(hidden)  # the spawned ranks inherit it from their start
+    os.environ.update(hidden)  # the fork server (started by the first call) and the ranks inherit it
     try:
-        mp.spawn(_entry, args=(fn, world_size, free_port(), backend, args), nprocs=world_size, join=True)
+        if backend == "gloo":
+            mp.set_forkserver_preload(FORK_SERVER_PRELOAD)  # read when the server starts
+        args = (fn, world_size, free_port(), backend, args, dict(os.environ))
+        method = "forkserver" if backend == "gloo" else "spawn"
+        mp.start_processes(_entry, args=args, nprocs=world_size, join=True, start_method=method)
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# -- a whole run in this process ----------------------------------------------------------------------------
+
+
+def train_run(overrides: list[str]) -> dict:
+    """A whole run as ``moe-tune <overrides>`` trains it, in this process: ``Trainer(cfg).fit()`` (export, summary;
+    the command line's own checks and Hydra are tests/cli's); returns the summary. In the pytest process the
+    one-process group it creates is destroyed after; under ``run_ranks`` the ranks' group is the run's."""
+    from moe_tune.cli.train import compose, to_config
+    from moe_tune.train import Trainer
+
+    own_group = not dist.is_initialized()
+    try:
+        return Trainer(to_config(compose(list(overrides)))).fit()
+    finally:
+        if own_group:
+            destroy_distributed()
+
+
+def copy_checkpoint(straight, resumed, step: int, drop_extra_state: bool = False) -> None:
+    """An interrupted run: ``straight``'s checkpoint of ``step`` and base model, copied to a fresh output dir
+    ``resumed`` (``drop_extra_state``: without the modules' extra state, as a checkpoint from before TE's)."""
+    import shutil
+
+    straight, resumed = Path(straight), Path(resumed)
+    os.makedirs(resumed / "checkpoints")
+    shutil.copytree(straight / "checkpoints" / f"step_{step}", resumed / "checkpoints" / f"step_{step}")
+    shutil.copytree(straight / "base_model", resumed / "base_model")
+    if drop_extra_state:
+        for f in (resumed / "checkpoints" / f"step_{step}").glob("extra_state.rank*.pt"):
+            f.unlink()
+
+
+# -- a command in this process -----------------------------------------------------------------------------
+
+
+def run_main(args: list[str], cwd=None, main=None) -> subprocess.CompletedProcess:
+    """``moe-tune <args>`` (``main``: another entry point's ``main(argv)``) in this process, as the command runs it
+    (sys.argv, the working directory ``cwd``), without a Python and torch start-up: returns what
+    ``subprocess.run(..., capture_output=True, text=True)`` would. stdout and stderr hold what Python writes (print,
+    logging, then the warnings shown, as an interpreter's default filters show them); an exception that escapes is
+    exit 1 with its traceback on stderr. Not for what only a process shows: signals, the environment read at
+    import, writes from C++, torchrun."""
+    import contextlib
+    import io
+    import logging
+    import traceback
+    import warnings
+
+    from moe_tune.train.lock import release_held
+
+    if main is None:
+        from moe_tune.cli.train import main as train_main
+
+        def main(argv):  # reads sys.argv, as its console script does
+            return train_main()
+
+    out, err, saved_argv, here = io.StringIO(), io.StringIO(), sys.argv[:], os.getcwd()
+    # Logging as in a fresh interpreter: no handler but the last resort (warnings and errors to stderr) until the
+    # run configures its own; pytest's capture handlers come back after.
+    root = logging.getLogger()
+    saved_logging = root.handlers[:], root.level
+    last_resort = logging.StreamHandler(err)
+    last_resort.setLevel(logging.WARNING)
+    root.handlers = [last_resort]
+    root.setLevel(logging.WARNING)
+    code = 0
+    with contextlib.ExitStack() as stack:
+        shown = stack.enter_context(warnings.catch_warnings(record=True))
+        warnings.simplefilter("default")
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", category)
+        stack.enter_context(contextlib.redirect_stdout(out))
+        stack.enter_context(contextlib.redirect_stderr(err))
+        try:
+            if cwd is not None:
+                os.chdir(cwd)
+            sys.argv = [PY, *args]
+            main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, int | None):
+                print(e.code, file=sys.stderr)
+        except Exception:
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.argv = saved_argv
+            os.chdir(here)
+            release_held()  # a run refused or failed in this process leaves no lock behind
+            destroy_distributed()
+            root.handlers = saved_logging[0]
+            root.setLevel(saved_logging[1])
+    stderr = err.getvalue() + "".join(
+        warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line) for w in shown
+    )
+    return subprocess.CompletedProcess(sys.argv[:1] + list(args), code, out.getvalue(), stderr)
 
 
 # -- the CLI in a subprocess ---------------------------------------------------------------------------------

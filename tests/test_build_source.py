@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 from moe_tune.build import build_source
 from moe_tune.cli.train import compose, to_config
 from moe_tune.models.presets import build_tiny_checkpoint
-from tests.harness import PY
+from tests.harness import run_main
 
 
 def test_a_base_model_of_other_overrides_is_rebuilt(tmp_path, caplog):
@@ -31,14 +30,14 @@ def test_an_unchanged_base_model_is_reused(tmp_path):
     assert (tmp_path / "base_model" / "marker").read_text() == "kept"
 
 
-def test_a_failed_run_leaves_config_json_as_it_was(tmp_path, cli_env):
+def test_a_failed_run_leaves_config_json_as_it_was(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text('{"earlier": "run"}')
     data = tmp_path / "bad.jsonl"
     data.write_text('{"text": "fine"}\n{broken\n')
     args = [f"output_dir={run}", f"data.path={data}", "train.steps=1", "train.seq_len=64", "train.precision=fp32"]
-    r = subprocess.run([PY, "-m", "moe_tune", *args], capture_output=True, text=True, env=cli_env, timeout=300)
+    r = run_main(args)
     assert r.returncode == 2 and f"{data}:2" in r.stderr, r.stderr[-3000:]
     assert (run / "config.json").read_text() == '{"earlier": "run"}'
 
@@ -53,36 +52,22 @@ def _tree_digest(root) -> dict[str, str]:
     }
 
 
-def test_a_run_refused_in_a_used_output_dir_leaves_it_as_it_was(tmp_path, cli_env):
+def test_a_run_refused_in_a_used_output_dir_leaves_it_as_it_was(tmp_path):
     """Another preset into an output_dir whose checkpoint it cannot resume is refused (exit 2) once the model is
     known, after it rebuilt base_model/ for its own settings: the earlier run's base_model/ (its checkpoints'
     base) comes back, byte for byte, and nothing else changes. A run that starts keeps the base it built."""
     run = tmp_path / "run"
     common = [f"output_dir={run}", "train.seq_len=64", "train.micro_batch_size=2", "data.num_samples=64"]
-    r = subprocess.run(
-        [PY, "-m", "moe_tune", *common, "train.steps=1", "checkpoint.every=1", "train.precision=fp32"],
-        capture_output=True,
-        text=True,
-        env=cli_env,
-        timeout=300,
-    )
+    r = run_main([*common, "train.steps=1", "checkpoint.every=1", "train.precision=fp32"])
     assert r.returncode == 0, r.stderr[-3000:]
     before = _tree_digest(run)
     other = ["model=tiny_deepseek_v3", "train.steps=2", "train.precision=fp32"]
-    r = subprocess.run(
-        [PY, "-m", "moe_tune", *common, *other], capture_output=True, text=True, env=cli_env, timeout=300
-    )
+    r = run_main([*common, *other])
     assert r.returncode == 2 and "does not match the model" in r.stderr, r.stderr[-3000:]
     assert "rebuilding it" in r.stderr  # the refusal came after the rebuild it undid
     assert _tree_digest(run) == before
 
-    r = subprocess.run(
-        [PY, "-m", "moe_tune", *common, *other, "checkpoint.resume=none", "checkpoint.every=0"],
-        capture_output=True,
-        text=True,
-        env=cli_env,
-        timeout=300,
-    )
+    r = run_main([*common, *other, "checkpoint.resume=none", "checkpoint.every=0"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((run / "base_model" / "config.json").read_text())["model_type"] == "deepseek_v3"
     assert not [name for name in os.listdir(run) if name.startswith(".base_model")]

@@ -13,7 +13,7 @@ import torch
 
 from moe_tune.checkpoint import safe
 from moe_tune.config import CheckpointError
-from tests.harness import FAST_RUN, PY, CheckpointRun, run_cli
+from tests.harness import FAST_RUN, PY, CheckpointRun, cli_env, run_main, train_run
 
 
 class _Payload:
@@ -34,24 +34,23 @@ def _plant(checkpoint: str, marker: str) -> None:
         f.write("2")
 
 
-def test_malicious_metadata_is_refused_on_resume_and_export(tmp_path, cli_env):
+def test_malicious_metadata_is_refused_on_resume_and_export(tmp_path):
     out = tmp_path / "run"
-    run_cli(
-        [f"output_dir={out}", "train.steps=2", "checkpoint.every=2", "checkpoint.export_hf=false", *FAST_RUN], cli_env
-    )
+    train_run([f"output_dir={out}", "train.steps=2", "checkpoint.every=2", "checkpoint.export_hf=false", *FAST_RUN])
     checkpoint = str(out / "checkpoints" / "step_2")
     marker = tmp_path / "payload_ran"
     _plant(checkpoint, str(marker))
     args = [f"output_dir={out}", "train.steps=4", "checkpoint.export_hf=false", *FAST_RUN]
-    resumed = subprocess.run([PY, "-m", "moe_tune", *args], capture_output=True, text=True, env=cli_env, timeout=600)
+    resumed = run_main(args)
     assert resumed.returncode == 2, resumed.stderr[-3000:]
     line = resumed.stderr.strip().splitlines()[-1]
     assert "refusing to load" in line and os.path.join(checkpoint, ".metadata") in line and "posix.system" in line
+    # A process of its own: it warns once about the old COMPLETE (this process has warned about that path already).
     export = subprocess.run(
         [PY, "-m", "moe_tune.cli.export", checkpoint, str(tmp_path / "hf")],
         capture_output=True,
         text=True,
-        env=cli_env,
+        env=cli_env(),
         timeout=600,
     )
     assert export.returncode == 2, export.stderr[-3000:]

@@ -5,45 +5,50 @@ says so, and a save cut short is named when resume=auto passes over it."""
 from __future__ import annotations
 
 import os
-import subprocess
 
-from tests.harness import FAST_RUN, PY, read_metrics, run_cli
+from tests.harness import FAST_RUN, read_metrics, run_main
+
+
+def _ok(args: list[str]):
+    r = run_main(args)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r
 
 
 def _files(run_dir) -> dict[str, float]:
     return {os.path.join(d, n): os.path.getmtime(os.path.join(d, n)) for d, _, names in os.walk(run_dir) for n in names}
 
 
-def test_a_checkpoint_past_train_steps_is_refused_and_one_at_it_is_a_finished_run(tmp_path, cli_env):
+def test_a_checkpoint_past_train_steps_is_refused_and_one_at_it_is_a_finished_run(tmp_path):
     run = tmp_path / "x"
     base = [f"output_dir={run}", "checkpoint.every=2", *FAST_RUN]
-    run_cli([*base, "train.steps=4"], cli_env)
+    _ok([*base, "train.steps=4"])
     before = _files(run)
 
-    r = subprocess.run([PY, "-m", "moe_tune", *base, "train.steps=2"], capture_output=True, text=True, env=cli_env)
+    r = run_main([*base, "train.steps=2"])
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-3000:]
     assert r.stderr == (
         f"moe-tune: error: output_dir={run}: its checkpoint step_4 is past train.steps=2: nothing to train; raise "
         "train.steps above 4, give a new output_dir, or checkpoint.resume=none to start afresh over it\n"
     )
     named = [*base, "train.steps=3", f"output_dir={tmp_path / 'y'}", f"checkpoint.resume={run}/checkpoints/step_4"]
-    r = subprocess.run([PY, "-m", "moe_tune", *named], capture_output=True, text=True, env=cli_env)
+    r = run_main(named)
     assert r.returncode == 2 and "is at step 4, past train.steps=3: nothing to train" in r.stderr, r.stderr[-3000:]
     assert not (tmp_path / "y").exists()
     lock = str(run / ".lock")  # the refused run took the lock (its file's time), nothing else
     assert {k: v for k, v in _files(run).items() if k != lock} == {k: v for k, v in before.items() if k != lock}
 
-    r = run_cli([*base, "train.steps=4"], cli_env)  # the same command again: the run is finished
+    r = _ok([*base, "train.steps=4"])  # the same command again: the run is finished
     assert f"{run}/checkpoints/step_4 is at train.steps=4: the run is finished, nothing to train" in r.stderr
     assert [row["step"] for row in read_metrics(run)] == [1, 2, 3, 4]
 
 
-def test_auto_resume_names_the_incomplete_checkpoint_it_passes_over(tmp_path, cli_env):
+def test_auto_resume_names_the_incomplete_checkpoint_it_passes_over(tmp_path):
     run = tmp_path / "x"
     base = [f"output_dir={run}", "checkpoint.every=2", "checkpoint.export_hf=false", *FAST_RUN]
-    run_cli([*base, "train.steps=4"], cli_env)
+    _ok([*base, "train.steps=4"])
     os.remove(run / "checkpoints" / "step_4" / "COMPLETE")  # as if killed during the save of step 4
-    r = run_cli([*base, "train.steps=4"], cli_env)
+    r = _ok([*base, "train.steps=4"])
     warned = [line.split("] ", 1)[-1] for line in r.stderr.splitlines() if "incomplete" in line]
     assert warned == [
         f"passing over incomplete checkpoint {run}/checkpoints/step_4 (a save cut short); resuming from "

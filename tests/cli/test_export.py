@@ -1,81 +1,74 @@
 """``moe-tune-export``: a training checkpoint to a Hugging Face directory; bad input exits 2."""
 
 import json
-import subprocess
 
 import pytest
 import torch
 
-from tests.harness import FAST_RUN, PY, assert_hf_logits_equal, read_hf_tensors, run_cli
+from moe_tune.cli.export import main as export_main
+from tests.harness import FAST_RUN, assert_hf_logits_equal, read_hf_tensors, run_main, run_ranks, train_run
 
 
-def _export(checkpoint, out, env) -> None:
-    r = subprocess.run(
-        [PY, "-m", "moe_tune.cli.export", str(checkpoint), str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+def _moe_tune_export(args: list, cwd=None):
+    """``moe-tune-export args`` (in this process: harness.run_main)."""
+    return run_main([str(a) for a in args], cwd=cwd, main=export_main)
+
+
+def _train_on_ranks(rank: int, overrides: list[str]) -> None:
+    train_run(overrides)
+
+
+def _export(checkpoint, out) -> None:
+    r = _moe_tune_export([checkpoint, out])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Warning" not in r.stderr, r.stderr  # one process is intended: DCP's single-process warning is not shown
 
 
 @pytest.mark.dist
-def test_export_cli_from_ep2_checkpoint(tmp_path, cli_env):
+def test_export_cli_from_ep2_checkpoint(tmp_path):
     """moe-tune-export of an EP=2 checkpoint (2 ranks) equals the run's own hf/ export, bit for bit."""
-    run_cli(
-        [f"output_dir={tmp_path}", "train.steps=2", "checkpoint.every=2", "parallel.ep=2", *FAST_RUN], cli_env, nproc=2
-    )
+    overrides = [f"output_dir={tmp_path}", "train.steps=2", "checkpoint.every=2", "parallel.ep=2", *FAST_RUN]
+    run_ranks(_train_on_ranks, 2, overrides)
     out = tmp_path / "exported"
-    _export(tmp_path / "checkpoints" / "step_2", out, cli_env)
+    _export(tmp_path / "checkpoints" / "step_2", out)
     a, b = read_hf_tensors(tmp_path / "hf"), read_hf_tensors(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert_hf_logits_equal(str(out))
 
 
-def test_export_cli_bad_input_exits_2(tmp_path, cli_env):
-    r = subprocess.run(
-        [PY, "-m", "moe_tune.cli.export", str(tmp_path), str(tmp_path / "o")],
-        capture_output=True,
-        text=True,
-        env=cli_env,
-    )
+def test_export_cli_bad_input_exits_2(tmp_path):
+    r = _moe_tune_export([tmp_path, tmp_path / "o"])
     assert r.returncode == 2 and "not a complete moe-tune checkpoint" in r.stderr
 
 
-def test_export_refuses_a_directory_it_would_wipe(tmp_path, cli_env):
+def test_export_refuses_a_directory_it_would_wipe(tmp_path):
     """An export replaces OUT as a whole: a directory holding anything no export writes (notes, the run itself,
     the working directory) is one line and exit 2, untouched; an earlier export is replaced."""
     import shutil
 
     run = tmp_path / "run"
-    run_cli([f"output_dir={run}", "train.steps=1", "checkpoint.every=1", *FAST_RUN], cli_env)
+    train_run([f"output_dir={run}", "train.steps=1", "checkpoint.every=1", *FAST_RUN])
     step = run / "checkpoints" / "step_1"
     notes = tmp_path / "mine"
     notes.mkdir()
     (notes / "notes.txt").write_text("precious")
     for out in (notes, run, tmp_path):
         before = sorted(p.name for p in out.iterdir())
-        r = subprocess.run(
-            [PY, "-m", "moe_tune.cli.export", str(step), str(out)], capture_output=True, text=True, env=cli_env
-        )
+        r = _moe_tune_export([step, out])
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert r.returncode == 2 and len(lines) == 1 and "which no export writes" in lines[0], r.stderr[-3000:]
         assert sorted(p.name for p in out.iterdir()) == before
     assert (notes / "notes.txt").read_text() == "precious"
     here = tmp_path / "here"  # empty, but the shell's current directory: replacing it would strand the shell
     here.mkdir()
-    r = subprocess.run(
-        [PY, "-m", "moe_tune.cli.export", str(step), "."], capture_output=True, text=True, env=cli_env, cwd=here
-    )
+    r = _moe_tune_export([step, "."], cwd=here)
     assert r.returncode == 2 and "is the current directory" in r.stderr and not list(here.iterdir()), r.stderr
     earlier = tmp_path / "earlier"
     shutil.copytree(run / "hf", earlier)
     (earlier / "model.safetensors").write_bytes(b"stale")
     link = tmp_path / "link"
     link.symlink_to(earlier)
-    _export(step, link, cli_env)  # through a symlink: the target is replaced, the link stays a link
+    _export(step, link)  # through a symlink: the target is replaced, the link stays a link
     assert link.is_symlink() and not (tmp_path / ".link.old").exists()
     assert_hf_logits_equal(str(earlier))
     for source, extra, said in [
@@ -84,18 +77,13 @@ def test_export_refuses_a_directory_it_would_wipe(tmp_path, cli_env):
         (run / "hf", [], "is a Hugging Face export, not a checkpoint (a run with checkpoint.every=0 saves none)"),
     ]:
         out = tmp_path / "new_out"
-        r = subprocess.run(
-            [PY, "-m", "moe_tune.cli.export", str(source), str(out), *extra],
-            capture_output=True,
-            text=True,
-            env=cli_env,
-        )
+        r = _moe_tune_export([source, out, *extra])
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert r.returncode == 2 and len(lines) == 1 and said in lines[0] and not out.exists(), r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("peft", [[], ["peft=lora"]], ids=["full", "lora_adapter"])
-def test_a_custom_chat_template_is_exported_with_the_model(tmp_path, cli_env, peft):
+def test_a_custom_chat_template_is_exported_with_the_model(tmp_path, peft):
     """data.chat_template renders the training records, so the exported model (or LoRA adapter) carries it
     (chat_template.jinja, which transformers prefers to the tokenizer's): in the run's hf/ and, from the
     checkpoint's own copy even once the file is gone, in moe-tune-export's output."""
@@ -110,11 +98,11 @@ def test_a_custom_chat_template_is_exported_with_the_model(tmp_path, cli_env, pe
     data.write_text(record * 8)
     run = tmp_path / "run"
     args = [f"output_dir={run}", "data=jsonl", f"data.path={data}", f"data.chat_template={template}"]
-    run_cli([*args, *peft, "train.steps=2", "checkpoint.every=2", *FAST_RUN], cli_env)
+    train_run([*args, *peft, "train.steps=2", "checkpoint.every=2", *FAST_RUN])
     assert (run / "hf" / "chat_template.jinja").read_text() == template.read_text()
     template.unlink()
     out = tmp_path / "exported"
-    _export(run / "checkpoints" / "step_2", out, cli_env)
+    _export(run / "checkpoints" / "step_2", out)
     assert (out / "chat_template.jinja").read_text() == "{#- custom -#}" + PLAIN_CHATML
     if not peft:  # a full export loads as a tokenizer too (an adapter has no tokenizer files)
         tokenizer = AutoTokenizer.from_pretrained(out)
@@ -134,7 +122,7 @@ def _tree_digest(root) -> dict[str, str]:
     }
 
 
-def test_export_refuses_a_model_it_did_not_write_or_a_checkpoints_base(tmp_path, capsys, cli_env):
+def test_export_refuses_a_model_it_did_not_write_or_a_checkpoints_base(tmp_path, capsys):
     """A model directory is replaced by moe-tune-export only if it wrote it (moe_tune_export.json) and no
     checkpoint of the run reads its model there: a LoRA run's own base_model/ (with or without --merge, from any
     of its checkpoints; marked as an export too, as a run trained from an export would be) and a copied model
@@ -142,10 +130,8 @@ def test_export_refuses_a_model_it_did_not_write_or_a_checkpoints_base(tmp_path,
     own, a run's hf/) is replaced without it."""
     import shutil
 
-    from moe_tune.cli.export import main as export_main
-
     run = tmp_path / "lora"
-    run_cli([f"output_dir={run}", "peft=lora", "train.steps=2", "checkpoint.every=1", *FAST_RUN], cli_env)
+    train_run([f"output_dir={run}", "peft=lora", "train.steps=2", "checkpoint.every=1", *FAST_RUN])
     base = run / "base_model"
     downloaded = tmp_path / "downloaded"  # a model directory moe_tune did not export (as a download is)
     shutil.copytree(base, downloaded)

@@ -2,31 +2,35 @@
 exit 2, nothing changed) unless ``checkpoint.resume=none`` asks to start afresh over it; a resume says where it
 resumes from; every run ends with one line naming its outputs."""
 
-import subprocess
-
-from tests.harness import FAST_RUN, PY, read_metrics, run_cli
+from tests.harness import FAST_RUN, read_metrics, run_main
 
 
 def _steps(run_dir) -> list[int]:
     return [row["step"] for row in read_metrics(run_dir)]
 
 
-def test_rerun_is_refused_overwritten_on_request_or_resumed(tmp_path, cli_env):
+def _ok(args: list[str]):
+    r = run_main(args)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r
+
+
+def test_rerun_is_refused_overwritten_on_request_or_resumed(tmp_path):
     run = tmp_path / "run"
     base = [f"output_dir={run}", "checkpoint.export_hf=false", *FAST_RUN]
-    r = run_cli([*base, "train.steps=2"], cli_env)
+    r = _ok([*base, "train.steps=2"])
     assert [line.split("] ", 1)[-1] for line in r.stderr.splitlines() if "outputs in" in line] == [f"outputs in {run}"]
 
-    r = subprocess.run([PY, "-m", "moe_tune", *base, "train.steps=3"], capture_output=True, text=True, env=cli_env)
+    r = run_main([*base, "train.steps=3"])
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith(f"moe-tune: error: output_dir {run} already holds a run (metrics.jsonl, summary.json)")
     assert "checkpoint.resume=none" in r.stderr
     assert _steps(run) == [1, 2]  # untouched, not appended to
 
-    run_cli([*base, "train.steps=2", "checkpoint.resume=none", "checkpoint.every=2"], cli_env)
+    _ok([*base, "train.steps=2", "checkpoint.resume=none", "checkpoint.every=2"])
     assert _steps(run) == [1, 2]  # started afresh: metrics.jsonl rewritten, not [1, 2, 1, 2]
 
-    r = run_cli([*base, "train.steps=3"], cli_env)
+    r = _ok([*base, "train.steps=3"])
     resumed = [line.split("] ", 1)[-1] for line in r.stderr.splitlines() if "resuming" in line]
     assert resumed == [
         f"resuming from {run / 'checkpoints' / 'step_2'}",

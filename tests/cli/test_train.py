@@ -10,7 +10,8 @@ import subprocess
 import pytest
 import torch
 
-from tests.harness import FAST_RUN, PY, ROOT, assert_hf_logits_equal, read_metrics, run_cli
+from moe_tune.cli.export import main as export_main
+from tests.harness import FAST_RUN, PY, ROOT, assert_hf_logits_equal, read_metrics, run_cli, run_main
 
 CONTRACT_METRICS = {
     "step",
@@ -74,9 +75,12 @@ def _git_head() -> str:
     return subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_two_rank_torchrun_gloo(tmp_path, cli_env):
-    """The default job under torchrun with 2 ranks (FSDP2 on gloo, then EP=2): one run directory, rank 0 writes."""
+    """The default job under torchrun with 2 ranks (FSDP2 on gloo, then EP=2): one run directory, rank 0 writes.
+    (The same two runs under the rank harness, in the fast lane: tests/train/test_runs.py::
+    test_ep2_trains_as_fsdp_on_two_ranks.)"""
     r = run_cli([f"output_dir={tmp_path / 'dp'}", "train.steps=4", *FAST_RUN], cli_env, nproc=2)
     assert r.stderr.count(f"[rank0] outputs in {tmp_path / 'dp'}") == 1 and "[rank1] outputs" not in r.stderr
     run_cli([f"output_dir={tmp_path / 'ep'}", "train.steps=4", "parallel.ep=2", *FAST_RUN], cli_env, nproc=2)
@@ -120,7 +124,7 @@ def test_bad_value_found_after_the_process_group_exists(tmp_path, cli_env):
     "existing, own_model", [(False, False), (True, False), (True, True)], ids=["new_dir", "existing_dir", "model_hf"]
 )
 def test_a_value_found_bad_once_the_model_is_known_leaves_output_dir_as_it_was(
-    tmp_path, cli_env, tiny_checkpoint, existing, own_model
+    tmp_path, tiny_checkpoint, existing, own_model
 ):
     """peft.target is checked against the model's linears, after the run took its lock and built its base
     model: one line, exit 2, and output_dir as the command found it (a new one gone, an existing one's files
@@ -131,7 +135,7 @@ def test_a_value_found_bad_once_the_model_is_known_leaves_output_dir_as_it_was(
         (out / "notes.txt").write_text("mine")
     model = ["model=hf", f"model.path={tiny_checkpoint()}"] if own_model else []  # builds no base_model/
     args = [f"output_dir={out}", *model, "peft=lora", "peft.target=[qproj]", "train.steps=1"]
-    line = _one_error_line(args, cli_env)
+    line = _one_error_line(args)
     assert "peft.target names 'qproj', which is no linear of this model" in line
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] if existing else not out.exists()
 
@@ -185,8 +189,8 @@ def test_a_waiting_rank_that_is_not_stopped_prints_its_line(monkeypatch, capsys)
         (["model.family=mixtral"], "model.family=mixtral but the checkpoint's model_type is qwen3_moe"),
     ],
 )
-def test_cli_bad_input_exits_2_with_one_line(args, message, cli_env, tmp_path):
-    assert message in _one_error_line([f"output_dir={tmp_path}", *args], cli_env)
+def test_cli_bad_input_exits_2_with_one_line(args, message, tmp_path):
+    assert message in _one_error_line([f"output_dir={tmp_path}", *args])
 
 
 @pytest.mark.dist
@@ -203,9 +207,14 @@ def test_bad_value_under_two_ranks_is_one_line(tmp_path, cli_env):
     assert not out.exists()
 
 
-def _one_error_line(args: list[str], env, cwd=None) -> str:
-    """``moe-tune args`` exits 2 with exactly one non-empty stderr line (no traceback): that line."""
-    r = subprocess.run([PY, "-m", "moe_tune", *args], capture_output=True, text=True, env=env, timeout=120, cwd=cwd)
+def _one_error_line(args: list[str], env=None, cwd=None) -> str:
+    """``moe-tune args`` exits 2 with exactly one non-empty stderr line (no traceback): that line. In this process
+    (harness.run_main); with ``env``, in a subprocess with that environment."""
+    if env is None:
+        r = run_main(args, cwd=cwd)
+    else:
+        cmd = [PY, "-m", "moe_tune", *args]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=cwd)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     return lines[0]
@@ -218,17 +227,17 @@ def _one_error_line(args: list[str], env, cwd=None) -> str:
         (["checkpoint.resume=/nonexistent/step_5"], "checkpoint.resume=/nonexistent/step_5 does not exist"),
     ],
 )
-def test_cli_missing_input_path_exits_2_before_output_dir_exists(args, message, cli_env, tmp_path):
+def test_cli_missing_input_path_exits_2_before_output_dir_exists(args, message, tmp_path):
     run_dir = tmp_path / "run"
-    assert message in _one_error_line([f"output_dir={run_dir}", *args], cli_env)
+    assert message in _one_error_line([f"output_dir={run_dir}", *args])
     assert not run_dir.exists()  # no lock, no base model, no config written
 
 
-def test_cli_missing_val_path_names_data_val_path(cli_env, tmp_path):
+def test_cli_missing_val_path_names_data_val_path(tmp_path):
     """A wrong data.val_path next to a good data.path was reported as ``data.path=<it> does not exist``."""
     (tmp_path / "train.jsonl").write_text('{"text": "a record"}\n')
     args = [f"output_dir={tmp_path / 'run'}", f"data.path={tmp_path / 'train.jsonl'}", "data.val_path=nonexist.jsonl"]
-    assert _one_error_line(args, cli_env, cwd=tmp_path).startswith(
+    assert _one_error_line(args, cwd=tmp_path).startswith(
         "moe-tune: error: data.val_path=nonexist.jsonl does not exist; give a file"
     )
 
@@ -243,14 +252,14 @@ def test_cli_hub_dataset_offline_is_one_line_at_once(cli_env, tmp_path):
     assert not run_dir.exists()
 
 
-def test_cli_malformed_record_exits_2_before_output_dir_exists(cli_env, tmp_path):
+def test_cli_malformed_record_exits_2_before_output_dir_exists(tmp_path):
     """A bad JSONL line (data.on_bad_record=error, the default) is found before the run's lock or a preset's
     base_model/ is written: one line naming file:line and the fix, exit 2, no output_dir."""
     data = tmp_path / "chat.jsonl"
     good = '{"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}'
     data.write_text(good + "\n" + '{"messages": [' + "\n")
     run_dir = tmp_path / "run"
-    line = _one_error_line([f"output_dir={run_dir}", "data=jsonl", f"data.path={data}", "train.seq_len=64"], cli_env)
+    line = _one_error_line([f"output_dir={run_dir}", "data=jsonl", f"data.path={data}", "train.seq_len=64"])
     # file:line once: json's own "line 2 column 1 (char 15)" (it counted the line's newline) read as another line
     assert line == (
         f"moe-tune: error: {data}:2: not valid JSON (Expecting value at column 15); fix the line or set "
@@ -259,10 +268,10 @@ def test_cli_malformed_record_exits_2_before_output_dir_exists(cli_env, tmp_path
     assert not run_dir.exists()  # no lock, no base model, no config written
 
 
-def test_cli_hub_id_as_model_path_says_it_is_not_downloaded(cli_env, tmp_path):
+def test_cli_hub_id_as_model_path_says_it_is_not_downloaded(tmp_path):
     """``model.path=Qwen/Qwen3-30B-A3B``: not "no config.json" in a directory named after the cwd, but that moe_tune
     reads local checkpoints only and how to get one."""
-    line = _one_error_line([f"output_dir={tmp_path / 'run'}", "model.path=Qwen/Qwen3-30B-A3B"], cli_env, cwd=tmp_path)
+    line = _one_error_line([f"output_dir={tmp_path / 'run'}", "model.path=Qwen/Qwen3-30B-A3B"], cwd=tmp_path)
     assert line == (
         f"moe-tune: error: model.path=Qwen/Qwen3-30B-A3B does not exist (no directory {tmp_path}/Qwen/Qwen3-30B-A3B); "
         "moe_tune reads local checkpoints only and downloads nothing from the Hugging Face hub: download it first "
@@ -271,59 +280,51 @@ def test_cli_hub_id_as_model_path_says_it_is_not_downloaded(cli_env, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_cli_lora_export_as_model_path_names_its_base_and_the_merge(cli_env, tmp_path):
+def test_cli_lora_export_as_model_path_names_its_base_and_the_merge(tmp_path):
     """A LoRA run's hf/ (a PEFT adapter) as model.path: the line names the base model and the run's checkpoint to
     merge; the merge it names gives a directory model.path takes."""
     from moe_tune.config.model_dir import model_dir_problem
 
     run = tmp_path / "lora"
     args = [f"output_dir={run}", "peft=lora", "train.steps=2", "checkpoint.every=2", *FAST_RUN]
-    run_cli(args, cli_env)
-    line = _one_error_line([f"output_dir={tmp_path / 'next'}", f"model.path={run / 'hf'}"], cli_env)
+    assert run_main(args).returncode == 0
+    line = _one_error_line([f"output_dir={tmp_path / 'next'}", f"model.path={run / 'hf'}"])
     assert line.startswith(f"moe-tune: error: model.path={run / 'hf'} is a PEFT LORA adapter (adapter_config.json, ")
     assert f"its base model is {run / 'base_model'} (adapter_config.json's base_model_name_or_path): " in line
     assert f"give model.path={run / 'base_model'}, or merge the adapter into its base first (moe-tune-export " in line
     checkpoint = run / "checkpoints" / "step_2"
     assert f"{checkpoint} <dir> --merge, or PEFT's merge_and_unload) and give model.path=<dir>" in line
     merged = tmp_path / "merged"
-    export = [PY, "-m", "moe_tune.cli.export", str(checkpoint), str(merged), "--merge"]
-    subprocess.run(export, check=True, env=cli_env, capture_output=True, timeout=300)
+    r = run_main([str(checkpoint), str(merged), "--merge"], main=export_main)
+    assert r.returncode == 0, r.stderr[-3000:]
     assert model_dir_problem(str(merged)) is None
 
 
-def test_cli_unsupported_architecture_exits_2(tmp_path, cli_env, tiny_checkpoint):
+def test_cli_unsupported_architecture_exits_2(tmp_path, tiny_checkpoint):
     """A dense (Llama) checkpoint: one line naming it and the supported families, exit 2."""
     from moe_tune.models.presets import build_tokenizer
 
     llama = tiny_checkpoint("llama")
     build_tokenizer(llama)
-    line = _one_error_line([f"output_dir={tmp_path / 'run'}", "model=hf", f"model.path={llama}"], cli_env)
+    line = _one_error_line([f"output_dir={tmp_path / 'run'}", "model=hf", f"model.path={llama}"])
     assert "model_type 'llama' (LlamaForCausalLM) is not a supported MoE family" in line and "qwen3_moe" in line
     assert not (tmp_path / "run").exists()  # found from config.json, before the run takes its lock
 
 
-def test_a_checkpoint_given_to_a_preset_of_another_family_names_model_hf(tmp_path, cli_env, tiny_checkpoint):
+def test_a_checkpoint_given_to_a_preset_of_another_family_names_model_hf(tmp_path, tiny_checkpoint):
     """model.path with a preset chosen (tiny_qwen3_moe) and an OLMoE checkpoint: the fix is model=hf (the preset's
     family is not the user's), said before anything is written. model.path alone chooses model=hf itself."""
     olmoe = tiny_checkpoint("olmoe")
-    line = _one_error_line([f"output_dir={tmp_path / 'run'}", "model=tiny_qwen3_moe", f"model.path={olmoe}"], cli_env)
+    line = _one_error_line([f"output_dir={tmp_path / 'run'}", "model=tiny_qwen3_moe", f"model.path={olmoe}"])
     assert f"load your checkpoint with model=hf model.path={olmoe}" in line and "model_type olmoe" in line
     assert not (tmp_path / "run").exists()
 
 
-def test_hydra_multirun_gives_each_job_its_own_run_directory(tmp_path, cli_env):
+def test_hydra_multirun_gives_each_job_its_own_run_directory(tmp_path):
     """`moe-tune -m a=1,2`: Hydra's sweep (the same path the submitit_slurm launcher takes) runs both jobs."""
-    r = run_cli(
-        [
-            "-m",
-            f"output_dir={tmp_path}",
-            "train.lr=1e-3,2e-3",
-            "train.steps=2",
-            "checkpoint.export_hf=false",
-            *FAST_RUN,
-        ],
-        cli_env,
-    )
+    args = ["-m", f"output_dir={tmp_path}", "train.lr=1e-3,2e-3", "train.steps=2", "checkpoint.export_hf=false"]
+    r = run_main([*args, *FAST_RUN])
+    assert r.returncode == 0, r.stderr[-3000:]
     for job in ("0", "1"):
         rows = read_metrics(tmp_path / "multirun" / job)
         assert [row["step"] for row in rows] == [1, 2], r.stdout

@@ -3,17 +3,17 @@ user's groups, unknown keys (``+`` included) as one line naming the closest keys
 type, every built-in model name a config, and no output_dir made for a config that cannot run."""
 
 import os
-import subprocess
 
 import pytest
 
 from moe_tune.cli.train import precheck
 from moe_tune.config.overrides import group_options
-from tests.harness import PY
+from tests.harness import run_main
 
 
-def _moe_tune(args: list[str], env: dict[str, str], cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "moe_tune", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+def _moe_tune(args: list[str], cwd):
+    """``moe-tune args`` run from ``cwd`` (in this process: harness.run_main)."""
+    return run_main(args, cwd=cwd)
 
 
 @pytest.mark.parametrize(
@@ -30,9 +30,9 @@ def _moe_tune(args: list[str], env: dict[str, str], cwd) -> subprocess.Completed
         (["-c", "job", "-p", "model", "model.path=ckpt"], "name: hf\npath: ckpt"),
     ],
 )
-def test_hydra_flags_take_separate_values(args, expected, cli_env, tmp_path):
+def test_hydra_flags_take_separate_values(args, expected, tmp_path):
     """``--cfg job`` and the like print without running and without making output_dir (they were overrides)."""
-    r = _moe_tune([f"output_dir={tmp_path / 'run'}", *args], cli_env, tmp_path)
+    r = _moe_tune([f"output_dir={tmp_path / 'run'}", *args], tmp_path)
     assert r.returncode == 0, r.stderr
     assert expected in r.stdout, r.stdout[-2000:]
     assert not (tmp_path / "run").exists()
@@ -132,9 +132,9 @@ def test_bad_command_line_is_one_line_exit_2(args, line, tmp_path, capsys):
         (["comm=deepep"], "comm=deepep needs expert parallelism"),
     ],
 )
-def test_no_output_dir_for_a_config_that_cannot_run(args, line, cli_env, tmp_path):
+def test_no_output_dir_for_a_config_that_cannot_run(args, line, tmp_path):
     """Checks that need the world size ran after Hydra had made output_dir: now before (torchrun's WORLD_SIZE)."""
-    r = _moe_tune([f"output_dir={tmp_path / 'run'}", *args], cli_env, tmp_path)
+    r = _moe_tune([f"output_dir={tmp_path / 'run'}", *args], tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert line in r.stderr
     assert not os.path.exists(tmp_path / "run")

@@ -1,18 +1,19 @@
 """The default `moe-tune` run trains on the built-in chat records through the tokenizer's ChatML template, and a
-second run reads their tokens from the cache (one subprocess run each: they are the slow part)."""
+second run reads their tokens from the cache (the run in process: harness.run_main)."""
 
 from __future__ import annotations
 
 import json
 import os
 
-from tests.harness import run_cli
+from tests.harness import run_main
 
 
-def test_default_run_trains_on_chat_records(tmp_path, cli_env):
+def test_default_run_trains_on_chat_records(tmp_path):
     cache = tmp_path / "cache"
     run = ["train.steps=3", f"data.cache_dir={cache}", "checkpoint.export_hf=false"]
-    out = run_cli([*run, f"output_dir={tmp_path / 'a'}"], cli_env, timeout=300)
+    out = run_main([*run, f"output_dir={tmp_path / 'a'}"])
+    assert out.returncode == 0, out.stderr[-3000:]
     log = out.stdout + out.stderr
     assert "data (train): 4096 records read, 4096 used" in log, log[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]

@@ -14,7 +14,7 @@ import torch
 from moe_tune.config import DataConfig, DataError
 from moe_tune.data import build_datasets
 from moe_tune.models.presets import build_tokenizer
-from tests.harness import PY, cli_env
+from tests.harness import PY, cli_env, run_main
 
 datasets = pytest.importorskip("datasets")
 
@@ -248,8 +248,7 @@ def test_a_fifo_in_the_data_directory_is_one_line_exit_2_and_writes_nothing(tmp_
     write_jsonl(data / "a.jsonl", CHATS)
     os.mkfifo(data / "b.jsonl")
     run = tmp_path / "run"
-    cmd = [PY, "-m", "moe_tune", f"data.path={data}", f"output_dir={run}"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=tmp_path, timeout=300)
+    r = run_main([f"data.path={data}", f"output_dir={run}"], cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith(f"moe-tune: error: data.path={data}: its entry b.jsonl is a FIFO, not a regular file")
     assert not run.exists()

@@ -97,23 +97,15 @@ def test_bad_record_stops_the_stream_where_it_is_read(tmp_path):
         batch(data, 0)
 
 
-def test_a_bad_record_read_mid_run_is_one_line_and_exit_2(tmp_path, cli_env):
+def test_a_bad_record_read_mid_run_is_one_line_and_exit_2(tmp_path):
     """The CLI: a streamed bad line reached after training started ends the run as bad input does (exit 2, the
     one line last, no traceback), not as a crash."""
-    import subprocess
-
-    from tests.harness import FAST_RUN, PY
+    from tests.harness import FAST_RUN, run_main
 
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS * 5) + "{oops\n")
-    r = subprocess.run(
-        [PY, "-m", "moe_tune", f"output_dir={tmp_path / 'run'}", "data=jsonl", f"data.path={path}"]
-        + ["data.streaming=true", "train.steps=50", *FAST_RUN],
-        capture_output=True,
-        text=True,
-        env=cli_env,
-        timeout=300,
-    )
+    args = [f"output_dir={tmp_path / 'run'}", "data=jsonl", f"data.path={path}", "data.streaming=true"]
+    r = run_main([*args, "train.steps=50", *FAST_RUN])
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert lines[-1].startswith("moe-tune: error: ") and f"{path}:{len(RECORDS) * 5 + 1}: not valid JSON" in lines[-1]

@@ -13,7 +13,7 @@ import moe_tune
 from moe_tune.cli.export import main as export_main
 from moe_tune.models.export import EXPORT_MARKER, write_checkpoint_atomic
 from moe_tune.models.presets import build_tiny_checkpoint
-from tests.harness import FAST_RUN, assert_hf_logits_equal, read_hf_tensors, run_cli
+from tests.harness import FAST_RUN, assert_hf_logits_equal, read_hf_tensors, run_main
 
 STALE = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
 
@@ -56,17 +56,17 @@ def test_a_second_export_leaves_only_its_own_files(tmp_path):
         torch.testing.assert_close(ref(ids).logits, new(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_run_and_export_cli_replace_an_earlier_export(tmp_path, cli_env):
+def test_run_and_export_cli_replace_an_earlier_export(tmp_path):
     """hf/ of a resumed run and moe-tune-export's OUT hold exactly the new export, whatever was there."""
     run = tmp_path / "run"
-    run_cli([f"output_dir={run}", "train.steps=2", "checkpoint.every=2", *FAST_RUN], cli_env)
+    assert run_main([f"output_dir={run}", "train.steps=2", "checkpoint.every=2", *FAST_RUN]).returncode == 0
     first = sorted(os.listdir(run / "hf"))
     _plant_stale(run / "hf", run / "hf")
     out = tmp_path / "exported"
     _plant_stale(out, run / "hf")
     export_main([str(run / "checkpoints" / "step_2"), str(out)])
     assert sorted(os.listdir(out)) == first
-    run_cli([f"output_dir={run}", "train.steps=4", "checkpoint.every=2", *FAST_RUN], cli_env)
+    assert run_main([f"output_dir={run}", "train.steps=4", "checkpoint.every=2", *FAST_RUN]).returncode == 0
     assert sorted(os.listdir(run / "hf")) == first
     assert not [n for n in os.listdir(run) if n.startswith(".hf")]
     assert_hf_logits_equal(str(run / "hf"))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch
 from moe_tune.config import CheckpointError, ConfigError
 from moe_tune.models.hf_io import CheckpointReader
 from moe_tune.models.source_check import check_overrides, check_source_dir
-from tests.harness import PY, cli_env
+from tests.harness import run_main
 
 
 @pytest.fixture
@@ -111,10 +110,9 @@ def test_good_model_overrides_pass():
     check_overrides("tiny_qwen3_moe", {"num_hidden_layers": 3, "num_experts_per_tok": 8, "num_experts": 8})
 
 
-def _cli(args: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PY, "-m", "moe_tune", *args], capture_output=True, text=True, env=cli_env(), timeout=300, **kwargs
-    )
+def _cli(args: list[str]):
+    """``moe-tune args`` (in this process: harness.run_main)."""
+    return run_main(args)
 
 
 def test_a_missing_shard_and_a_huge_seed_stop_before_output_dir_exists(sharded, tmp_path):

@@ -248,9 +248,9 @@ def test_backend_check_refuses_without_sm90(monkeypatch, gpu, message):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_cli_exits_2_without_a_gpu(cli_env, tmp_path):
+def test_cli_exits_2_without_a_gpu(tmp_path):
     from tests.config.test_overrides import _moe_tune
 
-    r = _moe_tune([f"output_dir={tmp_path / 'run'}", "kernels.experts=grouped_mm_fp8"], cli_env, tmp_path)
+    r = _moe_tune([f"output_dir={tmp_path / 'run'}", "kernels.experts=grouped_mm_fp8"], tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "kernels.experts=grouped_mm_fp8 needs a CUDA GPU" in r.stderr

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from moe_tune.train.lock import LOCK_NAME, RunLock, RunLockError, init_run_lock
-from tests.harness import FAST_RUN, PY, run_cli, run_ranks
+from tests.harness import FAST_RUN, PY, run_main, run_ranks
 
 
 def _moe_tune(args: list[str], env: dict) -> subprocess.CompletedProcess:
@@ -33,10 +33,11 @@ def test_a_second_run_on_a_held_directory_is_exit_2_naming_the_holder(tmp_path, 
     assert sorted(os.listdir(tmp_path)) == [LOCK_NAME]
 
 
-def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path, cli_env):
+def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
     stale = f"{2**22 + 12345}@{socket.gethostname()} since 2026-01-01 00:00:00 UTC"
     (tmp_path / LOCK_NAME).write_text(stale + "\n")
-    r = run_cli([f"output_dir={tmp_path}", "train.steps=1", *FAST_RUN], cli_env)
+    r = run_main([f"output_dir={tmp_path}", "train.steps=1", *FAST_RUN])
+    assert r.returncode == 0, r.stderr[-3000:]
     assert f"taking over the lock of {stale}" in r.stderr, r.stderr[-3000:]
     assert (tmp_path / "metrics.jsonl").exists()
     assert (tmp_path / LOCK_NAME).read_text() == ""  # released at the end of the run
@@ -81,10 +82,10 @@ def test_a_finished_run_frees_its_output_dir(make_trainer, tmp_path):
 
 
 @pytest.mark.parametrize("under", ["", "/run"])
-def test_output_dir_on_a_file_is_one_line_and_exit_2(tmp_path, cli_env, under):
+def test_output_dir_on_a_file_is_one_line_and_exit_2(tmp_path, under):
     """A regular file at output_dir (or in place of one of its parents) was Hydra's FileExistsError traceback."""
     (tmp_path / "afile").write_text("mine\n")
-    r = _moe_tune([f"output_dir={tmp_path}/afile{under}", "train.steps=1", *FAST_RUN], cli_env)
+    r = run_main([f"output_dir={tmp_path}/afile{under}", "train.steps=1", *FAST_RUN])
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
     where = "is a file" if not under else f"is under {tmp_path}/afile, which is a file"
     assert r.stderr == (

@@ -1,18 +1,17 @@
-"""LoRA runs through the CLI (fp32, CPU): only the adapters train and only they are checkpointed; resume is bitwise;
+"""LoRA runs (fp32, CPU; in process, as harness.train_run and harness.run_main run them): only the adapters train and only they are checkpointed; resume is bitwise;
 hf/ is a PEFT adapter directory that PEFT loads onto the base with moe_tune's logits, and moe-tune-export --merge
 writes the merged model with the same logits; a checkpoint refuses a base it was not trained on."""
 
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 import torch
 
-from tests.harness import FAST_RUN, PY, read_hf_tensors, read_metrics, run_cli
+from moe_tune.cli.export import main as export_main
+from tests.harness import FAST_RUN, copy_checkpoint, read_hf_tensors, read_metrics, run_main, train_run
 from tests.tiny import LORA_TOL, rel_err
-from tests.train.test_runs import _resume_from
 
 peft = pytest.importorskip("peft", reason="the LoRA exports are checked with PEFT (in the dev extra)")
 
@@ -31,11 +30,15 @@ def _hf(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-@pytest.mark.slow
-def test_lora_trains_adapters_only_resumes_bitwise_and_exports_for_peft(tmp_path, cli_env):
+def _export(args: list) -> object:
+    """``moe-tune-export args`` (in this process)."""
+    return run_main([str(a) for a in args], main=export_main)
+
+
+def test_lora_trains_adapters_only_resumes_bitwise_and_exports_for_peft(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     common = ["train.steps=6", "checkpoint.every=3", *LORA]
-    run_cli([f"output_dir={straight}", *common], cli_env)
+    train_run([f"output_dir={straight}", *common])
 
     # The checkpoint: adapters and their AdamW moments only, no base weight.
     keys = _checkpoint_keys(straight / "checkpoints" / "step_3")
@@ -45,8 +48,8 @@ def test_lora_trains_adapters_only_resumes_bitwise_and_exports_for_peft(tmp_path
     assert any(".experts.lora.gate_up_A@7" in k for k in model_keys)  # expert adapters stored one per expert
 
     # Resume: 3 steps, then 3 more from checkpoints/step_3, equals 6 straight, bitwise.
-    _resume_from(straight, resumed, 3)
-    run_cli([f"output_dir={resumed}", *common], cli_env)
+    copy_checkpoint(straight, resumed, 3)
+    train_run([f"output_dir={resumed}", *common])
     a, b = [r["loss"] for r in read_metrics(straight)][3:], [r["loss"] for r in read_metrics(resumed)]
     assert len(b) == 3 and a == b, (a, b)
     sa, sb = read_hf_tensors(straight / "hf"), read_hf_tensors(resumed / "hf")
@@ -64,31 +67,21 @@ def test_lora_trains_adapters_only_resumes_bitwise_and_exports_for_peft(tmp_path
         via_peft = peft.PeftModel.from_pretrained(base, str(straight / "hf")).eval()(input_ids=ids).logits
         assert rel_err(via_peft, logits) < LORA_TOL
         merged_dir = tmp_path / "merged"
-        r = subprocess.run(
-            [PY, "-m", "moe_tune.cli.export", str(straight / "checkpoints" / "step_6"), str(merged_dir), "--merge"],
-            capture_output=True,
-            text=True,
-            env=cli_env,
-        )
+        r = _export([straight / "checkpoints" / "step_6", merged_dir, "--merge"])
         assert r.returncode == 0, r.stderr[-2000:]
         assert rel_err(_hf(merged_dir)(input_ids=ids).logits, logits) < LORA_TOL
     assert not os.path.exists(merged_dir / "adapter_config.json")
 
 
-@pytest.mark.slow
-def test_a_checkpoint_of_adapters_refuses_another_base_and_follows_a_moved_one(tmp_path, cli_env):
+def test_a_checkpoint_of_adapters_refuses_another_base_and_follows_a_moved_one(tmp_path):
     """Adapters trained on the tiny model drawn with seed 0: resumed onto the one drawn with seed 1, exit 2;
     exported with --base naming that other base, exit 2; with --base naming a moved copy of their own, exported."""
     import shutil
 
     first, second = tmp_path / "first", tmp_path / "second"
     step = first / "checkpoints" / "step_2"
-    run_cli([f"output_dir={first}", "train.steps=2", "checkpoint.every=2", *LORA], cli_env)
-    cmd = [
-        PY, "-m", "moe_tune", f"output_dir={second}", "train.steps=4", "train.seed=1",
-        f"checkpoint.resume={step}", *LORA,
-    ]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env)
+    assert run_main([f"output_dir={first}", "train.steps=2", "checkpoint.every=2", *LORA]).returncode == 0
+    r = run_main([f"output_dir={second}", "train.steps=4", "train.seed=1", f"checkpoint.resume={step}", *LORA])
     assert r.returncode == 2, r.stderr[-2000:]
     (line,) = [ln for ln in r.stderr.splitlines() if "error:" in ln]
     assert "holds LoRA adapters of another base model" in line and str(second / "base_model") in line
@@ -96,27 +89,23 @@ def test_a_checkpoint_of_adapters_refuses_another_base_and_follows_a_moved_one(t
     # The refused resume took back the base model it had built in second/ (nothing written); another run keeps
     # the seed-1 base to name with --base.
     other = tmp_path / "other"
-    run_cli([f"output_dir={other}", "train.steps=1", "train.seed=1", "checkpoint.export_hf=false", *LORA], cli_env)
-    export = [PY, "-m", "moe_tune.cli.export", str(step), str(tmp_path / "out"), "--merge", "--base"]
-    r = subprocess.run([*export, str(other / "base_model")], capture_output=True, text=True, env=cli_env)
+    other_run = [f"output_dir={other}", "train.steps=1", "train.seed=1", "checkpoint.export_hf=false", *LORA]
+    assert run_main(other_run).returncode == 0
+    export = [step, tmp_path / "out", "--merge", "--base"]
+    r = _export([*export, other / "base_model"])
     assert r.returncode == 2 and "another base model" in r.stderr, r.stderr[-2000:]
     assert "give --base the directory of the base model" in r.stderr and "model.path" not in r.stderr
     assert "model.path=<its directory>" in line  # the resume's own fix
     shutil.move(first / "base_model", tmp_path / "moved_base")
-    r = subprocess.run([*export[:-1]], capture_output=True, text=True, env=cli_env)
+    r = _export(export[:-1])
     assert r.returncode == 2 and "--base <dir>" in r.stderr, r.stderr[-2000:]
-    r = subprocess.run([*export, str(tmp_path / "moved_base")], capture_output=True, text=True, env=cli_env)
+    r = _export([*export, tmp_path / "moved_base"])
     assert r.returncode == 0, r.stderr[-2000:]
     assert os.path.isfile(tmp_path / "out" / "config.json")
 
 
-def test_export_merge_of_a_full_fine_tune_is_refused(tmp_path, cli_env):
-    run_cli([f"output_dir={tmp_path}", "train.steps=1", "checkpoint.every=1", *FAST_RUN], cli_env)
-    r = subprocess.run(
-        [PY, "-m", "moe_tune.cli.export", str(tmp_path / "checkpoints" / "step_1"), str(tmp_path / "out"), "--merge"],
-        capture_output=True,
-        text=True,
-        env=cli_env,
-    )
+def test_export_merge_of_a_full_fine_tune_is_refused(tmp_path):
+    train_run([f"output_dir={tmp_path}", "train.steps=1", "checkpoint.every=1", *FAST_RUN])
+    r = _export([tmp_path / "checkpoints" / "step_1", tmp_path / "out", "--merge"])
     assert r.returncode == 2 and "--merge applies to LoRA runs" in r.stderr
     assert not os.path.exists(tmp_path / "out")
