@@ -4,11 +4,18 @@ subprocess, run outputs) and tests/tiny.py (tiny random Hugging Face checkpoints
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
 
 from tests import harness, tiny
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # pytest-xdist runs a worker per core: one thread each, or the workers' thread pools oversubscribe them.
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -22,6 +29,10 @@ def data_cache(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # The slow tests (whole runs as processes, up to minutes each) first, so that no worker starts one last
+        # while the other has finished: the stable sort keeps each lane's own order.
+        items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")

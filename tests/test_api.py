@@ -1,6 +1,7 @@
 """The Python API as docs/python-api.md shows it (issue 18, item 8): ``out.logits`` with labels whenever no backward
 can follow (eval mode, torch.no_grad()), and None in a training forward, where the fused loss never builds them."""
 
+import pytest
 import torch
 
 import moe_tune
@@ -26,6 +27,7 @@ def test_logits_with_labels_outside_training_none_in_training(tiny_checkpoint):
     assert model(input_ids=ids, labels=ids, return_logits=False).logits is None
 
 
+@pytest.mark.slow
 def test_readme_from_checkpoint_runs_as_written_after_import_moe_tune(tmp_path, cli_env):
     """docs/lora.md's ``moe_tune.build.from_checkpoint(...)`` after a plain ``import moe_tune`` (new-user trial: an
     AttributeError, moe_tune had no attribute build). ``import moe_tune`` still loads neither torch nor build."""

@@ -156,6 +156,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint(tmp_path):
     """Two gloo ranks save every 2 steps; the write of step 4 is held while training goes on; kill -9 the whole
     job; resume=auto starts from step 2 and names step_4 as incomplete."""

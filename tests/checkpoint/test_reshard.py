@@ -95,6 +95,7 @@ def _chain(tmp_path, layouts: list[tuple[int, list[str]]]) -> None:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_ep2_to_one_process_to_ep2_to_dp_shard2_to_one_process(tmp_path, no_launcher):
     """EP=2 on 2 ranks (experts plain tensors outside FSDP2: two param groups) -> one process (one group) -> EP=2
     -> FSDP over 2 ranks (dp_shard=2: experts sharded by rows) -> one process."""
@@ -311,6 +312,7 @@ def test_names_that_do_not_match_the_model_are_a_checkpoint_error(tmp_path, save
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_lora_adapters_reshard_ep2_to_one_process_to_dp_shard2(tmp_path, no_launcher):
     """LoRA: checkpoints of adapters (the expert adapters one per expert, like the experts) resume at another
     layout: EP=2 (adapters sharded with the experts, outside FSDP2) -> one process -> FSDP over 2 ranks."""

@@ -29,6 +29,7 @@ def test_split_argv_at_the_first_override():
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl_c"])
+@pytest.mark.slow
 def test_a_stop_signal_exits_128_plus_it_without_a_traceback(tmp_path, cli_env, signum):
     """SIGTERM (Slurm) or SIGINT (Ctrl-C in the terminal reaches the launcher, which passes it on) to the
     launcher: both ranks save the agreed step; the launcher exits 128 + the signal with one line."""
@@ -81,6 +82,7 @@ def ctrl_c_while_starting(module: str, args: list[str], env: dict, inherited: st
 
 
 @pytest.mark.parametrize("inherited", INHERITED_SIGINT)
+@pytest.mark.slow
 def test_ctrl_c_in_one_process_saves_and_before_training_is_one_line(tmp_path, cli_env, inherited):
     """moe-tune alone, whether SIGINT was inherited at its default or ignored: Ctrl-C during training stops after
     the next agreed step with a checkpoint (exit 130, no traceback); a Ctrl-C while the run starts is one line,
@@ -104,6 +106,7 @@ def test_ctrl_c_to_the_launcher_before_torchrun_starts_is_one_line(tmp_path, cli
     assert (code, lines) == (130, [INTERRUPTED]) and not out.exists()
 
 
+@pytest.mark.slow
 def test_a_ranks_exit_2_is_the_launchers(tmp_path, cli_env):
     r = subprocess.run(
         LAUNCH + [f"output_dir={tmp_path}", *BAD_FAMILY], capture_output=True, text=True, env=cli_env, timeout=300

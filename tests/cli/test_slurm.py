@@ -73,6 +73,7 @@ def test_failure_line_groups_ranks():
     assert failure_line(exits) == "job 8: rank 0 exited with code 143; rank 1 exited with code 1: RuntimeError: x"
 
 
+@pytest.mark.slow
 def test_without_the_slurm_extra_one_line_and_exit_2(tmp_path, cli_env):
     """No hydra-submitit-launcher (hidden here by a package of its name that fails to import): one line naming the
     extra, exit 2 (Hydra's own: a multi-line plugin error and exit 1)."""

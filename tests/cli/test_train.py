@@ -97,6 +97,7 @@ BAD_FAMILY_LINE = "moe-tune: error: model.family=mixtral but the checkpoint's mo
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_bad_value_found_after_the_process_group_exists(tmp_path, cli_env):
     """model.family disagrees with the checkpoint: known only once the model config is read, after every rank
     joined the process group. Rank 0 exits 2 with the one line, no traceback; torchrun then fails the job, and
@@ -194,6 +195,7 @@ def test_cli_bad_input_exits_2_with_one_line(args, message, tmp_path):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_bad_value_under_two_ranks_is_one_line(tmp_path, cli_env):
     """A value found bad before any process group exists: only the node's first rank prints the line (each rank
     found the same error in the same command line), and it is torchrun's root cause: the quiet rank exits after

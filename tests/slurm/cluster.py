@@ -202,8 +202,12 @@ def _wait_for(predicate, timeout_s: float, message: str) -> None:
     raise TimeoutError(message)
 
 
-def wait_rows(run_dir: Path, rows: int, timeout_s: float = 120) -> None:
-    """Until a job's run has written ``rows`` metrics rows (every rank is past its start)."""
+def wait_rows(run_dir: Path, rows: int, timeout_s: float = 300) -> None:
+    """Until a job's run has written ``rows`` metrics rows (every rank is past its start). The wait is generous: a
+    suite on two busy cores (pytest-xdist) can take minutes to start a job's ranks."""
     metrics = run_dir / "metrics.jsonl"
-    message = f"{metrics} has fewer than {rows} rows after {timeout_s} s"
-    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= rows, timeout_s, message)
+    try:
+        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= rows, timeout_s, "")
+    except TimeoutError:
+        logs = "".join(f"\n--- {f}:\n{f.read_text()[-2000:]}" for f in sorted(run_dir.glob("logs/*")))
+        raise TimeoutError(f"{metrics} has fewer than {rows} rows after {timeout_s} s{logs}") from None

@@ -7,8 +7,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.harness import FAST_RUN, ROOT, cli_env, read_metrics
 from tests.slurm.cluster import wait_rows
+
+# A real Slurm runs whole jobs (slow); one Slurm per test session, so under pytest-xdist these tests share a worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
+
 
 SBATCH = str(Path(ROOT) / "launch" / "slurm" / "train.sbatch")
 STOP_LINE = "moe-tune: stopped by signal 15"  # the launcher's

@@ -7,8 +7,13 @@ import json
 import re
 import subprocess
 
+import pytest
+
 from tests.harness import FAST_RUN, PY, ROOT, cli_env, read_metrics
 from tests.slurm.cluster import wait_rows
+
+# A real Slurm runs whole jobs (slow); one Slurm per test session, so under pytest-xdist these tests share a worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 
 
 def submit(slurm, run_dir, *overrides: str) -> subprocess.CompletedProcess:
