@@ -199,15 +199,9 @@ def main() -> None:
             rc, seconds = run_suite(root, a.python, a.pytest_args, log)
         if bug is None and rc != 0:
             raise SystemExit(f"the unedited tree fails ({first_failure(log)}): see {log}")
-        row = {
-            "bug": name,
-            "what": bug.what if bug else "",
-            "file": edited,
-            "caught": rc != 0,
-            "rc": rc,
-            "seconds": round(seconds, 1),
-        }
-        row["first_failure"] = first_failure(log)
+        failed = first_failure(log)  # a test that failed (a non-zero exit alone may be pytest's own error)
+        row = {"bug": name, "what": bug.what if bug else "", "file": edited, "caught": bool(failed), "rc": rc}
+        row.update(seconds=round(seconds, 1), first_failure=failed)
         rows.append(row)
         print(json.dumps(row), flush=True)
         with open(a.out, "w") as f:

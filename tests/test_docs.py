@@ -176,11 +176,6 @@ def test_readme_is_a_front_door_linking_every_docs_page():
 
 # A measured speed or time, or a ratio of two measurements: "20.8 ms", "2.3 TB/s", "5,892 tokens/s", "0.71x".
 FIGURE = re.compile(r"\d[\d.,]* ?(?:ms|us|µs|GB/s|TB/s|GiB/s|tokens/s|TFLOP/s)\b|\b\d+\.\d+x\b")
-# Files other branches were rewriting when this check arrived (issue 37, items 1 and 4); empty it once their figures
-# have moved to benchmarks/README.md.
-PENDING = {
-    "moe_tune/checkpoint/manifest.py",
-}
 
 
 def prose(path: pathlib.Path) -> list[tuple[int, str]]:
@@ -208,8 +203,6 @@ def figures_in_prose(root: pathlib.Path) -> list[str]:
     found = []
     for path in sorted([*root.rglob("*.py"), *root.rglob("*.yaml")]):
         rel = path.relative_to(ROOT).as_posix()
-        if rel in PENDING:
-            continue
         found += [f"{rel}:{n}: {text.strip()}" for n, text in prose(path) if FIGURE.search(text)]
     return found
 

@@ -355,6 +355,8 @@ def register_configs() -> None:
     if not OmegaConf.has_resolver("moe_tune.ranks_per_node"):
         OmegaConf.register_new_resolver("moe_tune.ranks_per_node", ranks_per_node)
     cs = ConfigStore.instance()
+    if cs.repo.get("base_config.yaml") is not None:
+        return  # stored by an earlier call in this process (each store rebuilds the schema: a tenth of a second)
     cs.store(name="base_config", node=Config)
     for group, schema in GROUPS.items():
         cs.store(group=group, name=f"base_{group}", node=schema)

@@ -57,6 +57,7 @@ def test_parse_variants_names():
 
 
 @pytest.mark.parametrize("variants", ["ok:kernels.compile=true;...", "typo:kernels.compil=true"])
+@pytest.mark.slow
 def test_a_variant_that_does_not_compose_exits_2_before_any_row(tmp_path, cli_env, variants):
     """A placeholder or a typo in --variants: one line naming the row, exit 2, also for --dry-run (it printed
     a row named '=' for '...' before), nothing written."""

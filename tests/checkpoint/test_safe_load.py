@@ -34,6 +34,7 @@ def _plant(checkpoint: str, marker: str) -> None:
         f.write("2")
 
 
+@pytest.mark.slow
 def test_malicious_metadata_is_refused_on_resume_and_export(tmp_path):
     out = tmp_path / "run"
     train_run([f"output_dir={out}", "train.steps=2", "checkpoint.every=2", "checkpoint.export_hf=false", *FAST_RUN])

@@ -99,6 +99,7 @@ def test_ctrl_c_in_one_process_saves_and_before_training_is_one_line(tmp_path, c
 
 
 @pytest.mark.parametrize("inherited", INHERITED_SIGINT)
+@pytest.mark.slow
 def test_ctrl_c_to_the_launcher_before_torchrun_starts_is_one_line(tmp_path, cli_env, inherited):
     out = tmp_path / "run"
     args = ["--standalone", "--nproc-per-node", "2", f"output_dir={out}", *FAST_RUN]
@@ -118,6 +119,7 @@ def test_a_ranks_exit_2_is_the_launchers(tmp_path, cli_env):
 @pytest.mark.parametrize(
     "bad, said", [("train.lr=-1", "train.lr=-1.0 is out of range"), ("train.stepz=1", "train.stepz")], ids=str
 )
+@pytest.mark.slow
 def test_a_bad_value_or_key_is_one_line_before_any_rank_starts(tmp_path, cli_env, bad, said):
     """The launcher checks keys and values before torchrun starts the ranks: its one line is all of stderr (no
     torchrun banner or rank-failure lines), exit 2, nothing written."""

@@ -244,6 +244,7 @@ def test_cli_missing_val_path_names_data_val_path(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_cli_hub_dataset_offline_is_one_line_at_once(cli_env, tmp_path):
     """A hub dataset name with HF_HUB_OFFLINE=1 and no copy in the datasets cache: the line, not datasets' retries."""
     run_dir = tmp_path / "run"

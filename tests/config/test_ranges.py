@@ -101,6 +101,7 @@ def test_an_intact_safetensors_header_passes(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("override", ["optim.min_lr_ratio=-2", "train.steps=abc"])
+@pytest.mark.slow
 def test_the_command_exits_2_without_traceback(override, tmp_path, cli_env):
     out = tmp_path / "run"
     r = subprocess.run(

@@ -259,6 +259,7 @@ def test_missing_local_path(tmp_path):
         rows(tmp_path, tmp_path / "missing.jsonl")
 
 
+@pytest.mark.slow
 def test_no_datasets_import_without_a_path(tmp_path):
     code = (
         "import sys, moe_tune\n"

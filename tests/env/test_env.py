@@ -116,6 +116,7 @@ def test_parse_topo_two_gpus_with_nic():
     assert env.parse_topo("no GPUs here") == []
 
 
+@pytest.mark.slow
 def test_module_runs_and_imports_nothing_heavy():
     p = subprocess.run([sys.executable, "-m", "moe_tune.env", "--json"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr

@@ -101,6 +101,7 @@ finally:
     "entry, name",
     [("moe_tune", "tensorboard"), ("moe_tune", "wandb"), ("moe_tune", "mlflow"), ("moe_tune.launch", "tensorboard")],
 )
+@pytest.mark.slow
 def test_a_missing_package_is_said_before_torch_is_imported_and_anything_written(tmp_path, entry, name):
     out = tmp_path / "run"
     launcher = ["--standalone", "--nproc-per-node", "2"] if entry == "moe_tune.launch" else []

@@ -17,6 +17,7 @@ def _moe_tune(args: list[str], env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", "moe_tune", *args], capture_output=True, text=True, env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_held_directory_is_exit_2_naming_the_holder(tmp_path, cli_env):
     held = RunLock(str(tmp_path))  # this test process is the first run
     held.acquire()
