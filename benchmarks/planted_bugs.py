@@ -106,6 +106,13 @@ BUGS = [
         "coef = max_norm / (total + 1e-6)",
     ),
     Bug(
+        "clip_divisor",
+        "the optimizer's clipping divisor may fall below 1 (gradients under max_grad_norm are scaled up)",
+        ("moe_tune/distributed/clip.py", "moe_tune/parallel/clip.py"),
+        ("return ((total_norm + 1e-6) / max_norm).clamp(min=1.0)",),
+        "return (total_norm + 1e-6) / max_norm",
+    ),
+    Bug(
         "packed_positions",
         "packed rows' position ids run on across samples instead of restarting at each",
         ("moe_tune/data/packing.py",),

@@ -44,7 +44,7 @@ def _batches() -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
 
 
-def _train(model, mesh=None) -> tuple[list[float], list[float]]:
+def _train(model, mesh=None, max_norm: float = MAX_NORM) -> tuple[list[float], list[float]]:
     """AdamW steps; with a mesh, this rank takes its slice of each global batch. Returns (losses, norms)."""
     opt = torch.optim.AdamW(param_groups(model.parameters()), lr=1e-2, foreach=True)
     dp = 1 if mesh is None else mesh.dims.dp
@@ -56,9 +56,9 @@ def _train(model, mesh=None) -> tuple[list[float], list[float]]:
         out = model(local, labels=local, loss_normalizer=(ids.shape[0] * (SEQ - 1)) / dp)
         out.loss.backward()
         if mesh is None:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         else:
-            norm = clip_grad_norm_(model, MAX_NORM, mesh)
+            norm = clip_grad_norm_(model, max_norm, mesh)
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss = out.loss.detach().clone()
@@ -187,12 +187,14 @@ def test_world_size_one_same_code_path(tiny_checkpoint, no_launcher):
     env = init_distributed(backend="gloo")
     try:
         assert (env.world_size, env.launcher, dist.get_world_size(), dist.get_backend()) == (1, "single", 1, "gloo")
-        ref = from_pretrained(path)
-        ref.aux_loss_coef = 0.0
-        ref_losses, ref_norms = _train(ref)
-        losses, norms = _train(*_build(path, ParallelDims(1, 1, 1, 1)))
-        _close(losses, ref_losses, 1e-5, "world size 1 vs plain model: losses")
-        _close(norms, ref_norms, 1e-5, "world size 1 vs plain model: grad norms")
+        for max_norm in (MAX_NORM, 1e3):  # clipped, and a norm below the maximum that must stay as it is
+            ref = from_pretrained(path)
+            ref.aux_loss_coef = 0.0
+            ref_losses, ref_norms = _train(ref, max_norm=max_norm)
+            losses, norms = _train(*_build(path, ParallelDims(1, 1, 1, 1)), max_norm=max_norm)
+            _close(losses, ref_losses, 1e-5, f"world size 1 vs plain model, max_norm {max_norm}: losses")
+            _close(norms, ref_norms, 1e-5, f"world size 1 vs plain model, max_norm {max_norm}: grad norms")
+        assert MAX_NORM < min(norms) and max(norms) < 1e3
     finally:
         destroy_distributed()
 
