@@ -124,9 +124,10 @@ def test_bf16_parameters_round_stochastically_unless_told_not_to(make_trainer, m
 
 def test_balancing_losses_take_their_own_coefficients(tmp_path):
     """The step's gradient is that of ce + (train.aux_loss_coef x mean aux loss + train.z_loss_coef x mean z-loss)
-    per micro-batch, averaged over the step's two micro-batches: the two coefficients differ (0.01 and 0.3) and each loss's value
-    comes from the MoE layers of a reference copy, so a z-loss scaled by the aux coefficient (or the reverse)
-    gives another update. A large eps makes AdamW's update follow the gradients' scale."""
+    per micro-batch, averaged over the step's two micro-batches (summed, the update is another): the two
+    coefficients differ (0.01 and 0.3) and each loss's value comes from the MoE layers of a reference copy, so a
+    z-loss scaled by the aux coefficient (or the reverse) gives another update. A large eps makes AdamW's update
+    follow the gradients' scale."""
     import copy
 
     from moe_tune.distributed.process_group import destroy_distributed
@@ -134,8 +135,7 @@ def test_balancing_losses_take_their_own_coefficients(tmp_path):
 
     aux_coef, z_coef = 0.01, 0.3
     overrides = [f"train.aux_loss_coef={aux_coef}", f"train.z_loss_coef={z_coef}", "optim.eps=0.01"]
-    # Two micro-batches: the balancing losses are averaged over them (summed, the update is another).
-    overrides.append("train.global_batch_size=4")
+    overrides.append("train.global_batch_size=4")  # two micro-batches of FAST's 2 rows
     cfg = to_config(compose([f"output_dir={tmp_path}", "checkpoint.export_hf=false", *FAST, *overrides]))
     trainer = Trainer(cfg)
     try:
