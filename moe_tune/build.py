@@ -215,7 +215,10 @@ def model_options(cfg: Config, dims: ParallelDims) -> ModelOptions:
         kernels=k.name,
         fp8=k.fp8,
         fp8_options=k.fp8_options(),
-        experts=experts_options(dims, t.precision, k.experts),
+        experts=dataclasses.replace(
+            experts_options(dims, t.precision, k.experts),
+            quantized_base=cfg.peft.quantize_base if lora is not None and cfg.peft.quantize_base != "none" else None,
+        ),
         loss_chunk_size=k.loss_chunk_size if k.fused_loss else None,
         aux_loss_coef=t.aux_loss_coef if balancing else 0.0,
         z_loss_coef=t.z_loss_coef if balancing else 0.0,

@@ -44,7 +44,7 @@ def validate(
     if num_experts is not None:
         dims.check_experts(num_experts)
     if expert_dims is not None:
-        check_expert_dims(cfg.kernels.experts, *expert_dims)
+        check_expert_dims(cfg, *expert_dims)
     BatchLayout.from_config(cfg.train, dims.dp)  # the global batch: a whole number of micro-batches
     if cfg.comm.name != "all_to_all" and dims.ep == 1:
         raise ConfigError(f"comm={cfg.comm.name} needs expert parallelism; set parallel.ep>1 or comm=all_to_all")
@@ -56,13 +56,20 @@ def validate(
     return dims
 
 
-def check_expert_dims(experts: str, dim: int, hidden: int) -> None:
-    """kernels.experts=grouped_mm_fp8: FP8 rows of every GEMM operand must start on 16-byte boundaries, so the
-    model dim and the expert hidden dim must be multiples of 16."""
-    if experts == "grouped_mm_fp8" and (dim % 16 or hidden % 16):
+def check_expert_dims(cfg: Config, dim: int, hidden: int) -> None:
+    """FP8 expert GEMMs (kernels.experts=grouped_mm_fp8, peft.quantize_base=fp8): FP8 rows of every GEMM operand
+    must start on 16-byte boundaries, so the model dim and the expert hidden dim must be multiples of 16."""
+    if not dim % 16 and not hidden % 16:
+        return
+    if cfg.kernels.experts == "grouped_mm_fp8":
         raise ConfigError(
             f"kernels.experts=grouped_mm_fp8 needs the model dim ({dim}) and the expert hidden dim ({hidden}) to be "
             "multiples of 16 (the FP8 grouped GEMM's alignment); use kernels.experts=grouped_mm for this model"
+        )
+    if cfg.peft.name == "lora" and cfg.peft.quantize_base == "fp8":
+        raise ConfigError(
+            f"peft.quantize_base=fp8 needs the model dim ({dim}) and the expert hidden dim ({hidden}) to be "
+            "multiples of 16 (the FP8 grouped GEMM's alignment); use peft.quantize_base=none for this model"
         )
 
 
@@ -135,7 +142,7 @@ def _check_peft(cfg: Config) -> None:
     p = cfg.peft
     if p.name == "none":  # the adapter keys would be silently ignored: a forgotten peft=lora
         default = PeftConfig()
-        keys = ("rank", "alpha", "dropout", "target", "train_router")
+        keys = ("rank", "alpha", "dropout", "target", "train_router", "quantize_base")
         given = [f"peft.{k}={spelled(getattr(p, k))}" for k in keys if getattr(p, k) != getattr(default, k)]
         if given:
             lora_keys_without_lora(given)
@@ -144,6 +151,12 @@ def _check_peft(cfg: Config) -> None:
         return
     if not p.target:
         raise ConfigError("peft.target is empty: name what LoRA adapts, e.g. peft.target=[attention,experts]")
+    if p.quantize_base != "none" and cfg.kernels.experts == "grouped_mm_fp8":
+        raise ConfigError(
+            f"kernels.experts=grouped_mm_fp8 quantizes trained expert weights at every step; with "
+            f"peft.quantize_base={p.quantize_base} the frozen experts are quantized once, at load, and their GEMMs "
+            "read them as stored: drop kernels.experts=grouped_mm_fp8"
+        )
     if "experts" in p.target and cfg.kernels.experts in ("grouped_mm", "grouped_mm_fp8") and p.rank % 8:
         raise ConfigError(
             f"peft.rank={p.rank} with peft.target including experts: the grouped GEMMs need the rank to be a "

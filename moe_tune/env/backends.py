@@ -19,6 +19,7 @@ from moe_tune.config import Config, ConfigError
 BACKENDS = (
     "grouped_mm",
     "grouped_mm_fp8",
+    "frozen_fp8",
     "deepep",
     "symm_mem",
     "transformer_engine",
@@ -36,6 +37,7 @@ _MIN_CC = {
     "transformer_engine": (8, 0),
     "grouped_mm": (8, 0),
     "grouped_mm_fp8": (9, 0),
+    "frozen_fp8": (9, 0),
 }
 
 
@@ -84,6 +86,8 @@ def unusable_reason(name: str) -> str | None:
     gpu = _cuda()
     if name == "grouped_mm_fp8":
         return _grouped_mm_fp8_reason(gpu)
+    if name == "frozen_fp8":
+        return _frozen_fp8_reason(gpu)
     if name == "deepep":
         if not _installed("deep_ep"):
             from moe_tune.moe.dispatch.deepep import DEEPEP_HOWTO  # lazy: that module imports torch
@@ -144,6 +148,24 @@ def _grouped_mm_fp8_reason(gpu) -> str | None:
     return None
 
 
+def _frozen_fp8_reason(gpu) -> str | None:
+    """peft.quantize_base=fp8: Hopper's FP8 grouped GEMM on a GPU; without one, its emulation on the CPU (dequantized
+    operands, fp32 matmuls: for tests and small models)."""
+    import torch
+
+    key = "peft.quantize_base=fp8"
+    if gpu is None:
+        return None
+    reason = _needs_gpu("FP8 grouped GEMMs (torch._scaled_grouped_mm)", key, gpu, _MIN_CC["frozen_fp8"])
+    if reason:
+        return f"{reason}; use peft.quantize_base=none"
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"{key} needs torch._scaled_grouped_mm (torch >= 2.9); this is torch {torch.__version__}"
+    if not _installed("triton"):
+        return f"{key} quantizes activations with a Triton kernel on the GPU: pip install triton"
+    return None
+
+
 def _te_reason(key: str, gpu) -> str | None:
     if not _installed("transformer_engine"):
         return f"{key}: {TE_HOWTO}"
@@ -183,6 +205,8 @@ def backends_needed(cfg: Config) -> list[str]:
     needed = []
     if cfg.kernels.experts == "grouped_mm_fp8":
         needed.append("grouped_mm_fp8")
+    if cfg.peft.name == "lora" and cfg.peft.quantize_base == "fp8":
+        needed.append("frozen_fp8")
     if cfg.comm.name in ("deepep", "symm_mem"):
         needed.append(cfg.comm.name)
     if cfg.kernels.name == "te":

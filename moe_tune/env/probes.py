@@ -103,6 +103,36 @@ def run_grouped_mm_fp8() -> tuple[bool, str]:
     )
 
 
+def run_frozen_fp8() -> tuple[bool, str]:
+    """peft.quantize_base=fp8's grouped GEMM forward and input gradient (uneven and empty groups) against fp32
+    matmuls of the dequantized weights, on the GPU (or the CPU emulation without one)."""
+    import torch
+
+    from moe_tune.kernels.fp8_frozen import dequantize_weight, frozen_fp8_grouped_mm, quantize_weight
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    counts = [40, 0, 152, 64]
+    x = torch.randn(sum(counts), 128, generator=g).to(device, torch.bfloat16).requires_grad_()
+    w_q, w_s = quantize_weight((torch.randn(len(counts), 64, 128, generator=g) / 8).to(device))
+    dy = torch.randn(sum(counts), 64, generator=g).to(device, torch.bfloat16)
+    offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    y = frozen_fp8_grouped_mm(x, w_q, w_s, offs)
+    y.backward(dy)
+    w = dequantize_weight(w_q, w_s)
+    groups = torch.repeat_interleave(torch.arange(len(counts), device=device), torch.tensor(counts, device=device))
+    ref_y = torch.einsum("rk,rnk->rn", x.detach().float(), w[groups])
+    ref_dx = torch.einsum("rn,rnk->rk", dy.float(), w[groups])
+    errs = {"y": _rel_err(y, ref_y), "dx": _rel_err(x.grad, ref_dx)}
+    tol = 6e-2
+    detail = ", ".join(f"{k} {v:.1e}" for k, v in errs.items())
+    return (
+        max(errs.values()) < tol,
+        f"FP8 frozen-base grouped GEMM ({device}) forward+input gradient, groups {counts}: rel err vs the "
+        f"dequantized weights in fp32 {detail} (tolerance {tol:.0e})",
+    )
+
+
 def run_transformer_engine() -> tuple[bool, str]:
     import torch
     import transformer_engine.pytorch as te

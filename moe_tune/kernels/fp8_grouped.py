@@ -30,9 +30,13 @@ ScaledGroupedMM = Callable[..., torch.Tensor]
 
 
 def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The largest power of two that maps ``amax`` to at most E4M3's largest value. All-zero rows (empty groups,
-    padding) get a finite scale: their values are zero whatever it is."""
-    return torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax.float().clamp(min=1e-30))))
+    """The largest power of two that maps ``amax`` to at most E4M3's largest value (448 = 0.875 x 2^9), read off
+    ``amax``'s own exponent and mantissa: exact, where ``448 / amax`` would round. All-zero rows (empty groups,
+    padding) get a finite scale: their values are zero whatever it is. ``moe_tune.kernels.triton_fp8`` computes
+    the same from the float's bits."""
+    mantissa, exponent = torch.frexp(amax.float().clamp(min=1e-30))  # amax = mantissa x 2^exponent, [0.5, 1)
+    power = 9 - exponent - (mantissa > 0.875).to(exponent.dtype)
+    return torch.ldexp(torch.ones_like(mantissa), power)
 
 
 def _to_e4m3(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

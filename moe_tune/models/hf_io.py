@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from moe_tune.config import CheckpointError
 from moe_tune.lora import is_adapter
+from moe_tune.lora.experts import PROJECTIONS
 from moe_tune.models.families import Family
 from moe_tune.models.shard_index import read_index
 from moe_tune.moe.experts import GroupedExperts
@@ -165,14 +166,13 @@ def load_state(model: torch.nn.Module, path: str, family: Family, strict: bool =
             continue  # an empty FSDP shard (more ranks than rows): nothing to read
         start = offsets.get(name, 0) + first
         src = read_global_rows(reader, family, name, start, start + local.shape[0])
-        if tuple(src.shape) != tuple(local.shape):
-            raise CheckpointError(
-                f"checkpoint tensor for {name} has shape {tuple(src.shape)}, the model expects {tuple(local.shape)}; "
-                f"does config.json match the weights?"
-            )
+        _check_shape(name, src, local.shape)
         if src.is_floating_point() and not nonfinite and not bool(torch.isfinite(src).all()):
             nonfinite.append(disk_key(family, name))  # src is read on the CPU: no device sync
         local.copy_(src.to(local.dtype))
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts) and module.quantized:
+            nonfinite += _load_quantized(reader, family, name, module, skip_check=bool(nonfinite))
     nonfinite = sorted(_union_over_ranks(set(nonfinite)))
     if nonfinite:
         raise CheckpointError(
@@ -192,6 +192,37 @@ def load_state(model: torch.nn.Module, path: str, family: Family, strict: bool =
                 f"checkpoint {path} has {len(unused)} tensors the model does not use (e.g. {sorted(unused)[0]}); "
                 f"does config.json match the weights?"
             )
+
+
+def _check_shape(name: str, src: torch.Tensor, expected) -> None:
+    if tuple(src.shape) != tuple(expected):
+        raise CheckpointError(
+            f"checkpoint tensor for {name} has shape {tuple(src.shape)}, the model expects {tuple(expected)}; "
+            f"does config.json match the weights?"
+        )
+
+
+# Experts of a quantized base read, moved and quantized at a time: a few tens of MB of bf16 on the host and GPU.
+QUANTIZE_BLOCK = 8
+
+
+def _load_quantized(
+    reader: CheckpointReader, family: Family, name: str, module: GroupedExperts, skip_check: bool
+) -> list[str]:
+    """A quantized base's experts (``peft.quantize_base``), ``QUANTIZE_BLOCK`` at a time: read in the checkpoint's
+    dtype, quantized on the module's device. Returns the disk key of a tensor holding NaN/inf, if any."""
+    nonfinite: list[str] = []
+    for proj in PROJECTIONS:
+        key, shape = f"{name}.{proj}_proj", module.base_shape(proj)
+        for j in range(0, shape[0], QUANTIZE_BLOCK):
+            b = min(QUANTIZE_BLOCK, shape[0] - j)
+            start = module.first_expert + j
+            src = read_global_rows(reader, family, key, start, start + b)
+            _check_shape(key, src, (b, *shape[1:]))
+            if not (skip_check or nonfinite) and not bool(torch.isfinite(src).all()):
+                nonfinite.append(disk_key(family, key))
+            module.fill_base_(proj, j, src)
+    return nonfinite
 
 
 def _union_over_ranks(used: set[str]) -> set[str]:

@@ -57,3 +57,20 @@ def init_random(model, std: float | None = None, seed: int = 0, num_experts: int
             (t.to_local() if hasattr(t, "to_local") else t).fill_(1.0 if "norm" in name else 0.0)
             continue
         draw_rows(model, name, t, seed, _normal, std, num_experts)
+    _init_quantized(model, std, seed, num_experts)
+
+
+def _init_quantized(model, std: float, seed: int, num_experts: int | None) -> None:
+    """A quantized base's experts (``peft.quantize_base``): drawn as the bf16 base's would be, then quantized."""
+    from moe_tune.lora.experts import PROJECTIONS
+    from moe_tune.moe.experts import GroupedExperts
+
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts) and module.quantized:
+            lora = model.options.lora  # a quantized base is a LoRA run's
+            dtype = lora.base_dtype or model.options.dtype
+            device = module.gate_up_quantized.weight.device
+            for proj in PROJECTIONS:
+                w = torch.empty(module.base_shape(proj), dtype=dtype, device=device)
+                draw_rows(model, f"{name}.{proj}_proj", w, seed, _normal, std, num_experts)
+                module.fill_base_(proj, 0, w)

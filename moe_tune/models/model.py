@@ -260,10 +260,13 @@ def _run_spec(spec, options: ModelOptions, hf: nn.Module):
 def _match_dtypes(moe: MoE, block: nn.Module, dtype: torch.dtype) -> None:
     """Give each MoE tensor the dtype transformers gives the tensor of the same name in its block: the model
     dtype, except the fp32 islands it keeps whatever the dtype (DeepSeek-V3 and GLM-4-MoE create the router
-    weight and ``e_score_correction_bias`` in fp32, so bf16 rounding never decides which experts are chosen)."""
+    weight and ``e_score_correction_bias`` in fp32, so bf16 rounding never decides which experts are chosen). A
+    quantized base's buffers (``peft.quantize_base``) are transformers' own tensors of no name and keep their dtypes."""
     theirs = {**dict(block.named_parameters()), **dict(block.named_buffers())}
     for name, t in [*moe.named_parameters(), *moe.named_buffers()]:
         ref = theirs.get(name)
+        if ref is None and "_quantized." in name:
+            continue
         t.data = t.data.to(ref.dtype if ref is not None else dtype)
 
 

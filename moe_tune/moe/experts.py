@@ -20,6 +20,8 @@ from torch import nn
 
 from moe_tune.kernels.fp8_grouped import fp8_grouped_mm
 from moe_tune.lora import ExpertsAdapter, LoRASpec
+from moe_tune.lora.experts import PROJECTIONS
+from moe_tune.moe.quantized_base import FrozenFP8Projection
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class ExpertsOptions:
     # size their gradients are averaged over (FSDP's gradient divide factor otherwise).
     compute_dtype: torch.dtype | None = None
     grad_divide: float = 1.0
+    # "fp8": the weights are frozen (LoRA) and held as FP8 (``quantized_base``), never as bf16; None: parameters.
+    quantized_base: str | None = None
 
 
 def grouped_mm(x_RK: torch.Tensor, w_eKN: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
@@ -93,7 +97,11 @@ class GroupedExperts(nn.Module):
         e = spec.num_experts if num_local_experts is None else num_local_experts
         self.first_expert, self.num_local_experts = first_expert, e
         D, I = spec.dim, spec.hidden  # noqa: E741 (I: expert hidden dim, the moe/ legend)
-        if spec.layout == "out_in":
+        if self.options.quantized_base is not None:
+            # [e, out, in] whatever the family's layout; filled by ``fill_base_`` as the weights are read.
+            self.gate_up_quantized = FrozenFP8Projection(e, 2 * I, D)
+            self.down_quantized = FrozenFP8Projection(e, D, I)
+        elif spec.layout == "out_in":
             self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * I, D))
             self.down_proj = nn.Parameter(torch.empty(e, D, I))
         else:
@@ -110,11 +118,38 @@ class GroupedExperts(nn.Module):
         """Whether this rank holds a block of the experts only (expert parallelism)."""
         return self.num_local_experts < self.spec.num_experts
 
+    @property
+    def quantized(self) -> bool:
+        return self.options.quantized_base is not None
+
     def _weights_KN(self) -> tuple[torch.Tensor, torch.Tensor]:
         # grouped_mm wants [e, in, out]; the "out_in" layout is read through a transposed view (no copy).
+        if self.quantized:
+            return tuple(getattr(self, f"{p}_quantized").dequantized().transpose(-2, -1) for p in PROJECTIONS)
         if self.spec.layout == "out_in":
             return self.gate_up_proj.transpose(-2, -1), self.down_proj.transpose(-2, -1)
         return self.gate_up_proj, self.down_proj
+
+    def base_shape(self, proj: str) -> tuple[int, int, int]:
+        """This rank's ``<proj>_proj`` as the Hugging Face model holds it (the family's layout): what a checkpoint or
+        the random initialisation gives ``fill_base_``."""
+        e, D, I = self.num_local_experts, self.spec.dim, self.spec.hidden  # noqa: E741
+        out_in = {"gate_up": (2 * I, D), "down": (D, I)}[proj]
+        return (e, *(out_in if self.spec.layout == "out_in" else out_in[::-1]))
+
+    @torch.no_grad()
+    def fill_base_(self, proj: str, first: int, w: torch.Tensor) -> None:
+        """Quantize local experts ``[first, first + len(w))`` of ``<proj>_proj`` (the family's layout) into place."""
+        w = w if self.spec.layout == "out_in" else w.transpose(-2, -1)
+        getattr(self, f"{proj}_quantized").fill_(first, w)
+
+    def _base_mm(self, proj: str, x_RK: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
+        """The frozen or trained weights' grouped GEMM (without the adapters)."""
+        if self.quantized:
+            return getattr(self, f"{proj}_quantized")(x_RK, offs_e)
+        gemm = fp8_grouped_mm if self.options.impl == "grouped_mm_fp8" else grouped_mm
+        w = self._weights_KN()[PROJECTIONS.index(proj)]
+        return gemm(x_RK, w.to(x_RK.dtype), offs_e)
 
     def _activation(self, h_RI2: torch.Tensor) -> torch.Tensor:
         s = self.spec
@@ -139,17 +174,15 @@ class GroupedExperts(nn.Module):
     def _forward(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
         if self.options.impl == "loop":
             return self.forward_loop(x_RD, counts_e)
-        gemm = fp8_grouped_mm if self.options.impl == "grouped_mm_fp8" else grouped_mm
-        w1, w2 = self._weights_KN()
         offs_e = torch.cumsum(counts_e, dim=0, dtype=torch.int32)
-        h = gemm(x_RD, w1.to(x_RD.dtype), offs_e)
+        h = self._base_mm("gate_up", x_RD, offs_e)
         if self.lora is not None:
             h = h + self.lora.delta("gate_up", x_RD, offs_e)
         if self.spec.bias:
             row_expert_R = self._row_experts(counts_e, x_RD.shape[0])
             h = h + _with_zero_row(self.gate_up_proj_bias, h.dtype)[row_expert_R]
         a = self._activation(h)
-        y = gemm(a, w2.to(x_RD.dtype), offs_e)
+        y = self._base_mm("down", a, offs_e)
         if self.lora is not None:
             y = y + self.lora.delta("down", a, offs_e)
         if self.spec.bias:

@@ -1,0 +1,136 @@
+"""The frozen base's routed experts in FP8 (``peft.quantize_base=fp8``): weights quantized once, at load, and grouped
+GEMMs that read them as they are stored.
+
+Storage (``quantize_weight``): each local expert's projection as ``[e, out, in]`` E4M3 with one power-of-two scale per
+(expert, output row) over its inputs. That is the forward GEMM's own operand, so no step quantizes a weight again (the
+per-step weight quantization is what makes ``kernels.experts=grouped_mm_fp8`` slower than bf16).
+
+``frozen_fp8_grouped_mm(x_RK, w_eNK, s_eN, offs_e)`` is ``x @ W_j^T`` for the rows of group j:
+  - forward: x quantized per row (one pass on CUDA: ``triton_fp8``), then ``torch._scaled_grouped_mm``.
+  - backward: the input gradient only (the base is frozen). ``dx = dy @ W_j`` contracts over the weight's output
+    rows, each with its own scale, and Hopper's FP8 GEMM applies scales along the output dims only: so the weight's
+    scales are folded into dy (``dy[r, n] * s[j(r), n]``, exact: powers of two) in the same pass that quantizes dy
+    per row, and the weight's bytes are transposed as they are (a copy of e x out x in bytes, nothing rounded) into
+    the layout the kernel reads, contraction innermost. Only the weights and offsets are saved for backward.
+Registered as a custom op with its autograd, so torch.compile calls it as it is and traces neither direction. On
+the CPU the kernel is ``fp8_grouped.emulated_scaled_grouped_mm``: both quantized operands dequantized, then an fp32
+matmul per group.
+
+Legend (the moe/ one): R routed rows, K and N a GEMM's in and out dims, e local experts (groups).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_tune.kernels.fp8_grouped import E4M3, emulated_scaled_grouped_mm, quantize_rows, scaled_grouped_mm
+
+# Hopper's faster FP8 accumulation (no periodic promotion to fp32), as kernels.experts=grouped_mm_fp8 uses.
+FAST_ACCUM = True
+
+
+def quantize_weight(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked ``[e, out, in]`` weights -> (E4M3 values, the same shape; dequantization scales ``[e, out]``)."""
+    return quantize_rows(w_eNK)
+
+
+def dequantize_weight(q_eNK: torch.Tensor, s_eN: torch.Tensor) -> torch.Tensor:
+    """The fp32 values the quantized weights stand for (exact: E4M3 values times powers of two)."""
+    return q_eNK.float() * s_eN.unsqueeze(-1)
+
+
+def quantize_activation_rows(
+    x_RK: torch.Tensor, col_scale_GK: torch.Tensor | None = None, group_R: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One power-of-two scale per row of ``x`` (times ``col_scale[group[r]]`` first, when given) -> (E4M3 [R, K],
+    dequantization scales [R]). On CUDA one Triton pass; elsewhere the same values from PyTorch ops."""
+    if not x_RK.is_cuda:
+        t = x_RK.float()
+        if col_scale_GK is not None:
+            t = t * col_scale_GK[group_R]
+        return quantize_rows(t)
+    import triton
+
+    from moe_tune.kernels.triton_fp8 import quantize_rows_kernel
+
+    x_RK = x_RK if x_RK.stride(-1) == 1 else x_RK.contiguous()
+    R, K = x_RK.shape
+    q = torch.empty(R, K, dtype=E4M3, device=x_RK.device)
+    inv_scale = torch.empty(R, dtype=torch.float32, device=x_RK.device)
+    if R:
+        block = triton.next_power_of_2(K)
+        has_col_scale = col_scale_GK is not None
+        quantize_rows_kernel[(R,)](
+            x_RK,
+            q,
+            inv_scale,
+            col_scale_GK if has_col_scale else inv_scale,
+            group_R if has_col_scale else inv_scale,
+            K,
+            x_RK.stride(0),
+            HAS_COL_SCALE=has_col_scale,
+            BLOCK=block,
+            num_warps=4 if block <= 2048 else 8,
+        )
+    return q, inv_scale
+
+
+def row_groups(offs_e: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Each row's group; rows past ``offs_e[-1]`` (a dispatcher's fixed-capacity padding) get group e. On the
+    device, output size given: no host sync."""
+    e = offs_e.shape[0]
+    offs = offs_e.long()
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    tail = (num_rows - offs[-1:]).clamp(min=0)
+    ids = torch.arange(e + 1, device=offs.device)
+    return torch.repeat_interleave(ids, torch.cat([counts, tail]), output_size=num_rows)
+
+
+def _kernel(t: torch.Tensor):
+    return scaled_grouped_mm if t.is_cuda else emulated_scaled_grouped_mm
+
+
+@torch.library.custom_op("moe_tune::frozen_fp8_grouped_mm", mutates_args=())
+def frozen_fp8_grouped_mm(
+    x_RK: torch.Tensor, w_eNK: torch.Tensor, s_eN: torch.Tensor, offs_e: torch.Tensor
+) -> torch.Tensor:
+    """``x @ W_j^T`` for the rows of each group j, W stored as E4M3 ``[e, N, K]`` with scales ``[e, N]``."""
+    xq_RK, sx_R = quantize_activation_rows(x_RK)
+    out = _kernel(x_RK)(xq_RK, w_eNK.transpose(-2, -1), sx_R, s_eN, offs_e, FAST_ACCUM)
+    return out.to(x_RK.dtype)
+
+
+@frozen_fp8_grouped_mm.register_fake
+def _(x_RK, w_eNK, s_eN, offs_e):
+    return x_RK.new_empty(x_RK.shape[0], w_eNK.shape[1])
+
+
+@torch.library.custom_op("moe_tune::frozen_fp8_grouped_mm_input_grad", mutates_args=())
+def frozen_fp8_input_grad(
+    dy_RN: torch.Tensor, w_eNK: torch.Tensor, s_eN: torch.Tensor, offs_e: torch.Tensor
+) -> torch.Tensor:
+    """``dy @ W_j`` for the rows of each group j: the input gradient of ``frozen_fp8_grouped_mm``."""
+    e, N, K = w_eNK.shape
+    col_scale_GN = torch.cat([s_eN, s_eN.new_zeros(1, N)])  # padding rows (group e): zeros
+    dyq_RN, sdy_R = quantize_activation_rows(dy_RN, col_scale_GN, row_groups(offs_e, dy_RN.shape[0]))
+    w_eKN = w_eNK.transpose(-2, -1).contiguous()
+    ones_eK = torch.ones(e, K, dtype=torch.float32, device=w_eNK.device)
+    out = _kernel(dy_RN)(dyq_RN, w_eKN.transpose(-2, -1), sdy_R, ones_eK, offs_e, FAST_ACCUM)
+    return out.to(dy_RN.dtype)
+
+
+@frozen_fp8_input_grad.register_fake
+def _(dy_RN, w_eNK, s_eN, offs_e):
+    return dy_RN.new_empty(dy_RN.shape[0], w_eNK.shape[2])
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[1:])
+
+
+def _backward(ctx, dy_RN):
+    w_eNK, s_eN, offs_e = ctx.saved_tensors
+    return frozen_fp8_input_grad(dy_RN, w_eNK, s_eN, offs_e), None, None, None
+
+
+frozen_fp8_grouped_mm.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,41 @@
+"""Row-wise E4M3 quantization in one pass (``moe_tune.kernels.fp8_frozen`` launches it on CUDA). A module-level
+function, so that Triton's interpreter (``TRITON_INTERPRET=1``) resolves it by name; imported only when the kernel is
+launched (CPU installs need not have Triton)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def quantize_rows_kernel(
+    x_ptr,
+    q_ptr,
+    inv_scale_ptr,
+    col_scale_ptr,
+    group_ptr,
+    K,
+    x_row_stride,
+    HAS_COL_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program per row of ``x`` [R, K]: optionally multiplied by the row's group's column scales
+    (``col_scale[group[row], :]``), then scaled by the largest power of two that maps the row's largest magnitude
+    to at most 448 and rounded to E4M3 into ``q`` [R, K]; ``inv_scale[row]`` holds what to multiply the E4M3 values
+    by. The power of two is read off the amax's bits as ``fp8_grouped._pow2_scale`` does with frexp: bitwise the
+    same result. Unfused, PyTorch ran about eight passes over the row block (abs, amax, scale, clamp, cast)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_COL_SCALE:
+        group = tl.load(group_ptr + row).to(tl.int64)
+        x = x * tl.load(col_scale_ptr + group * K + cols, mask=mask, other=0.0)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30)
+    bits = amax.to(tl.int32, bitcast=True)
+    biased = (bits >> 23) & 0xFF
+    # amax = 1.m x 2^(biased - 127); 448 = 1.75 x 2^8: the power is 8 - (biased - 127), one less when 1.m > 1.75.
+    power = 135 - biased - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    scale = ((power + 127) << 23).to(tl.float32, bitcast=True)
+    q = tl.minimum(tl.maximum(x * scale, -448.0), 448.0)
+    tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(inv_scale_ptr + row, 1.0 / scale)

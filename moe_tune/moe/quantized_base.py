@@ -1,0 +1,42 @@
+"""A frozen stacked expert projection held quantized (``peft.quantize_base``): what ``GroupedExperts`` keeps in place
+of a bf16 weight under LoRA, where the experts' weights never change.
+
+The values are the Hugging Face checkpoint's, quantized as they are read (``fill_``: a block of experts at a time, so
+neither host nor GPU holds a layer's bf16 experts whole) or as a built-in model's weights are drawn. They are
+buffers outside the state dict: a checkpoint of the run holds the adapters, and a resume quantizes the same base
+again, bit for bit (the quantization is deterministic).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe_tune.kernels.fp8_frozen import dequantize_weight, frozen_fp8_grouped_mm, quantize_weight
+from moe_tune.kernels.fp8_grouped import E4M3
+
+
+class FrozenFP8Projection(nn.Module):
+    """``[e, out, in]`` E4M3 weights with one power-of-two scale per (expert, output row): 1 byte per weight plus
+    4 per row, against 2 per weight in bf16. ``forward(x_RK, offs_e)`` = ``x @ W_j^T`` for the rows of group j,
+    differentiable in x only."""
+
+    def __init__(self, num_experts: int, out_features: int, in_features: int):
+        super().__init__()
+        shape = (num_experts, out_features, in_features)
+        self.register_buffer("weight", torch.empty(shape, dtype=E4M3), persistent=False)
+        self.register_buffer("scale", torch.empty(shape[:2], dtype=torch.float32), persistent=False)
+
+    def forward(self, x_RK: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
+        return frozen_fp8_grouped_mm(x_RK, self.weight, self.scale, offs_e)
+
+    @torch.no_grad()
+    def fill_(self, first: int, w_bNK: torch.Tensor) -> None:
+        """Quantize the weights of local experts ``[first, first + b)`` (``[b, out, in]``, any float dtype)."""
+        q, s = quantize_weight(w_bNK.to(self.weight.device))
+        self.weight[first : first + q.shape[0]].copy_(q)
+        self.scale[first : first + q.shape[0]].copy_(s)
+
+    def dequantized(self) -> torch.Tensor:
+        """``[e, out, in]`` in fp32: the values the GEMMs compute with (the per-expert reference loop, tests)."""
+        return dequantize_weight(self.weight, self.scale)
