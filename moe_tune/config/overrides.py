@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import os
 import re
 import typing
@@ -117,8 +118,10 @@ def compose(overrides: list[str]):
         return hydra_compose(config_name="config", overrides=choose_path_groups(overrides))
 
 
+@functools.cache
 def group_options() -> dict[str, list[str]]:
-    """The user's config groups and their options (schema entries ``base_*`` left out), launchers included."""
+    """The user's config groups and their options (schema entries ``base_*`` left out), launchers included. Read
+    once per process: the packaged config directory does not change while it runs."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 

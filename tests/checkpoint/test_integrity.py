@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -14,13 +15,33 @@ import torch
 from moe_tune.checkpoint import latest, manifest, safe
 from moe_tune.config import CheckpointError
 from tests.harness import read_metrics
-from tests.train.conftest import make_trainer  # noqa: F401  (the trainer fixture, for this directory too)
+from tests.train.conftest import make_trainer, trainer_for  # noqa: F401  (the trainer fixture, for this directory too)
 
 
 def _run(make_trainer, out, steps: int, *overrides) -> object:  # noqa: F811
     trainer = make_trainer(f"train.steps={steps}", "checkpoint.every=2", *overrides, out=str(out))
     trainer.fit()
     return trainer
+
+
+@pytest.fixture(scope="module")
+def trained_once(tmp_path_factory):
+    """One 4-step run (checkpoints of steps 2 and 4), trained once for this module."""
+    from moe_tune.distributed.process_group import destroy_distributed
+
+    out = tmp_path_factory.mktemp("four_steps")
+    try:
+        trainer_for(out, "train.steps=4", "checkpoint.every=2").fit()
+    finally:
+        destroy_distributed()
+    return out
+
+
+@pytest.fixture
+def four_steps(tmp_path, trained_once):
+    """A copy of ``trained_once`` in this test's tmp_path (returned), for the test to damage."""
+    shutil.copytree(trained_once, tmp_path, dirs_exist_ok=True)
+    return tmp_path
 
 
 def _ckpt(out, step: int) -> str:
@@ -48,9 +69,8 @@ def _warnings(monkeypatch) -> list[str]:
     return lines
 
 
-def test_complete_holds_a_manifest_of_every_file(tmp_path, make_trainer):  # noqa: F811
-    _run(make_trainer, tmp_path, 2)
-    path = _ckpt(tmp_path, 2)
+def test_complete_holds_a_manifest_of_every_file(four_steps):
+    path = _ckpt(four_steps, 2)
     body = json.loads(open(os.path.join(path, "COMPLETE")).read())
     assert body["step"] == 2 and body["hash"] == "crc32"
     names = sorted(n for n in os.listdir(path) if n != "COMPLETE")
@@ -71,18 +91,22 @@ def test_complete_holds_a_manifest_of_every_file(tmp_path, make_trainer):  # noq
         ("meta.json", "delete"),
     ],
 )
-def test_auto_resume_passes_over_a_damaged_checkpoint(tmp_path, make_trainer, monkeypatch, name, how):  # noqa: F811
-    _run(make_trainer, tmp_path, 4)
-    _damage(os.path.join(_ckpt(tmp_path, 4), name), how)
+def test_auto_resume_passes_over_a_damaged_checkpoint(four_steps, make_trainer, monkeypatch, name, how):  # noqa: F811
+    _damage(os.path.join(_ckpt(four_steps, 4), name), how)
     warnings = _warnings(monkeypatch)
-    resumed = make_trainer("train.steps=6", "checkpoint.every=2", out=str(tmp_path))
+    resumed = make_trainer("train.steps=6", "checkpoint.every=2", out=str(four_steps))
     assert resumed.step == 2
-    assert len(warnings) == 1 and os.path.join(_ckpt(tmp_path, 4), name) in warnings[0], warnings
+    assert len(warnings) == 1 and os.path.join(_ckpt(four_steps, 4), name) in warnings[0], warnings
 
 
-def test_flipped_bytes_fall_back_and_train_as_from_the_previous_checkpoint(tmp_path, make_trainer, monkeypatch):  # noqa: F811
+def test_flipped_bytes_fall_back_and_train_as_from_the_previous_checkpoint(
+    tmp_path,
+    make_trainer,  # noqa: F811
+    monkeypatch,
+    trained_once,
+):
     reference = [r["loss"] for r in read_metrics(_run(make_trainer, tmp_path / "ref", 6).cfg.output_dir)]
-    _run(make_trainer, tmp_path / "run", 4)
+    shutil.copytree(trained_once, tmp_path / "run")
     shard = os.path.join(_ckpt(tmp_path / "run", 4), "__0_0.distcp")
     _damage(shard, "flip")
     warnings = _warnings(monkeypatch)
@@ -94,29 +118,26 @@ def test_flipped_bytes_fall_back_and_train_as_from_the_previous_checkpoint(tmp_p
     assert [r["loss"] for r in rows] == reference  # bitwise: steps 3-6 replayed from step_2
 
 
-def test_no_intact_checkpoint_is_a_checkpoint_error_naming_the_file(tmp_path, make_trainer):  # noqa: F811
-    _run(make_trainer, tmp_path, 4)
-    _damage(os.path.join(_ckpt(tmp_path, 4), "__0_0.distcp"), "flip")
-    _damage(os.path.join(_ckpt(tmp_path, 2), ".metadata"), "delete")
+def test_no_intact_checkpoint_is_a_checkpoint_error_naming_the_file(four_steps, make_trainer):  # noqa: F811
+    _damage(os.path.join(_ckpt(four_steps, 4), "__0_0.distcp"), "flip")
+    _damage(os.path.join(_ckpt(four_steps, 2), ".metadata"), "delete")
     with pytest.raises(CheckpointError, match="no intact checkpoint") as e:
-        make_trainer("train.steps=6", out=str(tmp_path))
-    assert os.path.join(_ckpt(tmp_path, 4), "__0_0.distcp") in str(e.value)
+        make_trainer("train.steps=6", out=str(four_steps))
+    assert os.path.join(_ckpt(four_steps, 4), "__0_0.distcp") in str(e.value)
     assert "\n" not in str(e.value)
 
 
-def test_a_named_damaged_checkpoint_is_refused(tmp_path, make_trainer):  # noqa: F811
-    _run(make_trainer, tmp_path, 4)
-    _damage(os.path.join(_ckpt(tmp_path, 4), "meta.json"), "truncate")
+def test_a_named_damaged_checkpoint_is_refused(four_steps, make_trainer):  # noqa: F811
+    _damage(os.path.join(_ckpt(four_steps, 4), "meta.json"), "truncate")
     with pytest.raises(CheckpointError, match="meta.json has"):
-        make_trainer("train.steps=6", f"checkpoint.resume={_ckpt(tmp_path, 4)}", out=str(tmp_path))
+        make_trainer("train.steps=6", f"checkpoint.resume={_ckpt(four_steps, 4)}", out=str(four_steps))
 
 
-def test_an_old_complete_without_manifest_still_resumes(tmp_path, make_trainer, monkeypatch):  # noqa: F811
-    _run(make_trainer, tmp_path, 4)
-    with open(os.path.join(_ckpt(tmp_path, 4), "COMPLETE"), "w") as f:
+def test_an_old_complete_without_manifest_still_resumes(four_steps, make_trainer, monkeypatch):  # noqa: F811
+    with open(os.path.join(_ckpt(four_steps, 4), "COMPLETE"), "w") as f:
         f.write("4")  # as moe-tune wrote it before the manifest
     warnings = _warnings(monkeypatch)
-    assert make_trainer("train.steps=6", out=str(tmp_path)).step == 4
+    assert make_trainer("train.steps=6", out=str(four_steps)).step == 4
     assert len(warnings) == 1 and "no integrity manifest" in warnings[0]
 
 
@@ -169,14 +190,13 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(t
     assert latest(str(tmp_path)) == _ckpt(tmp_path, 2) and manifest.verify(_ckpt(tmp_path, 2)) is None
 
 
-def test_export_of_a_damaged_checkpoint_is_exit_2_naming_the_file(tmp_path, make_trainer, capsys):  # noqa: F811
+def test_export_of_a_damaged_checkpoint_is_exit_2_naming_the_file(four_steps, capsys):
     from moe_tune.cli.export import main
 
-    _run(make_trainer, tmp_path, 2)
-    shard = os.path.join(_ckpt(tmp_path, 2), "__0_0.distcp")
+    shard = os.path.join(_ckpt(four_steps, 2), "__0_0.distcp")
     _damage(shard, "flip")
     with pytest.raises(SystemExit) as e:
-        main([_ckpt(tmp_path, 2), str(tmp_path / "hf")])
+        main([_ckpt(four_steps, 2), str(four_steps / "hf")])
     assert e.value.code == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]  # after the training run's own log lines
     assert line.startswith("moe-tune-export: error: checkpoint") and shard in line and "checksum" in line
