@@ -40,11 +40,15 @@ def dequantize_weight(q_eNK: torch.Tensor, s_eN: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_activation_rows(
-    x_RK: torch.Tensor, col_scale_GK: torch.Tensor | None = None, group_R: torch.Tensor | None = None
+    x_RK: torch.Tensor,
+    col_scale_GK: torch.Tensor | None = None,
+    group_R: torch.Tensor | None = None,
+    triton_kernel: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One power-of-two scale per row of ``x`` (times ``col_scale[group[r]]`` first, when given) -> (E4M3 [R, K],
-    dequantization scales [R]). On CUDA one Triton pass; elsewhere the same values from PyTorch ops."""
-    if not x_RK.is_cuda:
+    dequantization scales [R]). ``triton_kernel`` (None: on CUDA) in one Triton pass; otherwise the same values
+    from PyTorch ops."""
+    if not (x_RK.is_cuda if triton_kernel is None else triton_kernel):
         t = x_RK.float()
         if col_scale_GK is not None:
             t = t * col_scale_GK[group_R]

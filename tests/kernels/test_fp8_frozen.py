@@ -1,0 +1,139 @@
+"""The frozen base's FP8 experts (``peft.quantize_base=fp8``, moe_tune/kernels/fp8_frozen.py): weight quantization
+round trips, the grouped GEMM and its input gradient against fp32 matmuls of the dequantized operands (the CPU
+emulation of the kernel; the GPU test runs the real one), and the Triton quantization pass (through Triton's
+interpreter on the CPU) bit for bit against PyTorch's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_tune.kernels.fp8_frozen import (
+    dequantize_weight,
+    frozen_fp8_grouped_mm,
+    quantize_activation_rows,
+    quantize_weight,
+)
+from moe_tune.kernels.fp8_grouped import quantize_rows
+from tests.tiny import rel_err
+
+E4M3_MAX = 448.0
+COUNTS = [5, 0, 19, 8]  # an empty group; 4 rows of a dispatcher's padding follow the last group
+
+
+def _operands(N=32, K=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(len(COUNTS), N, K, generator=g) * torch.linspace(0.1, 4, N).unsqueeze(-1)  # rows of all sizes
+    x = torch.randn(sum(COUNTS) + 4, K, generator=g)
+    offs = torch.tensor(COUNTS).cumsum(0).to(torch.int32)
+    return w, x, offs
+
+
+def _groups():
+    return torch.repeat_interleave(torch.arange(len(COUNTS)), torch.tensor(COUNTS))
+
+
+def test_weight_round_trip_is_within_e4m3_rounding_with_power_of_two_row_scales():
+    w, _, _ = _operands()
+    q, s = quantize_weight(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape and s.shape == w.shape[:2]
+    assert torch.equal(torch.exp2(torch.log2(s).round()), s)  # powers of two: scaling adds no rounding
+    row_max = q.float().abs().amax(-1)
+    assert bool((row_max >= E4M3_MAX / 2).all() and (row_max <= E4M3_MAX).all())  # each row in E4M3's top octave
+    back = dequantize_weight(q, s)
+    # E4M3 keeps 3 mantissa bits: half a step is 2^-4 of the value; below the normal range (2^-6), 2^-10 absolute.
+    bound = torch.maximum(w.abs() * 2**-4, s.unsqueeze(-1) * 2**-10)
+    assert bool(((back - w).abs() <= bound).all())
+    # Values that are E4M3 numbers times a power of two come back exactly.
+    assert torch.equal(dequantize_weight(*quantize_weight(back)), back)
+
+
+def test_grouped_mm_equals_fp32_matmuls_of_the_dequantized_operands():
+    """Forward: x quantized per row, times each group's dequantized weights, in fp32 (then bf16): within bf16's
+    rounding of the output; within FP8's error of the unquantized product; padding rows are 0."""
+    w, x, offs = _operands()
+    q, s = quantize_weight(w)
+    y = frozen_fp8_grouped_mm(x, q, s, offs)
+    xq, sx = quantize_rows(x)
+    x_deq = xq.float() * sx.unsqueeze(-1)
+    groups, rows = _groups(), sum(COUNTS)
+    ref = torch.einsum("rk,rnk->rn", x_deq[:rows], dequantize_weight(q, s)[groups])
+    assert rel_err(y[:rows], ref) < 4e-3
+    assert rel_err(y[:rows], torch.einsum("rk,rnk->rn", x[:rows], w[groups])) < 6e-2
+    assert not y[rows:].any()
+
+
+def test_input_gradient_folds_the_weight_scales_into_dy():
+    """dx = dy @ W_j, W the dequantized weights: within FP8's error in dy of the fp32 product, and within bf16's
+    output rounding of dy quantized per row after it is multiplied by the weight's row scales (what the kernel
+    computes). No gradient reaches the weights; padding rows get 0."""
+    w, x, offs = _operands()
+    q, s = quantize_weight(w)
+    x = x.requires_grad_()
+    dy = torch.randn(x.shape[0], w.shape[1], generator=torch.Generator().manual_seed(1))
+    frozen_fp8_grouped_mm(x, q, s, offs).backward(dy)
+    groups, rows = _groups(), sum(COUNTS)
+    w_deq = dequantize_weight(q, s)
+    assert rel_err(x.grad[:rows], torch.einsum("rn,rnk->rk", dy[:rows], w_deq[groups])) < 6e-2
+    dyq, sdy = quantize_rows(dy[:rows] * s[groups])
+    exact = torch.einsum("rn,rnk->rk", dyq.float() * sdy.unsqueeze(-1), q.float()[groups])
+    assert rel_err(x.grad[:rows], exact) < 4e-3
+    assert not x.grad[rows:].any()
+
+
+def _triton_matches_pytorch() -> None:
+    """Rows of a width that is no power of two (masked lanes), a zero row, a row whose amax is exactly 448 x 2^-3,
+    bf16 input; without and with column scales gathered by each row's group (the input gradient's pass). The
+    scales, bit for bit. The E4M3 values are the GPU test's: Triton 3.9's interpreter converts fp32 to E4M3 with
+    rounding of its own (-31.6 to -16), where a GPU converts in hardware."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 48, generator=g) * torch.tensor([1, 1e-3, 30, 1, 1, 1]).unsqueeze(-1)).to(torch.bfloat16)
+    x[3] = 0
+    x[4, 7] = E4M3_MAX / 8
+    col_scale = torch.exp2(torch.randint(-3, 4, (3, 48), generator=g).float())
+    groups = torch.tensor([0, 2, 1, 1, 0, 2])
+    for args in ((x,), (x, col_scale, groups)):
+        got = quantize_activation_rows(*args, triton_kernel=True)
+        want = quantize_activation_rows(*args, triton_kernel=False)
+        assert torch.equal(got[1], want[1])
+
+
+def test_triton_quantization_equals_pytorch_bit_for_bit():
+    """The Triton pass in a fresh Python with TRITON_INTERPRET=1 (the kernel and Triton's library functions it
+    calls, element by element in NumPy: the code a GPU compiles); on a GPU, test_kernel_on_the_gpu_... runs it."""
+    pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[dev]' brings it)")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the compiled kernel (test_kernel_on_the_gpu_equals_its_cpu_emulation)")
+    code = f"import {__name__} as t; t._triton_matches_pytorch()"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_kernel_on_the_gpu_equals_its_cpu_emulation():
+    """torch._scaled_grouped_mm with the Triton quantization (sm90) against the CPU path, forward and input
+    gradient, Qwen3-30B-A3B's expert dims: within the accumulation order's and fast accumulation's difference."""
+    g = torch.Generator().manual_seed(0)
+    counts = [300, 0, 1200, 548]
+    w = torch.randn(len(counts), 1536, 2048, generator=g) / 40
+    x = torch.randn(sum(counts) + 16, 2048, generator=g).to(torch.bfloat16)
+    dy = torch.randn(x.shape[0], 1536, generator=g).to(torch.bfloat16)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    results = []
+    for device in ("cpu", "cuda"):
+        q, s = quantize_weight(w.to(device))
+        xi = x.to(device).requires_grad_()
+        y = frozen_fp8_grouped_mm(xi, q, s, offs.to(device))
+        y.backward(dy.to(device))
+        rows = sum(counts)
+        results.append((y[:rows].float().cpu(), xi.grad[:rows].float().cpu()))
+    (y_cpu, dx_cpu), (y_gpu, dx_gpu) = results
+    assert rel_err(y_gpu, y_cpu) < 5e-3 and rel_err(dx_gpu, dx_cpu) < 5e-3
+    xg = x.cuda()
+    got, want = (quantize_activation_rows(xg, triton_kernel=t) for t in (True, False))
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
