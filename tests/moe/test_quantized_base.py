@@ -66,3 +66,26 @@ def test_fill_takes_the_family_layout(layout):
         out_in = w if layout == "out_in" else w.transpose(-2, -1)
         assert quantized.base_shape(proj) == tuple(w.shape)
         assert rel_err(getattr(quantized, f"{proj}_quantized").dequantized(), out_in) < 4e-2
+
+
+def test_a_built_in_model_draws_the_quantized_experts_as_the_bf16_ones():
+    """A preset without a checkpoint (the benchmarks' random initialisation): the quantized experts hold the values
+    the bf16 base draws by name, quantized."""
+    import dataclasses
+
+    from moe_tune.build import assemble, source_loader
+    from moe_tune.models.model import ModelOptions
+    from moe_tune.models.presets import preset_config
+
+    lora = LoRASpec(rank=8, alpha=16.0, base_dtype=torch.bfloat16)
+    options = ModelOptions(dtype=torch.bfloat16, lora=lora)
+    fp8 = dataclasses.replace(options, experts=ExpertsOptions(quantized_base="fp8"))
+    config = preset_config("tiny_qwen3_moe", {})
+    models = [assemble(config, o, source_loader(None, seed=3)) for o in (options, fp8)]
+    quantized_modules = dict(models[1].named_modules())
+    pairs = [(m, quantized_modules[n]) for n, m in models[0].named_modules() if isinstance(m, GroupedExperts)]
+    assert pairs
+    for bf16, quantized in pairs:
+        for proj in PROJECTIONS:
+            w = getattr(bf16, f"{proj}_proj").float()
+            assert rel_err(getattr(quantized, f"{proj}_quantized").dequantized(), w) < 4e-2
