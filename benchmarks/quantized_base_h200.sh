@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# LoRA on a quantized frozen base (issue 34), one H200, the bf16 base against peft.quantize_base=fp8 in one
+# moe-tune-bench run each:
+#   PART=speed: the LoRA workload of lora_h200.sh's committed rows (the full Qwen3-30B-A3B, 48 layers, random init,
+#     seq 4096, micro-batch 1, data=random, real routing, rank 16 on attention and experts, bf16_fp32_master), full
+#     activation checkpointing, compiled; 12 steps, medians of steps 5-12.
+#   PART=losses: the same model and adapters on 100 steps of the built-in chat records (data=arithmetic: rendered
+#     through the chat template, loss on the assistant turns), the same seed and data for both bases.
+#   OUT=<dir> PART=speed|losses bash benchmarks/quantized_base_h200.sh [overrides...]
+set -euo pipefail
+OUT=${OUT:?OUT=<results directory>}
+PART=${PART:-speed}
+workload=(experiment=qwen3_30b_a3b_lora_1gpu parallel.activation_checkpointing=full kernels.compile=true)
+opts=(--nproc 1 --baselines none --timeout-s "${TIMEOUT:-420}"
+      --variants "lora_bf16_base:;lora_fp8_base:peft.quantize_base=fp8")
+export PYTHONPATH="$(pwd):${PYTHONPATH:-}"
+case $PART in
+  speed) python -m moe_tune.bench "${workload[@]}" "$@" "${opts[@]}" --out "$OUT/speed" ;;
+  losses) python -m moe_tune.bench "${workload[@]}" data=arithmetic data.num_samples=16384 train.steps=100 \
+            train.warmup_steps_excluded=10 "$@" "${opts[@]}" --out "$OUT/losses" ;;
+  *) echo "quantized_base_h200.sh: PART=$PART is not speed or losses" >&2; exit 2 ;;
+esac
