@@ -6,13 +6,13 @@
 #     activation checkpointing, compiled; 12 steps, medians of steps 5-12.
 #   PART=losses: the same model and adapters on 100 steps of the built-in chat records (data=arithmetic: rendered
 #     through the chat template, loss on the assistant turns), the same seed and data for both bases.
-#   OUT=<dir> PART=speed|losses bash benchmarks/quantized_base_h200.sh [overrides...]
+#   OUT=<dir> PART=speed|losses [VARIANTS='name:k=v,...;...'] bash benchmarks/quantized_base_h200.sh [overrides...]
 set -euo pipefail
 OUT=${OUT:?OUT=<results directory>}
 PART=${PART:-speed}
 workload=(experiment=qwen3_30b_a3b_lora_1gpu parallel.activation_checkpointing=full kernels.compile=true)
 opts=(--nproc 1 --baselines none --timeout-s "${TIMEOUT:-420}"
-      --variants "lora_bf16_base:;lora_fp8_base:peft.quantize_base=fp8")
+      --variants "${VARIANTS:-lora_bf16_base:;lora_fp8_base:peft.quantize_base=fp8}")
 export PYTHONPATH="$(pwd):${PYTHONPATH:-}"
 case $PART in
   speed) python -m moe_tune.bench "${workload[@]}" "$@" "${opts[@]}" --out "$OUT/speed" ;;
