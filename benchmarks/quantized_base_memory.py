@@ -26,6 +26,7 @@ import torch
 GIB = 2**30
 RANK = 16
 SEQ = 4096
+MODES = ("bf16", "fp8")
 MACHINES = {"1 x 80 GB": (1, 80e9), "1 x 141 GB (H200)": (1, 141e9), "8 x 141 GB": (8, 141e9)}
 QWEN3_235B = dict(
     hidden_size=4096,
@@ -98,15 +99,23 @@ def main() -> None:
     rows = {name: counts(*spec) for name, spec in MODELS.items()}
     print("| model | experts / other / adapter params (B) | mode | " + " | ".join(MACHINES) + " |")
     print("|---|---|---|" + "---:|" * len(MACHINES))
-    for name, c in rows.items():
+    largest: dict[tuple[str, str], str] = {}
+    for name, c in rows.items():  # smallest to largest
         params = f"{c['experts'] / 1e9:.1f} / {c['other'] / 1e9:.1f} / {c['adapters'] / 1e9:.2f}"
-        for mode in ("bf16", "fp8"):
+        for mode in MODES:
             cells = []
-            for gpus, capacity in MACHINES.values():
+            for machine, (gpus, capacity) in MACHINES.items():
                 need = per_gpu_bytes(c, mode, gpus)
-                fits = "fits" if need <= 0.92 * capacity else "no"
-                cells.append(f"{need / GIB:.0f} GiB, {fits}")
+                fits = need <= 0.92 * capacity
+                if fits:
+                    largest[machine, mode] = name
+                cells.append(f"{need / GIB:.0f} GiB, {'fits' if fits else 'no'}")
             print(f"| {name} | {params} | {mode} | " + " | ".join(cells) + " |")
+    print("\nThe largest of these each mode fits:\n")
+    print("| mode | " + " | ".join(MACHINES) + " |")
+    print("|---|" + "---|" * len(MACHINES))
+    for mode in MODES:
+        print(f"| {mode} | " + " | ".join(largest.get((m, mode), "none") for m in MACHINES) + " |")
 
 
 if __name__ == "__main__":
