@@ -14,7 +14,8 @@ parallelism over all of them and FSDP2 over the rest (one GPU: neither):
                   adapters)
     fits          the sum within 92% of the GPU's memory (the allocator's fragmentation and the CUDA context).
 
-bytes(mode): bf16 2; fp8 1 plus a 4-byte scale per row of ``in`` values. Printed as Markdown.
+bytes(mode): bf16 2; fp8 1 plus a 4-byte scale per row of ``in`` values; nf4 half a byte plus a 2-byte scale per
+64 values. Printed as Markdown.
 
     python benchmarks/quantized_base_memory.py > benchmarks/results/<dir>/quantized_base_memory.md
 """
@@ -26,7 +27,7 @@ import torch
 GIB = 2**30
 RANK = 16
 SEQ = 4096
-MODES = ("bf16", "fp8")
+MODES = ("bf16", "fp8", "nf4")
 MACHINES = {"1 x 80 GB": (1, 80e9), "1 x 141 GB (H200)": (1, 141e9), "8 x 141 GB": (8, 141e9)}
 QWEN3_235B = dict(
     hidden_size=4096,
@@ -86,7 +87,7 @@ def counts(preset: str, overrides: dict) -> dict:
 
 
 def per_gpu_bytes(c: dict, mode: str, gpus: int) -> float:
-    expert_bytes = {"bf16": 2.0, "fp8": 1.0 + 4.0 / c["expert_in"]}[mode]
+    expert_bytes = {"bf16": 2.0, "fp8": 1.0 + 4.0 / c["expert_in"], "nf4": 0.5 + 2.0 / 64}[mode]
     base = c["experts"] * expert_bytes / gpus + c["other"] * 2.0 / gpus
     if gpus > 1:
         base += c["largest_layer"] * 2.0

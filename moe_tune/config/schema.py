@@ -18,7 +18,7 @@ from moe_tune.config.data_schema import DataConfig
 PRECISIONS = ("fp32", "amp_bf16", "bf16_fp32_master", "bf16")
 KERNEL_SETS = ("torch", "te")
 EXPERT_KERNELS = ("grouped_mm", "grouped_mm_fp8", "loop")
-QUANTIZED_BASES = ("none", "fp8")
+QUANTIZED_BASES = ("none", "fp8", "nf4")
 FP8_MODES = ("none", "current", "delayed", "blockwise", "mxfp8")
 FP8_BACKWARDS = ("fp8", "high_precision", "dequantized")
 FP8_FORMATS = ("hybrid", "e4m3")
@@ -268,8 +268,9 @@ class PeftConfig:
     # steer the adapters of earlier layers).
     train_router: bool = False
     # The frozen routed experts (97% of a MoE's weights) held quantized instead of in bf16: "fp8" (E4M3, one
-    # power-of-two scale per expert and output row; Hopper FP8 GEMMs, emulated on the CPU). Quantized as the
-    # checkpoint is read; adapters train as usual and export against the original bf16 base.
+    # power-of-two scale per expert and output row; Hopper FP8 GEMMs, emulated on the CPU) or "nf4" (4-bit
+    # NormalFloat, a bf16 scale per 64 inputs; dequantized a block of experts at a time for bf16 GEMMs). Quantized as
+    # the checkpoint is read; adapters train as usual and export against the original bf16 base.
     quantize_base: str = field("none", choices=QUANTIZED_BASES, help="the frozen experts' storage under LoRA")
 
 

@@ -57,20 +57,21 @@ def validate(
 
 
 def check_expert_dims(cfg: Config, dim: int, hidden: int) -> None:
-    """FP8 expert GEMMs (kernels.experts=grouped_mm_fp8, peft.quantize_base=fp8): FP8 rows of every GEMM operand
-    must start on 16-byte boundaries, so the model dim and the expert hidden dim must be multiples of 16."""
-    if not dim % 16 and not hidden % 16:
-        return
-    if cfg.kernels.experts == "grouped_mm_fp8":
-        raise ConfigError(
-            f"kernels.experts=grouped_mm_fp8 needs the model dim ({dim}) and the expert hidden dim ({hidden}) to be "
-            "multiples of 16 (the FP8 grouped GEMM's alignment); use kernels.experts=grouped_mm for this model"
-        )
-    if cfg.peft.name == "lora" and cfg.peft.quantize_base == "fp8":
-        raise ConfigError(
-            f"peft.quantize_base=fp8 needs the model dim ({dim}) and the expert hidden dim ({hidden}) to be "
-            "multiples of 16 (the FP8 grouped GEMM's alignment); use peft.quantize_base=none for this model"
-        )
+    """The experts' dims where their weights are stored in blocks: FP8 GEMMs (kernels.experts=grouped_mm_fp8,
+    peft.quantize_base=fp8) need FP8 rows on 16-byte boundaries, NF4 (peft.quantize_base=nf4) whole blocks of 32
+    inputs (``kernels.nf4_frozen.BLOCKS``): the model dim and the expert hidden dim must be multiples of them."""
+    quantized = cfg.peft.quantize_base if cfg.peft.name == "lora" else "none"
+    for key, multiple, why, fix in (
+        ("kernels.experts=grouped_mm_fp8", 16, "the FP8 grouped GEMM's alignment", "kernels.experts=grouped_mm"),
+        ("peft.quantize_base=fp8", 16, "the FP8 grouped GEMM's alignment", "peft.quantize_base=none"),
+        ("peft.quantize_base=nf4", 32, "NF4's blocks of inputs", "peft.quantize_base=fp8 or none"),
+    ):
+        asked = key == f"kernels.experts={cfg.kernels.experts}" or key == f"peft.quantize_base={quantized}"
+        if asked and (dim % multiple or hidden % multiple):
+            raise ConfigError(
+                f"{key} needs the model dim ({dim}) and the expert hidden dim ({hidden}) to be multiples of "
+                f"{multiple} ({why}); use {fix} for this model"
+            )
 
 
 def check_values(cfg: Config) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from moe_tune.kernels.fp8_grouped import E4M3, emulated_scaled_grouped_mm, quantize_rows, scaled_grouped_mm
+from moe_tune.kernels.frozen import register_input_grad
 
 # Hopper's faster FP8 accumulation (no periodic promotion to fp32), as kernels.experts=grouped_mm_fp8 uses.
 FAST_ACCUM = True
@@ -128,13 +129,4 @@ def _(dy_RN, w_eNK, s_eN, offs_e):
     return dy_RN.new_empty(dy_RN.shape[0], w_eNK.shape[2])
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[1:])
-
-
-def _backward(ctx, dy_RN):
-    w_eNK, s_eN, offs_e = ctx.saved_tensors
-    return frozen_fp8_input_grad(dy_RN, w_eNK, s_eN, offs_e), None, None, None
-
-
-frozen_fp8_grouped_mm.register_autograd(_backward, setup_context=_setup_context)
+register_input_grad(frozen_fp8_grouped_mm, frozen_fp8_input_grad)

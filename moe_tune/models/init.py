@@ -69,7 +69,7 @@ def _init_quantized(model, std: float, seed: int, num_experts: int | None) -> No
         if isinstance(module, GroupedExperts) and module.quantized:
             lora = model.options.lora  # a quantized base is a LoRA run's
             dtype = lora.base_dtype or model.options.dtype
-            device = module.gate_up_quantized.weight.device
+            device = next(module.gate_up_quantized.buffers()).device
             for proj in PROJECTIONS:
                 w = torch.empty(module.base_shape(proj), dtype=dtype, device=device)
                 draw_rows(model, f"{name}.{proj}_proj", w, seed, _normal, std, num_experts)

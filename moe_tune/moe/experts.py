@@ -21,7 +21,7 @@ from torch import nn
 from moe_tune.kernels.fp8_grouped import fp8_grouped_mm
 from moe_tune.lora import ExpertsAdapter, LoRASpec
 from moe_tune.lora.experts import PROJECTIONS
-from moe_tune.moe.quantized_base import FrozenFP8Projection
+from moe_tune.moe.quantized_base import PROJECTION_CLASSES
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,8 @@ class ExpertsOptions:
     # size their gradients are averaged over (FSDP's gradient divide factor otherwise).
     compute_dtype: torch.dtype | None = None
     grad_divide: float = 1.0
-    # "fp8": the weights are frozen (LoRA) and held as FP8 (``quantized_base``), never as bf16; None: parameters.
+    # "fp8" or "nf4": the weights are frozen (LoRA) and held quantized (``quantized_base``), never as bf16; None:
+    # parameters.
     quantized_base: str | None = None
 
 
@@ -99,8 +100,9 @@ class GroupedExperts(nn.Module):
         D, I = spec.dim, spec.hidden  # noqa: E741 (I: expert hidden dim, the moe/ legend)
         if self.options.quantized_base is not None:
             # [e, out, in] whatever the family's layout; filled by ``fill_base_`` as the weights are read.
-            self.gate_up_quantized = FrozenFP8Projection(e, 2 * I, D)
-            self.down_quantized = FrozenFP8Projection(e, D, I)
+            projection = PROJECTION_CLASSES[self.options.quantized_base]
+            self.gate_up_quantized = projection(e, 2 * I, D)
+            self.down_quantized = projection(e, D, I)
         elif spec.layout == "out_in":
             self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * I, D))
             self.down_proj = nn.Parameter(torch.empty(e, D, I))

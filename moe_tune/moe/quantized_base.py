@@ -1,5 +1,6 @@
-"""A frozen stacked expert projection held quantized (``peft.quantize_base``): what ``GroupedExperts`` keeps in place
-of a bf16 weight under LoRA, where the experts' weights never change.
+"""Frozen stacked expert projections held quantized (``peft.quantize_base``: FP8 or NF4): what ``GroupedExperts`` keeps
+in place of a bf16 weight under LoRA, where the experts' weights never change. Each has ``forward(x_RK, offs_e)``,
+``fill_(first, w)`` and ``dequantized()``.
 
 The values are the Hugging Face checkpoint's, quantized as they are read (``fill_``: a block of experts at a time, so
 neither host nor GPU holds a layer's bf16 experts whole) or as a built-in model's weights are drawn. They are
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_tune.kernels.fp8_frozen import dequantize_weight, frozen_fp8_grouped_mm, quantize_weight
+from moe_tune.kernels import fp8_frozen, nf4_frozen
 from moe_tune.kernels.fp8_grouped import E4M3
 
 
@@ -28,15 +29,44 @@ class FrozenFP8Projection(nn.Module):
         self.register_buffer("scale", torch.empty(shape[:2], dtype=torch.float32), persistent=False)
 
     def forward(self, x_RK: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
-        return frozen_fp8_grouped_mm(x_RK, self.weight, self.scale, offs_e)
+        return fp8_frozen.frozen_fp8_grouped_mm(x_RK, self.weight, self.scale, offs_e)
 
     @torch.no_grad()
     def fill_(self, first: int, w_bNK: torch.Tensor) -> None:
         """Quantize the weights of local experts ``[first, first + b)`` (``[b, out, in]``, any float dtype)."""
-        q, s = quantize_weight(w_bNK.to(self.weight.device))
+        q, s = fp8_frozen.quantize_weight(w_bNK.to(self.weight.device))
         self.weight[first : first + q.shape[0]].copy_(q)
         self.scale[first : first + q.shape[0]].copy_(s)
 
     def dequantized(self) -> torch.Tensor:
         """``[e, out, in]`` in fp32: the values the GEMMs compute with (the per-expert reference loop, tests)."""
-        return dequantize_weight(self.weight, self.scale)
+        return fp8_frozen.dequantize_weight(self.weight, self.scale)
+
+
+class FrozenNF4Projection(nn.Module):
+    """``[e, out, in]`` weights as NF4 codes (two per byte) with a bf16 scale per block of 64 (or 32) inputs: about
+    0.53 bytes per weight. ``forward(x_RK, offs_e)`` = ``x @ W_j^T`` for the rows of group j, differentiable in x
+    only; a block of experts at a time is dequantized for its GEMM (``kernels.nf4_frozen``)."""
+
+    def __init__(self, num_experts: int, out_features: int, in_features: int):
+        super().__init__()
+        block = nf4_frozen.block_size(in_features)
+        codes = torch.empty(num_experts, out_features, in_features // 2, dtype=torch.uint8)
+        scales = torch.empty(num_experts, out_features, in_features // block, dtype=nf4_frozen.SCALE_DTYPE)
+        self.register_buffer("codes", codes, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+
+    def forward(self, x_RK: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
+        return nf4_frozen.frozen_nf4_grouped_mm(x_RK, self.codes, self.scales, offs_e)
+
+    @torch.no_grad()
+    def fill_(self, first: int, w_bNK: torch.Tensor) -> None:
+        codes, scales = nf4_frozen.quantize_weight(w_bNK.to(self.codes.device))
+        self.codes[first : first + codes.shape[0]].copy_(codes)
+        self.scales[first : first + codes.shape[0]].copy_(scales)
+
+    def dequantized(self) -> torch.Tensor:
+        return nf4_frozen.dequantize_weight(self.codes, self.scales)
+
+
+PROJECTION_CLASSES = {"fp8": FrozenFP8Projection, "nf4": FrozenNF4Projection}

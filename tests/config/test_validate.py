@@ -98,6 +98,14 @@ def test_overlap_validates_for_all_to_all():
         ),
         (["train.max_nonfinite_steps=-1"], 1, "train.max_nonfinite_steps=-1 is out of range: it must be >= 0"),
         (["peft.rank=8"], 1, "peft.rank=8 configures LoRA, but peft=none trains every weight; add peft=lora"),
+        (["peft.quantize_base=fp8"], 1, "peft.quantize_base=fp8 configures LoRA, but peft=none trains every weight"),
+        (["peft=lora", "peft.quantize_base=int4"], 1, "peft.quantize_base='int4' is not one of none, fp8, nf4"),
+        (
+            ["peft=lora", "peft.quantize_base=nf4", "kernels.experts=grouped_mm_fp8"],
+            1,
+            "kernels.experts=grouped_mm_fp8 quantizes trained expert weights at every step; with "
+            "peft.quantize_base=nf4 the frozen experts are quantized once",
+        ),
         (["peft.target=[attention]", "peft.alpha=8"], 1, "peft.alpha=8.0, peft.target=[attention] configures LoRA"),
         (["checkpoint.keep_last=-1"], 1, "checkpoint.keep_last=-1 is out of range"),
         (["kernels.fp8_format=e5m2"], 1, "kernels.fp8_format='e5m2' is not one of hybrid, e4m3"),

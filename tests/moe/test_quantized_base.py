@@ -1,8 +1,9 @@
-"""GroupedExperts with a quantized frozen base (``peft.quantize_base=fp8``) against the same experts in fp32, for both
-in-memory layouts ("out_in", Qwen and most families; "in_out", GPT-OSS with interleaved gate/up, biases and its
-clamped activation): ``fill_base_`` takes the weights as the family holds them, the outputs and the adapters'
-gradients follow the fp32 experts within FP8's error (E4M3 on the weights and on each GEMM's activations: about
-3e-2 of a random product), and the per-expert reference loop computes what the grouped GEMMs do."""
+"""GroupedExperts with a quantized frozen base (``peft.quantize_base=fp8`` and ``nf4``) against the same experts in
+fp32, for both in-memory layouts ("out_in", Qwen and most families; "in_out", GPT-OSS with interleaved gate/up,
+biases and its clamped activation): ``fill_base_`` takes the weights as the family holds them, the outputs and the
+adapters' gradients follow the fp32 experts within the format's error (FP8: E4M3 on the weights and on each GEMM's
+activations, about 3e-2 of a random product; NF4: about 1e-1 on the weights), and the per-expert reference loop on the
+dequantized weights computes what the grouped GEMMs do."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from moe_tune.lora.experts import PROJECTIONS
 from moe_tune.moe.experts import ExpertsOptions, ExpertsSpec, GroupedExperts
 from tests.tiny import rel_err
 
-FP8_TOL = 6e-2
-E, D, HIDDEN = 4, 32, 48
+# Relative error of a random product against fp32, and of the dequantized weights.
+TOL = {"fp8": (6e-2, 4e-2), "nf4": (1.5e-1, 1.2e-1)}
+E, D, HIDDEN = 4, 32, 96
 COUNTS = [7, 0, 21, 12]
 SPECS = {
     "out_in": ExpertsSpec(num_experts=E, dim=D, hidden=HIDDEN),
@@ -23,11 +25,11 @@ SPECS = {
 }
 
 
-def _pair(layout: str) -> tuple[GroupedExperts, GroupedExperts]:
+def _pair(layout: str, mode: str) -> tuple[GroupedExperts, GroupedExperts]:
     """(fp32 experts, the same quantized), with the same nonzero adapters."""
     spec, lora = SPECS[layout], LoRASpec(rank=8, alpha=16.0)
     ref = GroupedExperts(spec, lora=lora)
-    quantized = GroupedExperts(spec, ExpertsOptions(quantized_base="fp8"), lora=lora)
+    quantized = GroupedExperts(spec, ExpertsOptions(quantized_base=mode), lora=lora)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in ref.parameters():
@@ -39,9 +41,11 @@ def _pair(layout: str) -> tuple[GroupedExperts, GroupedExperts]:
     return ref, quantized
 
 
+@pytest.mark.parametrize("mode", list(TOL))
 @pytest.mark.parametrize("layout", list(SPECS))
-def test_quantized_experts_follow_the_fp32_experts(layout):
-    ref, quantized = _pair(layout)
+def test_quantized_experts_follow_the_fp32_experts(layout, mode):
+    ref, quantized = _pair(layout, mode)
+    tol = TOL[mode][0]
     x = torch.randn(sum(COUNTS), D, generator=torch.Generator().manual_seed(1))
     counts = torch.tensor(COUNTS)
     outs, grads = [], []
@@ -50,25 +54,27 @@ def test_quantized_experts_follow_the_fp32_experts(layout):
         y.square().sum().backward()
         outs.append(y.detach())
         grads.append({n: p.grad for n, p in experts.named_parameters() if "lora" in n})
-    assert rel_err(outs[1], outs[0]) < FP8_TOL
+    assert rel_err(outs[1], outs[0]) < tol
     for name, g in grads[0].items():
-        assert rel_err(grads[1][name], g) < FP8_TOL, name
-    # The reference loop on the dequantized weights: the grouped GEMMs' maths, without the activations' FP8.
+        assert rel_err(grads[1][name], g) < tol, name
+    # The reference loop on the dequantized weights: the grouped GEMMs' maths (FP8's also quantizes activations).
     with torch.no_grad():
-        assert rel_err(quantized.forward_loop(x, counts), outs[1]) < FP8_TOL
+        assert rel_err(quantized.forward_loop(x, counts), outs[1]) < (6e-2 if mode == "fp8" else 1e-5)
 
 
+@pytest.mark.parametrize("mode", list(TOL))
 @pytest.mark.parametrize("layout", list(SPECS))
-def test_fill_takes_the_family_layout(layout):
-    ref, quantized = _pair(layout)
+def test_fill_takes_the_family_layout(layout, mode):
+    ref, quantized = _pair(layout, mode)
     for proj in PROJECTIONS:
         w = getattr(ref, f"{proj}_proj").detach()
         out_in = w if layout == "out_in" else w.transpose(-2, -1)
         assert quantized.base_shape(proj) == tuple(w.shape)
-        assert rel_err(getattr(quantized, f"{proj}_quantized").dequantized(), out_in) < 4e-2
+        assert rel_err(getattr(quantized, f"{proj}_quantized").dequantized(), out_in) < TOL[mode][1]
 
 
-def test_a_built_in_model_draws_the_quantized_experts_as_the_bf16_ones():
+@pytest.mark.parametrize("mode", list(TOL))
+def test_a_built_in_model_draws_the_quantized_experts_as_the_bf16_ones(mode):
     """A preset without a checkpoint (the benchmarks' random initialisation): the quantized experts hold the values
     the bf16 base draws by name, quantized."""
     import dataclasses
@@ -79,13 +85,59 @@ def test_a_built_in_model_draws_the_quantized_experts_as_the_bf16_ones():
 
     lora = LoRASpec(rank=8, alpha=16.0, base_dtype=torch.bfloat16)
     options = ModelOptions(dtype=torch.bfloat16, lora=lora)
-    fp8 = dataclasses.replace(options, experts=ExpertsOptions(quantized_base="fp8"))
+    quantized = dataclasses.replace(options, experts=ExpertsOptions(quantized_base=mode))
     config = preset_config("tiny_qwen3_moe", {})
-    models = [assemble(config, o, source_loader(None, seed=3)) for o in (options, fp8)]
+    models = [assemble(config, o, source_loader(None, seed=3)) for o in (options, quantized)]
     quantized_modules = dict(models[1].named_modules())
     pairs = [(m, quantized_modules[n]) for n, m in models[0].named_modules() if isinstance(m, GroupedExperts)]
     assert pairs
     for bf16, quantized in pairs:
         for proj in PROJECTIONS:
             w = getattr(bf16, f"{proj}_proj").float()
-            assert rel_err(getattr(quantized, f"{proj}_quantized").dequantized(), w) < 4e-2
+            assert rel_err(getattr(quantized, f"{proj}_quantized").dequantized(), w) < TOL[mode][1]
+
+
+@pytest.mark.parametrize(
+    "mode, dims, message",
+    [
+        (
+            "fp8",
+            (2048, 780),
+            "peft.quantize_base=fp8 needs the model dim (2048) and the expert hidden dim (780) to be "
+            "multiples of 16 (the FP8 grouped GEMM's alignment); use peft.quantize_base=none for this model",
+        ),
+        (
+            "nf4",
+            (2048, 784),
+            "peft.quantize_base=nf4 needs the model dim (2048) and the expert hidden dim (784) to be "
+            "multiples of 32 (NF4's blocks of inputs); use peft.quantize_base=fp8 or none for this model",
+        ),
+    ],
+)
+def test_config_refuses_expert_dims_the_format_cannot_hold(mode, dims, message):
+    from moe_tune.cli.train import compose, to_config
+    from moe_tune.config import ConfigError, validate
+
+    cfg = to_config(compose(["peft=lora", f"peft.quantize_base={mode}"]))
+    validate(cfg, world_size=1, expert_dims=(2048, 768))
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=1, expert_dims=dims)
+    assert str(e.value) == message
+
+
+def test_fp8_base_needs_sm90_on_a_gpu_and_runs_emulated_without_one(monkeypatch):
+    from moe_tune.cli.train import compose, to_config
+    from moe_tune.config import ConfigError
+    from moe_tune.env import backends, require_backends
+
+    cfg = to_config(compose(["peft=lora", "peft.quantize_base=fp8"]))
+    assert "frozen_fp8" in backends.backends_needed(cfg)
+    monkeypatch.setattr(backends, "_cuda", lambda: None)
+    require_backends(cfg)  # the CPU's emulation
+    monkeypatch.setattr(backends, "_cuda", lambda: ("NVIDIA A100", (8, 0)))
+    with pytest.raises(ConfigError) as e:
+        require_backends(cfg)
+    assert "peft.quantize_base=fp8 needs compute capability >= 9.0" in str(e.value)
+    assert str(e.value).endswith("use peft.quantize_base=none")
+    nf4 = to_config(compose(["peft=lora", "peft.quantize_base=nf4"]))
+    assert "frozen_fp8" not in backends.backends_needed(nf4)

@@ -1,0 +1,127 @@
+"""The frozen base's routed experts in 4 bits (``peft.quantize_base=nf4``): NormalFloat-4 codes with one absmax scale
+per block of 64 inputs (32 where a dim is no multiple of 64), and grouped GEMMs that dequantize a block of experts at a time.
+
+NF4 (Dettmers et al., QLoRA, 2023): 16 values that are the quantiles of a standard normal, scaled to [-1, 1], so that
+normally distributed weights use every code about equally often. Each block of consecutive inputs of an
+expert's output row is divided by its largest magnitude (stored in bf16) and each value replaced by the index of the
+nearest NF4 value; two codes per byte. 4.25 bits per weight with the scales (4.5 with blocks of 32).
+
+``frozen_nf4_grouped_mm(x_RK, codes, scales, offs_e)`` is ``x @ W_j^T`` for the rows of group j: the experts are
+dequantized ``EXPERTS_PER_PASS`` at a time into the input's dtype, and each such block runs one grouped GEMM over its
+own rows, so no more than that many experts are ever held dequantized. Finding each block's rows reads the group
+offsets on the host: one device sync per call. Backward gives the input gradient only (the base is frozen), the same
+way. A custom op: torch.compile calls it as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe_tune.kernels.frozen import register_input_grad
+
+# The NF4 values as published with QLoRA (bitsandbytes' table), ascending; code i stands for NF4[i] x the block's scale.
+NF4 = (
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
+BLOCKS = (64, 32)  # inputs per scale: the first that divides the input dim
+SCALE_DTYPE = torch.bfloat16
+# Experts dequantized at once in the GEMMs: Qwen3-30B-A3B's gate_up block of 16 is 100 MB in bf16.
+EXPERTS_PER_PASS = 16
+
+
+def block_size(in_features: int) -> int | None:
+    """Inputs per scale for a projection with ``in_features`` inputs; None if no block size divides it."""
+    return next((b for b in BLOCKS if in_features % b == 0), None)
+
+
+def _table(device) -> torch.Tensor:
+    return torch.tensor(NF4, dtype=torch.float32, device=device)
+
+
+def quantize_weight(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked ``[e, out, in]`` weights (``in`` divisible by a block size) -> (codes ``[e, out, in / 2]`` uint8, the
+    lower nibble first; scales ``[e, out, in / block]``)."""
+    e, N, K = w_eNK.shape
+    block = block_size(K)
+    blocks = w_eNK.float().reshape(e, N, K // block, block)
+    scale = blocks.abs().amax(-1).to(SCALE_DTYPE)
+    normalized = blocks / scale.float().clamp(min=torch.finfo(SCALE_DTYPE).tiny).unsqueeze(-1)
+    table = _table(w_eNK.device)
+    # The nearest NF4 value: the count of midpoints between neighbours that lie below the value.
+    midpoints = (table[1:] + table[:-1]) / 2
+    codes = torch.bucketize(normalized.reshape(e, N, K), midpoints).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.contiguous(), scale.contiguous()
+
+
+def dequantize_weight(codes: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """``[e, out, in]`` in ``dtype``: each code's NF4 value times its block's scale."""
+    e, N, half = codes.shape
+    table = _table(codes.device)
+    values = torch.stack([table[(codes & 0xF).long()], table[(codes >> 4).long()]], dim=-1).reshape(e, N, 2 * half)
+    blocks = values.reshape(e, N, scales.shape[-1], -1) * scales.float().unsqueeze(-1)
+    return blocks.reshape(e, N, 2 * half).to(dtype)
+
+
+def _grouped(a_RK: torch.Tensor, codes, scales, offs_e: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """``a @ W_j^T`` (``transpose``) or ``a @ W_j`` for the rows of each group j, ``EXPERTS_PER_PASS`` experts
+    dequantized at a time; rows past the last group are 0."""
+    e, N, half = codes.shape
+    out_dim = N if transpose else 2 * half
+    out = a_RK.new_zeros(a_RK.shape[0], out_dim)
+    bounds = [0, *offs_e.tolist()]  # host sync: each block's rows
+    for j0 in range(0, e, EXPERTS_PER_PASS):
+        j1 = min(j0 + EXPERTS_PER_PASS, e)
+        start, stop = bounds[j0], bounds[j1]
+        if start == stop:
+            continue
+        w = dequantize_weight(codes[j0:j1], scales[j0:j1], a_RK.dtype)
+        local_offs = (offs_e[j0:j1] - start).to(torch.int32)
+        w = w.transpose(-2, -1) if transpose else w
+        out[start:stop] = F.grouped_mm(a_RK[start:stop], w, offs=local_offs)
+    return out
+
+
+@torch.library.custom_op("moe_tune::frozen_nf4_grouped_mm", mutates_args=())
+def frozen_nf4_grouped_mm(
+    x_RK: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offs_e: torch.Tensor
+) -> torch.Tensor:
+    """``x @ W_j^T`` for the rows of each group j, W stored as NF4 codes ``[e, N, K / 2]`` and scales."""
+    return _grouped(x_RK, codes, scales, offs_e, transpose=True)
+
+
+@frozen_nf4_grouped_mm.register_fake
+def _(x_RK, codes, scales, offs_e):
+    return x_RK.new_empty(x_RK.shape[0], codes.shape[1])
+
+
+@torch.library.custom_op("moe_tune::frozen_nf4_grouped_mm_input_grad", mutates_args=())
+def frozen_nf4_input_grad(
+    dy_RN: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offs_e: torch.Tensor
+) -> torch.Tensor:
+    """``dy @ W_j`` for the rows of each group j: the input gradient of ``frozen_nf4_grouped_mm``."""
+    return _grouped(dy_RN, codes, scales, offs_e, transpose=False)
+
+
+@frozen_nf4_input_grad.register_fake
+def _(dy_RN, codes, scales, offs_e):
+    return dy_RN.new_empty(dy_RN.shape[0], 2 * codes.shape[2])
+
+
+register_input_grad(frozen_nf4_grouped_mm, frozen_nf4_input_grad)

@@ -1,0 +1,48 @@
+"""The frozen base's 4-bit experts (``peft.quantize_base=nf4``, moe_tune/kernels/nf4_frozen.py): each weight becomes
+the NF4 value nearest to it in its block's scale (checked against a brute-force search), and the grouped GEMM and its
+input gradient equal fp32 matmuls of the dequantized weights, across the passes that dequantize a block of experts
+at a time (empty groups on both sides of a pass's boundary, rows of a dispatcher's padding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_tune.kernels import nf4_frozen
+from moe_tune.kernels.nf4_frozen import NF4, dequantize_weight, frozen_nf4_grouped_mm, quantize_weight
+from tests.tiny import rel_err
+
+E = nf4_frozen.EXPERTS_PER_PASS + 4  # two passes
+COUNTS = [3] * 5 + [0] * (nf4_frozen.EXPERTS_PER_PASS - 5) + [0, 9, 0, 4]  # pass 1 ends empty, pass 2 starts so
+
+
+@pytest.mark.parametrize("K, block", [(128, 64), (96, 32)])
+def test_each_weight_becomes_the_nearest_nf4_value_of_its_block(K, block):
+    w = torch.randn(3, 8, K, generator=torch.Generator().manual_seed(0))
+    codes, scales = quantize_weight(w)
+    assert codes.dtype == torch.uint8 and codes.shape == (3, 8, K // 2) and scales.shape == (3, 8, K // block)
+    blocks = w.reshape(3, 8, K // block, block)
+    assert torch.equal(scales, blocks.abs().amax(-1).to(torch.bfloat16))
+    table = torch.tensor(NF4)
+    normalized = blocks / scales.float().unsqueeze(-1)
+    nearest = (normalized.unsqueeze(-1) - table).abs().argmin(-1).reshape(3, 8, K)
+    want = table[nearest].reshape(3, 8, K // block, block) * scales.float().unsqueeze(-1)
+    assert torch.equal(dequantize_weight(codes, scales), want.reshape(3, 8, K))
+    back = dequantize_weight(codes, scales)
+    assert torch.equal(dequantize_weight(*quantize_weight(back)), back)  # NF4 values times the scale stay as they are
+
+
+def test_grouped_mm_and_input_gradient_equal_fp32_matmuls_of_the_dequantized_weights():
+    g = torch.Generator().manual_seed(1)
+    codes, scales = quantize_weight(torch.randn(E, 24, 64, generator=g))
+    w = dequantize_weight(codes, scales)
+    rows = sum(COUNTS)
+    x = torch.randn(rows + 3, 64, generator=g, requires_grad=True)
+    offs = torch.tensor(COUNTS).cumsum(0).to(torch.int32)
+    y = frozen_nf4_grouped_mm(x, codes, scales, offs)
+    dy = torch.randn(rows + 3, 24, generator=g)
+    y.backward(dy)
+    groups = torch.repeat_interleave(torch.arange(E), torch.tensor(COUNTS))
+    assert rel_err(y[:rows], torch.einsum("rk,rnk->rn", x[:rows].detach(), w[groups])) < 1e-6
+    assert rel_err(x.grad[:rows], torch.einsum("rn,rnk->rk", dy[:rows], w[groups])) < 1e-6
+    assert not y[rows:].any() and not x.grad[rows:].any()
