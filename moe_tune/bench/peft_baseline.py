@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moe_tune.bench.plans import quantized_base_problem
 from moe_tune.config import Config, ConfigError
 
 
@@ -36,6 +37,8 @@ def lora_config(cfg: Config, hf_model: nn.Module, block_attr: str):
         )
     if p.train_router:
         raise ConfigError("peft.train_router=true has no Transformers + PEFT baseline row; benchmark without it")
+    if quantized_base_problem(cfg):
+        raise ConfigError(quantized_base_problem(cfg))
     return LoraConfig(
         r=p.rank,
         lora_alpha=p.alpha,

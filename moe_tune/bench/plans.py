@@ -89,8 +89,8 @@ def build_plans(args, common: list[str]) -> tuple[list[Plan], list[dict]]:
 
 
 def plans_problem(plans: list[Plan], skipped: list[dict], cfg, nproc: int) -> str | None:
-    """What makes the asked rows unrunnable as a whole, before any runs: nothing to run, or a plain-model
-    baseline (``_nofsdp``) where it cannot run."""
+    """What makes the asked rows unrunnable as a whole, before any runs: nothing to run, a plain-model baseline
+    (``_nofsdp``) where it cannot run, a PEFT baseline of a quantized base."""
     if not plans and not skipped:
         return "no rows to run (--baselines none and --variants none, no --peer); ask for at least one"
     nofsdp = [p.name for p in plans if "--no-fsdp" in p.args]
@@ -100,10 +100,24 @@ def plans_problem(plans: list[Plan], skipped: list[dict], cfg, nproc: int) -> st
             f"{nproc}) with parameters in their compute dtype, train.precision bf16, fp32 or amp_bf16 (got "
             f"{cfg.train.precision}); use --baselines grouped_mm or set train.precision=bf16"
         )
+    baselines = [p.name for p in plans if p.module == "moe_tune.bench.baseline"]
+    if baselines and quantized_base_problem(cfg):
+        return f"{', '.join(baselines)}: {quantized_base_problem(cfg)}"
     if any(p.module == "moe_tune.bench.trl_baseline" for p in plans):
         problem = workload_problem(cfg, nproc)
         return f"trl: {problem}" if problem else None
     return None
+
+
+def quantized_base_problem(cfg) -> str | None:
+    """A quantized LoRA base has no Transformers + PEFT row (it would train a bf16 base under the quantized row's
+    name); checked by moe-tune-bench before any row and by the row itself (``peft_baseline.lora_config``)."""
+    if cfg.peft.name != "lora" or cfg.peft.quantize_base == "none":
+        return None
+    return (
+        f"peft.quantize_base={cfg.peft.quantize_base} has no Transformers + PEFT baseline row: bitsandbytes quantizes "
+        "nn.Linear layers only, not transformers' fused expert tensors; give it in --variants, or --baselines none"
+    )
 
 
 def workload_problem(cfg, world: int) -> str | None:

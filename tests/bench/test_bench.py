@@ -275,6 +275,8 @@ def importlib_missing(name: str) -> bool:
         (["--baselines", "none", "--variants", "none"], "no rows to run"),
         (["--baselines", "grouped_mm_nofsdp", "--nproc", "2"], "hf_grouped_mm_nofsdp: the plain Transformers model"),
         (["--baselines", "grouped_mm_nofsdp", "--nproc", "1"], "got bf16_fp32_master"),  # the default precision
+        # A bf16 base would run under the quantized row's name.
+        (["peft=lora", "peft.quantize_base=nf4", "--baselines", "grouped_mm"], "has no Transformers + PEFT baseline"),
     ],
 )
 def test_unrunnable_row_sets_stop_before_any_row(argv, words, tmp_path, capsys):
