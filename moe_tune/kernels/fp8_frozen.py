@@ -21,6 +21,8 @@ Legend (the moe/ one): R routed rows, K and N a GEMM's in and out dims, e local 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moe_tune.kernels.fp8_grouped import E4M3, emulated_scaled_grouped_mm, quantize_rows, scaled_grouped_mm
@@ -43,16 +45,17 @@ def dequantize_weight(q_eNK: torch.Tensor, s_eN: torch.Tensor) -> torch.Tensor:
 def quantize_activation_rows(
     x_RK: torch.Tensor,
     col_scale_GK: torch.Tensor | None = None,
-    group_R: torch.Tensor | None = None,
+    offs_e: torch.Tensor | None = None,
     triton_kernel: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One power-of-two scale per row of ``x`` (times ``col_scale[group[r]]`` first, when given) -> (E4M3 [R, K],
-    dequantization scales [R]). ``triton_kernel`` (None: on CUDA) in one Triton pass; otherwise the same values
-    from PyTorch ops."""
+    """One power-of-two scale per row of ``x`` -> (E4M3 [R, K], dequantization scales [R]). With ``col_scale_GK``
+    (e + 1 rows) and group ends ``offs_e`` (e), each row is first multiplied by its group's row of column scales
+    (rows past the last group by row e). ``triton_kernel`` (None: on CUDA): one Triton pass, which finds each
+    row's group itself; otherwise the same values from PyTorch ops."""
     if not (x_RK.is_cuda if triton_kernel is None else triton_kernel):
         t = x_RK.float()
         if col_scale_GK is not None:
-            t = t * col_scale_GK[group_R]
+            t = t * col_scale_GK[row_groups(offs_e, x_RK.shape[0])]
         return quantize_rows(t)
     import triton
 
@@ -65,16 +68,19 @@ def quantize_activation_rows(
     if R:
         block = triton.next_power_of_2(K)
         has_col_scale = col_scale_GK is not None
+        num_groups = offs_e.shape[0] if has_col_scale else 1
         quantize_rows_kernel[(R,)](
             x_RK,
             q,
             inv_scale,
             col_scale_GK if has_col_scale else inv_scale,
-            group_R if has_col_scale else inv_scale,
+            offs_e if has_col_scale else inv_scale,
+            num_groups,
             K,
             x_RK.stride(0),
             HAS_COL_SCALE=has_col_scale,
             BLOCK=block,
+            BLOCK_GROUPS=triton.next_power_of_2(num_groups),
             num_warps=4 if block <= 2048 else 8,
         )
     return q, inv_scale
@@ -89,6 +95,13 @@ def row_groups(offs_e: torch.Tensor, num_rows: int) -> torch.Tensor:
     tail = (num_rows - offs[-1:]).clamp(min=0)
     ids = torch.arange(e + 1, device=offs.device)
     return torch.repeat_interleave(ids, torch.cat([counts, tail]), output_size=num_rows)
+
+
+@functools.cache
+def _ones(e: int, K: int, device: torch.device) -> torch.Tensor:
+    """The input gradient's scales for the transposed weight (its row scales are folded into dy): all ones, made once
+    per shape and device, read only."""
+    return torch.ones(e, K, dtype=torch.float32, device=device)
 
 
 def _kernel(t: torch.Tensor):
@@ -117,10 +130,9 @@ def frozen_fp8_input_grad(
     """``dy @ W_j`` for the rows of each group j: the input gradient of ``frozen_fp8_grouped_mm``."""
     e, N, K = w_eNK.shape
     col_scale_GN = torch.cat([s_eN, s_eN.new_zeros(1, N)])  # padding rows (group e): zeros
-    dyq_RN, sdy_R = quantize_activation_rows(dy_RN, col_scale_GN, row_groups(offs_e, dy_RN.shape[0]))
+    dyq_RN, sdy_R = quantize_activation_rows(dy_RN, col_scale_GN, offs_e)
     w_eKN = w_eNK.transpose(-2, -1).contiguous()
-    ones_eK = torch.ones(e, K, dtype=torch.float32, device=w_eNK.device)
-    out = _kernel(dy_RN)(dyq_RN, w_eKN.transpose(-2, -1), sdy_R, ones_eK, offs_e, FAST_ACCUM)
+    out = _kernel(dy_RN)(dyq_RN, w_eKN.transpose(-2, -1), sdy_R, _ones(e, K, w_eNK.device), offs_e, FAST_ACCUM)
     return out.to(dy_RN.dtype)
 
 

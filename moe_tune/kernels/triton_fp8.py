@@ -12,14 +12,17 @@ def quantize_rows_kernel(
     q_ptr,
     inv_scale_ptr,
     col_scale_ptr,
-    group_ptr,
+    offs_ptr,
+    num_groups,
     K,
     x_row_stride,
     HAS_COL_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
 ):
     """One program per row of ``x`` [R, K]: optionally multiplied by the row's group's column scales
-    (``col_scale[group[row], :]``), then scaled by the largest power of two that maps the row's largest magnitude
+    (``col_scale[g, :]``, g the row's group: how many of the ``num_groups`` group ends ``offs`` are at or before
+    the row, so rows past the last group read row ``num_groups``, a row of zeros), then scaled by the largest power of two that maps the row's largest magnitude
     to at most 448 and rounded to E4M3 into ``q`` [R, K]; ``inv_scale[row]`` holds what to multiply the E4M3 values
     by. The power of two is read off the amax's bits as ``fp8_grouped._pow2_scale`` does with frexp: bitwise the
     same result. Unfused, PyTorch ran about eight passes over the row block (abs, amax, scale, clamp, cast)."""
@@ -28,7 +31,9 @@ def quantize_rows_kernel(
     mask = cols < K
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_COL_SCALE:
-        group = tl.load(group_ptr + row).to(tl.int64)
+        groups = tl.arange(0, BLOCK_GROUPS)
+        ends = tl.load(offs_ptr + groups, mask=groups < num_groups, other=2**31 - 1).to(tl.int64)
+        group = tl.sum((ends <= row).to(tl.int64), axis=0)
         x = x * tl.load(col_scale_ptr + group * K + cols, mask=mask, other=0.0)
     amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30)
     bits = amax.to(tl.int32, bitcast=True)

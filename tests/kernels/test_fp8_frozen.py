@@ -94,9 +94,10 @@ def _triton_matches_pytorch() -> None:
     x = (torch.randn(6, 48, generator=g) * torch.tensor([1, 1e-3, 30, 1, 1, 1]).unsqueeze(-1)).to(torch.bfloat16)
     x[3] = 0
     x[4, 7] = E4M3_MAX / 8
-    col_scale = torch.exp2(torch.randint(-3, 4, (3, 48), generator=g).float())
-    groups = torch.tensor([0, 2, 1, 1, 0, 2])
-    for args in ((x,), (x, col_scale, groups)):
+    # Each group's column scales twice the one before: a row read with another group's scales gets another scale.
+    col_scale = torch.exp2(torch.randint(-3, 4, (1, 48), generator=g).float()) * torch.tensor([[1.0], [2.0], [4.0]])
+    offs = torch.tensor([1, 3], dtype=torch.int32)  # rows 0 | 1, 2 | 3, 4, 5 past the last group (row 2 of scales)
+    for args in ((x,), (x, col_scale, offs)):
         got = quantize_activation_rows(*args, triton_kernel=True)
         want = quantize_activation_rows(*args, triton_kernel=False)
         assert torch.equal(got[1], want[1])
