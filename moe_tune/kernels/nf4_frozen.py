@@ -7,8 +7,8 @@ expert's output row is divided by its largest magnitude (stored in bf16) and eac
 nearest NF4 value; two codes per byte. 4.25 bits per weight with the scales (4.5 with blocks of 32).
 
 ``frozen_nf4_grouped_mm(x_RK, codes, scales, offs_e)`` is ``x @ W_j^T`` for the rows of group j: the experts are
-dequantized ``EXPERTS_PER_PASS`` at a time into the input's dtype, and each such block runs one grouped GEMM over its
-own rows, so no more than that many experts are ever held dequantized. Finding each block's rows reads the group
+dequantized ``EXPERTS_PER_PASS`` at a time into the input's dtype (one Triton pass on CUDA: ``triton_nf4``), and each
+such block runs one grouped GEMM over its own rows, so no more than that many experts are ever held dequantized. Finding each block's rows reads the group
 offsets on the host: one device sync per call. Backward gives the input gradient only (the base is frozen), the same
 way. A custom op: torch.compile calls it as it is.
 """
@@ -41,8 +41,9 @@ NF4 = (
 )
 BLOCKS = (64, 32)  # inputs per scale: the first that divides the input dim
 SCALE_DTYPE = torch.bfloat16
-# Experts dequantized at once in the GEMMs: Qwen3-30B-A3B's gate_up block of 16 is 100 MB in bf16.
-EXPERTS_PER_PASS = 16
+# Experts dequantized at once in the GEMMs: Qwen3-30B-A3B's gate_up block of 32 is 200 MB in bf16; 4 passes a GEMM.
+EXPERTS_PER_PASS = 32
+DEQUANT_BYTES = 512  # code bytes per program of the Triton dequantization
 
 
 def block_size(in_features: int) -> int | None:
@@ -70,10 +71,22 @@ def quantize_weight(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.contiguous(), scale.contiguous()
 
 
-def dequantize_weight(codes: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """``[e, out, in]`` in ``dtype``: each code's NF4 value times its block's scale."""
+def dequantize_weight(
+    codes: torch.Tensor, scales: torch.Tensor, dtype=torch.float32, triton_kernel: bool | None = None
+) -> torch.Tensor:
+    """``[e, out, in]`` in ``dtype``: each code's NF4 value times its block's scale (the product in fp32).
+    ``triton_kernel`` (None: on CUDA): one Triton pass; otherwise PyTorch ops, the same values."""
     e, N, half = codes.shape
     table = _table(codes.device)
+    if codes.is_cuda if triton_kernel is None else triton_kernel:
+        from moe_tune.kernels.triton_nf4 import dequantize_kernel
+
+        out = torch.empty(e, N, 2 * half, dtype=dtype, device=codes.device)
+        if out.numel():
+            grid = (e * N, -(-half // DEQUANT_BYTES))
+            block = 2 * half // scales.shape[-1]
+            dequantize_kernel[grid](codes, scales, table, out, half, block, BLOCK_BYTES=DEQUANT_BYTES)
+        return out
     values = torch.stack([table[(codes & 0xF).long()], table[(codes >> 4).long()]], dim=-1).reshape(e, N, 2 * half)
     blocks = values.reshape(e, N, scales.shape[-1], -1) * scales.float().unsqueeze(-1)
     return blocks.reshape(e, N, 2 * half).to(dtype)
@@ -84,18 +97,21 @@ def _grouped(a_RK: torch.Tensor, codes, scales, offs_e: torch.Tensor, transpose:
     dequantized at a time; rows past the last group are 0."""
     e, N, half = codes.shape
     out_dim = N if transpose else 2 * half
-    out = a_RK.new_zeros(a_RK.shape[0], out_dim)
-    bounds = [0, *offs_e.tolist()]  # host sync: each block's rows
+    bounds = [0, *offs_e.tolist()]  # host sync: each pass's rows
+    pieces = []
     for j0 in range(0, e, EXPERTS_PER_PASS):
         j1 = min(j0 + EXPERTS_PER_PASS, e)
         start, stop = bounds[j0], bounds[j1]
         if start == stop:
             continue
         w = dequantize_weight(codes[j0:j1], scales[j0:j1], a_RK.dtype)
-        local_offs = (offs_e[j0:j1] - start).to(torch.int32)
         w = w.transpose(-2, -1) if transpose else w
-        out[start:stop] = F.grouped_mm(a_RK[start:stop], w, offs=local_offs)
-    return out
+        pieces.append(F.grouped_mm(a_RK[start:stop], w, offs=(offs_e[j0:j1] - start).to(torch.int32)))
+    if bounds[-1] < a_RK.shape[0]:  # a dispatcher's padding rows
+        pieces.append(a_RK.new_zeros(a_RK.shape[0] - bounds[-1], out_dim))
+    if not pieces:
+        return a_RK.new_zeros(0, out_dim)
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
 @torch.library.custom_op("moe_tune::frozen_nf4_grouped_mm", mutates_args=())

@@ -5,6 +5,10 @@ at a time (empty groups on both sides of a pass's boundary, rows of a dispatcher
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -46,3 +50,33 @@ def test_grouped_mm_and_input_gradient_equal_fp32_matmuls_of_the_dequantized_wei
     assert rel_err(y[:rows], torch.einsum("rk,rnk->rn", x[:rows].detach(), w[groups])) < 1e-6
     assert rel_err(x.grad[:rows], torch.einsum("rn,rnk->rk", dy[:rows], w[groups])) < 1e-6
     assert not y[rows:].any() and not x.grad[rows:].any()
+
+
+def _triton_matches_pytorch() -> None:
+    """Rows whose byte count is no multiple of a program's (masked lanes), blocks of 64 and of 32; in fp32 (Triton
+    3.9's interpreter converts fp32 to bf16 by truncation, where a GPU rounds to nearest: the GPU test checks bf16)."""
+    g = torch.Generator().manual_seed(2)
+    for K in (640, 96):
+        codes, scales = quantize_weight(torch.randn(3, 5, K, generator=g))
+        got = dequantize_weight(codes, scales, torch.float32, triton_kernel=True)
+        assert torch.equal(got, dequantize_weight(codes, scales, torch.float32, triton_kernel=False)), K
+
+
+def test_triton_dequantization_equals_pytorch_bit_for_bit():
+    """The Triton pass in a fresh Python with TRITON_INTERPRET=1 (the code a GPU compiles, element by element in
+    NumPy); on a GPU the GEMM tests above run it compiled."""
+    pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[dev]' brings it)")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the compiled kernel (test_dequantization_on_the_gpu_equals_pytorch)")
+    code = f"import {__name__} as t; t._triton_matches_pytorch()"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_dequantization_on_the_gpu_equals_pytorch():
+    g = torch.Generator().manual_seed(3)
+    codes, scales = quantize_weight(torch.randn(4, 1536, 2048, generator=g).cuda())
+    got = dequantize_weight(codes, scales, torch.bfloat16, triton_kernel=True)
+    assert torch.equal(got, dequantize_weight(codes, scales, torch.bfloat16, triton_kernel=False))
