@@ -3,7 +3,8 @@
 # moe-tune-bench run each:
 #   PART=speed: the LoRA workload of lora_h200.sh's committed rows (the full Qwen3-30B-A3B, 48 layers, random init,
 #     seq 4096, micro-batch 1, data=random, real routing, rank 16 on attention and experts, bf16_fp32_master), full
-#     activation checkpointing, compiled; 12 steps, medians of steps 5-12.
+#     activation checkpointing, compiled; 12 steps, medians of steps 5-12; beside Transformers + PEFT on
+#     bitsandbytes 4-bit linears (BASELINES, default bnb4: needs bitsandbytes; none to leave it out).
 #   PART=losses: the same model and adapters on 100 steps of the built-in chat records (data=arithmetic: rendered
 #     through the chat template, loss on the assistant turns), the same seed and data for both bases.
 #   OUT=<dir> PART=speed|losses [VARIANTS='name:k=v,...;...'] bash benchmarks/quantized_base_h200.sh [overrides...]
@@ -11,12 +12,13 @@ set -euo pipefail
 OUT=${OUT:?OUT=<results directory>}
 PART=${PART:-speed}
 workload=(experiment=qwen3_30b_a3b_lora_1gpu parallel.activation_checkpointing=full kernels.compile=true)
-opts=(--nproc 1 --baselines none --timeout-s "${TIMEOUT:-420}"
-      --variants "${VARIANTS:-lora_bf16_base:;lora_fp8_base:peft.quantize_base=fp8}")
+opts=(--nproc 1 --timeout-s "${TIMEOUT:-420}"
+      --variants "${VARIANTS:-lora_bf16_base:;lora_fp8_base:peft.quantize_base=fp8;lora_nf4_base:peft.quantize_base=nf4}")
 export PYTHONPATH="$(pwd):${PYTHONPATH:-}"
 case $PART in
-  speed) python -m moe_tune.bench "${workload[@]}" "$@" "${opts[@]}" --out "$OUT/speed" ;;
+  speed) python -m moe_tune.bench "${workload[@]}" "$@" "${opts[@]}" --baselines "${BASELINES:-bnb4}" \
+           --out "$OUT/speed" ;;
   losses) python -m moe_tune.bench "${workload[@]}" data=arithmetic data.num_samples=16384 train.steps=100 \
-            train.warmup_steps_excluded=10 "$@" "${opts[@]}" --out "$OUT/losses" ;;
+            train.warmup_steps_excluded=10 "$@" "${opts[@]}" --baselines none --out "$OUT/losses" ;;
   *) echo "quantized_base_h200.sh: PART=$PART is not speed or losses" >&2; exit 2 ;;
 esac

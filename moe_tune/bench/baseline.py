@@ -137,12 +137,15 @@ class HFCausalLM(nn.Module):
             self.hf.set_requires_gradient_sync(requires)
 
 
-def build_hf_model(cfg: Config, env, experts_implementation: str = "grouped_mm", fsdp: bool = True) -> Built:
+def build_hf_model(
+    cfg: Config, env, experts_implementation: str = "grouped_mm", fsdp: bool = True, bnb4: bool = False
+) -> Built:
     """The Trainer's builder for the baseline: the Hugging Face model of ``cfg``'s checkpoint or preset, with
     moe_tune's weights (the same checkpoint, or ``init_random``'s draw by tensor name), wrapped in ``HFCausalLM``;
-    for ``peft=lora``, PEFT's LoRA model around it (``moe_tune.bench.peft_baseline``).
+    for ``peft=lora``, PEFT's LoRA model around it (``moe_tune.bench.peft_baseline``), its linears first in
+    bitsandbytes 4-bit with ``bnb4`` (QLoRA as a Transformers + PEFT user runs it).
     Not checkpointable (moe_tune's checkpoints and export are for moe_tune's model)."""
-    from moe_tune.bench.peft_baseline import apply_peft
+    from moe_tune.bench.peft_baseline import apply_peft, quantize_linears_4bit
     from moe_tune.build import build_source, build_tokenizer
     from moe_tune.models.families import get_family
     from moe_tune.models.model import materialize
@@ -157,8 +160,9 @@ def build_hf_model(cfg: Config, env, experts_implementation: str = "grouped_mm",
     materialize(model, env.device)
     load_weights(model, source, hf_config, family, cfg.train.seed)
     flops = hf_flops_per_token(model, cfg.train.seq_len, frozen_base=lora)
+    quantized = quantize_linears_4bit(model, env.device) if bnb4 else 0
     if lora:  # PEFT wraps the loaded model; FSDP2 then shards it (mixed frozen and trainable parameters)
-        model = apply_peft(model, cfg, family.block_attr)
+        model = apply_peft(model, cfg, family.block_attr, bnb4)
         if fsdp:
             _shard(model, mesh, cfg, env)
     model.train()
@@ -169,7 +173,7 @@ def build_hf_model(cfg: Config, env, experts_implementation: str = "grouped_mm",
         tokenizer=build_tokenizer(source),
         flops_per_token=flops,
         checkpointable=False,
-        describe=describe(model, fsdp),
+        describe=describe(model, fsdp, quantized),
     )
 
 
@@ -250,10 +254,17 @@ def _num_experts(hf_config) -> int | None:
     return next((getattr(hf_config, k) for k in keys if hasattr(hf_config, k)), None)
 
 
-def describe(model: nn.Module, fsdp: bool) -> dict:
+def describe(model: nn.Module, fsdp: bool, quantized_4bit: int = 0) -> dict:
     """What this row actually ran, for summary.json (``bench_config`` updates the row's config)."""
     c = model.config
     bench = {"experts": c._experts_implementation, "fsdp": "per layer + root" if fsdp else "none"}
+    if quantized_4bit:
+        import bitsandbytes
+
+        bench["quantized"] = (
+            f"bitsandbytes {bitsandbytes.__version__} NF4 on the nn.Linear layers ({quantized_4bit:,} weights); the "
+            "fused experts bf16"
+        )
     peft_config = getattr(model, "peft_config", {}).get("default")
     if peft_config is not None:
         import peft
@@ -266,16 +277,24 @@ def describe(model: nn.Module, fsdp: bool) -> dict:
     }
 
 
-def check_workload(cfg: Config, fsdp: bool = True) -> None:
+def check_workload(cfg: Config, fsdp: bool = True, bnb4: bool = False) -> None:
     """The baseline's (and the peer's) config check, before any process group exists: they have no moe_tune
-    expert parallelism, dispatcher or kernel choice, so the rest of the workload is checked."""
+    expert parallelism, dispatcher or kernel choice, so the rest of the workload is checked. Without FSDP, a
+    model that trains every weight holds them in their compute dtype; LoRA's base is bf16 whatever the precision
+    (PEFT keeps its adapters fp32)."""
     from moe_tune.config import world_size_from_env
 
     checked = replace(cfg, parallel=replace(cfg.parallel, ep=1), comm=CommConfig(), kernels=KernelsConfig())
     validate(checked)
     require_backends(checked)
     world = world_size_from_env()
-    if not fsdp and (world > 1 or cfg.train.precision == "bf16_fp32_master"):
+    if bnb4 and (cfg.peft.name != "lora" or world > 1):
+        raise ConfigError(
+            f"--bnb4 (QLoRA through bitsandbytes) runs peft=lora on one process, without FSDP (got peft="
+            f"{cfg.peft.name}, {world} processes); add peft=lora and run one process"
+        )
+    fp32_params = cfg.train.precision == "bf16_fp32_master" and cfg.peft.name != "lora"
+    if not fsdp and (world > 1 or fp32_params):
         raise ConfigError(
             f"--no-fsdp (plain model on one GPU) needs 1 process (got {world}) and train.precision bf16, fp32 "
             f"or amp_bf16 (got {cfg.train.precision}): bf16 compute on fp32 parameters is FSDP's MixedPrecisionPolicy"
@@ -295,17 +314,19 @@ class Baseline(Trainer):
     """moe_tune's Trainer (its step, loop, metrics and summary) on the Hugging Face model (``build_hf_model``),
     sharded with FSDP2 or, on one GPU, plain."""
 
-    def __init__(self, cfg: Config, experts_implementation: str = "grouped_mm", fsdp: bool = True):
+    def __init__(self, cfg: Config, experts_implementation: str = "grouped_mm", fsdp: bool = True, bnb4: bool = False):
         if experts_implementation not in EXPERTS_IMPLEMENTATIONS:
             raise ConfigError(
                 f"--experts {experts_implementation!r} is not one of {', '.join(EXPERTS_IMPLEMENTATIONS)}"
             )
-        self.experts_implementation, self.fsdp = experts_implementation, fsdp
-        builder = functools.partial(build_hf_model, experts_implementation=experts_implementation, fsdp=fsdp)
+        self.experts_implementation, self.fsdp, self.bnb4 = experts_implementation, fsdp and not bnb4, bnb4
+        builder = functools.partial(
+            build_hf_model, experts_implementation=experts_implementation, fsdp=self.fsdp, bnb4=bnb4
+        )
         super().__init__(peer_optimizer(cfg), builder=builder)
 
     def check_config(self, cfg: Config) -> None:
-        check_workload(cfg, self.fsdp)
+        check_workload(cfg, self.fsdp, self.bnb4)
 
     def describe(self) -> dict:
         return self.built.describe
@@ -318,13 +339,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts", default="grouped_mm", choices=EXPERTS_IMPLEMENTATIONS)
     parser.add_argument("--no-fsdp", action="store_true", help="the plain model on one GPU, as run without FSDP")
     parser.add_argument(
+        "--bnb4", action="store_true", help="peft=lora on linears in bitsandbytes 4-bit NF4 (QLoRA), one GPU, no FSDP"
+    )
+    parser.add_argument(
         "overrides", nargs="*", help="moe_tune Hydra overrides (model=..., train.seq_len=..., output_dir=...)"
     )
     args = parser.parse_args(argv)
     precheck(args.overrides)  # a bad override: one line, exit 2
     try:
         cfg = to_config(compose(args.overrides))
-        Baseline(cfg, args.experts, fsdp=not args.no_fsdp).fit()
+        Baseline(cfg, args.experts, fsdp=not args.no_fsdp, bnb4=args.bnb4).fit()
     except UserError as e:
         print(f"moe-tune-bench baseline: error: {e}", file=sys.stderr)
         return 2

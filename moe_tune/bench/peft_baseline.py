@@ -16,13 +16,16 @@ from torch import nn
 from moe_tune.bench.plans import quantized_base_problem
 from moe_tune.config import Config, ConfigError
 
+BNB_INSTALL = "pip install bitsandbytes (0.48 or later)"
+
 
 def base_dtype(cfg: Config) -> torch.dtype:
     return torch.float32 if cfg.train.precision == "fp32" else torch.bfloat16
 
 
-def lora_config(cfg: Config, hf_model: nn.Module, block_attr: str):
-    """PEFT's LoraConfig for ``cfg.peft`` on the plain transformers model ``hf_model``."""
+def lora_config(cfg: Config, hf_model: nn.Module, block_attr: str, bnb4: bool = False):
+    """PEFT's LoraConfig for ``cfg.peft`` on the plain transformers model ``hf_model`` (``bnb4``: its linears in
+    bitsandbytes 4-bit, ``quantize_linears_4bit``)."""
     from peft import LoraConfig
 
     from moe_tune.models.lora import lora_linears
@@ -37,7 +40,7 @@ def lora_config(cfg: Config, hf_model: nn.Module, block_attr: str):
         )
     if p.train_router:
         raise ConfigError("peft.train_router=true has no Transformers + PEFT baseline row; benchmark without it")
-    if quantized_base_problem(cfg):
+    if quantized_base_problem(cfg) and not bnb4:
         raise ConfigError(quantized_base_problem(cfg))
     return LoraConfig(
         r=p.rank,
@@ -48,7 +51,37 @@ def lora_config(cfg: Config, hf_model: nn.Module, block_attr: str):
     )
 
 
-def apply_peft(hf_model: nn.Module, cfg: Config, block_attr: str) -> nn.Module:
+def quantize_linears_4bit(model: nn.Module, device) -> int:
+    """What transformers' ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+    bnb_4bit_compute_dtype=torch.bfloat16)`` makes of a loaded model: every ``nn.Linear`` but the lm_head becomes
+    bitsandbytes' ``Linear4bit`` (NF4, blocks of 64), quantized from the loaded weights as it moves to ``device``.
+    Fused 3-D expert tensors are no ``nn.Linear`` and stay as they are (benchmarks/bnb_fused_experts.py shows
+    transformers doing the same). Returns how many weights were quantized."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ConfigError(f"the bnb4 baseline row needs bitsandbytes: {BNB_INSTALL}") from None
+    quantized = 0
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or f"{parent_name}.{name}".endswith("lm_head"):
+                continue
+            layer = bnb.nn.Linear4bit(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                compute_dtype=torch.bfloat16,
+                quant_type="nf4",
+            )
+            layer.weight = bnb.nn.Params4bit(child.weight.data.to("cpu"), requires_grad=False, quant_type="nf4")
+            if child.bias is not None:
+                layer.bias = nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(parent, name, layer.to(device))
+            quantized += child.weight.numel()
+    return quantized
+
+
+def apply_peft(hf_model: nn.Module, cfg: Config, block_attr: str, bnb4: bool = False) -> nn.Module:
     """The PEFT model (base frozen, adapters trainable) around a materialised, loaded transformers model, its
     adapters starting where moe_tune's do (A drawn by name as ``init_lora`` draws it, B zero): both rows train
     the same model from the same point."""
@@ -58,7 +91,7 @@ def apply_peft(hf_model: nn.Module, cfg: Config, block_attr: str) -> nn.Module:
         raise ConfigError(
             "peft=lora's Transformers + PEFT baseline needs peft: pip install 'moe_tune[bench]'"
         ) from None
-    model = get_peft_model(hf_model, lora_config(cfg, hf_model, block_attr))
+    model = get_peft_model(hf_model, lora_config(cfg, hf_model, block_attr, bnb4))
     _init_like_moe_tune(model, cfg.train.seed)
     return model
 

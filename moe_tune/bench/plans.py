@@ -10,7 +10,7 @@ from moe_tune.bench.runner import split_overrides
 
 # Plain Transformers rows: experts_implementation, and "_nofsdp" for the model without FSDP (one process only);
 # "trl": TRL's SFTTrainer (moe_tune.bench.trl_baseline; one process, records from data.path).
-BASELINES = ("grouped_mm", "eager", "grouped_mm_nofsdp", "eager_nofsdp", "trl")
+BASELINES = ("grouped_mm", "eager", "grouped_mm_nofsdp", "eager_nofsdp", "trl", "bnb4")
 TRL_INSTALL = "pip install 'moe_tune[trl]'"
 # The TRL row's train.precision values (one process: parameters in their compute dtype, or fp32 under autocast)
 TRL_PRECISIONS = ("bf16", "amp_bf16", "fp32")
@@ -68,6 +68,13 @@ def build_plans(args, common: list[str]) -> tuple[list[Plan], list[dict]]:
             else:
                 plans.append(Plan("trl", "baseline", "moe_tune.bench.trl_baseline", ["--attn", args.trl_attn], common))
             continue
+        if b == "bnb4":  # Transformers + PEFT on bitsandbytes 4-bit linears: QLoRA as its users run it
+            if importlib.util.find_spec("bitsandbytes") is None:
+                reason = "bitsandbytes is not installed: pip install bitsandbytes (0.48 or later)"
+                skipped.append({"variant": "hf_bnb4", "kind": "baseline", "reason": reason})
+            else:
+                plans.append(Plan("hf_bnb4", "baseline", "moe_tune.bench.baseline", ["--bnb4"], common))
+            continue
         flags = ["--experts", b.removesuffix("_nofsdp")] + (["--no-fsdp"] if b.endswith("_nofsdp") else [])
         plans.append(Plan(f"hf_{b}", "baseline", "moe_tune.bench.baseline", flags, common))
     for name, overrides in parse_variants(args.variants):
@@ -94,13 +101,17 @@ def plans_problem(plans: list[Plan], skipped: list[dict], cfg, nproc: int) -> st
     if not plans and not skipped:
         return "no rows to run (--baselines none and --variants none, no --peer); ask for at least one"
     nofsdp = [p.name for p in plans if "--no-fsdp" in p.args]
-    if nofsdp and (nproc > 1 or cfg.train.precision == "bf16_fp32_master"):
+    fp32_params = cfg.train.precision == "bf16_fp32_master" and cfg.peft.name != "lora"  # LoRA's base is bf16
+    if nofsdp and (nproc > 1 or fp32_params):
         return (
             f"{', '.join(nofsdp)}: the plain Transformers model without FSDP2 runs on one process (got --nproc "
             f"{nproc}) with parameters in their compute dtype, train.precision bf16, fp32 or amp_bf16 (got "
             f"{cfg.train.precision}); use --baselines grouped_mm or set train.precision=bf16"
         )
-    baselines = [p.name for p in plans if p.module == "moe_tune.bench.baseline"]
+    bnb4 = [p.name for p in plans if "--bnb4" in p.args]
+    if bnb4 and (cfg.peft.name != "lora" or nproc > 1):
+        return f"hf_bnb4: QLoRA through bitsandbytes runs peft=lora on one process (got peft={cfg.peft.name}, --nproc {nproc})"
+    baselines = [p.name for p in plans if p.module == "moe_tune.bench.baseline" and p.name not in bnb4]
     if baselines and quantized_base_problem(cfg):
         return f"{', '.join(baselines)}: {quantized_base_problem(cfg)}"
     if any(p.module == "moe_tune.bench.trl_baseline" for p in plans):

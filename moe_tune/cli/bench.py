@@ -65,7 +65,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--baselines",
         default="grouped_mm,eager",
         help=f"plain Transformers rows, comma-separated: {', '.join(BASELINES)} (_nofsdp: without FSDP2, one "
-        "process; trl: TRL's SFTTrainer on data.path's records, one process), or none",
+        "process; trl: TRL's SFTTrainer on data.path's records, one process; bnb4: peft=lora on bitsandbytes 4-bit "
+        "linears, one process), or none",
     )
     p.add_argument(
         "--trl-attn",

@@ -285,3 +285,44 @@ def test_unrunnable_row_sets_stop_before_any_row(argv, words, tmp_path, capsys):
     assert main([*argv, "--out", str(tmp_path / "out")]) == 2
     assert words in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_bnb4_row_is_qlora_on_one_process_or_skipped_without_bitsandbytes(monkeypatch, capsys, tmp_path):
+    """--baselines bnb4: a Transformers + PEFT row on bitsandbytes 4-bit linears (one process, peft=lora), skipped
+    with its reason where bitsandbytes is missing; refused before any row for a full fine-tune."""
+    import argparse
+    import importlib.util
+
+    from moe_tune.bench import plans
+    from moe_tune.cli.bench import main
+    from moe_tune.cli.train import compose, to_config
+
+    args = argparse.Namespace(baselines="bnb4", variants="none", peer="none")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    built, skipped = plans.build_plans(args, [])
+    assert not built and skipped[0]["variant"] == "hf_bnb4" and "pip install bitsandbytes" in skipped[0]["reason"]
+    monkeypatch.undo()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    built, _ = plans.build_plans(args, [])
+    assert [(p.name, p.args) for p in built] == [("hf_bnb4", ["--bnb4"])]
+    lora = to_config(compose(["peft=lora", "peft.quantize_base=nf4"]))  # bitsandbytes' own way: no refusal
+    assert plans.plans_problem(built, [], lora, 1) is None
+    assert "one process" in plans.plans_problem(built, [], lora, 2)
+    assert main(["--baselines", "bnb4", "--variants", "none", "--out", str(tmp_path / "out")]) == 2
+    assert "hf_bnb4: QLoRA through bitsandbytes runs peft=lora" in capsys.readouterr().err
+
+
+def test_bnb4_quantizes_the_linears_and_leaves_the_fused_experts():
+    """quantize_linears_4bit does what transformers' BitsAndBytesConfig does: attention linears to Linear4bit,
+    lm_head and the fused 3-D expert tensors untouched (bitsandbytes' CPU backend)."""
+    bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (the bnb4 baseline row's)")
+    from moe_tune.bench.peft_baseline import quantize_linears_4bit
+
+    model = build_hf("qwen3_moe", torch.bfloat16)
+    linears = sum(
+        m.weight.numel() for n, m in model.named_modules() if type(m) is torch.nn.Linear and "lm_head" not in n
+    )
+    assert quantize_linears_4bit(model, "cpu") == linears
+    assert isinstance(model.model.layers[0].self_attn.q_proj, bnb.nn.Linear4bit)
+    assert type(model.lm_head) is torch.nn.Linear
+    assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
