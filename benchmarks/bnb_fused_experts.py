@@ -22,7 +22,9 @@ def main() -> None:
     path = save_tiny(tempfile.mkdtemp() + "/tiny", "qwen3_moe", torch.bfloat16, 0)
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, device_map="cpu")
-    print(f"transformers {transformers.__version__}, bitsandbytes {bitsandbytes.__version__}, torch {torch.__version__}")
+    print(
+        f"transformers {transformers.__version__}, bitsandbytes {bitsandbytes.__version__}, torch {torch.__version__}"
+    )
     quantized = kept = 0
     for name, p in model.named_parameters():
         is_4bit = type(p).__name__ == "Params4bit"
