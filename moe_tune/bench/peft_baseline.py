@@ -13,10 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_tune.bench.plans import quantized_base_problem
+from moe_tune.bench.plans import BNB_INSTALL, quantized_base_problem
 from moe_tune.config import Config, ConfigError
-
-BNB_INSTALL = "pip install bitsandbytes (0.48 or later)"
 
 
 def base_dtype(cfg: Config) -> torch.dtype:

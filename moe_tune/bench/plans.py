@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from moe_tune.bench.runner import split_overrides
 
 # Plain Transformers rows: experts_implementation, and "_nofsdp" for the model without FSDP (one process only);
-# "trl": TRL's SFTTrainer (moe_tune.bench.trl_baseline; one process, records from data.path).
+# "trl": TRL's SFTTrainer (moe_tune.bench.trl_baseline; one process, records from data.path); "bnb4": peft=lora on
+# bitsandbytes 4-bit linears (one process).
 BASELINES = ("grouped_mm", "eager", "grouped_mm_nofsdp", "eager_nofsdp", "trl", "bnb4")
 TRL_INSTALL = "pip install 'moe_tune[trl]'"
+BNB_INSTALL = "pip install bitsandbytes (0.48 or later)"
 # The TRL row's train.precision values (one process: parameters in their compute dtype, or fp32 under autocast)
 TRL_PRECISIONS = ("bf16", "amp_bf16", "fp32")
 TRL_ATTENTION = ("auto", "flex_attention", "sdpa", "eager")  # --trl-attn (auto: moe_tune.bench.trl_baseline)
@@ -70,7 +72,7 @@ def build_plans(args, common: list[str]) -> tuple[list[Plan], list[dict]]:
             continue
         if b == "bnb4":  # Transformers + PEFT on bitsandbytes 4-bit linears: QLoRA as its users run it
             if importlib.util.find_spec("bitsandbytes") is None:
-                reason = "bitsandbytes is not installed: pip install bitsandbytes (0.48 or later)"
+                reason = f"bitsandbytes is not installed: {BNB_INSTALL}"
                 skipped.append({"variant": "hf_bnb4", "kind": "baseline", "reason": reason})
             else:
                 plans.append(Plan("hf_bnb4", "baseline", "moe_tune.bench.baseline", ["--bnb4"], common))
@@ -127,7 +129,8 @@ def quantized_base_problem(cfg) -> str | None:
         return None
     return (
         f"peft.quantize_base={cfg.peft.quantize_base} has no Transformers + PEFT baseline row: bitsandbytes quantizes "
-        "nn.Linear layers only, not transformers' fused expert tensors; give it in --variants, or --baselines none"
+        "nn.Linear layers only, not transformers' fused expert tensors; give it in --variants, beside --baselines "
+        "bnb4 (Transformers + PEFT on bitsandbytes 4-bit) or none"
     )
 
 

@@ -27,6 +27,7 @@ import torch
 
 from moe_tune.kernels.fp8_grouped import E4M3, emulated_scaled_grouped_mm, quantize_rows, scaled_grouped_mm
 from moe_tune.kernels.frozen import register_input_grad
+from moe_tune.kernels.groups import row_groups
 
 # Hopper's faster FP8 accumulation (no periodic promotion to fp32), as kernels.experts=grouped_mm_fp8 uses.
 FAST_ACCUM = True
@@ -84,17 +85,6 @@ def quantize_activation_rows(
             num_warps=4 if block <= 2048 else 8,
         )
     return q, inv_scale
-
-
-def row_groups(offs_e: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Each row's group; rows past ``offs_e[-1]`` (a dispatcher's fixed-capacity padding) get group e. On the
-    device, output size given: no host sync."""
-    e = offs_e.shape[0]
-    offs = offs_e.long()
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    tail = (num_rows - offs[-1:]).clamp(min=0)
-    ids = torch.arange(e + 1, device=offs.device)
-    return torch.repeat_interleave(ids, torch.cat([counts, tail]), output_size=num_rows)
 
 
 @functools.cache

@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from moe_tune.kernels.groups import row_groups
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
 # FP8 rows start on 16-byte boundaries for the kernel's bulk copies: the weight-gradient GEMM contracts over
@@ -78,11 +80,10 @@ def pad_groups(offs_e: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch
     padded_counts_e = (counts_e + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
     padded_offs_e = torch.cumsum(padded_counts_e, 0)
     # Group e is the tail: rows past offs_e[-1], placed after the last padded group.
-    tail = (num_rows - offs[-1:]).clamp(min=0)
     starts = torch.cat([offs - counts_e, offs[-1:]])
     padded_starts = torch.cat([padded_offs_e - padded_counts_e, padded_offs_e[-1:]])
     ids = torch.arange(e + 1, device=offs.device)
-    group_R = torch.repeat_interleave(ids, torch.cat([counts_e, tail]), output_size=num_rows)
+    group_R = row_groups(offs_e, num_rows)
     dest_R = padded_starts[group_R] + torch.arange(num_rows, device=offs.device) - starts[group_R]
     num_blocks = num_padded // ROW_ALIGN
     blocks_e = padded_counts_e // ROW_ALIGN

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_tune.kernels.fp8_grouped import fp8_grouped_mm
+from moe_tune.kernels.groups import row_groups
 from moe_tune.lora import ExpertsAdapter, LoRASpec
 from moe_tune.lora.experts import PROJECTIONS
 from moe_tune.moe.quantized_base import PROJECTION_CLASSES
@@ -181,7 +182,10 @@ class GroupedExperts(nn.Module):
         if self.lora is not None:
             h = h + self.lora.delta("gate_up", x_RD, offs_e)
         if self.spec.bias:
-            row_expert_R = self._row_experts(counts_e, x_RD.shape[0])
+            # Rows past the last expert's (a dispatcher's fixed-capacity padding, e.g. symm_mem) get index e, a zero
+            # bias row that is no parameter: whatever gradient lands on padding rows (stale buffer contents) never
+            # reaches the biases.
+            row_expert_R = row_groups(offs_e, x_RD.shape[0])
             h = h + _with_zero_row(self.gate_up_proj_bias, h.dtype)[row_expert_R]
         a = self._activation(h)
         y = self._base_mm("down", a, offs_e)
@@ -190,16 +194,6 @@ class GroupedExperts(nn.Module):
         if self.spec.bias:
             y = y + _with_zero_row(self.down_proj_bias, y.dtype)[row_expert_R]
         return y
-
-    @staticmethod
-    def _row_experts(counts_e: torch.Tensor, num_rows: int) -> torch.Tensor:
-        """Local expert of each row. Rows past ``counts_e.sum()`` (a dispatcher's fixed-capacity padding, e.g.
-        symm_mem) get index e, a zero bias row that is no parameter: whatever gradient lands on padding rows
-        (stale buffer contents) never reaches the biases. output_size is given so there is no host sync."""
-        e = counts_e.shape[0]
-        ids = torch.arange(e + 1, device=counts_e.device)
-        padding = (num_rows - counts_e.sum()).clamp(min=0).reshape(1)
-        return torch.repeat_interleave(ids, torch.cat([counts_e, padding]), output_size=num_rows)
 
     def forward_loop(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
         """Reference: one matmul pair per expert. Used by tests and ``kernels.experts=loop`` only."""

@@ -146,8 +146,9 @@ def test_fp8_base_needs_sm90_on_a_gpu_and_runs_emulated_without_one(monkeypatch)
 @pytest.mark.parametrize("mode", list(TOL))
 def test_compiled_experts_give_the_eager_outputs_and_adapter_gradients(mode):
     """torch.compile calls the quantized GEMMs as opaque custom ops, their autograd registered: compiled and eager
-    give the same outputs and adapter gradients in bf16, within its rounding of fused elementwise steps (FP8 grouped
-    GEMMs compiled once gave gradients off by 100%, issue 36)."""
+    give the same outputs and adapter gradients in bf16, within its rounding of fused elementwise steps (compiled
+    through dynamo's tracing, kernels.experts=grouped_mm_fp8's autograd Function gives wrong gradients, which is why
+    validation refuses it compiled)."""
     _, quantized = _pair("out_in", mode)
     x = torch.randn(sum(COUNTS), D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     counts = torch.tensor(COUNTS)
