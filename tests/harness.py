@@ -59,6 +59,19 @@ class CheckpointRun(types.SimpleNamespace):
         return resumed
 
 
+def triton_interpreted(code: str, gpu_test: str) -> None:
+    """Runs ``code`` in a fresh Python with TRITON_INTERPRET=1: the Triton kernels it calls, and Triton's own library
+    functions they call, element by element in NumPy (the code a GPU compiles). A fresh interpreter, because Triton
+    reads the variable as its library is decorated. On a GPU machine the test skips, naming ``gpu_test``, which runs
+    the compiled kernel instead (the H200 machines' Triton 3.6 also interprets a runtime loop bound as an array)."""
+    pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[dev]' brings it)")
+    if torch.cuda.is_available():
+        pytest.skip(f"a GPU runs the compiled kernel ({gpu_test}); Triton's interpreter is the CPU's stand-in")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 # -- ranks in processes -------------------------------------------------------------------------------------
 
 

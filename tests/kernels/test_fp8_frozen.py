@@ -5,10 +5,6 @@ interpreter on the CPU) bit for bit against PyTorch's."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -19,6 +15,7 @@ from moe_tune.kernels.fp8_frozen import (
     quantize_weight,
 )
 from moe_tune.kernels.fp8_grouped import quantize_rows
+from tests.harness import triton_interpreted
 from tests.tiny import rel_err
 
 E4M3_MAX = 448.0
@@ -104,15 +101,9 @@ def _triton_matches_pytorch() -> None:
 
 
 def test_triton_quantization_equals_pytorch_bit_for_bit():
-    """The Triton pass in a fresh Python with TRITON_INTERPRET=1 (the kernel and Triton's library functions it
-    calls, element by element in NumPy: the code a GPU compiles); on a GPU, test_kernel_on_the_gpu_... runs it."""
-    pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[dev]' brings it)")
-    if torch.cuda.is_available():
-        pytest.skip("a GPU runs the compiled kernel (test_kernel_on_the_gpu_equals_its_cpu_emulation)")
-    code = f"import {__name__} as t; t._triton_matches_pytorch()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    triton_interpreted(
+        f"import {__name__} as t; t._triton_matches_pytorch()", "test_kernel_on_the_gpu_equals_its_cpu_emulation"
+    )
 
 
 @pytest.mark.gpu

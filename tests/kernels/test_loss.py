@@ -1,11 +1,10 @@
 """Chunked linear cross-entropy equals plain cross-entropy on full fp32 logits, forward and backward."""
 
-import os
-
 import pytest
 import torch
 
 from moe_tune.kernels.loss import linear_cross_entropy
+from tests.harness import triton_interpreted
 
 
 def reference(h, w, labels):
@@ -104,21 +103,10 @@ def test_frozen_weight_gets_no_gradient_and_the_same_input_gradient():
 
 
 def _interpreted(check: str) -> None:
-    """Runs ``check`` (a function of this module) in a fresh Python with TRITON_INTERPRET=1 (the kernel, and
-    Triton's own library functions it calls, run element by element in NumPy: the code a GPU compiles) and a
-    small column block, so that each row takes several steps of both passes."""
-    pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[dev]' brings it)")
-    if torch.cuda.is_available():
-        # The H200 machines' Triton (3.6) interprets a runtime loop bound as a 1-element array and fails; a GPU
-        # runs the compiled kernel instead (test_cuda_kernel_matches_pytorch_ops_and_fp32_reference).
-        pytest.skip("a GPU tests the compiled kernel; Triton's interpreter is the CPU's stand-in")
-    import subprocess
-    import sys
-
+    """Runs ``check`` (a function of this module) under Triton's interpreter with a small column block, so that
+    each row takes several steps of both passes."""
     code = f"import moe_tune.kernels.loss as l; l.BLOCK = 32; import {__name__} as t; t.{check}()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    triton_interpreted(code, "test_cuda_kernel_matches_pytorch_ops_and_fp32_reference")
 
 
 def _kernel_matches_pytorch_ops():

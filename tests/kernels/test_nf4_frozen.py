@@ -5,15 +5,12 @@ at a time (empty groups on both sides of a pass's boundary, rows of a dispatcher
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from moe_tune.kernels import nf4_frozen
 from moe_tune.kernels.nf4_frozen import NF4, dequantize_weight, frozen_nf4_grouped_mm, quantize_weight
+from tests.harness import triton_interpreted
 from tests.tiny import rel_err
 
 E = nf4_frozen.EXPERTS_PER_PASS + 4  # two passes
@@ -63,15 +60,9 @@ def _triton_matches_pytorch() -> None:
 
 
 def test_triton_dequantization_equals_pytorch_bit_for_bit():
-    """The Triton pass in a fresh Python with TRITON_INTERPRET=1 (the code a GPU compiles, element by element in
-    NumPy); on a GPU the GEMM tests above run it compiled."""
-    pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[dev]' brings it)")
-    if torch.cuda.is_available():
-        pytest.skip("a GPU runs the compiled kernel (test_dequantization_on_the_gpu_equals_pytorch)")
-    code = f"import {__name__} as t; t._triton_matches_pytorch()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    triton_interpreted(
+        f"import {__name__} as t; t._triton_matches_pytorch()", "test_dequantization_on_the_gpu_equals_pytorch"
+    )
 
 
 @pytest.mark.gpu
