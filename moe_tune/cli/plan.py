@@ -1,0 +1,115 @@
+"""``moe-tune-plan [overrides] [--gpus N] [--gpu-mem-gib G] [--search] [--json]``: what a run will cost per GPU,
+before it is launched, on any machine (CPU only is enough).
+
+Takes ``moe-tune``'s own overrides. Prints the predicted peak memory per rank (``peak_gib``: the step's
+``torch.cuda.max_memory_allocated``) with its parts, whether it fits, and the predicted tokens/s per GPU. With
+``--search``: every layout of ``--gpus`` GPUs (expert parallelism, micro-batch, activation checkpointing) that fits,
+fastest first, and why each other one does not. Exit 2 for a configuration that cannot run, as ``moe-tune``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moe_tune.config import UserError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moe-tune-plan", description=__doc__.splitlines()[0])
+    p.add_argument("overrides", nargs="*", help="moe-tune's overrides (model=..., parallel.ep=..., train....)")
+    p.add_argument("--gpus", type=int, default=None, help="world size (default: the layout's, as moe-tune's launch)")
+    p.add_argument("--gpu-mem-gib", type=float, default=None, help="memory per GPU (default: an H200's 140.4)")
+    p.add_argument("--headroom", type=float, default=None, help="share of each GPU left free (default 0.10)")
+    p.add_argument("--routing", choices=("real", "balanced"), default="real", help="expected routing imbalance")
+    p.add_argument("--search", action="store_true", help="list the layouts that fit, fastest first")
+    p.add_argument("--max-micro-batch", type=int, default=16, help="largest micro-batch --search tries")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def _row(d: dict) -> str:
+    lay = d["layout"]
+    return (
+        f"ep={lay['ep']:<3} mb={lay['micro_batch_size']:<3} ac={lay['activation_checkpointing']:<9} "
+        f"{d['peak_gib']:7.1f} GiB  {d['tokens_per_s_per_gpu']:10,.0f} tokens/s/GPU  "
+        f"comm {d['communication_share']:.0%}"
+    )
+
+
+def _print_plan(d: dict) -> None:
+    lay = d["layout"]
+    print(
+        f"{d['model']} on {d['gpus']} GPU(s) of {d['gpu_mem_gib']:g} GiB: dp_replicate={lay['dp_replicate']} "
+        f"dp_shard={lay['dp_shard']} ep={lay['ep']} (efsdp={lay['efsdp']}), micro-batch {lay['micro_batch_size']} x "
+        f"{lay['seq_len']}, activation_checkpointing={lay['activation_checkpointing']}, comm={lay['comm']}, "
+        f"compile={lay['compile']}, {lay['precision']}, peft={lay['peft']}"
+        + (f" (base {lay['quantize_base']})" if lay["quantize_base"] != "none" else "")
+    )
+    print(f"peak memory per GPU (max_memory_allocated): {d['peak_gib']:.1f} GiB ({d['routing']} routing)")
+    for k, v in d["breakdown_gib"].items():
+        print(f"  {k:<28} {v:8.2f} GiB")
+    if d["worst_case_routing_peak_gib"] > d["peak_gib"] + 0.05:
+        print(f"  worst-case routing peak     {d['worst_case_routing_peak_gib']:8.2f} GiB (every token to this rank)")
+    print(
+        f"reserved with context and comm buffers: {d['reserved_gib']:.1f} GiB -> {'fits' if d['fits'] else 'does NOT fit'}"
+    )
+    for problem in d["problems"]:
+        print(f"  {problem}")
+    parts = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in d["step_parts_s"].items() if v > 0)
+    print(f"predicted {d['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, step {d['step_s'] * 1e3:.0f} ms ({parts})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        from moe_tune.config import overrides as cli_args
+        from moe_tune.plan import DEFAULT_GPU_MEM_GIB, DEFAULT_HEADROOM, plan, search
+
+        cfg = cli_args.to_config(cli_args.check(args.overrides))
+        mem = args.gpu_mem_gib or DEFAULT_GPU_MEM_GIB
+        headroom = DEFAULT_HEADROOM if args.headroom is None else args.headroom
+        if args.gpus is not None and args.gpus < 1:
+            raise UserError(f"--gpus {args.gpus}: give a number of GPUs >= 1")
+        if args.search:
+            from moe_tune.plan import default_gpus
+
+            gpus = args.gpus or default_gpus(cfg)
+            fitting, rejected = search(cfg, gpus, mem, headroom, args.routing, args.max_micro_batch)
+            result = {
+                "gpus": gpus,
+                "fits": [p.as_dict() for p in fitting],
+                "rejected": [{"layout": lay, "reason": why} for lay, why in rejected],
+                "best": fitting[0].as_dict() if fitting else None,
+            }
+        else:
+            result = plan(cfg, args.gpus, mem, headroom, args.routing).as_dict()
+    except UserError as e:
+        print(f"moe-tune-plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif args.search:
+        print(f"layouts of {result['gpus']} GPU(s) that fit, fastest first:")
+        for d in result["fits"]:
+            print("  " + _row(d))
+        if not result["fits"]:
+            print("  none")
+        print("rejected:")
+        for r in result["rejected"]:
+            lay = r["layout"]
+            print(f"  ep={lay['ep']} mb={lay['micro_batch_size']} ac={lay['activation_checkpointing']}: {r['reason']}")
+        if result["best"]:
+            lay = result["best"]["layout"]
+            print(
+                f"best: parallel.ep={lay['ep']} train.micro_batch_size={lay['micro_batch_size']} "
+                f"parallel.activation_checkpointing={lay['activation_checkpointing']}"
+            )
+    else:
+        _print_plan(result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

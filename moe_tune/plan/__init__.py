@@ -1,0 +1,211 @@
+"""``moe-tune-plan``: peak memory and speed per rank of a run, predicted before any GPU is touched.
+
+``plan(cfg, gpus)`` builds the run's model on the meta device under its real mesh (``census``), measures its
+layers' saved activations per token on the CPU (``activations``), and predicts the peak
+``torch.cuda.max_memory_allocated`` (``memory``) and the step time (``speed``). ``search`` lists the layouts
+(expert parallelism, micro-batch, activation checkpointing) of ``gpus`` GPUs that fit, fastest first, each
+rejected one with its reason. The rates and constants are the H200's, fitted to the committed rows
+(benchmarks/plan_calibration.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_tune.config import AllToAllConfig, Config, ConfigError
+from moe_tune.plan.memory import CALIBRATION, GIB, Calibration
+from moe_tune.plan.speed import H200, LINKS, Links, Rates
+
+# An H200's memory as torch sees it (143,771 MiB).
+DEFAULT_GPU_MEM_GIB = 140.4
+# A layout fits when its predicted reserved memory (and what lies outside torch's allocator) leaves this share of
+# the GPU free: the spread of the calibration rows (benchmarks/README.md, "Planning a run").
+DEFAULT_HEADROOM = 0.10
+AC_ORDER = ("none", "selective", "full")  # fastest first
+_CENSUS: dict = {}
+
+
+def hf_config_of(cfg: Config):
+    """The transformers config of ``cfg``'s model: a local checkpoint's config.json, or a built-in preset's."""
+    from moe_tune.models.presets import preset_config
+
+    if cfg.model.path is not None:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(cfg.model.path)
+    return preset_config(cfg.model.name, cfg.model.overrides)
+
+
+def default_gpus(cfg: Config) -> int:
+    """The world size the layout names: dp_replicate x dp_shard, or dp_replicate x ep when dp_shard=-1."""
+    p = cfg.parallel
+    return max(p.dp_replicate, 1) * (p.dp_shard if p.dp_shard > 0 else p.ep)
+
+
+def _activation_options(cfg: Config, dims):
+    """The model options the layers compute with (the measurement runs one process in the compute dtype)."""
+    from moe_tune.build import model_options
+
+    options = model_options(cfg, dims)
+    compute = torch.float32 if cfg.train.precision == "fp32" else torch.bfloat16
+    return dataclasses.replace(
+        options, dtype=compute, experts=dataclasses.replace(options.experts, compute_dtype=None, grad_divide=1.0)
+    )
+
+
+@dataclass
+class Plan:
+    config: Config
+    gpus: int
+    gpu_mem_gib: float
+    headroom: float
+    census: object
+    memory: object
+    speed: dict
+    routing: str
+    hf_config: object = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict:
+        d = self.census.dims
+        t = self.config.train
+        return {
+            "model": self.config.model.path or self.config.model.name,
+            "gpus": self.gpus,
+            "gpu_mem_gib": self.gpu_mem_gib,
+            "layout": {
+                "dp_replicate": d.dp_replicate,
+                "dp_shard": d.dp_shard,
+                "ep": d.ep,
+                "efsdp": d.efsdp,
+                "micro_batch_size": t.micro_batch_size,
+                "seq_len": t.seq_len,
+                "activation_checkpointing": self.config.parallel.activation_checkpointing,
+                "comm": self.config.comm.name,
+                "compile": self.config.kernels.compile,
+                "precision": t.precision,
+                "peft": self.config.peft.name,
+                "quantize_base": self.config.peft.quantize_base,
+            },
+            "routing": self.routing,
+            **{k: round(v, 3) if isinstance(v, float) else v for k, v in self.memory.gib().items()},
+            "fits": self.fits,
+            "problems": self.problems,
+            "tokens_per_s_per_gpu": round(self.speed["tokens_per_s_per_gpu"], 1),
+            "step_s": round(self.speed["step_s"], 4),
+            "step_parts_s": {k: round(v, 4) for k, v in self.speed["parts_s"].items()},
+            "communication_share": round(self.speed["communication_share"], 3),
+        }
+
+
+def plan(
+    cfg: Config,
+    gpus: int | None = None,
+    gpu_mem_gib: float = DEFAULT_GPU_MEM_GIB,
+    headroom: float = DEFAULT_HEADROOM,
+    routing: str = "real",
+    calibration: Calibration = CALIBRATION,
+    rates: Rates = H200,
+    links: Links = LINKS,
+    hf_config=None,
+) -> Plan:
+    """The prediction for ``cfg`` on ``gpus`` GPUs of ``gpu_mem_gib`` each (ConfigError: a layout that cannot run)."""
+    from moe_tune.config import validate
+    from moe_tune.models.families import expert_dims, num_experts
+    from moe_tune.plan import memory, speed
+    from moe_tune.plan.activations import measured
+    from moe_tune.plan.census import census as count
+
+    gpus = gpus or default_gpus(cfg)
+    hf_config = hf_config or hf_config_of(cfg)
+    validate(cfg, world_size=gpus, num_experts=num_experts(hf_config), expert_dims=expert_dims(hf_config))
+    # What a rank holds does not depend on the micro-batch, checkpointing or the comm backend (each gives rank r the
+    # same block of experts; ``memory`` counts their buffers): one build per layout in a search, and no DeepEP or
+    # NVSHMEM needed here.
+    same = dataclasses.replace(
+        cfg,
+        comm=AllToAllConfig(),
+        train=dataclasses.replace(cfg.train, micro_batch_size=1, global_batch_size=-1),
+        parallel=dataclasses.replace(cfg.parallel, activation_checkpointing="none"),
+        kernels=dataclasses.replace(cfg.kernels, compile=False),
+    )
+    key = (gpus, repr(same), hf_config.to_json_string())
+    if key not in _CENSUS:
+        _CENSUS[key] = count(same, hf_config, gpus)
+    c = _CENSUS[key]
+    acts = measured(hf_config, _activation_options(cfg, c.dims))
+    mem = memory.predict(c, acts, cfg, calibration, routing)
+    balanced = routing == "balanced" or cfg.train.force_balanced_routing or c.dims.ep == 1
+    imbalance = 1.0 if balanced else calibration.real_routing_imbalance
+    step = speed.step_seconds(c, acts, cfg, rates, links, imbalance)
+    p = Plan(cfg, gpus, gpu_mem_gib, headroom, c, mem, step, routing, hf_config)
+    limit = gpu_mem_gib * (1 - headroom)
+    if mem.reserved / GIB > limit:
+        p.problems.append(
+            f"needs {mem.reserved / GIB:.1f} GiB per GPU (peak allocated {mem.peak / GIB:.1f} GiB + allocator, "
+            f"context and comm buffers) > {limit:.1f} GiB ({gpu_mem_gib:g} GiB less {headroom:.0%} headroom)"
+        )
+    return p
+
+
+def candidates(cfg: Config, gpus: int, num_experts: int, max_micro_batch: int = 16):
+    """Layouts to try: every ep dividing both the experts and the GPUs, micro-batches 1, 2, 4, ... (global batch
+    kept when set), each checkpointing mode; the user's other settings as given."""
+    eps = [e for e in range(1, gpus + 1) if gpus % e == 0 and num_experts % e == 0]
+    mbs = [1 << i for i in range(int(math.log2(max_micro_batch)) + 1)]
+    for ep in eps:
+        for ac in AC_ORDER:
+            for mb in mbs:
+                c = dataclasses.replace(
+                    cfg,
+                    parallel=dataclasses.replace(cfg.parallel, ep=ep, activation_checkpointing=ac, dp_shard=-1),
+                    train=dataclasses.replace(cfg.train, micro_batch_size=mb),
+                    comm=cfg.comm if ep > 1 else dataclasses.replace(cfg.comm, name="all_to_all", overlap=False),
+                )
+                yield c
+
+
+def search(
+    cfg: Config,
+    gpus: int,
+    gpu_mem_gib: float = DEFAULT_GPU_MEM_GIB,
+    headroom: float = DEFAULT_HEADROOM,
+    routing: str = "real",
+    max_micro_batch: int = 16,
+) -> tuple[list[Plan], list[tuple[dict, str]]]:
+    """(plans that fit, fastest first; rejected layouts with the reason). A micro-batch that does not fit ends
+    that (ep, checkpointing) line: larger ones only need more."""
+    from moe_tune.models.families import num_experts
+
+    hf_config = hf_config_of(cfg)
+    fitting: list[Plan] = []
+    rejected: list[tuple[dict, str]] = []
+    stop: set[tuple[int, str]] = set()
+    for c in candidates(cfg, gpus, num_experts(hf_config), max_micro_batch):
+        key = (c.parallel.ep, c.parallel.activation_checkpointing)
+        layout = {"ep": c.parallel.ep, "activation_checkpointing": key[1], "micro_batch_size": c.train.micro_batch_size}
+        if key in stop:
+            continue
+        try:
+            p = plan(c, gpus, gpu_mem_gib, headroom, routing, hf_config=hf_config)
+        except ConfigError as e:
+            rejected.append((layout, str(e)))
+            continue
+        if p.fits:
+            fitting.append(p)
+        else:
+            rejected.append((layout, p.problems[0]))
+            stop.add(key)
+    fitting.sort(key=lambda p: -p.speed["tokens_per_s_per_gpu"])
+    return fitting, rejected
+
+
+__all__ = ["DEFAULT_GPU_MEM_GIB", "DEFAULT_HEADROOM", "Plan", "hf_config_of", "plan", "search"]

@@ -1,0 +1,161 @@
+"""Activation bytes per token, measured: what autograd keeps for the backward of one decoder layer, found by running
+the run's own layer code forward on the CPU, in the compute dtype, and adding up the storages it saves.
+
+The model is the run's (its family, dims, LoRA and quantized base, moe_tune's MoE layer and attention path) with
+two changes that leave bytes per token unchanged: fewer routed experts (only the router's [tokens, experts] tensors grow with
+them: counted at the real number) and a small vocabulary (no layer sees it). A
+family with leading dense layers (DeepSeek-V3, GLM-4-MoE) keeps one, and is measured as dense and MoE layer.
+The weights are zeros (the bytes saved depend on shapes alone, and drawing billions of
+random values would take minutes). Parameters are not activations and are left out (FSDP2's gathered copies and cast experts are counted apart).
+
+Eager kernels on the CPU: what a GPU's eager step saves, but for the attention kernel (the CPU's flash kernel
+saves the same output and log-sum-exp) and compiled layers, which fuse the norms' fp32 copies and the expert
+activation away (``moe_tune.plan.memory`` scales the measurement by a calibrated factor for kernels.compile).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# One row of this many tokens, and one of half as many (never a routed-expert count measured: 8 or 16).
+TOKENS = 40
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """Saved bytes per token of one decoder layer: its attention module's (``attention``, recomputed under
+    selective checkpointing) and the rest (norms, router, dispatch, experts, shared experts)."""
+
+    attention: float
+    rest: float
+    routed: float = 0.0  # the part of ``rest`` in routed rows (top_k per token): what routing imbalance grows
+
+    @property
+    def total(self) -> float:
+        return self.attention + self.rest
+
+
+@dataclass(frozen=True)
+class Activations:
+    moe: LayerBytes
+    dense: LayerBytes | None  # None: every layer is a MoE layer
+    outside: float  # after the last layer: final norm and the loss's saved state, per token
+
+
+def _reduced(hf_config, num_experts: int):
+    d = hf_config.to_dict()
+    key = next(k for k in EXPERT_KEYS if d.get(k))
+    d[key] = num_experts
+    dense = min(int(d.get("first_k_dense_replace") or 0), 1)
+    if "first_k_dense_replace" in d:
+        d["first_k_dense_replace"] = dense
+    layers = dense + 1
+    d["num_hidden_layers"] = layers
+    if isinstance(d.get("layer_types"), list):
+        d["layer_types"] = d["layer_types"][:layers]
+    if isinstance(d.get("mlp_only_layers"), list):
+        d["mlp_only_layers"] = []
+    d["vocab_size"] = 512
+    d.pop("architectures", None)
+    return type(hf_config).from_dict(d)
+
+
+def _expert_counts(hf_config) -> tuple[int, int]:
+    """(real, measured) routed expert counts: twice top_k and at least 8, a whole number of DeepSeek's groups."""
+    d = hf_config.to_dict()
+    real = next(int(d[k]) for k in EXPERT_KEYS if d.get(k))
+    top_k = int(d.get("num_experts_per_tok") or 2)
+    groups = int(d.get("n_group") or 1)
+    first = groups * math.ceil(max(2 * top_k, 8) / groups)
+    return real, min(first, real)
+
+
+def measure(hf_config, options) -> Activations:
+    """Saved bytes per token of ``hf_config``'s layers built with ``options`` (a ``ModelOptions``)."""
+    real, fewer = _expert_counts(hf_config)
+    return _measure_once(_reduced(hf_config, fewer), options, fewer, real)
+
+
+def _measure_once(hf_config, options, num_experts: int, real_experts: int) -> Activations:
+    top_k = int(hf_config.to_dict().get("num_experts_per_tok") or 0)
+    from moe_tune.models.model import build_model, materialize
+    from moe_tune.moe.layer import MoE
+
+    model = build_model(hf_config, options)
+    materialize(model, "cpu")
+    with torch.no_grad():  # zeros: what is saved depends on shapes only (tied router scores still pick top_k)
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.is_floating_point():
+                t.zero_()
+    model.train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    where: list = ["outside"]
+    seen: set[int] = set()
+    saved: dict = {}
+
+    # The router's per-expert tensors ([tokens, experts] scores) grow with the experts: counted at the real number.
+    scale = real_experts / num_experts
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in params and key not in seen and storage.nbytes():
+            seen.add(key)
+            per_expert = where[0][1:] == ("rest",) and t.dim() >= 2 and t.shape[-1] == num_experts
+            nbytes = storage.nbytes() * (scale if per_expert else 1.0)
+            saved[where[0]] = saved.get(where[0], 0) + nbytes
+            if where[0][1:] == ("rest",) and t.dim() >= 1 and t.shape[0] == length[0] * top_k:
+                routed = (where[0][0], "routed")
+                saved[routed] = saved.get(routed, 0) + nbytes
+        return t
+
+    def enter(label):
+        return lambda *_: where.__setitem__(0, label)
+
+    kinds = {}
+    for i, layer in enumerate(model.layers):
+        kinds[i] = "moe" if any(isinstance(m, MoE) for m in layer.modules()) else "dense"
+        layer.register_forward_pre_hook(enter((i, "rest")))
+        layer.register_forward_hook(enter("outside"))
+        attention = next(getattr(layer, n) for n in ("self_attn", "attention", "attn") if hasattr(layer, n))
+        attention.register_forward_pre_hook(enter((i, "attention")))
+        attention.register_forward_hook(enter((i, "rest")))
+    per_length = []
+    length = [0]
+    for tokens in (TOKENS // 2, TOKENS):
+        length[0] = tokens
+        seen.clear()
+        saved.clear()
+        ids = torch.zeros(1, tokens, dtype=torch.long)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(ids, labels=ids)
+        per_length.append({k: v / tokens for k, v in saved.items()})
+    # Where the CPU has no flash kernel for a layer's attention (MLA's v head unlike its qk head) it saves the
+    # [heads, S, S] scores, which grow with the length; a GPU's kernel saves none: keep the part linear in tokens.
+    short, full = per_length
+    saved.update({k: max(2 * short.get(k, 0) - full[k], 0.0) if k[1:] == ("attention",) else full[k] for k in full})
+
+    def layer(kind: str) -> LayerBytes | None:
+        idx = [i for i, k in kinds.items() if k == kind]
+        if not idx:
+            return None
+        i = idx[-1]
+        return LayerBytes(saved.get((i, "attention"), 0), saved.get((i, "rest"), 0), saved.get((i, "routed"), 0))
+
+    return Activations(layer("moe"), layer("dense"), saved.get("outside", 0))
+
+
+_CACHE: dict[tuple[str, str], Activations] = {}
+
+
+def measured(hf_config, options) -> Activations:
+    """``measure``, once per model and options in a process (a search asks for the same layers many times)."""
+    key = (hf_config.to_json_string(), repr(options))
+    if key not in _CACHE:
+        _CACHE[key] = measure(hf_config, options)
+    return _CACHE[key]
