@@ -58,6 +58,7 @@ LAYERS: list[tuple[str, ...]] = [
         "moe_tune.run_record",
         "moe_tune.build",
         "moe_tune.loggers",
+        "moe_tune.plan",
     ),
     ("moe_tune.train",),
     (

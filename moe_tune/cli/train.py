@@ -53,6 +53,7 @@ def precheck(argv: list[str]) -> list[str]:
         if args.help:
             print(cli_args.help_text(args.overrides))
             raise SystemExit(0)
+        argv = plan_auto(args, argv)
         cfg = cli_args.check(args.overrides, multirun=args.multirun)
         if cli_args.runs_job(args):
             check_inputs(cfg, world_known=not args.multirun)
@@ -61,6 +62,19 @@ def precheck(argv: list[str]) -> list[str]:
         # so the first rank of each node says it (2 ranks on one node: one line, not two).
         fail(str(e), quiet=not first_rank_of_node())
     return argv
+
+
+def plan_auto(args, argv: list[str]) -> list[str]:
+    """``parallel.ep=auto``, ``parallel.activation_checkpointing=auto``, ``train.micro_batch_size=auto``: the
+    planner's choice in their place (``moe_tune.plan.auto``), in ``args.overrides`` and the returned command line
+    (its flags first, then the overrides, as ``parse`` gives it). Nothing is imported when no value is auto."""
+    if not any(o.endswith("=auto") for o in args.overrides):
+        return argv
+    from moe_tune.plan.auto import resolve
+
+    flags = argv[: len(argv) - len(args.overrides)]
+    args.overrides = resolve(args.overrides, multirun=args.multirun)
+    return flags + args.overrides
 
 
 def first_rank_of_node() -> bool:

@@ -156,21 +156,27 @@ def plan(
     return p
 
 
-def candidates(cfg: Config, gpus: int, num_experts: int, max_micro_batch: int = 16):
+SEARCHED = ("parallel.ep", "parallel.activation_checkpointing", "train.micro_batch_size")
+
+
+def candidates(cfg: Config, gpus: int, num_experts: int, max_micro_batch: int = 16, vary=SEARCHED):
     """Layouts to try: every ep dividing both the experts and the GPUs, micro-batches 1, 2, 4, ... (global batch
-    kept when set), each checkpointing mode; the user's other settings as given."""
+    kept when set), each checkpointing mode; of these only the keys in ``vary``, the others as ``cfg`` has them."""
+    p, t = cfg.parallel, cfg.train
     eps = [e for e in range(1, gpus + 1) if gpus % e == 0 and num_experts % e == 0]
+    eps = eps if "parallel.ep" in vary else [p.ep]
+    acs = AC_ORDER if "parallel.activation_checkpointing" in vary else (p.activation_checkpointing,)
     mbs = [1 << i for i in range(int(math.log2(max_micro_batch)) + 1)]
+    mbs = mbs if "train.micro_batch_size" in vary else [t.micro_batch_size]
     for ep in eps:
-        for ac in AC_ORDER:
+        for ac in acs:
             for mb in mbs:
-                c = dataclasses.replace(
+                yield dataclasses.replace(
                     cfg,
-                    parallel=dataclasses.replace(cfg.parallel, ep=ep, activation_checkpointing=ac, dp_shard=-1),
-                    train=dataclasses.replace(cfg.train, micro_batch_size=mb),
-                    comm=cfg.comm if ep > 1 else dataclasses.replace(cfg.comm, name="all_to_all", overlap=False),
+                    parallel=dataclasses.replace(p, ep=ep, activation_checkpointing=ac),
+                    train=dataclasses.replace(t, micro_batch_size=mb),
+                    comm=cfg.comm if ep > 1 else AllToAllConfig(),  # one rank: no dispatch to choose
                 )
-                yield c
 
 
 def search(
@@ -180,6 +186,7 @@ def search(
     headroom: float = DEFAULT_HEADROOM,
     routing: str = "real",
     max_micro_batch: int = 16,
+    vary=SEARCHED,
 ) -> tuple[list[Plan], list[tuple[dict, str]]]:
     """(plans that fit, fastest first; rejected layouts with the reason). A micro-batch that does not fit ends
     that (ep, checkpointing) line: larger ones only need more."""
@@ -189,7 +196,7 @@ def search(
     fitting: list[Plan] = []
     rejected: list[tuple[dict, str]] = []
     stop: set[tuple[int, str]] = set()
-    for c in candidates(cfg, gpus, num_experts(hf_config), max_micro_batch):
+    for c in candidates(cfg, gpus, num_experts(hf_config), max_micro_batch, vary):
         key = (c.parallel.ep, c.parallel.activation_checkpointing)
         layout = {"ep": c.parallel.ep, "activation_checkpointing": key[1], "micro_batch_size": c.train.micro_batch_size}
         if key in stop:

@@ -81,10 +81,9 @@ def measure(hf_config, options) -> Activations:
 
 
 def _measure_once(hf_config, options, num_experts: int, real_experts: int) -> Activations:
-    top_k = int(hf_config.to_dict().get("num_experts_per_tok") or 0)
     from moe_tune.models.model import build_model, materialize
-    from moe_tune.moe.layer import MoE
 
+    top_k = int(hf_config.to_dict().get("num_experts_per_tok") or 0)
     model = build_model(hf_config, options)
     materialize(model, "cpu")
     with torch.no_grad():  # zeros: what is saved depends on shapes only (tied router scores still pick top_k)
@@ -114,17 +113,7 @@ def _measure_once(hf_config, options, num_experts: int, real_experts: int) -> Ac
                 saved[routed] = saved.get(routed, 0) + nbytes
         return t
 
-    def enter(label):
-        return lambda *_: where.__setitem__(0, label)
-
-    kinds = {}
-    for i, layer in enumerate(model.layers):
-        kinds[i] = "moe" if any(isinstance(m, MoE) for m in layer.modules()) else "dense"
-        layer.register_forward_pre_hook(enter((i, "rest")))
-        layer.register_forward_hook(enter("outside"))
-        attention = next(getattr(layer, n) for n in ("self_attn", "attention", "attn") if hasattr(layer, n))
-        attention.register_forward_pre_hook(enter((i, "attention")))
-        attention.register_forward_hook(enter((i, "rest")))
+    kinds = _attribute(model, where)
     per_length = []
     length = [0]
     for tokens in (TOKENS // 2, TOKENS):
@@ -159,3 +148,22 @@ def measured(hf_config, options) -> Activations:
     if key not in _CACHE:
         _CACHE[key] = measure(hf_config, options)
     return _CACHE[key]
+
+
+def _attribute(model, where: list) -> dict[int, str]:
+    """Hooks that keep ``where[0]`` naming the part running: (layer, "attention"), (layer, "rest") or "outside".
+    Returns each layer's kind ("moe" or "dense")."""
+    from moe_tune.moe.layer import MoE
+
+    def enter(label):
+        return lambda *_: where.__setitem__(0, label)
+
+    kinds = {}
+    for i, layer in enumerate(model.layers):
+        kinds[i] = "moe" if any(isinstance(m, MoE) for m in layer.modules()) else "dense"
+        layer.register_forward_pre_hook(enter((i, "rest")))
+        layer.register_forward_hook(enter("outside"))
+        attention = next(getattr(layer, n) for n in ("self_attn", "attention", "attn") if hasattr(layer, n))
+        attention.register_forward_pre_hook(enter((i, "attention")))
+        attention.register_forward_hook(enter((i, "rest")))
+    return kinds

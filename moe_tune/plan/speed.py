@@ -10,10 +10,12 @@
     comm       the dispatch and combine all-to-alls (forward, backward, and a full checkpoint's recompute), not
                overlapped (they run on the compute stream); FSDP2's all-gathers and reduce-scatters overlap the
                compute and cost only what exceeds it
-    host       a fixed time per layer and micro-batch (launches, the dispatch's host sync)
+    host       a fixed time per layer and micro-batch (launches, the dispatch's host sync), counted where it exceeds
+               the GPU's time (the host queues ahead: only a small model waits for its launches)
     fsdp       FSDP2's copies per parameter it manages (gathers into and out of its buffers, casts, reductions)
 
-Rates: ``H200`` (fitted to the committed one-H200 rows and the 2 x H200 rows: benchmarks/plan_calibration.py).
+Rates: ``H200``, fitted to the committed one-H200 and 2 x H200 rows (benchmarks/plan_calibration.py --fit); they
+are effective rates of this model, not kernel peaks (the dense rate absorbs what the model leaves out).
 Links for layouts beyond one node are assumptions, stated in ``Links``.
 """
 
@@ -24,26 +26,29 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Rates:
-    dense_tflops: float = 620.0
-    experts_tflops: float = 600.0
-    half_rate_rows: float = 96.0  # rows per expert at which the grouped GEMM runs at half its rate
-    attention_tflops: float = 420.0
+    dense_tflops: float = 780.0
+    experts_tflops: float = 400.0
+    half_rate_rows: float = 240.0  # rows per expert at which the grouped GEMM runs at half its rate
+    attention_tflops: float = 450.0
     head_tflops: float = 650.0
     hbm_tb_s: float = 3.6
-    memory_passes_eager: float = 8.0
-    memory_passes_compiled: float = 4.0
-    host_ms_per_layer_eager: float = 1.0
-    host_ms_per_layer_compiled: float = 0.4
+    memory_passes_eager: float = 12.0
+    memory_passes_compiled: float = 5.0
+    host_ms_per_layer_eager: float = 12.0
+    host_ms_per_layer_compiled: float = 0.0
     # FSDP2's per-parameter work each micro-batch (all-gather copy-in/out and casts, gradient reduction and its
     # fp32 cast), per parameter it manages: with one rank it is all copying.
-    fsdp_ns_per_param: float = 0.03
+    fsdp_ns_per_param: float = 0.045
+    # comm.overlap: each MoE layer's two halves cost this much more host and launch time than one whole
+    # (the 2 x H200 rows with and without it, micro-batch 1 and 4).
+    overlap_ms_per_layer: float = 1.8
 
 
 @dataclass(frozen=True)
 class Links:
-    """Bandwidth per GPU, GB/s. Within a node: NVLink (an H200 node's NCCL all_to_all measured 128 MiB per rank in
-    0.26 ms on 2 GPUs: about 500 GB/s); between nodes: one 400 Gb/s InfiniBand NIC per GPU, about 45 GB/s after
-    protocol overhead (an assumption: no multi-node run here)."""
+    """Bandwidth per GPU, GB/s: NVLink within a node (from NCCL's all_to_all measured on 2 x H200), one 400 Gb/s
+    InfiniBand NIC per GPU between nodes after protocol overhead (an assumption: no multi-node run here).
+    benchmarks/README.md, "Planning a run", gives the figures behind both."""
 
     gpus_per_node: int = 8
     nvlink_gb_s: float = 500.0
@@ -90,24 +95,16 @@ def step_seconds(census, acts, cfg, rates: Rates = H200, links: Links = LINKS, i
     host = census.layers * (rates.host_ms_per_layer_compiled if cfg.kernels.compile else rates.host_ms_per_layer_eager)
     host /= 1e3
     fsdp_copies = census.fsdp_numel * rates.fsdp_ns_per_param / 1e9 if census.fsdp else 0.0
-    per_micro = compute + memory + host + fsdp_copies
+    # The host queues work ahead of the GPU: a small model's step is as long as its launches take, a large one's as
+    # its kernels; the host's time shows only where it exceeds the GPU's.
+    gpu = compute + memory + fsdp_copies
+    if cfg.comm.overlap and dims.ep > 1:
+        gpu += census.moe_layers * rates.overlap_ms_per_layer / 1e3
+    host = max(0.0, host - gpu)
+    per_micro = gpu + host
 
-    comm = 0.0
-    if dims.ep > 1:
-        rows = tokens * census.top_k * imbalance
-        bytes_per_layer = 2 * rows * census.hidden * 2.0 * (dims.ep - 1) / dims.ep  # dispatch + combine, bf16
-        passes_a2a = 2.0 + layer_recompute  # forward, backward, recompute
-        comm = census.moe_layers * bytes_per_layer * passes_a2a / (links.bandwidth(dims.ep) * 1e9)
-    per_micro += comm
-
-    fsdp_exposed = 0.0
-    if census.fsdp and dims.dp_shard > 1:
-        gathered = sum(census.unit_gathered.values())
-        reduced = sum(census.unit_grad_reduce.values())
-        share = (dims.dp_shard - 1) / dims.dp_shard
-        fsdp = (2 * gathered + reduced) * share / (links.bandwidth(dims.dp_shard) * 1e9)
-        fsdp_exposed = max(0.0, fsdp - per_micro)
-    per_micro += fsdp_exposed
+    comm, fsdp_exposed = _comm_seconds(census, cfg, links, imbalance, tokens, layer_recompute, per_micro)
+    per_micro += comm + fsdp_exposed
 
     optimizer = census.trained * 7.0 / (rates.hbm_tb_s * 1e12)  # p, g, m, v read; p, m, v written
     step = per_micro * layout.accum + optimizer
@@ -126,3 +123,21 @@ def step_seconds(census, acts, cfg, rates: Rates = H200, links: Links = LINKS, i
         },
         "communication_share": (comm + fsdp_exposed) * layout.accum / step,
     }
+
+
+def _comm_seconds(census, cfg, links: Links, imbalance: float, tokens: int, recompute: float, compute: float):
+    """(the all-to-alls' seconds per micro-batch, FSDP2's collectives' seconds beyond ``compute``)."""
+    dims = census.dims
+    comm = 0.0
+    if dims.ep > 1:
+        rows = tokens * census.top_k * imbalance
+        bytes_per_layer = 2 * rows * census.hidden * 2.0 * (dims.ep - 1) / dims.ep  # dispatch + combine, bf16
+        comm = census.moe_layers * bytes_per_layer * (2.0 + recompute) / (links.bandwidth(dims.ep) * 1e9)
+    fsdp_exposed = 0.0
+    if census.fsdp and dims.dp_shard > 1:
+        gathered = sum(census.unit_gathered.values())
+        reduced = sum(census.unit_grad_reduce.values())
+        share = (dims.dp_shard - 1) / dims.dp_shard
+        fsdp = (2 * gathered + reduced) * share / (links.bandwidth(dims.dp_shard) * 1e9)
+        fsdp_exposed = max(0.0, fsdp - compute - comm)
+    return comm, fsdp_exposed

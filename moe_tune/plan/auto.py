@@ -1,0 +1,82 @@
+"""``auto`` for ``parallel.ep``, ``parallel.activation_checkpointing`` and ``train.micro_batch_size`` on
+``moe-tune``'s command line: the planner's search over those keys (the others as given) for the world size the
+launcher gives and this machine's GPU memory, before anything is composed or written; the fastest layout that fits
+takes their place, said in one line. Every rank decides alike (the same inputs, no randomness).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from moe_tune.config import ConfigError
+
+AUTO_KEYS = ("parallel.ep", "parallel.activation_checkpointing", "train.micro_batch_size")
+
+
+def auto_keys(overrides: list[str]) -> list[str]:
+    return [
+        o.split("=", 1)[0]
+        for o in overrides
+        if "=" in o and o.split("=", 1)[1] == "auto" and o.split("=", 1)[0] in AUTO_KEYS
+    ]
+
+
+def world_size() -> int:
+    """The launcher's world size (torchrun's WORLD_SIZE, Slurm's SLURM_NTASKS), 1 for a lone process."""
+    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 1
+
+
+def gpu_memory_gib() -> float | None:
+    """This rank's GPU's memory, or None without one (then the planner's default GPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    return torch.cuda.get_device_properties(local).total_memory / 2**30
+
+
+def resolve(overrides: list[str], multirun: bool = False) -> list[str]:
+    """``overrides`` with every ``<key>=auto`` of ``AUTO_KEYS`` replaced by the planner's choice (ConfigError when
+    no layout fits, naming the smallest need)."""
+    keys = auto_keys(overrides)
+    if not keys:
+        return overrides
+    if multirun:
+        raise ConfigError(
+            f"{'/'.join(k + '=auto' for k in keys)}: a sweep's launcher picks the world size per job, so auto cannot "
+            "be planned here; run moe-tune-plan --search for the layout and give its values"
+        )
+    from moe_tune.config.overrides import check, to_config
+    from moe_tune.plan import DEFAULT_GPU_MEM_GIB, search
+
+    given = [o for o in overrides if o.split("=", 1)[0] not in keys]
+    cfg = to_config(check(given))
+    gpus, memory = world_size(), gpu_memory_gib() or DEFAULT_GPU_MEM_GIB
+    fitting, rejected = search(cfg, gpus, memory, vary=tuple(keys))
+    if not fitting:
+        why = rejected[0][1] if rejected else "no layout to try"
+        raise ConfigError(
+            f"{', '.join(k + '=auto' for k in keys)}: no layout of {gpus} GPU(s) of {memory:.0f} GiB fits "
+            f"(the first tried: {why}); use more GPUs, peft=lora, or a shorter train.seq_len"
+        )
+    best = fitting[0]
+    chosen = {
+        "parallel.ep": best.census.dims.ep,
+        "parallel.activation_checkpointing": best.config.parallel.activation_checkpointing,
+        "train.micro_batch_size": best.config.train.micro_batch_size,
+    }
+    picked = [f"{k}={chosen[k]}" for k in keys]
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"moe-tune: auto: {' '.join(picked)} (predicted {best.memory.peak / 2**30:.1f} GiB peak of "
+            f"{memory:.0f} GiB, {best.speed['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU; moe-tune-plan "
+            "--search lists every layout)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return [*given, *picked]

@@ -1,0 +1,209 @@
+"""moe-tune-plan: what a rank holds (against a built model and the sharding arithmetic), activations by
+checkpointing mode, pinned predictions for fixed configurations (a change to the model or the engine's memory shows
+up here as a diff, and against the measured H200 figure), the search and the command line."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from moe_tune.cli.plan import main as plan_main
+from moe_tune.config.overrides import check, to_config
+from moe_tune.plan import plan, search
+from moe_tune.plan.memory import GIB
+from tests.tiny import FAMILIES, tiny_config
+
+
+def _cfg(*overrides: str):
+    return to_config(check(list(overrides)))
+
+
+def _built_bytes(hf_config, cfg) -> int:
+    from moe_tune.build import assemble, model_options
+    from moe_tune.distributed.dims import ParallelDims
+
+    model = assemble(hf_config, model_options(cfg, ParallelDims(1, 1, 1, 1)), lambda m: None, "cpu")
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_rank_holds_what_the_built_model_holds(family):
+    hf = tiny_config(family)
+    for cfg in (_cfg(), _cfg("peft=lora")):
+        p = plan(cfg, 1, hf_config=hf)
+        assert p.census.params == _built_bytes(hf, cfg)
+        assert 0 < p.census.trained <= p.census.params
+
+
+@pytest.mark.parametrize("world,ep", [(4, 1), (4, 2), (4, 4), (8, 2)])
+def test_a_rank_holds_its_expert_block_and_its_fsdp_shard(world, ep):
+    """Rank 0's bytes equal the layout's arithmetic: its E/ep experts, dim-0 sharded over efsdp (whole when
+    efsdp = 1: experts outside FSDP2), every other parameter dim-0 sharded over dp_shard (FSDP2's ceil)."""
+    hf = tiny_config("qwen3_moe")
+    cfg = _cfg(f"parallel.ep={ep}")
+    p = plan(cfg, world, hf_config=hf)
+    from moe_tune.models.model import build_model
+
+    whole = build_model(hf)  # meta, every expert, fp32 as bf16_fp32_master stores them
+    efsdp = world // ep
+    want = 0
+    for name, t in whole.named_parameters():
+        rows = t.shape[0]
+        if ".experts." in name:
+            rows //= ep
+            shard = rows if efsdp == 1 else math.ceil(rows / efsdp)
+        else:
+            shard = math.ceil(rows / world)
+        want += shard * (t.numel() // t.shape[0]) * t.element_size()
+    assert p.census.params == want
+    assert p.census.local_experts == 8 // ep
+
+
+def test_checkpointing_keeps_less_and_full_keeps_each_layers_input():
+    hf = tiny_config("qwen3_moe")
+    kept = {}
+    for mode in ("none", "selective", "full"):
+        p = plan(_cfg(f"parallel.activation_checkpointing={mode}"), 1, hf_config=hf)
+        kept[mode] = p.memory.parts["activations"]
+    assert kept["none"] > kept["selective"] > kept["full"] > 0
+    acts_outside = kept["full"] - 2 * hf.hidden_size * hf.num_hidden_layers * 4 * 256
+    assert 0 <= acts_outside < kept["full"]  # each layer keeps its bf16 input; the rest is after the last layer
+
+
+def test_expert_parallel_worst_case_and_comm_buffers():
+    hf = tiny_config("qwen3_moe")
+    a2a = plan(_cfg("parallel.ep=2"), 2, hf_config=hf)
+    assert a2a.memory.worst_case_peak > a2a.memory.peak
+    assert a2a.memory.outside_allocator == 0
+    symm = plan(_cfg("parallel.ep=2", "comm=symm_mem"), 2, hf_config=hf)
+    assert symm.memory.outside_allocator > 0  # NVSHMEM's buffers are not torch's
+    assert symm.memory.parts["activations"] > a2a.memory.parts["activations"]  # rows padded to its capacity
+    assert a2a.speed["parts_s"]["expert_parallel_comm"] > 0
+
+
+# (overrides, GPUs, pinned peak GiB, pinned tokens/s/GPU, measured peak GiB on H200: benchmarks/plan_rows.json)
+PINNED = [
+    (
+        ("experiment=qwen3_30b_a3b_1gpu", "train.precision=bf16", "train.micro_batch_size=4", "kernels.compile=true"),
+        1,
+        53.44,
+        66980.8,
+        53.23,
+    ),
+    (
+        ("experiment=qwen3_30b_a3b_lora_1gpu", "parallel.activation_checkpointing=full", "kernels.compile=true"),
+        1,
+        68.519,
+        10788.7,
+        69.59,
+    ),
+    (
+        ("experiment=qwen3_30b_a3b_ep2_fast", "train.precision=bf16", "train.micro_batch_size=1"),
+        2,
+        27.317,
+        33693.3,
+        26.8,
+    ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides,gpus,peak,speed,measured", PINNED)
+def test_pinned_predictions(overrides, gpus, peak, speed, measured):
+    d = plan(_cfg(*overrides), gpus).as_dict()
+    assert d["peak_gib"] == pytest.approx(peak, rel=2e-3)
+    assert d["tokens_per_s_per_gpu"] == pytest.approx(speed, rel=2e-3)
+    assert abs(d["peak_gib"] / measured - 1) <= 0.10
+
+
+def test_search_lists_fitting_layouts_fastest_first_and_says_why_others_do_not_fit():
+    cfg = _cfg("train.seq_len=2048")
+    fitting, rejected = search(cfg, 4, gpu_mem_gib=4.0, headroom=0.1, max_micro_batch=64)
+    assert fitting and rejected
+    speeds = [p.speed["tokens_per_s_per_gpu"] for p in fitting]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(p.memory.reserved / GIB <= 4.0 * 0.9 for p in fitting)
+    assert {p.census.dims.ep for p in fitting} <= {1, 2, 4}  # divisors of both 8 experts and 4 GPUs
+    assert all("GiB" in why for _, why in rejected)
+    too_big = [lay for lay, _ in rejected]
+    for lay in too_big:  # a rejected micro-batch is the smallest that failed on its line: none larger was tried
+        same = [
+            q
+            for q in fitting
+            if (q.census.dims.ep, q.config.parallel.activation_checkpointing)
+            == (lay["ep"], lay["activation_checkpointing"])
+        ]
+        assert all(q.config.train.micro_batch_size < lay["micro_batch_size"] for q in same)
+
+
+def test_cli_prints_one_json_object(capsys):
+    assert plan_main(["--json", "train.micro_batch_size=2"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["layout"]["micro_batch_size"] == 2 and d["peak_gib"] > 0 and d["fits"]
+    assert set(d["breakdown_gib"]) >= {"parameters", "optimizer_state", "gradients", "activations", "loss_chunk"}
+
+
+def test_cli_refuses_bad_input_with_one_line(capsys):
+    assert plan_main(["train.micro_batch_size=0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("moe-tune-plan: error:") and "micro_batch_size" in err[0]
+    assert plan_main(["parallel.ep=3", "--gpus", "4"]) == 2
+    assert "parallel.ep" in capsys.readouterr().err
+
+
+def test_cli_says_when_a_layout_does_not_fit(capsys):
+    assert plan_main(["--gpu-mem-gib", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "GiB" in out
+
+
+def test_activations_do_not_depend_on_the_measured_length():
+    """Per-token bytes come out the same from a model measured at two lengths (flash-like attention)."""
+    from moe_tune.build import model_options
+    from moe_tune.distributed.dims import ParallelDims
+    from moe_tune.plan import _activation_options
+    from moe_tune.plan import activations as A
+
+    hf = tiny_config("qwen3_moe")
+    cfg = _cfg()
+    options = _activation_options(cfg, ParallelDims(1, 1, 1, 1))
+    assert options.dtype == torch.bfloat16 and model_options(cfg, ParallelDims(1, 1, 1, 1)).dtype == torch.float32
+    a = A.measure(hf, options)
+    assert a.moe.attention > 0 and a.moe.rest > a.moe.routed > 0
+
+
+def test_auto_takes_the_fastest_layout_that_fits(monkeypatch):
+    from moe_tune.plan.auto import resolve
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    got = resolve(["train.seq_len=2048", "parallel.ep=auto", "train.micro_batch_size=auto"])
+    fitting, _ = search(_cfg("train.seq_len=2048"), 4, vary=("parallel.ep", "train.micro_batch_size"))
+    best = fitting[0]
+    want = [f"parallel.ep={best.census.dims.ep}", f"train.micro_batch_size={best.config.train.micro_batch_size}"]
+    assert got == ["train.seq_len=2048", *want]
+    assert "parallel.activation_checkpointing=none" not in got  # a key not asked for is left as given
+
+
+def test_auto_through_moe_tunes_command_line(monkeypatch, capsys):
+    from moe_tune.cli.train import precheck
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    argv = precheck(["parallel.activation_checkpointing=auto", "train.steps=1", "output_dir=/nonexistent/never"])
+    ac = [a for a in argv if a.startswith("parallel.activation_checkpointing=")]
+    assert ac == ["parallel.activation_checkpointing=none"]  # the tiny model fits an H200 without checkpointing
+    assert "moe-tune: auto: parallel.activation_checkpointing=none" in capsys.readouterr().err
+
+
+def test_auto_refuses_a_sweep_and_a_layout_that_cannot_fit(monkeypatch):
+    from moe_tune.config import ConfigError
+    from moe_tune.plan.auto import resolve
+
+    with pytest.raises(ConfigError, match="sweep"):
+        resolve(["train.micro_batch_size=auto"], multirun=True)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr("moe_tune.plan.auto.gpu_memory_gib", lambda: 0.25)
+    with pytest.raises(ConfigError, match="no layout of 1 GPU"):
+        resolve(["train.micro_batch_size=auto", "parallel.activation_checkpointing=auto"])
