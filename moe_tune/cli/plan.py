@@ -21,7 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="moe-tune's overrides (model=..., parallel.ep=..., train....)")
     p.add_argument("--gpus", type=int, default=None, help="world size (default: the layout's, as moe-tune's launch)")
     p.add_argument("--gpu-mem-gib", type=float, default=None, help="memory per GPU (default: an H200's 140.4)")
-    p.add_argument("--headroom", type=float, default=None, help="share of each GPU left free (default 0.10)")
+    p.add_argument("--headroom", type=float, default=None, help="share of each GPU left free (default 0.05)")
     p.add_argument("--routing", choices=("real", "balanced"), default="real", help="expected routing imbalance")
     p.add_argument("--search", action="store_true", help="list the layouts that fit, fastest first")
     p.add_argument("--max-micro-batch", type=int, default=16, help="largest micro-batch --search tries")
