@@ -283,7 +283,8 @@ def fit(entries: list[dict]) -> tuple:
         "memory_passes_compiled": [1 + 0.5 * i for i in range(16)],
         "host_ms_per_layer_eager": [1.0 * i for i in range(21)],
         "host_ms_per_layer_compiled": [0.1 * i for i in range(16)],
-        "fsdp_ns_per_param": [0.005 * i for i in range(16)],
+        "fsdp_ns_per_byte": [0.0008 * i for i in range(16)],
+        "ep_ms_per_layer": [0.25 * i for i in range(16)],
     }
     for _ in range(3):
         for name, grid in rate_grids.items():

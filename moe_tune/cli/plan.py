@@ -62,7 +62,7 @@ def _print_plan(d: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)  # flags and overrides in any order
     try:
         from moe_tune.config import overrides as cli_args
         from moe_tune.plan import DEFAULT_GPU_MEM_GIB, DEFAULT_HEADROOM, plan, search

@@ -36,7 +36,9 @@ class Census:
     unit_gathered: dict[int, int] = field(default_factory=dict)
     unit_grad_reduce: dict[int, int] = field(default_factory=dict)  # unsharded gradient bytes per unit (reduce dtype)
     fsdp: bool = False
-    fsdp_numel: int = 0  # parameters FSDP2 gathers and reduces (their full size on their mesh), for the step time
+    # Bytes FSDP2 copies per micro-batch (for the step time): each parameter it manages at its stored size on its
+    # mesh (gathered whole), and the trained ones' gradients at the reduce dtype.
+    fsdp_bytes: int = 0
     layers: int = 0
     moe_layers: int = 0
     num_experts: int = 0
@@ -116,12 +118,12 @@ def census(cfg: Config, hf_config, world_size: int) -> Census:
                 c.trained_numel += (p.to_local() if hasattr(p, "to_local") else p).numel()
             if c.fsdp and hasattr(p, "to_local"):  # an FSDP2 parameter: gathered whole for compute
                 unit = _layer_of(name)
-                c.fsdp_numel += p.numel()
+                c.fsdp_bytes += p.numel() * p.element_size()
                 c.unit_gathered[unit] = c.unit_gathered.get(unit, 0) + p.numel() * (compute or p.element_size())
                 if p.requires_grad:
-                    c.unit_grad_reduce[unit] = c.unit_grad_reduce.get(unit, 0) + p.numel() * (
-                        reduce or p.element_size()
-                    )
+                    grad = p.numel() * (reduce or p.element_size())
+                    c.unit_grad_reduce[unit] = c.unit_grad_reduce.get(unit, 0) + grad
+                    c.fsdp_bytes += grad
         for name, b in model.named_buffers():
             c.frozen_buffers += _bytes(b)
             c.expert_params += _bytes(b) if "_quantized." in name else 0

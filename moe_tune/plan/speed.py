@@ -12,7 +12,7 @@
                compute and cost only what exceeds it
     host       a fixed time per layer and micro-batch (launches, the dispatch's host sync), counted where it exceeds
                the GPU's time (the host queues ahead: only a small model waits for its launches)
-    fsdp       FSDP2's copies per parameter it manages (gathers into and out of its buffers, casts, reductions)
+    fsdp       FSDP2's copies per byte it manages (gathers into and out of its buffers, casts, reductions)
 
 Rates: ``H200``, fitted to the committed one-H200 and 2 x H200 rows (benchmarks/plan_calibration.py --fit); they
 are effective rates of this model, not kernel peaks (the dense rate absorbs what the model leaves out).
@@ -26,19 +26,23 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Rates:
-    dense_tflops: float = 780.0
-    experts_tflops: float = 400.0
-    half_rate_rows: float = 240.0  # rows per expert at which the grouped GEMM runs at half its rate
-    attention_tflops: float = 450.0
+    dense_tflops: float = 760.0
+    experts_tflops: float = 440.0
+    half_rate_rows: float = 224.0  # rows per expert at which the grouped GEMM runs at half its rate
+    attention_tflops: float = 475.0
     head_tflops: float = 650.0
     hbm_tb_s: float = 3.6
-    memory_passes_eager: float = 12.0
-    memory_passes_compiled: float = 5.0
+    memory_passes_eager: float = 14.0
+    memory_passes_compiled: float = 6.0
     host_ms_per_layer_eager: float = 12.0
     host_ms_per_layer_compiled: float = 0.0
-    # FSDP2's per-parameter work each micro-batch (all-gather copy-in/out and casts, gradient reduction and its
-    # fp32 cast), per parameter it manages: with one rank it is all copying.
-    fsdp_ns_per_param: float = 0.045
+    # FSDP2's copies each micro-batch (all-gather copy-in/out and casts, gradient reduction and its casts), per byte
+    # of the parameters it manages and of their gradients: with one rank it is all copying (fp32 master weights on
+    # one GPU run at a quarter of bf16's speed).
+    fsdp_ns_per_byte: float = 0.0048
+    # Expert parallelism's per-layer cost beyond the bytes on the wire: the split sizes' host sync, the counts'
+    # all-to-all, the permutations in and out (fitted to the 2 x H200 rows).
+    ep_ms_per_layer: float = 3.75
     # comm.overlap: each MoE layer's two halves cost this much more host and launch time than one whole
     # (the 2 x H200 rows with and without it, micro-batch 1 and 4).
     overlap_ms_per_layer: float = 1.8
@@ -94,10 +98,12 @@ def step_seconds(census, acts, cfg, rates: Rates = H200, links: Links = LINKS, i
     memory = moved * passes / (rates.hbm_tb_s * 1e12)
     host = census.layers * (rates.host_ms_per_layer_compiled if cfg.kernels.compile else rates.host_ms_per_layer_eager)
     host /= 1e3
-    fsdp_copies = census.fsdp_numel * rates.fsdp_ns_per_param / 1e9 if census.fsdp else 0.0
+    fsdp_copies = census.fsdp_bytes * rates.fsdp_ns_per_byte / 1e9 if census.fsdp else 0.0
     # The host queues work ahead of the GPU: a small model's step is as long as its launches take, a large one's as
     # its kernels; the host's time shows only where it exceeds the GPU's.
     gpu = compute + memory + fsdp_copies
+    if dims.ep > 1:
+        gpu += census.moe_layers * rates.ep_ms_per_layer * (1.0 + layer_recompute) / 1e3
     if cfg.comm.overlap and dims.ep > 1:
         gpu += census.moe_layers * rates.overlap_ms_per_layer / 1e3
     host = max(0.0, host - gpu)

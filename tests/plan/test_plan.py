@@ -140,9 +140,11 @@ def test_search_lists_fitting_layouts_fastest_first_and_says_why_others_do_not_f
 
 
 def test_cli_prints_one_json_object(capsys):
-    assert plan_main(["--json", "train.micro_batch_size=2"]) == 0
+    # flags and overrides in any order, as moe-tune takes them
+    assert plan_main(["--gpus", "2", "parallel.ep=2", "--json", "train.micro_batch_size=2"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["layout"]["micro_batch_size"] == 2 and d["peak_gib"] > 0 and d["fits"]
+    assert d["layout"]["micro_batch_size"] == 2 and d["layout"]["ep"] == 2 and d["gpus"] == 2
+    assert d["peak_gib"] > 0 and d["fits"]
     assert set(d["breakdown_gib"]) >= {"parameters", "optimizer_state", "gradients", "activations", "loss_chunk"}
 
 
