@@ -47,16 +47,19 @@ def active_matmul_params(model) -> int:
     return total
 
 
+def attention_width(c) -> float:
+    """d_attn of a Hugging Face config: heads x head dim (MLA: scores over the qk (nope + rope) dims, values over
+    v_head_dim, their mean)."""
+    heads = c.num_attention_heads
+    if getattr(c, "v_head_dim", None):
+        return heads * ((c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) / 2)
+    return heads * (getattr(c, "head_dim", None) or c.hidden_size // heads)
+
+
 def flops_per_token(model, seq_len: int, frozen_base: bool = False) -> float:
     c = model.config
-    heads = c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    if getattr(c, "v_head_dim", None):  # MLA: scores over qk (nope + rope) dims, values over v_head_dim
-        d_attn = heads * ((c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) / 2)
-    else:
-        d_attn = heads * head_dim
     per_param = 4.0 if frozen_base else 6.0
-    return per_param * active_matmul_params(model) + 6.0 * c.num_hidden_layers * seq_len * d_attn
+    return per_param * active_matmul_params(model) + 6.0 * c.num_hidden_layers * seq_len * attention_width(c)
 
 
 def peak_memory_gib(device: torch.device) -> tuple[float, float]:

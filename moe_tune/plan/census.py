@@ -29,9 +29,7 @@ class Census:
     dims: object  # ParallelDims
     params: int = 0  # stored parameters (every dtype, trained and frozen)
     trained: int = 0  # trained parameters' bytes (their gradients have the same dtype and size)
-    trained_numel: int = 0
-    frozen_buffers: int = 0  # a quantized base's codes and scales, and other buffers
-    expert_params: int = 0  # routed experts' share of ``params`` (and of quantized buffers)
+    frozen_buffers: int = 0  # buffers: a quantized base's codes and scales, rotary tables
     cast_experts_per_layer: int = 0  # experts outside FSDP2 cast to the compute dtype: one MoE layer's cast bytes
     unit_gathered: dict[int, int] = field(default_factory=dict)
     unit_grad_reduce: dict[int, int] = field(default_factory=dict)  # unsharded gradient bytes per unit (reduce dtype)
@@ -45,9 +43,7 @@ class Census:
     local_experts: int = 0
     top_k: int = 0
     hidden: int = 0
-    expert_hidden: int = 0
     vocab: int = 0
-    head_dim_total: int = 0  # attention width for the FLOPs (heads x head dim, MLA's mean of qk and v)
     flops_matmul_per_token: dict[str, float] = field(default_factory=dict)  # forward, by "dense" / "experts" / "head"
 
 
@@ -111,11 +107,8 @@ def census(cfg: Config, hf_config, world_size: int) -> Census:
         for name, p in model.named_parameters():
             b = _bytes(p)
             c.params += b
-            expert = ".experts." in name and "lora" not in name
-            c.expert_params += b if expert else 0
             if p.requires_grad:
                 c.trained += b
-                c.trained_numel += (p.to_local() if hasattr(p, "to_local") else p).numel()
             if c.fsdp and hasattr(p, "to_local"):  # an FSDP2 parameter: gathered whole for compute
                 unit = _layer_of(name)
                 c.fsdp_bytes += p.numel() * p.element_size()
@@ -124,9 +117,7 @@ def census(cfg: Config, hf_config, world_size: int) -> Census:
                     grad = p.numel() * (reduce or p.element_size())
                     c.unit_grad_reduce[unit] = c.unit_grad_reduce.get(unit, 0) + grad
                     c.fsdp_bytes += grad
-        for name, b in model.named_buffers():
-            c.frozen_buffers += _bytes(b)
-            c.expert_params += _bytes(b) if "_quantized." in name else 0
+        c.frozen_buffers = sum(_bytes(b) for b in model.buffers())
         if dims.experts_outside_fsdp and moes and compute is not None:
             experts = moes[0].experts
             # each layer's cast copy is saved by its grouped GEMM for the backward: held like an activation
@@ -137,24 +128,18 @@ def census(cfg: Config, hf_config, world_size: int) -> Census:
 
 def _shapes(c: Census, model, moes, seq_len: int) -> None:
     """The model's dims and its forward matmul FLOPs per token by kind (what the step-time model divides by rates)."""
-    from moe_tune.metrics import active_matmul_params
+    from moe_tune.metrics import active_matmul_params, attention_width
 
     conf = model.config
     c.layers = conf.num_hidden_layers
     c.moe_layers = len(moes)
     c.vocab = conf.vocab_size
     c.hidden = conf.hidden_size
-    heads = conf.num_attention_heads
-    if getattr(conf, "v_head_dim", None):
-        c.head_dim_total = int(heads * (conf.qk_nope_head_dim + conf.qk_rope_head_dim + conf.v_head_dim) / 2)
-    else:
-        c.head_dim_total = heads * (getattr(conf, "head_dim", None) or conf.hidden_size // heads)
     experts = 0
     if moes:
         s = moes[0].spec
         c.num_experts, c.top_k = s.router.num_experts, s.router.top_k
         c.local_experts = moes[0].experts.num_local_experts
-        c.expert_hidden = s.experts.hidden
         experts = len(moes) * s.router.top_k * 3 * s.experts.dim * s.experts.hidden
     head = conf.vocab_size * conf.hidden_size
     total = active_matmul_params(model)
@@ -163,5 +148,5 @@ def _shapes(c: Census, model, moes, seq_len: int) -> None:
         "head": 2.0 * head,
         "dense": 2.0 * (total - experts - head),
         # causal attention: QK^T and AV, 2 x S x width multiply-adds each per token and layer, halved by the mask
-        "attention": 2.0 * c.layers * seq_len * c.head_dim_total,
+        "attention": 2.0 * c.layers * seq_len * attention_width(conf),
     }
