@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-# One row of this many tokens, and one of half as many (never a routed-expert count measured: 8 or 16).
+# One row of this many tokens (never a routed-expert count measured, 8 or 16, nor a model dim).
 TOKENS = 40
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -104,7 +104,10 @@ def _measure_once(hf_config, options, num_experts: int, real_experts: int) -> Ac
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key not in params and key not in seen and storage.nbytes():
+        # Where the CPU has no flash kernel for a layer's attention (MLA's v head unlike its qk head) it saves the
+        # [heads, S, S] scores or mask; a GPU's kernel saves none of them.
+        square = t.dim() >= 2 and t.shape[-1] == t.shape[-2] == length[0]
+        if key not in params and key not in seen and storage.nbytes() and not square:
             seen.add(key)
             per_expert = where[0][1:] == ("rest",) and t.dim() >= 2 and t.shape[-1] == num_experts
             nbytes = storage.nbytes() * (scale if per_expert else 1.0)
@@ -115,20 +118,11 @@ def _measure_once(hf_config, options, num_experts: int, real_experts: int) -> Ac
         return t
 
     kinds = _attribute(model, where)
-    per_length = []
-    length = [0]
-    for tokens in (TOKENS // 2, TOKENS):
-        length[0] = tokens
-        seen.clear()
-        saved.clear()
-        ids = torch.zeros(1, tokens, dtype=torch.long)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(ids, labels=ids)
-        per_length.append({k: v / tokens for k, v in saved.items()})
-    # Where the CPU has no flash kernel for a layer's attention (MLA's v head unlike its qk head) it saves the
-    # [heads, S, S] scores, which grow with the length; a GPU's kernel saves none: keep the part linear in tokens.
-    short, full = per_length
-    saved.update({k: max(2 * short.get(k, 0) - full[k], 0.0) if k[1:] == ("attention",) else full[k] for k in full})
+    length = [TOKENS]
+    ids = torch.zeros(1, TOKENS, dtype=torch.long)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, labels=ids)
+    saved = {k: v / TOKENS for k, v in saved.items()}
 
     def layer(kind: str) -> LayerBytes | None:
         idx = [i for i, k in kinds.items() if k == kind]

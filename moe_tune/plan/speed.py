@@ -74,25 +74,9 @@ def step_seconds(census, acts, cfg, rates: Rates = H200, links: Links = LINKS, i
     dims = census.dims
     layout = BatchLayout.from_config(cfg.train, dims.dp)
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len  # per rank and micro-batch
-    f = census.flops_matmul_per_token
-    lora = cfg.peft.name == "lora"
-    trained = 2.0 if lora else 3.0  # forward + input gradient (+ weight gradient)
     ac = cfg.parallel.activation_checkpointing
     layer_recompute = 1.0 if ac == "full" else 0.0
-    attention_recompute = 1.0 if ac in ("full", "selective") else 0.0
-    dense_passes = trained + layer_recompute
-    rows_per_expert = tokens * census.top_k * dims.ep / max(census.num_experts, 1) * imbalance
-    experts_rate = rates.experts_tflops * rows_per_expert / (rows_per_expert + rates.half_rate_rows)
-    compute = (
-        (
-            f["dense"] * dense_passes / rates.dense_tflops
-            + f["experts"] * (trained + layer_recompute) * imbalance / experts_rate
-            + f["attention"] * (3.0 + attention_recompute) / rates.attention_tflops
-            + f["head"] * trained / rates.head_tflops
-        )
-        * tokens
-        / 1e12
-    )
+    compute = _compute_seconds(census, cfg, rates, imbalance, tokens)
     moved = census.layers * tokens * (acts.moe.total if acts.moe else 0.0)
     passes = rates.memory_passes_compiled if cfg.kernels.compile else rates.memory_passes_eager
     memory = moved * passes / (rates.hbm_tb_s * 1e12)
@@ -101,11 +85,11 @@ def step_seconds(census, acts, cfg, rates: Rates = H200, links: Links = LINKS, i
     fsdp_copies = census.fsdp_bytes * rates.fsdp_ns_per_byte / 1e9 if census.fsdp else 0.0
     # The host queues work ahead of the GPU: a small model's step is as long as its launches take, a large one's as
     # its kernels; the host's time shows only where it exceeds the GPU's.
-    gpu = compute + memory + fsdp_copies
+    ep = 0.0
     if dims.ep > 1:
-        gpu += census.moe_layers * rates.ep_ms_per_layer * (1.0 + layer_recompute) / 1e3
-    if cfg.comm.overlap and dims.ep > 1:
-        gpu += census.moe_layers * rates.overlap_ms_per_layer / 1e3
+        ep = census.moe_layers * rates.ep_ms_per_layer * (1.0 + layer_recompute) / 1e3
+        ep += census.moe_layers * rates.overlap_ms_per_layer / 1e3 if cfg.comm.overlap else 0.0
+    gpu = compute + memory + fsdp_copies + ep
     host = max(0.0, host - gpu)
     per_micro = gpu + host
 
@@ -123,12 +107,31 @@ def step_seconds(census, acts, cfg, rates: Rates = H200, links: Links = LINKS, i
             "memory_bound": memory * layout.accum,
             "host": host * layout.accum,
             "fsdp_copies": fsdp_copies * layout.accum,
+            "expert_parallel_overhead": ep * layout.accum,
             "expert_parallel_comm": comm * layout.accum,
             "fsdp_comm_exposed": fsdp_exposed * layout.accum,
             "optimizer": optimizer,
         },
         "communication_share": (comm + fsdp_exposed) * layout.accum / step,
     }
+
+
+def _compute_seconds(census, cfg, rates: Rates, imbalance: float, tokens: int) -> float:
+    """The matmuls' seconds per micro-batch: forward FLOPs by kind x the passes each runs, at its rate."""
+    f = census.flops_matmul_per_token
+    trained = 2.0 if cfg.peft.name == "lora" else 3.0  # forward + input gradient (+ weight gradient)
+    ac = cfg.parallel.activation_checkpointing
+    layer_recompute = 1.0 if ac == "full" else 0.0
+    attention_recompute = 1.0 if ac in ("full", "selective") else 0.0
+    rows_per_expert = tokens * census.top_k * census.dims.ep / max(census.num_experts, 1) * imbalance
+    experts_rate = rates.experts_tflops * rows_per_expert / (rows_per_expert + rates.half_rate_rows)
+    seconds_per_token = (
+        f["dense"] * (trained + layer_recompute) / rates.dense_tflops
+        + f["experts"] * (trained + layer_recompute) * imbalance / experts_rate
+        + f["attention"] * (3.0 + attention_recompute) / rates.attention_tflops
+        + f["head"] * trained / rates.head_tflops
+    ) / 1e12
+    return seconds_per_token * tokens
 
 
 def _comm_seconds(census, cfg, links: Links, imbalance: float, tokens: int, recompute: float, compute: float):
