@@ -61,17 +61,30 @@ def _print_plan(d: dict) -> None:
     print(f"predicted {d['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, step {d['step_s'] * 1e3:.0f} ms ({parts})")
 
 
+def check_flags(args) -> None:
+    """The flags' values, before anything is composed (one line, exit 2)."""
+    if args.gpus is not None and args.gpus < 1:
+        raise UserError(f"--gpus {args.gpus}: give a number of GPUs >= 1")
+    if args.gpu_mem_gib is not None and args.gpu_mem_gib <= 0:
+        raise UserError(f"--gpu-mem-gib {args.gpu_mem_gib:g}: give each GPU's memory in GiB, > 0 (an H200: 140.4)")
+    if args.headroom is not None and not 0 <= args.headroom < 1:
+        raise UserError(f"--headroom {args.headroom:g}: give the share of each GPU left free, 0 <= headroom < 1")
+    if args.max_micro_batch < 1:
+        raise UserError(f"--max-micro-batch {args.max_micro_batch}: give the largest micro-batch to try, >= 1")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)  # flags and overrides in any order
     try:
+        from moe_tune.build import check_model_source
         from moe_tune.config import overrides as cli_args
         from moe_tune.plan import DEFAULT_GPU_MEM_GIB, DEFAULT_HEADROOM, plan, search
 
+        check_flags(args)
         cfg = cli_args.to_config(cli_args.check(args.overrides))
-        mem = args.gpu_mem_gib or DEFAULT_GPU_MEM_GIB
+        check_model_source(cfg)  # a missing or unreadable model.path: moe-tune's own one line
+        mem = DEFAULT_GPU_MEM_GIB if args.gpu_mem_gib is None else args.gpu_mem_gib
         headroom = DEFAULT_HEADROOM if args.headroom is None else args.headroom
-        if args.gpus is not None and args.gpus < 1:
-            raise UserError(f"--gpus {args.gpus}: give a number of GPUs >= 1")
         if args.search:
             from moe_tune.plan import default_gpus
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_tune.config import AllToAllConfig, Config, ConfigError
+from moe_tune.config import AC_MODES, AllToAllConfig, Config, ConfigError
 from moe_tune.plan.memory import CALIBRATION, GIB, Calibration
 from moe_tune.plan.speed import H200, LINKS, Links, Rates
 
@@ -26,7 +26,6 @@ DEFAULT_GPU_MEM_GIB = 140.4
 # outside torch's allocator) leaves this share of the GPU free: the prediction's error on the calibration rows
 # (benchmarks/README.md, "Planning a run").
 DEFAULT_HEADROOM = 0.05
-AC_ORDER = ("none", "selective", "full")  # fastest first
 _CENSUS: dict = {}
 
 
@@ -166,7 +165,7 @@ def candidates(cfg: Config, gpus: int, num_experts: int, max_micro_batch: int = 
     p, t = cfg.parallel, cfg.train
     eps = [e for e in range(1, gpus + 1) if gpus % e == 0 and num_experts % e == 0]
     eps = eps if "parallel.ep" in vary else [p.ep]
-    acs = AC_ORDER if "parallel.activation_checkpointing" in vary else (p.activation_checkpointing,)
+    acs = AC_MODES if "parallel.activation_checkpointing" in vary else (p.activation_checkpointing,)
     mbs = [1 << i for i in range(int(math.log2(max_micro_batch)) + 1)]
     mbs = mbs if "train.micro_batch_size" in vary else [t.micro_batch_size]
     for ep in eps:

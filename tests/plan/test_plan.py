@@ -154,6 +154,15 @@ def test_cli_refuses_bad_input_with_one_line(capsys):
     assert len(err) == 1 and err[0].startswith("moe-tune-plan: error:") and "micro_batch_size" in err[0]
     assert plan_main(["parallel.ep=3", "--gpus", "4"]) == 2
     assert "parallel.ep" in capsys.readouterr().err
+    for flags, named in (
+        (["--gpu-mem-gib", "0"], "--gpu-mem-gib"),
+        (["--headroom", "1.5"], "--headroom"),
+        (["--search", "--max-micro-batch", "0"], "--max-micro-batch"),
+        (["model=hf", "model.path=/nonexistent/ckpt"], "/nonexistent/ckpt"),
+    ):
+        assert plan_main(flags) == 2, flags
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and named in err[0], err
 
 
 def test_cli_says_when_a_layout_does_not_fit(capsys):
