@@ -7,26 +7,25 @@ per-step weight quantization is what makes ``kernels.experts=grouped_mm_fp8`` sl
 
 ``frozen_fp8_grouped_mm(x_RK, w_eNK, s_eN, offs_e)`` is ``x @ W_j^T`` for the rows of group j:
   - forward: x quantized per row (one pass on CUDA: ``triton_fp8``), then ``torch._scaled_grouped_mm``.
-  - backward: the input gradient only (the base is frozen). ``dx = dy @ W_j`` contracts over the weight's output
-    rows, each with its own scale, and Hopper's FP8 GEMM applies scales along the output dims only: so the weight's
-    scales are folded into dy (``dy[r, n] * s[j(r), n]``, exact: powers of two) in the same pass that quantizes dy
-    per row, and the weight's bytes are transposed as they are (a copy of e x out x in bytes, nothing rounded) into
-    the layout the kernel reads, contraction innermost. Only the weights and offsets are saved for backward.
+  - backward: the input gradient only (the base is frozen), ``dx = dy @ W_j`` with dy as it is against the
+    dequantized weights (exact in bf16: E4M3 values times powers of two), accumulated in fp32. It contracts over
+    the weight's output rows, and Hopper's FP8 GEMM reads its operands contraction-innermost only: an FP8 dgrad
+    would first copy the experts transposed (e x out x in bytes per call, which cost more than the GEMM). So on
+    CUDA one Triton grouped GEMM (``frozen.quantized_grouped_mm``) reads the E4M3 tiles in their stored layout and
+    dequantizes them in registers. Only the weights and offsets are saved for backward.
 Registered as a custom op with its autograd, so torch.compile calls it as it is and traces neither direction. On
-the CPU the kernel is ``fp8_grouped.emulated_scaled_grouped_mm``: both quantized operands dequantized, then an fp32
-matmul per group.
+the CPU: the forward's kernel is ``fp8_grouped.emulated_scaled_grouped_mm`` (both quantized operands dequantized,
+then an fp32 matmul per group), the input gradient ``frozen.dense_grouped_mm`` of the dequantized weights.
 
 Legend (the moe/ one): R routed rows, K and N a GEMM's in and out dims, e local experts (groups).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from moe_tune.kernels.fp8_grouped import E4M3, emulated_scaled_grouped_mm, quantize_rows, scaled_grouped_mm
-from moe_tune.kernels.frozen import register_input_grad
+from moe_tune.kernels.frozen import dense_grouped_mm, quantized_grouped_mm, register_input_grad
 from moe_tune.kernels.groups import row_groups
 
 # Hopper's faster FP8 accumulation (no periodic promotion to fp32), as kernels.experts=grouped_mm_fp8 uses.
@@ -87,13 +86,6 @@ def quantize_activation_rows(
     return q, inv_scale
 
 
-@functools.cache
-def _ones(e: int, K: int, device: torch.device) -> torch.Tensor:
-    """The input gradient's scales for the transposed weight (its row scales are folded into dy): all ones, made once
-    per shape and device, read only."""
-    return torch.ones(e, K, dtype=torch.float32, device=device)
-
-
 def _kernel(t: torch.Tensor):
     return scaled_grouped_mm if t.is_cuda else emulated_scaled_grouped_mm
 
@@ -117,13 +109,14 @@ def _(x_RK, w_eNK, s_eN, offs_e):
 def frozen_fp8_input_grad(
     dy_RN: torch.Tensor, w_eNK: torch.Tensor, s_eN: torch.Tensor, offs_e: torch.Tensor
 ) -> torch.Tensor:
-    """``dy @ W_j`` for the rows of each group j: the input gradient of ``frozen_fp8_grouped_mm``."""
-    e, N, K = w_eNK.shape
-    col_scale_GN = torch.cat([s_eN, s_eN.new_zeros(1, N)])  # padding rows (group e): zeros
-    dyq_RN, sdy_R = quantize_activation_rows(dy_RN, col_scale_GN, offs_e)
-    w_eKN = w_eNK.transpose(-2, -1).contiguous()
-    out = _kernel(dy_RN)(dyq_RN, w_eKN.transpose(-2, -1), sdy_R, _ones(e, K, w_eNK.device), offs_e, FAST_ACCUM)
-    return out.to(dy_RN.dtype)
+    """``dy @ W_j`` for the rows of each group j: the input gradient of ``frozen_fp8_grouped_mm``, against the
+    dequantized weights (exact in dy's dtype) with dy as it is. On CUDA one Triton grouped GEMM reads the E4M3 weights
+    in their forward layout and dequantizes each tile in registers (``frozen.quantized_grouped_mm``): Hopper's FP8
+    GEMM contracts over the inner dim only, so an FP8 dgrad would first copy the experts transposed (e x out x in
+    bytes per call, the larger cost). On the CPU: the dequantized weights, one grouped GEMM."""
+    if dy_RN.is_cuda:
+        return quantized_grouped_mm(dy_RN, w_eNK, s_eN, offs_e, transpose=False)
+    return dense_grouped_mm(dy_RN, dequantize_weight(w_eNK, s_eN), offs_e, transpose=False)
 
 
 @frozen_fp8_input_grad.register_fake

@@ -15,10 +15,12 @@ way. A custom op: torch.compile calls it as it is.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from moe_tune.kernels.frozen import register_input_grad
+from moe_tune.kernels.frozen import quantized_grouped_mm, register_input_grad
 
 # The NF4 values as published with QLoRA (bitsandbytes' table), ascending; code i stands for NF4[i] x the block's scale.
 NF4 = (
@@ -51,7 +53,9 @@ def block_size(in_features: int) -> int | None:
     return next((b for b in BLOCKS if in_features % b == 0), None)
 
 
-def _table(device) -> torch.Tensor:
+@functools.cache
+def _table(device: torch.device) -> torch.Tensor:
+    """The NF4 values in fp32, made once per device (a copy to a GPU would wait for its stream), read only."""
     return torch.tensor(NF4, dtype=torch.float32, device=device)
 
 
@@ -93,8 +97,11 @@ def dequantize_weight(
 
 
 def _grouped(a_RK: torch.Tensor, codes, scales, offs_e: torch.Tensor, transpose: bool) -> torch.Tensor:
-    """``a @ W_j^T`` (``transpose``) or ``a @ W_j`` for the rows of each group j, ``EXPERTS_PER_PASS`` experts
-    dequantized at a time; rows past the last group are 0."""
+    """``a @ W_j^T`` (``transpose``) or ``a @ W_j`` for the rows of each group j; rows past the last group are 0. On
+    CUDA one Triton grouped GEMM that dequantizes each weight tile in registers (``frozen.quantized_grouped_mm``);
+    elsewhere ``EXPERTS_PER_PASS`` experts dequantized at a time, one grouped GEMM each."""
+    if a_RK.is_cuda:
+        return quantized_grouped_mm(a_RK, codes, scales, offs_e, transpose=transpose, table=_table(a_RK.device))
     e, N, half = codes.shape
     out_dim = N if transpose else 2 * half
     bounds = [0, *offs_e.tolist()]  # host sync: each pass's rows

@@ -1,0 +1,107 @@
+"""Grouped GEMMs that read the frozen base's quantized experts as they are stored and dequantize each weight tile in
+registers (``moe_tune.kernels.frozen.frozen_grouped_mm`` launches it on CUDA). Module-level functions, so that
+Triton's interpreter (``TRITON_INTERPRET=1``) resolves them by name; imported only when the kernel is launched (CPU
+installs need not have Triton).
+
+Each group j's weight ``W_j`` is ``[N, K]`` (out, in) in one of two formats:
+  - FP8 (``FORMAT=0``): E4M3 ``q[j, n, k]`` with one scale ``s[j, n]`` per output row: ``W = q * s``, exact in bf16
+    (three mantissa bits times a power of two).
+  - NF4 (``FORMAT=1``): codes ``[j, n, k // 2]`` (two per byte, the lower nibble first) with one scale per block of
+    ``block`` inputs ``[j, n, k // block]``: ``W = table[code] * scale``, the product in fp32 then rounded to the
+    input's dtype, as ``nf4_frozen.dequantize_weight`` rounds it.
+``TRANSPOSE``: ``out = a @ W_j^T`` (forward: a ``[R, K]``, out ``[R, N]``); otherwise ``out = a @ W_j`` (the input
+gradient: a ``[R, N]``, out ``[R, K]``). Either way the weight tile is read from the same ``[N, K]`` storage, so the
+backward needs no transposed copy of the experts, and no step holds a dequantized expert beyond one tile.
+
+Scheduling: group j's rows ``[offs[j-1], offs[j])`` are cut into tiles of ``BLOCK_M`` rows; ``tile_ends`` (e + 1
+entries, made on the device: no host sync) is the running count of tiles per group, the last entry counting the
+rows past ``offs[e-1]`` (a dispatcher's padding), whose output is written as zeros. Program (m, o) finds its group by
+counting the ``tile_ends`` at or below m; programs past the last tile return at once (the grid is the host's upper
+bound ``ceil(R / BLOCK_M) + e + 1``).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, table_ptr, group, n, k, N, K, scales_per_row, block, FORMAT: tl.constexpr, dtype):
+    """``W_group[n, k]`` for the index vectors ``n`` (rows) and ``k`` (columns, an even-aligned contiguous run for
+    NF4) as a ``[len(n), len(k)]`` tile in ``dtype``; out-of-range entries are 0."""
+    mask = (n[:, None] < N) & (k[None, :] < K)
+    group = group.to(tl.int64)
+    if FORMAT == 0:
+        q = tl.load(w_ptr + group * N * K + n[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + group * N + n, mask=n < N, other=0.0)
+        return (q * s[:, None]).to(dtype)
+    half = k // 2
+    byte = tl.load(w_ptr + group * N * (K // 2) + n[:, None] * (K // 2) + half[None, :], mask=mask, other=0)
+    byte = byte.to(tl.int32)
+    code = tl.where((k % 2 == 0)[None, :], byte & 0xF, byte >> 4)
+    value = tl.load(table_ptr + code, mask=mask, other=0.0)
+    scale_index = n[:, None] * scales_per_row + k[None, :] // block
+    scale = tl.load(s_ptr + group * N * scales_per_row + scale_index, mask=mask, other=0.0).to(tl.float32)
+    return (value * scale).to(dtype)
+
+
+@triton.jit
+def frozen_grouped_mm_kernel(
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    table_ptr,
+    offs_ptr,
+    tile_ends_ptr,
+    out_ptr,
+    R,
+    N,
+    K,
+    num_groups,
+    scales_per_row,
+    block,
+    FORMAT: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_O: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+):
+    """``out[rows of j] = a[rows of j] @ W_j^T`` (``TRANSPOSE``) or ``@ W_j``; see the module's docstring."""
+    pid_m = tl.program_id(0)
+    pid_o = tl.program_id(1)
+    groups = tl.arange(0, BLOCK_GROUPS)
+    tile_ends = tl.load(tile_ends_ptr + groups, mask=groups <= num_groups, other=2**31 - 1)
+    group = tl.sum((tile_ends <= pid_m).to(tl.int32), axis=0)
+    if group > num_groups:  # past the last tile
+        return
+    tile_start = tl.load(tile_ends_ptr + group - 1, mask=group > 0, other=0)
+    row_start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0).to(tl.int64)
+    row_end = tl.load(offs_ptr + group, mask=group < num_groups, other=R).to(tl.int64)
+    rows = row_start + (pid_m - tile_start).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    O = N if TRANSPOSE else K  # noqa: E741 (the output's width)
+    C = K if TRANSPOSE else N  # the contraction
+    cols = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
+    out_dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32)
+    if group < num_groups:  # (the rows past the last group keep acc's zeros)
+        for c0 in range(0, C, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            a = tl.load(
+                a_ptr + rows[:, None] * C + c[None, :], mask=(rows[:, None] < row_end) & (c[None, :] < C), other=0.0
+            )
+            if TRANSPOSE:
+                w = tl.trans(
+                    _weight_tile(w_ptr, s_ptr, table_ptr, group, cols, c, N, K, scales_per_row, block, FORMAT, a.dtype)
+                )
+            else:
+                w = _weight_tile(w_ptr, s_ptr, table_ptr, group, c, cols, N, K, scales_per_row, block, FORMAT, a.dtype)
+            if IEEE:
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+    tl.store(
+        out_ptr + rows[:, None] * O + cols[None, :],
+        acc.to(out_dtype),
+        mask=(rows[:, None] < row_end) & (cols[None, :] < O),
+    )
