@@ -4,7 +4,8 @@ before it is launched, on any machine (CPU only is enough).
 Takes ``moe-tune``'s own overrides. Prints the predicted peak memory per rank (``peak_gib``: the step's
 ``torch.cuda.max_memory_allocated``) with its parts, whether it fits, and the predicted tokens/s per GPU. With
 ``--search``: every layout of ``--gpus`` GPUs (expert parallelism, micro-batch, activation checkpointing) that fits,
-fastest first, and why each other one does not. Exit 2 for a configuration that cannot run, as ``moe-tune``.
+fastest first, and why each other one does not. Exit 2 for a configuration that cannot run, as ``moe-tune``; 3
+when the layout does not fit (with ``--search``: when none does), so that a script can branch on it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from moe_tune.config import UserError
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moe-tune-plan", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="moe-tune-plan", description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("overrides", nargs="*", help="moe-tune's overrides (model=..., parallel.ep=..., train....)")
     p.add_argument("--gpus", type=int, default=None, help="world size (default: the layout's, as moe-tune's launch)")
     p.add_argument("--gpu-mem-gib", type=float, default=None, help="memory per GPU (default: an H200's 140.4)")
@@ -39,9 +40,13 @@ def _row(d: dict) -> str:
 
 
 def _print_plan(d: dict) -> None:
-    lay = d["layout"]
+    lay, shape = d["layout"], d["shape"]
     print(
-        f"{d['model']} on {d['gpus']} GPU(s) of {d['gpu_mem_gib']:g} GiB: dp_replicate={lay['dp_replicate']} "
+        f"{d['model']} ({shape['layers']} layers, {shape['moe_layers']} of them MoE: {shape['experts']} experts, "
+        f"top-{shape['top_k']}; hidden {shape['hidden']}, vocab {shape['vocab']:,})"
+    )
+    print(
+        f"on {d['gpus']} GPU(s) of {d['gpu_mem_gib']:g} GiB: dp_replicate={lay['dp_replicate']} "
         f"dp_shard={lay['dp_shard']} ep={lay['ep']} (efsdp={lay['efsdp']}), micro-batch {lay['micro_batch_size']} x "
         f"{lay['seq_len']}, activation_checkpointing={lay['activation_checkpointing']}, comm={lay['comm']}, "
         f"compile={lay['compile']}, {lay['precision']}, peft={lay['peft']}"
@@ -109,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             print("  " + _row(d))
         if not result["fits"]:
             print("  none")
-        print("rejected:")
+        print("rejected:" + ("" if result["rejected"] else " none"))
         for r in result["rejected"]:
             lay = r["layout"]
             print(f"  ep={lay['ep']} mb={lay['micro_batch_size']} ac={lay['activation_checkpointing']}: {r['reason']}")
@@ -121,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             )
     else:
         _print_plan(result)
-    return 0
+    fits = bool(result["fits"])  # a list of layouts under --search, a bool otherwise
+    return 0 if fits else 3
 
 
 if __name__ == "__main__":

@@ -272,6 +272,14 @@ def build_tokenizer(out_dir: str | None = None):
     return fast
 
 
+def trained_config(name: str, overrides: dict | None = None):
+    """The transformers config of the model ``moe-tune model=<name>`` trains: a tiny preset's vocabulary is its local
+    tokenizer's (``build_tiny_checkpoint``), a published architecture's its own."""
+    if name.startswith("tiny_"):
+        return preset_config(name, overrides, vocab_size=len(build_tokenizer()))
+    return preset_config(name, overrides)
+
+
 def build_tiny_checkpoint(
     out_dir: str, name: str = "tiny_qwen3_moe", overrides: dict | None = None, seed: int = 0
 ) -> str:

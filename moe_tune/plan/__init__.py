@@ -31,13 +31,13 @@ _CENSUS: dict = {}
 
 def hf_config_of(cfg: Config):
     """The transformers config of ``cfg``'s model: a local checkpoint's config.json, or a built-in preset's."""
-    from moe_tune.models.presets import preset_config
+    from moe_tune.models.presets import trained_config
 
     if cfg.model.path is not None:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(cfg.model.path)
-    return preset_config(cfg.model.name, cfg.model.overrides)
+    return trained_config(cfg.model.name, cfg.model.overrides)
 
 
 def default_gpus(cfg: Config) -> int:
@@ -79,6 +79,14 @@ class Plan:
         t = self.config.train
         return {
             "model": self.config.model.path or self.config.model.name,
+            "shape": {
+                "layers": self.census.layers,
+                "moe_layers": self.census.moe_layers,
+                "experts": self.census.num_experts,
+                "top_k": self.census.top_k,
+                "hidden": self.census.hidden,
+                "vocab": self.census.vocab,
+            },
             "gpus": self.gpus,
             "gpu_mem_gib": self.gpu_mem_gib,
             "layout": {

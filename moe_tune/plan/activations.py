@@ -60,6 +60,8 @@ def _reduced(hf_config, num_experts: int):
     if isinstance(d.get("mlp_only_layers"), list):
         d["mlp_only_layers"] = []
     d["vocab_size"] = 512
+    for token in ("bos_token_id", "eos_token_id", "pad_token_id"):  # ids of the real vocabulary: none here
+        d[token] = None
     d.pop("architectures", None)
     return type(hf_config).from_dict(d)
 

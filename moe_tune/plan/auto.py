@@ -71,10 +71,16 @@ def resolve(overrides: list[str], multirun: bool = False) -> list[str]:
         "train.micro_batch_size": best.config.train.micro_batch_size,
     }
     picked = [f"{k}={chosen[k]}" for k in keys]
+    batch = ""
+    if "train.micro_batch_size" in keys and cfg.train.global_batch_size == -1:
+        # No global batch given: it is the micro-batch times the data-parallel ranks, so the choice sets it too.
+        dims = best.census.dims
+        sequences = best.config.train.micro_batch_size * dims.dp_replicate * dims.dp_shard
+        batch = f"; the global batch is then {sequences} sequences, give train.global_batch_size to hold it"
     if int(os.environ.get("RANK", "0")) == 0:
         print(
             f"moe-tune: auto: {' '.join(picked)} (predicted {best.memory.peak / 2**30:.1f} GiB peak of "
-            f"{memory:.0f} GiB, {best.speed['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU; moe-tune-plan "
+            f"{memory:.0f} GiB, {best.speed['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU{batch}; moe-tune-plan "
             "--search lists every layout)",
             file=sys.stderr,
             flush=True,

@@ -12,6 +12,7 @@ import torch
 
 from moe_tune.cli.plan import main as plan_main
 from moe_tune.config.overrides import check, to_config
+from moe_tune.models.presets import build_tokenizer
 from moe_tune.plan import plan, search
 from moe_tune.plan.memory import GIB
 from tests.tiny import FAMILIES, tiny_config
@@ -145,6 +146,8 @@ def test_cli_prints_one_json_object(capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["layout"]["micro_batch_size"] == 2 and d["layout"]["ep"] == 2 and d["gpus"] == 2
     assert d["peak_gib"] > 0 and d["fits"]
+    # the model moe-tune trains: the tiny preset takes its local tokenizer's vocabulary, as build_tiny_checkpoint does
+    assert d["shape"]["vocab"] == len(build_tokenizer()) and d["shape"]["layers"] == 4
     assert set(d["breakdown_gib"]) >= {"parameters", "optimizer_state", "gradients", "activations", "loss_chunk"}
 
 
@@ -165,10 +168,13 @@ def test_cli_refuses_bad_input_with_one_line(capsys):
         assert len(err) == 1 and named in err[0], err
 
 
-def test_cli_says_when_a_layout_does_not_fit(capsys):
-    assert plan_main(["--gpu-mem-gib", "0.5"]) == 0
+def test_cli_says_when_a_layout_does_not_fit_and_exits_3(capsys):
+    assert plan_main(["--gpu-mem-gib", "0.05"]) == 3
     out = capsys.readouterr().out
     assert "does NOT fit" in out and "GiB" in out
+    assert plan_main(["--gpu-mem-gib", "0.05", "--search", "--max-micro-batch", "2"]) == 3
+    out = capsys.readouterr().out
+    assert "fastest first:\n  none\nrejected:\n  ep=1 mb=1" in out
 
 
 def test_activations_do_not_depend_on_the_measured_length():
@@ -206,6 +212,9 @@ def test_auto_through_moe_tunes_command_line(monkeypatch, capsys):
     ac = [a for a in argv if a.startswith("parallel.activation_checkpointing=")]
     assert ac == ["parallel.activation_checkpointing=none"]  # the tiny model fits an H200 without checkpointing
     assert "moe-tune: auto: parallel.activation_checkpointing=none" in capsys.readouterr().err
+    precheck(["train.micro_batch_size=auto", "train.steps=1", "output_dir=/nonexistent/never"])
+    # no train.global_batch_size given: the micro-batch sets the global batch, and the line says so
+    assert "the global batch is then" in capsys.readouterr().err
 
 
 def test_auto_refuses_a_sweep_and_a_layout_that_cannot_fit(monkeypatch):
