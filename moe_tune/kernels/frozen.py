@@ -98,10 +98,10 @@ def quantized_grouped_mm(
         K,
         e,
         scales_per_row,
-        K // scales_per_row,
     )
     meta = dict(
         FORMAT=int(nf4),
+        SCALE_BLOCK=K // scales_per_row if nf4 else 1,
         TRANSPOSE=transpose,
         IEEE=a_RC.dtype == torch.float32,
         BLOCK_M=BLOCK_M,

@@ -7,7 +7,7 @@ Each group j's weight ``W_j`` is ``[N, K]`` (out, in) in one of two formats:
   - FP8 (``FORMAT=0``): E4M3 ``q[j, n, k]`` with one scale ``s[j, n]`` per output row: ``W = q * s``, exact in bf16
     (three mantissa bits times a power of two).
   - NF4 (``FORMAT=1``): codes ``[j, n, k // 2]`` (two per byte, the lower nibble first) with one scale per block of
-    ``block`` inputs ``[j, n, k // block]``: ``W = table[code] * scale``, the product in fp32 then rounded to the
+    ``SCALE_BLOCK`` inputs ``[j, n, k // SCALE_BLOCK]``: ``W = table[code] * scale``, the product in fp32 then rounded to the
     input's dtype, as ``nf4_frozen.dequantize_weight`` rounds it.
 ``TRANSPOSE``: ``out = a @ W_j^T`` (forward: a ``[R, K]``, out ``[R, N]``); otherwise ``out = a @ W_j`` (the input
 gradient: a ``[R, N]``, out ``[R, K]``). Either way the weight tile is read from the same ``[N, K]`` storage, so the
@@ -25,23 +25,45 @@ import triton.language as tl
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, table_ptr, group, n, k, N, K, scales_per_row, block, FORMAT: tl.constexpr, dtype):
-    """``W_group[n, k]`` for the index vectors ``n`` (rows) and ``k`` (columns, an even-aligned contiguous run for
-    NF4) as a ``[len(n), len(k)]`` tile in ``dtype``; out-of-range entries are 0."""
-    mask = (n[:, None] < N) & (k[None, :] < K)
+def _weight_tile(
+    w_ptr,
+    s_ptr,
+    table_ptr,
+    group,
+    n,
+    k0,
+    N,
+    K,
+    scales_per_row,
+    FORMAT: tl.constexpr,
+    KT: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    dtype,
+):
+    """``W_group[n, k0 : k0 + KT]`` for the row indices ``n`` as a ``[len(n), KT]`` tile in ``dtype``; entries out of
+    range are 0. NF4: each byte read once, its two codes looked up and interleaved; one scale per ``SCALE_BLOCK``
+    columns (KT a multiple of it) broadcast over its block."""
     group = group.to(tl.int64)
+    n_ok = n < N
     if FORMAT == 0:
+        k = k0 + tl.arange(0, KT)
+        mask = n_ok[:, None] & (k[None, :] < K)
         q = tl.load(w_ptr + group * N * K + n[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(s_ptr + group * N + n, mask=n < N, other=0.0)
+        s = tl.load(s_ptr + group * N + n, mask=n_ok, other=0.0)
         return (q * s[:, None]).to(dtype)
-    half = k // 2
+    half = k0 // 2 + tl.arange(0, KT // 2)
+    mask = n_ok[:, None] & (half[None, :] < K // 2)
     byte = tl.load(w_ptr + group * N * (K // 2) + n[:, None] * (K // 2) + half[None, :], mask=mask, other=0)
     byte = byte.to(tl.int32)
-    code = tl.where((k % 2 == 0)[None, :], byte & 0xF, byte >> 4)
-    value = tl.load(table_ptr + code, mask=mask, other=0.0)
-    scale_index = n[:, None] * scales_per_row + k[None, :] // block
-    scale = tl.load(s_ptr + group * N * scales_per_row + scale_index, mask=mask, other=0.0).to(tl.float32)
-    return (value * scale).to(dtype)
+    low = tl.load(table_ptr + (byte & 0xF))
+    high = tl.load(table_ptr + (byte >> 4))
+    value = tl.reshape(tl.join(low, high), (n.shape[0], KT))  # the lower nibble first
+    blocks = k0 // SCALE_BLOCK + tl.arange(0, KT // SCALE_BLOCK)
+    scale_mask = n_ok[:, None] & (blocks[None, :] < scales_per_row)
+    scale_at = group * N * scales_per_row + n[:, None] * scales_per_row + blocks[None, :]
+    scale = tl.load(s_ptr + scale_at, mask=scale_mask, other=0.0).to(tl.float32)
+    value = tl.reshape(value, (n.shape[0], KT // SCALE_BLOCK, SCALE_BLOCK)) * scale[:, :, None]
+    return tl.reshape(value, (n.shape[0], KT)).to(dtype)
 
 
 @triton.jit
@@ -58,8 +80,8 @@ def frozen_grouped_mm_kernel(
     K,
     num_groups,
     scales_per_row,
-    block,
     FORMAT: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
     TRANSPOSE: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -90,12 +112,39 @@ def frozen_grouped_mm_kernel(
             a = tl.load(
                 a_ptr + rows[:, None] * C + c[None, :], mask=(rows[:, None] < row_end) & (c[None, :] < C), other=0.0
             )
-            if TRANSPOSE:
-                w = tl.trans(
-                    _weight_tile(w_ptr, s_ptr, table_ptr, group, cols, c, N, K, scales_per_row, block, FORMAT, a.dtype)
+            if TRANSPOSE:  # W's rows are the output columns, its columns the contraction
+                w = _weight_tile(
+                    w_ptr,
+                    s_ptr,
+                    table_ptr,
+                    group,
+                    cols,
+                    c0,
+                    N,
+                    K,
+                    scales_per_row,
+                    FORMAT,
+                    BLOCK_C,
+                    SCALE_BLOCK,
+                    a.dtype,
                 )
-            else:
-                w = _weight_tile(w_ptr, s_ptr, table_ptr, group, c, cols, N, K, scales_per_row, block, FORMAT, a.dtype)
+                w = tl.trans(w)
+            else:  # W's rows are the contraction, its columns the output columns
+                w = _weight_tile(
+                    w_ptr,
+                    s_ptr,
+                    table_ptr,
+                    group,
+                    c,
+                    pid_o * BLOCK_O,
+                    N,
+                    K,
+                    scales_per_row,
+                    FORMAT,
+                    BLOCK_O,
+                    SCALE_BLOCK,
+                    a.dtype,
+                )
             if IEEE:
                 acc = tl.dot(a, w, acc, input_precision="ieee")
             else:

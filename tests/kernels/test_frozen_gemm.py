@@ -37,7 +37,7 @@ def _check(counts, N, K, dtype, device, tolerance, config=None):
 def _interpreted() -> None:
     # N and K no multiple of the tiles (masked lanes); a group of more rows than a tile; NF4 blocks of 64 and 32.
     for K in (128, 96):
-        _check([70, 0, 3, 140], 40, K, torch.float32, "cpu", 1e-6, config=(32, 32, 4, 2))
+        _check([70, 0, 3, 140], 40, K, torch.float32, "cpu", 1e-6, config=(64, 64, 4, 2))
 
 
 def test_kernel_equals_fp32_matmuls_of_the_dequantized_weights():
