@@ -218,6 +218,7 @@ def model_options(cfg: Config, dims: ParallelDims) -> ModelOptions:
         experts=dataclasses.replace(
             experts_options(dims, t.precision, k.experts),
             quantized_base=cfg.peft.quantize_base if lora is not None and cfg.peft.quantize_base != "none" else None,
+            quantized_gemm=k.quantized_base,
         ),
         loss_chunk_size=k.loss_chunk_size if k.fused_loss else None,
         aux_loss_coef=t.aux_loss_coef if balancing else 0.0,

@@ -19,6 +19,7 @@ PRECISIONS = ("fp32", "amp_bf16", "bf16_fp32_master", "bf16")
 KERNEL_SETS = ("torch", "te")
 EXPERT_KERNELS = ("grouped_mm", "grouped_mm_fp8", "loop")
 QUANTIZED_BASES = ("none", "fp8", "nf4")
+QUANTIZED_GEMMS = ("torch", "triton")
 FP8_MODES = ("none", "current", "delayed", "blockwise", "mxfp8")
 FP8_BACKWARDS = ("fp8", "high_precision", "dequantized")
 FP8_FORMATS = ("hybrid", "e4m3")
@@ -148,6 +149,12 @@ class KernelsConfig:
     # gradient are one Triton kernel in place over its bf16 logits (moe_tune/kernels/triton_loss.py).
     fused_loss: bool = True
     loss_chunk_size: int = field(4096, ge=1, help="tokens per loss chunk")
+    # The quantized base's expert GEMMs (peft.quantize_base). "torch": FP8 through torch._scaled_grouped_mm both ways
+    # (the input gradient reads a transposed copy of the experts made per call), NF4 32 experts dequantized at a time
+    # for bf16 grouped GEMMs (a host sync per call); measured on an H200. "triton": the FP8 input gradient and both
+    # NF4 directions through one Triton grouped GEMM that dequantizes weight tiles in registers (no copy, no sync);
+    # tested on the CPU through Triton's interpreter, not yet measured on a GPU.
+    quantized_base: str = field("torch", choices=QUANTIZED_GEMMS, help="the quantized base's GEMMs")
 
     def fp8_options(self) -> dict:
         """The keyword arguments of ``moe_tune.kernels.te.fp8_recipe`` that this config sets."""

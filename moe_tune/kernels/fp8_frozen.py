@@ -7,20 +7,23 @@ per-step weight quantization is what makes ``kernels.experts=grouped_mm_fp8`` sl
 
 ``frozen_fp8_grouped_mm(x_RK, w_eNK, s_eN, offs_e)`` is ``x @ W_j^T`` for the rows of group j:
   - forward: x quantized per row (one pass on CUDA: ``triton_fp8``), then ``torch._scaled_grouped_mm``.
-  - backward: the input gradient only (the base is frozen), ``dx = dy @ W_j`` with dy as it is against the
-    dequantized weights (exact in bf16: E4M3 values times powers of two), accumulated in fp32. It contracts over
-    the weight's output rows, and Hopper's FP8 GEMM reads its operands contraction-innermost only: an FP8 dgrad
-    would first copy the experts transposed (e x out x in bytes per call, which cost more than the GEMM). So on
-    CUDA one Triton grouped GEMM (``frozen.quantized_grouped_mm``) reads the E4M3 tiles in their stored layout and
-    dequantizes them in registers. Only the weights and offsets are saved for backward.
+  - backward: the input gradient only (the base is frozen), ``dx = dy @ W_j``. It contracts over the weight's
+    output rows, and Hopper's FP8 GEMM reads its operands contraction-innermost with scales along the output dims
+    only. ``kernels.quantized_base=torch``: the weight's row scales are folded into dy (``dy[r, n] * s[j(r), n]``,
+    exact: powers of two) in the pass that quantizes dy per row, and the weight's bytes are copied transposed (e x
+    out x in bytes per call) for ``torch._scaled_grouped_mm``. ``triton``: dy as it is against the dequantized
+    weights in one Triton grouped GEMM that reads the E4M3 tiles in their stored layout (``frozen``). Only the
+    weights and offsets are saved for backward.
 Registered as a custom op with its autograd, so torch.compile calls it as it is and traces neither direction. On
-the CPU: the forward's kernel is ``fp8_grouped.emulated_scaled_grouped_mm`` (both quantized operands dequantized,
-then an fp32 matmul per group), the input gradient ``frozen.dense_grouped_mm`` of the dequantized weights.
+the CPU: the FP8 kernel is ``fp8_grouped.emulated_scaled_grouped_mm`` (both quantized operands dequantized, then an
+fp32 matmul per group); ``triton``'s input gradient ``frozen.dense_grouped_mm`` of the dequantized weights.
 
 Legend (the moe/ one): R routed rows, K and N a GEMM's in and out dims, e local experts (groups).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -90,37 +93,53 @@ def _kernel(t: torch.Tensor):
     return scaled_grouped_mm if t.is_cuda else emulated_scaled_grouped_mm
 
 
+@functools.cache
+def _ones(e: int, K: int, device: torch.device) -> torch.Tensor:
+    """The FP8 input gradient's scales for the transposed weight (its row scales are folded into dy): all ones, made
+    once per shape and device, read only."""
+    return torch.ones(e, K, dtype=torch.float32, device=device)
+
+
 @torch.library.custom_op("moe_tune::frozen_fp8_grouped_mm", mutates_args=())
 def frozen_fp8_grouped_mm(
-    x_RK: torch.Tensor, w_eNK: torch.Tensor, s_eN: torch.Tensor, offs_e: torch.Tensor
+    x_RK: torch.Tensor, w_eNK: torch.Tensor, s_eN: torch.Tensor, offs_e: torch.Tensor, triton: bool = False
 ) -> torch.Tensor:
-    """``x @ W_j^T`` for the rows of each group j, W stored as E4M3 ``[e, N, K]`` with scales ``[e, N]``."""
+    """``x @ W_j^T`` for the rows of each group j, W stored as E4M3 ``[e, N, K]`` with scales ``[e, N]``.
+    ``triton`` chooses the input gradient's kernel only."""
     xq_RK, sx_R = quantize_activation_rows(x_RK)
     out = _kernel(x_RK)(xq_RK, w_eNK.transpose(-2, -1), sx_R, s_eN, offs_e, FAST_ACCUM)
     return out.to(x_RK.dtype)
 
 
 @frozen_fp8_grouped_mm.register_fake
-def _(x_RK, w_eNK, s_eN, offs_e):
+def _(x_RK, w_eNK, s_eN, offs_e, triton=False):
     return x_RK.new_empty(x_RK.shape[0], w_eNK.shape[1])
 
 
 @torch.library.custom_op("moe_tune::frozen_fp8_grouped_mm_input_grad", mutates_args=())
 def frozen_fp8_input_grad(
-    dy_RN: torch.Tensor, w_eNK: torch.Tensor, s_eN: torch.Tensor, offs_e: torch.Tensor
+    dy_RN: torch.Tensor, w_eNK: torch.Tensor, s_eN: torch.Tensor, offs_e: torch.Tensor, triton: bool = False
 ) -> torch.Tensor:
-    """``dy @ W_j`` for the rows of each group j: the input gradient of ``frozen_fp8_grouped_mm``, against the
-    dequantized weights (exact in dy's dtype) with dy as it is. On CUDA one Triton grouped GEMM reads the E4M3 weights
-    in their forward layout and dequantizes each tile in registers (``frozen.quantized_grouped_mm``): Hopper's FP8
-    GEMM contracts over the inner dim only, so an FP8 dgrad would first copy the experts transposed (e x out x in
-    bytes per call, the larger cost). On the CPU: the dequantized weights, one grouped GEMM."""
-    if dy_RN.is_cuda:
-        return quantized_grouped_mm(dy_RN, w_eNK, s_eN, offs_e, transpose=False)
-    return dense_grouped_mm(dy_RN, dequantize_weight(w_eNK, s_eN), offs_e, transpose=False)
+    """``dy @ W_j`` for the rows of each group j: the input gradient of ``frozen_fp8_grouped_mm``.
+    - ``triton``: dy as it is against the dequantized weights (exact in dy's dtype); on CUDA one Triton grouped GEMM
+      that reads the E4M3 tiles in their stored layout (``frozen.quantized_grouped_mm``), on the CPU
+      ``frozen.dense_grouped_mm``.
+    - otherwise FP8: the weight's row scales folded into dy as dy is quantized per row, the weight's bytes copied
+      transposed (contraction innermost, the layout Hopper's FP8 GEMM reads), then the scaled grouped GEMM."""
+    if triton:
+        if dy_RN.is_cuda:
+            return quantized_grouped_mm(dy_RN, w_eNK, s_eN, offs_e, transpose=False)
+        return dense_grouped_mm(dy_RN, dequantize_weight(w_eNK, s_eN), offs_e, transpose=False)
+    e, N, K = w_eNK.shape
+    col_scale_GN = torch.cat([s_eN, s_eN.new_zeros(1, N)])  # padding rows (group e): zeros
+    dyq_RN, sdy_R = quantize_activation_rows(dy_RN, col_scale_GN, offs_e)
+    w_eKN = w_eNK.transpose(-2, -1).contiguous()
+    out = _kernel(dy_RN)(dyq_RN, w_eKN.transpose(-2, -1), sdy_R, _ones(e, K, w_eNK.device), offs_e, FAST_ACCUM)
+    return out.to(dy_RN.dtype)
 
 
 @frozen_fp8_input_grad.register_fake
-def _(dy_RN, w_eNK, s_eN, offs_e):
+def _(dy_RN, w_eNK, s_eN, offs_e, triton=False):
     return dy_RN.new_empty(dy_RN.shape[0], w_eNK.shape[2])
 
 

@@ -1,5 +1,7 @@
-"""What the frozen base's quantized GEMMs (``fp8_frozen``, ``nf4_frozen``) share: a custom op ``op(x, *frozen)``
-differentiable in ``x`` only, whose backward is another custom op ``input_grad(dy, *frozen)``."""
+"""What the frozen base's quantized GEMMs (``fp8_frozen``, ``nf4_frozen``) share: a custom op ``op(x, *frozen, triton)``
+differentiable in ``x`` only, whose backward is another custom op ``input_grad(dy, *frozen, triton)``; the grouped GEMM
+that reads quantized weights tile by tile on CUDA (``quantized_grouped_mm``, ``kernels.quantized_base=triton``) and its
+CPU reference (``dense_grouped_mm``)."""
 
 from __future__ import annotations
 
@@ -9,15 +11,16 @@ import torch
 
 
 def register_input_grad(op, input_grad) -> None:
-    """Give custom op ``op(x, *frozen) -> y`` the autograd ``dx = input_grad(dy, *frozen)``; no gradient reaches the
-    frozen tensors, and only they are saved for backward."""
+    """Give custom op ``op(x, *frozen, triton) -> y`` the autograd ``dx = input_grad(dy, *frozen, triton)``; no
+    gradient reaches the frozen tensors, and only they are saved for backward."""
 
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[1:])
+        ctx.save_for_backward(*inputs[1:-1])
+        ctx.triton = inputs[-1]
 
     def backward(ctx, dy):
         frozen = ctx.saved_tensors
-        return input_grad(dy.contiguous(), *frozen), *([None] * len(frozen))
+        return input_grad(dy.contiguous(), *frozen, ctx.triton), *([None] * (len(frozen) + 1))
 
     op.register_autograd(backward, setup_context=setup_context)
 

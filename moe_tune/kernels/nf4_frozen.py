@@ -8,9 +8,11 @@ nearest NF4 value; two codes per byte. 4.25 bits per weight with the scales (4.5
 
 ``frozen_nf4_grouped_mm(x_RK, codes, scales, offs_e)`` is ``x @ W_j^T`` for the rows of group j: the experts are
 dequantized ``EXPERTS_PER_PASS`` at a time into the input's dtype (one Triton pass on CUDA: ``triton_nf4``), and each
-such block runs one grouped GEMM over its own rows, so no more than that many experts are ever held dequantized. Finding each block's rows reads the group
-offsets on the host: one device sync per call. Backward gives the input gradient only (the base is frozen), the same
-way. A custom op: torch.compile calls it as it is.
+such block runs one grouped GEMM over its own rows, so no more than that many experts are ever held dequantized;
+finding each block's rows reads the group offsets on the host: one device sync per call. With
+``kernels.quantized_base=triton`` on CUDA, one Triton grouped GEMM dequantizes each weight tile in registers instead
+(``frozen.quantized_grouped_mm``: no dequantized experts, no sync). Backward gives the input gradient only (the base is
+frozen), the same way. A custom op: torch.compile calls it as it is.
 """
 
 from __future__ import annotations
@@ -96,11 +98,12 @@ def dequantize_weight(
     return blocks.reshape(e, N, 2 * half).to(dtype)
 
 
-def _grouped(a_RK: torch.Tensor, codes, scales, offs_e: torch.Tensor, transpose: bool) -> torch.Tensor:
-    """``a @ W_j^T`` (``transpose``) or ``a @ W_j`` for the rows of each group j; rows past the last group are 0. On
-    CUDA one Triton grouped GEMM that dequantizes each weight tile in registers (``frozen.quantized_grouped_mm``);
-    elsewhere ``EXPERTS_PER_PASS`` experts dequantized at a time, one grouped GEMM each."""
-    if a_RK.is_cuda:
+def _grouped(a_RK: torch.Tensor, codes, scales, offs_e: torch.Tensor, transpose: bool, triton: bool) -> torch.Tensor:
+    """``a @ W_j^T`` (``transpose``) or ``a @ W_j`` for the rows of each group j; rows past the last group are 0.
+    ``triton`` on CUDA: one Triton grouped GEMM that dequantizes each weight tile in registers
+    (``frozen.quantized_grouped_mm``); otherwise ``EXPERTS_PER_PASS`` experts dequantized at a time, one grouped GEMM
+    each."""
+    if triton and a_RK.is_cuda:
         return quantized_grouped_mm(a_RK, codes, scales, offs_e, transpose=transpose, table=_table(a_RK.device))
     e, N, half = codes.shape
     out_dim = N if transpose else 2 * half
@@ -123,27 +126,27 @@ def _grouped(a_RK: torch.Tensor, codes, scales, offs_e: torch.Tensor, transpose:
 
 @torch.library.custom_op("moe_tune::frozen_nf4_grouped_mm", mutates_args=())
 def frozen_nf4_grouped_mm(
-    x_RK: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offs_e: torch.Tensor
+    x_RK: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offs_e: torch.Tensor, triton: bool = False
 ) -> torch.Tensor:
     """``x @ W_j^T`` for the rows of each group j, W stored as NF4 codes ``[e, N, K / 2]`` and scales."""
-    return _grouped(x_RK, codes, scales, offs_e, transpose=True)
+    return _grouped(x_RK, codes, scales, offs_e, transpose=True, triton=triton)
 
 
 @frozen_nf4_grouped_mm.register_fake
-def _(x_RK, codes, scales, offs_e):
+def _(x_RK, codes, scales, offs_e, triton=False):
     return x_RK.new_empty(x_RK.shape[0], codes.shape[1])
 
 
 @torch.library.custom_op("moe_tune::frozen_nf4_grouped_mm_input_grad", mutates_args=())
 def frozen_nf4_input_grad(
-    dy_RN: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offs_e: torch.Tensor
+    dy_RN: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offs_e: torch.Tensor, triton: bool = False
 ) -> torch.Tensor:
     """``dy @ W_j`` for the rows of each group j: the input gradient of ``frozen_nf4_grouped_mm``."""
-    return _grouped(dy_RN, codes, scales, offs_e, transpose=False)
+    return _grouped(dy_RN, codes, scales, offs_e, transpose=False, triton=triton)
 
 
 @frozen_nf4_input_grad.register_fake
-def _(dy_RN, codes, scales, offs_e):
+def _(dy_RN, codes, scales, offs_e, triton=False):
     return dy_RN.new_empty(dy_RN.shape[0], 2 * codes.shape[2])
 
 

@@ -92,65 +92,53 @@ def frozen_grouped_mm_kernel(
     """``out[rows of j] = a[rows of j] @ W_j^T`` (``TRANSPOSE``) or ``@ W_j``; see the module's docstring."""
     pid_m = tl.program_id(0)
     pid_o = tl.program_id(1)
+    group, rows, row_end = _tile_rows(tile_ends_ptr, offs_ptr, pid_m, R, num_groups, BLOCK_M, BLOCK_GROUPS)
+    if group > num_groups:  # past the last tile
+        return
+    O = N if TRANSPOSE else K  # noqa: E741 (the output's width)
+    cols = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
+    acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32)
+    if group < num_groups:  # (the rows past the last group keep acc's zeros)
+        weights = (w_ptr, s_ptr, table_ptr, group, N, K, scales_per_row)
+        acc = _contract(a_ptr, weights, rows, row_end, cols, pid_o * BLOCK_O, acc, FORMAT, SCALE_BLOCK, TRANSPOSE, IEEE,
+                        BLOCK_O, BLOCK_C)  # fmt: skip
+    mask = (rows[:, None] < row_end) & (cols[None, :] < O)
+    tl.store(out_ptr + rows[:, None] * O + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tile_rows(tile_ends_ptr, offs_ptr, pid_m, R, num_groups, BLOCK_M: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
+    """(the group of tile ``pid_m``, its row indices, the group's end row); the group is ``num_groups`` for the rows
+    past the last group and larger past the last tile."""
     groups = tl.arange(0, BLOCK_GROUPS)
     tile_ends = tl.load(tile_ends_ptr + groups, mask=groups <= num_groups, other=2**31 - 1)
     group = tl.sum((tile_ends <= pid_m).to(tl.int32), axis=0)
-    if group > num_groups:  # past the last tile
-        return
     tile_start = tl.load(tile_ends_ptr + group - 1, mask=group > 0, other=0)
     row_start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0).to(tl.int64)
     row_end = tl.load(offs_ptr + group, mask=group < num_groups, other=R).to(tl.int64)
     rows = row_start + (pid_m - tile_start).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    O = N if TRANSPOSE else K  # noqa: E741 (the output's width)
+    return group, rows, row_end
+
+
+@triton.jit
+def _contract(a_ptr, weights, rows, row_end, cols, o0, acc, FORMAT: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+              TRANSPOSE: tl.constexpr, IEEE: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    """``acc`` plus the tile's rows of ``a`` times the weight tiles over the whole contraction."""
+    w_ptr, s_ptr, table_ptr, group, N, K, scales_per_row = weights
     C = K if TRANSPOSE else N  # the contraction
-    cols = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
-    out_dtype = out_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32)
-    if group < num_groups:  # (the rows past the last group keep acc's zeros)
-        for c0 in range(0, C, BLOCK_C):
-            c = c0 + tl.arange(0, BLOCK_C)
-            a = tl.load(
-                a_ptr + rows[:, None] * C + c[None, :], mask=(rows[:, None] < row_end) & (c[None, :] < C), other=0.0
-            )
-            if TRANSPOSE:  # W's rows are the output columns, its columns the contraction
-                w = _weight_tile(
-                    w_ptr,
-                    s_ptr,
-                    table_ptr,
-                    group,
-                    cols,
-                    c0,
-                    N,
-                    K,
-                    scales_per_row,
-                    FORMAT,
-                    BLOCK_C,
-                    SCALE_BLOCK,
-                    a.dtype,
-                )
-                w = tl.trans(w)
-            else:  # W's rows are the contraction, its columns the output columns
-                w = _weight_tile(
-                    w_ptr,
-                    s_ptr,
-                    table_ptr,
-                    group,
-                    c,
-                    pid_o * BLOCK_O,
-                    N,
-                    K,
-                    scales_per_row,
-                    FORMAT,
-                    BLOCK_O,
-                    SCALE_BLOCK,
-                    a.dtype,
-                )
-            if IEEE:
-                acc = tl.dot(a, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, w, acc)
-    tl.store(
-        out_ptr + rows[:, None] * O + cols[None, :],
-        acc.to(out_dtype),
-        mask=(rows[:, None] < row_end) & (cols[None, :] < O),
-    )
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        a_mask = (rows[:, None] < row_end) & (c[None, :] < C)
+        a = tl.load(a_ptr + rows[:, None] * C + c[None, :], mask=a_mask, other=0.0)
+        if TRANSPOSE:  # W's rows are the output columns, its columns the contraction
+            w = _weight_tile(w_ptr, s_ptr, table_ptr, group, cols, c0, N, K, scales_per_row, FORMAT, BLOCK_C,
+                             SCALE_BLOCK, a.dtype)  # fmt: skip
+            w = tl.trans(w)
+        else:  # W's rows are the contraction, its columns the output columns
+            w = _weight_tile(w_ptr, s_ptr, table_ptr, group, c, o0, N, K, scales_per_row, FORMAT, BLOCK_O,
+                             SCALE_BLOCK, a.dtype)  # fmt: skip
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    return acc

@@ -54,6 +54,8 @@ class ExpertsOptions:
     # "fp8" or "nf4": the weights are frozen (LoRA) and held quantized (``quantized_base``), never as bf16; None:
     # parameters.
     quantized_base: str | None = None
+    # Their GEMMs: "torch" or "triton" (kernels.quantized_base).
+    quantized_gemm: str = "torch"
 
 
 def grouped_mm(x_RK: torch.Tensor, w_eKN: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
@@ -102,8 +104,9 @@ class GroupedExperts(nn.Module):
         if self.options.quantized_base is not None:
             # [e, out, in] whatever the family's layout; filled by ``fill_base_`` as the weights are read.
             projection = PROJECTION_CLASSES[self.options.quantized_base]
-            self.gate_up_quantized = projection(e, 2 * I, D)
-            self.down_quantized = projection(e, D, I)
+            triton = self.options.quantized_gemm == "triton"
+            self.gate_up_quantized = projection(e, 2 * I, D, triton)
+            self.down_quantized = projection(e, D, I, triton)
         elif spec.layout == "out_in":
             self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * I, D))
             self.down_proj = nn.Parameter(torch.empty(e, D, I))

@@ -22,14 +22,15 @@ class FrozenFP8Projection(nn.Module):
     4 per row, against 2 per weight in bf16. ``forward(x_RK, offs_e)`` = ``x @ W_j^T`` for the rows of group j,
     differentiable in x only."""
 
-    def __init__(self, num_experts: int, out_features: int, in_features: int):
+    def __init__(self, num_experts: int, out_features: int, in_features: int, triton: bool = False):
         super().__init__()
+        self.triton = triton  # the input gradient through the Triton grouped GEMM (kernels.quantized_base=triton)
         shape = (num_experts, out_features, in_features)
         self.register_buffer("weight", torch.empty(shape, dtype=E4M3), persistent=False)
         self.register_buffer("scale", torch.empty(shape[:2], dtype=torch.float32), persistent=False)
 
     def forward(self, x_RK: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
-        return fp8_frozen.frozen_fp8_grouped_mm(x_RK, self.weight, self.scale, offs_e)
+        return fp8_frozen.frozen_fp8_grouped_mm(x_RK, self.weight, self.scale, offs_e, self.triton)
 
     @torch.no_grad()
     def fill_(self, first: int, w_bNK: torch.Tensor) -> None:
@@ -48,8 +49,9 @@ class FrozenNF4Projection(nn.Module):
     0.53 bytes per weight. ``forward(x_RK, offs_e)`` = ``x @ W_j^T`` for the rows of group j, differentiable in x
     only; a block of experts at a time is dequantized for its GEMM (``kernels.nf4_frozen``)."""
 
-    def __init__(self, num_experts: int, out_features: int, in_features: int):
+    def __init__(self, num_experts: int, out_features: int, in_features: int, triton: bool = False):
         super().__init__()
+        self.triton = triton  # both directions through the Triton grouped GEMM (kernels.quantized_base=triton)
         block = nf4_frozen.block_size(in_features)
         codes = torch.empty(num_experts, out_features, in_features // 2, dtype=torch.uint8)
         scales = torch.empty(num_experts, out_features, in_features // block, dtype=nf4_frozen.SCALE_DTYPE)
@@ -57,7 +59,7 @@ class FrozenNF4Projection(nn.Module):
         self.register_buffer("scales", scales, persistent=False)
 
     def forward(self, x_RK: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
-        return nf4_frozen.frozen_nf4_grouped_mm(x_RK, self.codes, self.scales, offs_e)
+        return nf4_frozen.frozen_nf4_grouped_mm(x_RK, self.codes, self.scales, offs_e, self.triton)
 
     @torch.no_grad()
     def fill_(self, first: int, w_bNK: torch.Tensor) -> None:

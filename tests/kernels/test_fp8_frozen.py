@@ -64,14 +64,33 @@ def test_grouped_mm_equals_fp32_matmuls_of_the_dequantized_operands():
     assert not y[rows:].any()
 
 
-def test_input_gradient_is_dy_times_the_dequantized_weights():
-    """dx = dy @ W_j with dy as it is (no FP8 rounding of the gradient) and W the dequantized weights: the fp32
-    product per group within fp32 rounding. No gradient reaches the weights; padding rows get 0."""
+def test_input_gradient_folds_the_weight_scales_into_dy():
+    """kernels.quantized_base=torch: dx = dy @ W_j, W the dequantized weights, within FP8's error in dy of the fp32
+    product, and within bf16's output rounding of dy quantized per row after it is multiplied by the weight's row
+    scales (what the kernel computes). No gradient reaches the weights; padding rows get 0."""
     w, x, offs = _operands()
     q, s = quantize_weight(w)
     x = x.requires_grad_()
     dy = torch.randn(x.shape[0], w.shape[1], generator=torch.Generator().manual_seed(1))
     frozen_fp8_grouped_mm(x, q, s, offs).backward(dy)
+    groups, rows = _groups(), sum(COUNTS)
+    w_deq = dequantize_weight(q, s)
+    assert rel_err(x.grad[:rows], torch.einsum("rn,rnk->rk", dy[:rows], w_deq[groups])) < 6e-2
+    dyq, sdy = quantize_rows(dy[:rows] * s[groups])
+    exact = torch.einsum("rn,rnk->rk", dyq.float() * sdy.unsqueeze(-1), q.float()[groups])
+    assert rel_err(x.grad[:rows], exact) < 4e-3
+    assert not x.grad[rows:].any()
+
+
+def test_triton_input_gradient_is_dy_times_the_dequantized_weights():
+    """kernels.quantized_base=triton: dx = dy @ W_j with dy as it is (no FP8 rounding of the gradient) and W the
+    dequantized weights: the fp32 product per group within fp32 rounding (the CPU's reference of the Triton GEMM,
+    tests/kernels/test_frozen_gemm.py). Padding rows get 0."""
+    w, x, offs = _operands()
+    q, s = quantize_weight(w)
+    x = x.requires_grad_()
+    dy = torch.randn(x.shape[0], w.shape[1], generator=torch.Generator().manual_seed(1))
+    frozen_fp8_grouped_mm(x, q, s, offs, True).backward(dy)
     groups, rows = _groups(), sum(COUNTS)
     assert rel_err(x.grad[:rows], torch.einsum("rn,rnk->rk", dy[:rows], dequantize_weight(q, s)[groups])) < 1e-6
     assert not x.grad[rows:].any()

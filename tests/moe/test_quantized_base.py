@@ -25,11 +25,11 @@ SPECS = {
 }
 
 
-def _pair(layout: str, mode: str) -> tuple[GroupedExperts, GroupedExperts]:
-    """(fp32 experts, the same quantized), with the same nonzero adapters."""
+def _pair(layout: str, mode: str, gemm: str = "torch") -> tuple[GroupedExperts, GroupedExperts]:
+    """(fp32 experts, the same quantized, their GEMMs ``gemm``: kernels.quantized_base), the same nonzero adapters."""
     spec, lora = SPECS[layout], LoRASpec(rank=8, alpha=16.0)
     ref = GroupedExperts(spec, lora=lora)
-    quantized = GroupedExperts(spec, ExpertsOptions(quantized_base=mode), lora=lora)
+    quantized = GroupedExperts(spec, ExpertsOptions(quantized_base=mode, quantized_gemm=gemm), lora=lora)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in ref.parameters():
@@ -41,10 +41,11 @@ def _pair(layout: str, mode: str) -> tuple[GroupedExperts, GroupedExperts]:
     return ref, quantized
 
 
+@pytest.mark.parametrize("gemm", ["torch", "triton"])
 @pytest.mark.parametrize("mode", list(TOL))
 @pytest.mark.parametrize("layout", list(SPECS))
-def test_quantized_experts_follow_the_fp32_experts(layout, mode):
-    ref, quantized = _pair(layout, mode)
+def test_quantized_experts_follow_the_fp32_experts(layout, mode, gemm):
+    ref, quantized = _pair(layout, mode, gemm)
     tol = TOL[mode][0]
     x = torch.randn(sum(COUNTS), D, generator=torch.Generator().manual_seed(1))
     counts = torch.tensor(COUNTS)
@@ -143,13 +144,14 @@ def test_fp8_base_needs_sm90_on_a_gpu_and_runs_emulated_without_one(monkeypatch)
     assert "frozen_fp8" not in backends.backends_needed(nf4)
 
 
+@pytest.mark.parametrize("gemm", ["torch", "triton"])
 @pytest.mark.parametrize("mode", list(TOL))
-def test_compiled_experts_give_the_eager_outputs_and_adapter_gradients(mode):
+def test_compiled_experts_give_the_eager_outputs_and_adapter_gradients(mode, gemm):
     """torch.compile calls the quantized GEMMs as opaque custom ops, their autograd registered: compiled and eager
     give the same outputs and adapter gradients in bf16, within its rounding of fused elementwise steps (compiled
     through dynamo's tracing, kernels.experts=grouped_mm_fp8's autograd Function gives wrong gradients, which is why
     validation refuses it compiled)."""
-    _, quantized = _pair("out_in", mode)
+    _, quantized = _pair("out_in", mode, gemm)
     x = torch.randn(sum(COUNTS), D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     counts = torch.tensor(COUNTS)
     results = []
