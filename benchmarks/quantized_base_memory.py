@@ -1,122 +1,88 @@
-"""On paper: the largest MoE each ``peft.quantize_base`` mode fits for LoRA, per machine (issue 34's memory table).
+"""On paper: the largest MoE each ``peft.quantize_base`` mode fits for LoRA, per machine (issue 34's memory table),
+from moe-tune-plan's memory model (``moe_tune.plan``: the run's own build on the meta device, activations measured
+on one layer, constants calibrated against the committed H200 rows; benchmarks/README.md "Planning a run").
 
-Each model is built on the meta device from its config (transformers' own classes: nothing is allocated) and its
-parameters counted: routed experts (``.experts.`` tensors) apart from the rest. Per GPU, with ``G`` GPUs, expert
-parallelism over all of them and FSDP2 over the rest (one GPU: neither):
+Workload: LoRA rank 16 (alpha 32) on the attention and the routed experts, seq 4096, micro-batch 1, full activation
+checkpointing, compiled layers, real routing; the adapters in ``train.precision=bf16_fp32_master`` (fp32 master
+weights and AdamW moments: 16 bytes per adapter parameter with the bf16 copy and the gradient) and in
+``train.precision=bf16`` (bf16 adapters and moments, stochastic rounding). One GPU: the whole model on it; 8 GPUs:
+expert parallelism 8 with FSDP2 over the rest. A layout fits when the planner's reserved memory (the allocator's
+peak with its fragmentation, the CUDA context) stays within the GPU less 5%: an 80 GB GPU (79.6 GiB: an H100's
+81,559 MiB) and an H200 (140.4 GiB). Printed as Markdown:
 
-    frozen base   experts x bytes(mode) / G + other weights x 2 / G (bf16; with G > 1 one decoder layer's
-                  all-gathered weights on top)
-    adapters      rank 16 on the attention's linears and the routed experts' two projections, 16 bytes per
-                  adapter parameter (fp32 weight, fp32 gradient, two fp32 AdamW moments: bf16_fp32_master), / G
-    activations   full activation checkpointing, seq 4096, micro-batch 1: each layer's saved input (2 bytes x
-                  seq x hidden x layers) plus one layer's recompute, taken as 3.2 GiB x hidden / 2048 (what
-                  the committed bf16-base LoRA row on Qwen3-30B-A3B, 69.6 GiB, leaves after its weights and
-                  adapters)
-    fits          the sum within 92% of the GPU's memory (the allocator's fragmentation and the CUDA context).
-
-bytes(mode): bf16 2; fp8 1 plus a 4-byte scale per row of ``in`` values; nf4 half a byte plus a 2-byte scale per
-64 values. Printed as Markdown.
-
-    python benchmarks/quantized_base_memory.py > benchmarks/results/<dir>/quantized_base_memory.md
+    python benchmarks/quantized_base_memory.py > benchmarks/results/<dir>/memory_model.md
 """
 
 from __future__ import annotations
 
-import torch
+import sys
+import time
 
-GIB = 2**30
-RANK = 16
-SEQ = 4096
-MODES = ("bf16", "fp8", "nf4")
-MACHINES = {"1 x 80 GB": (1, 80e9), "1 x 141 GB (H200)": (1, 141e9), "8 x 141 GB": (8, 141e9)}
-QWEN3_235B = dict(
-    hidden_size=4096,
-    num_hidden_layers=94,
-    num_attention_heads=64,
-    num_key_value_heads=4,
-    head_dim=128,
-    moe_intermediate_size=1536,
-    intermediate_size=12288,
-    num_experts=128,
-    num_experts_per_tok=8,
-)
+from plan_scale import MODELS as SCALE_MODELS
+
 MODELS = {
-    "Qwen3-30B-A3B": ("qwen3_30b_a3b", {}),
-    "Mixtral-8x7B": ("mixtral_8x7b", {}),
-    "GLM-4.5-Air": ("glm4_5_air", {}),
-    "Qwen3-235B-A22B": ("qwen3_30b_a3b", QWEN3_235B),
-    "DeepSeek-V3": ("deepseek_v3", {}),
+    "Qwen3-30B-A3B": SCALE_MODELS["Qwen3-30B-A3B"],
+    "Mixtral-8x7B": ["model=mixtral_8x7b"],
+    "GLM-4.5-Air": ["model=glm4_5_air"],
+    "Qwen3-235B-A22B": SCALE_MODELS["Qwen3-235B-A22B"],
+    "DeepSeek-V3": SCALE_MODELS["DeepSeek-V3"],
 }
+MODES = ("none", "fp8", "nf4")
+PRECISIONS = ("bf16_fp32_master", "bf16")
+GPU_MEM_GIB = {"1 x 80 GB": 79.6, "1 x H200": 140.4}
+LORA = [
+    "peft=lora",
+    "peft.rank=16",
+    "peft.alpha=32",
+    "train.seq_len=4096",
+    "train.micro_batch_size=1",
+    "parallel.activation_checkpointing=full",
+    "kernels.compile=true",
+]
+HEADROOM = 0.05
 
 
-def counts(preset: str, overrides: dict) -> dict:
-    """Parameter counts of a built-in shape: routed experts, the rest, adapters, and the dims used below."""
-    from transformers import AutoModelForCausalLM
+def reserved_gib(overrides: list[str], gpus: int) -> float | None:
+    """The planner's reserved memory per GPU (GiB), or None for a layout that cannot run."""
+    from moe_tune.config import ConfigError
+    from moe_tune.config.overrides import check, to_config
+    from moe_tune.plan import plan
 
-    from moe_tune.models.presets import preset_config
-
-    config = preset_config(preset, overrides)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    experts = other = adapters = 0
-    largest_layer = 0
-    for layer in model.model.layers:
-        layer_other = 0
-        for name, p in layer.named_parameters():
-            if ".experts." in name:
-                experts += p.numel()
-                # gate_up [E, 2I, D] or down [E, D, I]: an adapter pair per expert, rank x (in + out)
-                e, a, b = p.shape
-                adapters += e * RANK * (a + b)
-            else:
-                layer_other += p.numel()
-                if "self_attn" in name and p.dim() == 2:
-                    adapters += RANK * sum(p.shape)
-        other += layer_other
-        largest_layer = max(largest_layer, layer_other)
-    other += sum(p.numel() for n, p in model.named_parameters() if ".layers." not in n)
-    return dict(
-        experts=experts,
-        other=other,
-        adapters=adapters,
-        largest_layer=largest_layer,
-        hidden=config.hidden_size,
-        layers=config.num_hidden_layers,
-        expert_in=config.hidden_size,
-    )
-
-
-def per_gpu_bytes(c: dict, mode: str, gpus: int) -> float:
-    expert_bytes = {"bf16": 2.0, "fp8": 1.0 + 4.0 / c["expert_in"], "nf4": 0.5 + 2.0 / 64}[mode]
-    base = c["experts"] * expert_bytes / gpus + c["other"] * 2.0 / gpus
-    if gpus > 1:
-        base += c["largest_layer"] * 2.0
-    adapters = c["adapters"] * 16.0 / gpus
-    activations = 2.0 * SEQ * c["hidden"] * c["layers"] + 3.2 * GIB * c["hidden"] / 2048
-    return base + adapters + activations
+    try:
+        return plan(to_config(check(overrides)), gpus).as_dict()["reserved_gib"]
+    except ConfigError:
+        return None
 
 
 def main() -> None:
-    rows = {name: counts(*spec) for name, spec in MODELS.items()}
-    print("| model | experts / other / adapter params (B) | mode | " + " | ".join(MACHINES) + " |")
-    print("|---|---|---|" + "---:|" * len(MACHINES))
-    largest: dict[tuple[str, str], str] = {}
-    for name, c in rows.items():  # smallest to largest
-        params = f"{c['experts'] / 1e9:.1f} / {c['other'] / 1e9:.1f} / {c['adapters'] / 1e9:.2f}"
+    machines = [*GPU_MEM_GIB, "8 x H200"]
+    print("| model | base | adapters | " + " | ".join(machines) + " |")
+    print("|---|---|---|" + "---:|" * len(machines))
+    largest: dict[tuple[str, str, str], str] = {}
+    for name, model in MODELS.items():  # smallest to largest
         for mode in MODES:
-            cells = []
-            for machine, (gpus, capacity) in MACHINES.items():
-                need = per_gpu_bytes(c, mode, gpus)
-                fits = need <= 0.92 * capacity
-                if fits:
-                    largest[machine, mode] = name
-                cells.append(f"{need / GIB:.0f} GiB, {'fits' if fits else 'no'}")
-            print(f"| {name} | {params} | {mode} | " + " | ".join(cells) + " |")
+            for precision in PRECISIONS:
+                common = [*model, *LORA, f"peft.quantize_base={mode}", f"train.precision={precision}"]
+                t = time.perf_counter()
+                one = reserved_gib(common, 1)
+                eight = reserved_gib([*common, "parallel.ep=8"], 8)
+                print(f"  {name} {mode} {precision}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+                cells = []
+                for machine, (need, capacity) in zip(
+                    machines, [(one, GPU_MEM_GIB["1 x 80 GB"]), (one, GPU_MEM_GIB["1 x H200"]), (eight, 140.4)]
+                ):
+                    fits = need is not None and need <= (1 - HEADROOM) * capacity
+                    if fits:
+                        largest[machine, mode, precision] = name
+                    cells.append("cannot run" if need is None else f"{need:.1f} GiB, {'fits' if fits else 'no'}")
+                print(f"| {name} | {mode} | {precision} | " + " | ".join(cells) + " |", flush=True)
     print("\nThe largest of these each mode fits:\n")
-    print("| mode | " + " | ".join(MACHINES) + " |")
-    print("|---|" + "---|" * len(MACHINES))
+    print("| base | adapters | " + " | ".join(machines) + " |")
+    print("|---|---|" + "---|" * len(machines))
     for mode in MODES:
-        print(f"| {mode} | " + " | ".join(largest.get((m, mode), "none") for m in MACHINES) + " |")
+        for precision in PRECISIONS:
+            row = [largest.get((m, mode, precision), "none") for m in machines]
+            print(f"| {mode} | {precision} | " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":
