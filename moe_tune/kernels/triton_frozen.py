@@ -48,7 +48,8 @@ def _weight_tile(
     if FORMAT == 0:
         k = k0 + tl.arange(0, KT)
         mask = n_ok[:, None] & (k[None, :] < K)
-        q = tl.load(w_ptr + group * N * K + n[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        # (no ``other``: Triton cannot cast a fill value to FP8 when compiling for a GPU; masked entries are zeroed)
+        q = tl.where(mask, tl.load(w_ptr + group * N * K + n[:, None] * K + k[None, :], mask=mask).to(tl.float32), 0.0)
         s = tl.load(s_ptr + group * N + n, mask=n_ok, other=0.0)
         return (q * s[:, None]).to(dtype)
     half = k0 // 2 + tl.arange(0, KT // 2)
