@@ -15,8 +15,10 @@ peak with its fragmentation, the CUDA context) stays within the GPU less 5%: an 
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 from plan_scale import MODELS as SCALE_MODELS
 
@@ -43,7 +45,13 @@ HEADROOM = 0.05
 
 
 def reserved_gib(overrides: list[str], gpus: int) -> float | None:
-    """The planner's reserved memory per GPU (GiB), or None for a layout that cannot run."""
+    """The planner's reserved memory per GPU (GiB), or None for a layout that cannot run. Each plan runs in a fresh
+    process: one process planning every row grew past the 24 GiB development machine's memory at DeepSeek-V3."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_reserved_gib, overrides, gpus).result()
+
+
+def _reserved_gib(overrides: list[str], gpus: int) -> float | None:
     from moe_tune.config import ConfigError
     from moe_tune.config.overrides import check, to_config
     from moe_tune.plan import plan

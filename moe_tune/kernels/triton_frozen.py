@@ -48,23 +48,23 @@ def _weight_tile(
     if FORMAT == 0:
         k = k0 + tl.arange(0, KT)
         mask = n_ok[:, None] & (k[None, :] < K)
-        # (no ``other``: Triton cannot cast a fill value to FP8 when compiling for a GPU; masked entries are zeroed)
-        q = tl.where(mask, tl.load(w_ptr + group * N * K + n[:, None] * K + k[None, :], mask=mask).to(tl.float32), 0.0)
+        q = tl.load(w_ptr + group * N * K + n[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
         s = tl.load(s_ptr + group * N + n, mask=n_ok, other=0.0)
         return (q * s[:, None]).to(dtype)
-    half = k0 // 2 + tl.arange(0, KT // 2)
-    mask = n_ok[:, None] & (half[None, :] < K // 2)
-    byte = tl.load(w_ptr + group * N * (K // 2) + n[:, None] * (K // 2) + half[None, :], mask=mask, other=0)
-    byte = byte.to(tl.int32)
-    low = tl.load(table_ptr + (byte & 0xF))
-    high = tl.load(table_ptr + (byte >> 4))
-    value = tl.reshape(tl.join(low, high), (n.shape[0], KT))  # the lower nibble first
-    blocks = k0 // SCALE_BLOCK + tl.arange(0, KT // SCALE_BLOCK)
-    scale_mask = n_ok[:, None] & (blocks[None, :] < scales_per_row)
-    scale_at = group * N * scales_per_row + n[:, None] * scales_per_row + blocks[None, :]
-    scale = tl.load(s_ptr + scale_at, mask=scale_mask, other=0.0).to(tl.float32)
-    value = tl.reshape(value, (n.shape[0], KT // SCALE_BLOCK, SCALE_BLOCK)) * scale[:, :, None]
-    return tl.reshape(value, (n.shape[0], KT)).to(dtype)
+    else:  # (not code after the return: Triton compiles that for FP8 too, and its integer fill cannot become FP8)
+        half = k0 // 2 + tl.arange(0, KT // 2)
+        mask = n_ok[:, None] & (half[None, :] < K // 2)
+        byte = tl.load(w_ptr + group * N * (K // 2) + n[:, None] * (K // 2) + half[None, :], mask=mask, other=0)
+        byte = byte.to(tl.int32)
+        low = tl.load(table_ptr + (byte & 0xF))
+        high = tl.load(table_ptr + (byte >> 4))
+        value = tl.reshape(tl.join(low, high), (n.shape[0], KT))  # the lower nibble first
+        blocks = k0 // SCALE_BLOCK + tl.arange(0, KT // SCALE_BLOCK)
+        scale_mask = n_ok[:, None] & (blocks[None, :] < scales_per_row)
+        scale_at = group * N * scales_per_row + n[:, None] * scales_per_row + blocks[None, :]
+        scale = tl.load(s_ptr + scale_at, mask=scale_mask, other=0.0).to(tl.float32)
+        value = tl.reshape(value, (n.shape[0], KT // SCALE_BLOCK, SCALE_BLOCK)) * scale[:, :, None]
+        return tl.reshape(value, (n.shape[0], KT)).to(dtype)
 
 
 @triton.jit

@@ -44,6 +44,31 @@ def test_kernel_equals_fp32_matmuls_of_the_dequantized_weights():
     triton_interpreted(f"import {__name__} as t; t._interpreted()", "test_kernel_on_the_gpu_at_qwen3_dims")
 
 
+def test_kernel_compiles_for_hopper():
+    """Compiled ahead of time for sm_90 (Triton's own compiler, to PTX, on the CPU): the interpreter runs code that
+    the GPU compiler refuses (code after a constexpr if's return is compiled for the other format's pointers too)."""
+    triton = pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[dev]' brings it)")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moe_tune.kernels.frozen import BLOCK_M, CONFIGS
+    from moe_tune.kernels.triton_frozen import frozen_grouped_mm_kernel
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton has no CUDA backend to compile with")
+    pointers = {"a_ptr": "*bf16", "s_ptr": "*fp32", "table_ptr": "*fp32", "offs_ptr": "*i32", "tile_ends_ptr": "*i32"}
+    sizes = dict.fromkeys(("R", "N", "K", "num_groups", "scales_per_row"), "i32")
+    o, c, warps, stages = CONFIGS[0]
+    for fmt, weights, scales in ((0, "*fp8e4nv", "*fp32"), (1, "*u8", "*bf16")):
+        for transpose in (True, False):
+            signature = {**pointers, "w_ptr": weights, "s_ptr": scales, "out_ptr": "*bf16", **sizes}
+            meta = dict(FORMAT=fmt, SCALE_BLOCK=64, TRANSPOSE=transpose, IEEE=False, BLOCK_M=BLOCK_M, BLOCK_O=o,
+                        BLOCK_C=c, BLOCK_GROUPS=256)  # fmt: skip
+            source = ASTSource(frozen_grouped_mm_kernel, {**signature, **dict.fromkeys(meta, "constexpr")}, meta)
+            compiled = triton.compile(source, GPUTarget("cuda", 90, 32), {"num_warps": warps, "num_stages": stages})
+            assert "mma" in compiled.asm["ptx"], (fmt, transpose)  # tl.dot became tensor-core instructions
+
+
 @pytest.mark.gpu
 def test_kernel_on_the_gpu_at_qwen3_dims():
     for N, K in ((1536, 2048), (2048, 768)):
