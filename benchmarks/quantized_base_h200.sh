@@ -7,7 +7,9 @@
 #     bitsandbytes 4-bit linears (BASELINES, default bnb4: needs bitsandbytes; none to leave it out).
 #   PART=losses: the same model and adapters on 100 steps of the built-in chat records (data=arithmetic: rendered
 #     through the chat template, loss on the assistant turns), the same seed and data for both bases.
-#   OUT=<dir> PART=speed|losses [VARIANTS='name:k=v,...;...'] bash benchmarks/quantized_base_h200.sh [overrides...]
+#   PART=gemms: the expert GEMMs one by one, bf16 against fp8 and nf4 with both kernels.quantized_base values, and
+#     the torch paths' pieces (benchmarks/quantized_base_gemms.py).
+#   OUT=<dir> PART=speed|losses|gemms [VARIANTS='name:k=v,...;...'] bash benchmarks/quantized_base_h200.sh [overrides...]
 set -euo pipefail
 OUT=${OUT:?OUT=<results directory>}
 PART=${PART:-speed}
@@ -20,5 +22,6 @@ case $PART in
            --out "$OUT/speed" ;;
   losses) python -m moe_tune.bench "${workload[@]}" data=arithmetic data.num_samples=16384 train.steps=100 \
             train.warmup_steps_excluded=10 "$@" "${opts[@]}" --baselines none --out "$OUT/losses" ;;
-  *) echo "quantized_base_h200.sh: PART=$PART is not speed or losses" >&2; exit 2 ;;
+  gemms) python benchmarks/quantized_base_gemms.py "$OUT/gemms" ;;
+  *) echo "quantized_base_h200.sh: PART=$PART is not speed, losses or gemms" >&2; exit 2 ;;
 esac
