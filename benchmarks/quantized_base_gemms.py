@@ -5,7 +5,7 @@ on 32,768 routed rows (4,096 tokens x top-8), counts from a skewed router (fp8_e
 hot experts, a long cold tail). For each weight and direction (forward ``x @ W^T``, input gradient ``dy @ W``):
 bf16 ``grouped_mm``; ``fp8`` and ``nf4`` through their custom ops with ``kernels.quantized_base=torch`` and
 ``=triton``; and the pieces of the torch paths (activation quantization, the FP8 weight's transposed copy, NF4's
-dequantization of all experts). Median of 20 timed calls after 3 of warm-up, CUDA events around each; a row whose
+dequantization of all experts). Median of 30 timed calls after 5 of warm-up, CUDA events around each; a row whose
 kernel fails says so and the rest still run.
 
     python benchmarks/quantized_base_gemms.py OUT_DIR     ->  OUT_DIR/quantized_base_gemms.{json,md}
@@ -15,38 +15,21 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+from fp8_experts_h200 import ROWS, E, counts_for
+from fp8_experts_h200 import _median_ms as median_ms
 
 from moe_tune.kernels import fp8_frozen, nf4_frozen
 
-E, D, I, ROWS = 128, 2048, 768, 32768  # noqa: E741 (I: expert hidden dim, the moe/ legend)
-WEIGHTS = {"gate_up": (2 * I, D), "down": (D, I)}  # [N, K] as stored
-
-
-def median_ms(fn, warmup: int = 3, timed: int = 20) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(timed):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+WEIGHTS = {"gate_up": (1536, 2048), "down": (2048, 768)}  # [N, K] as stored
 
 
 def offsets() -> torch.Tensor:
-    g = torch.Generator().manual_seed(0)
-    popularity = torch.softmax(1.5 * torch.randn(E, generator=g), 0)
-    counts = torch.bincount(torch.multinomial(popularity, ROWS, replacement=True, generator=g), minlength=E)
-    return counts.cumsum(0).to(torch.int32).cuda()
+    return counts_for("real").cumsum(0).to(torch.int32).cuda()
 
 
 def cases(N: int, K: int, offs: torch.Tensor) -> dict:
@@ -115,7 +98,7 @@ def main() -> None:
     lines = [
         f"# Quantized base, expert GEMMs one by one: {meta['gpu']}, commit {meta['commit']}, torch {meta['torch']}",
         "",
-        f"{ROWS} routed rows, {E} experts, {meta['routing']}; median of 20 calls after 3 of warm-up.",
+        f"{ROWS} routed rows, {E} experts, {meta['routing']}; median of 30 calls after 5 of warm-up.",
         "",
         "| weight | case | ms | TFLOP/s |",
         "|---|---|---:|---:|",
