@@ -61,7 +61,8 @@ def cases(N: int, K: int, offs: torch.Tensor) -> dict:
             flop,
         )
     rows["piece: fp8 quantize x per row"] = (lambda: fp8_frozen.quantize_activation_rows(x), 0)
-    rows["piece: fp8 weight transposed copy"] = (lambda: q.transpose(-2, -1).contiguous(), 0)
+    rows["piece: fp8 weight transposed copy (torch)"] = (lambda: fp8_frozen.transpose_experts(q, False), 0)
+    rows["piece: fp8 weight transposed copy (triton)"] = (lambda: fp8_frozen.transpose_experts(q, True), 0)
     rows["piece: nf4 dequantize all experts"] = (
         lambda: nf4_frozen.dequantize_weight(codes, scales, torch.bfloat16),
         0,

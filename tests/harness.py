@@ -72,6 +72,21 @@ def triton_interpreted(code: str, gpu_test: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def compile_for_hopper(kernel, pointers: dict, scalars: dict, constexprs: dict, num_warps=4, num_stages=3) -> str:
+    """``kernel`` compiled ahead of time for sm90 by Triton's own compiler, on the CPU (no GPU needed): code the
+    interpreter runs but a GPU compile refuses fails here. Arguments by name: ``pointers`` and ``scalars`` map to
+    Triton type strings ("*bf16", "i32"), ``constexprs`` to values. Returns the PTX."""
+    triton = pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[dev]' brings it)")
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton has no CUDA backend to compile with")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**pointers, **scalars, **dict.fromkeys(constexprs, "constexpr")}
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(ASTSource(kernel, signature, constexprs), GPUTarget("cuda", 90, 32), options).asm["ptx"]
+
+
 # -- ranks in processes -------------------------------------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ per-step weight quantization is what makes ``kernels.experts=grouped_mm_fp8`` sl
     output rows, and Hopper's FP8 GEMM reads its operands contraction-innermost with scales along the output dims
     only. ``kernels.quantized_base=torch``: the weight's row scales are folded into dy (``dy[r, n] * s[j(r), n]``,
     exact: powers of two) in the pass that quantizes dy per row, and the weight's bytes are copied transposed (e x
-    out x in bytes per call) for ``torch._scaled_grouped_mm``. ``triton``: dy as it is against the dequantized
+    out x in bytes per call, one tiled Triton pass on CUDA) for ``torch._scaled_grouped_mm``. ``triton``: dy as it is against the dequantized
     weights in one Triton grouped GEMM that reads the E4M3 tiles in their stored layout (``frozen``). Only the
     weights and offsets are saved for backward.
 Registered as a custom op with its autograd, so torch.compile calls it as it is and traces neither direction. On
@@ -89,6 +89,26 @@ def quantize_activation_rows(
     return q, inv_scale
 
 
+def transpose_experts(w_eNK: torch.Tensor, triton_kernel: bool | None = None) -> torch.Tensor:
+    """The stacked experts ``[e, N, K]`` transposed into a contiguous ``[e, K, N]`` (the same bytes, moved).
+    ``triton_kernel`` (None: on CUDA): one tiled Triton pass; otherwise PyTorch's strided copy."""
+    if not (w_eNK.is_cuda if triton_kernel is None else triton_kernel):
+        return w_eNK.transpose(-2, -1).contiguous()
+    import triton
+
+    from moe_tune.kernels.triton_fp8 import transpose_kernel
+
+    e, N, K = w_eNK.shape
+    src = w_eNK.contiguous()
+    out = torch.empty(e, K, N, dtype=w_eNK.dtype, device=w_eNK.device)
+    if out.numel():
+        # As bytes: Triton then moves 1-byte integers (no FP8 arithmetic, no casts).
+        block = 64
+        grid = (triton.cdiv(N, block), triton.cdiv(K, block), e)
+        transpose_kernel[grid](src.view(torch.uint8), out.view(torch.uint8), N, K, BLOCK_N=block, BLOCK_K=block)
+    return out
+
+
 def _kernel(t: torch.Tensor):
     return scaled_grouped_mm if t.is_cuda else emulated_scaled_grouped_mm
 
@@ -133,7 +153,7 @@ def frozen_fp8_input_grad(
     e, N, K = w_eNK.shape
     col_scale_GN = torch.cat([s_eN, s_eN.new_zeros(1, N)])  # padding rows (group e): zeros
     dyq_RN, sdy_R = quantize_activation_rows(dy_RN, col_scale_GN, offs_e)
-    w_eKN = w_eNK.transpose(-2, -1).contiguous()
+    w_eKN = transpose_experts(w_eNK)
     out = _kernel(dy_RN)(dyq_RN, w_eKN.transpose(-2, -1), sdy_R, _ones(e, K, w_eNK.device), offs_e, FAST_ACCUM)
     return out.to(dy_RN.dtype)
 

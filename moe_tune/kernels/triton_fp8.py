@@ -44,3 +44,17 @@ def quantize_rows_kernel(
     q = tl.minimum(tl.maximum(x * scale, -448.0), 448.0)
     tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(inv_scale_ptr + row, 1.0 / scale)
+
+
+@triton.jit
+def transpose_kernel(x_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``out[j] = x[j]^T`` for each of the stacked matrices ``x`` [e, N, K] into ``out`` [e, K, N], both contiguous:
+    program (n, k, j) reads a [BLOCK_N, BLOCK_K] tile along K (coalesced) and writes it transposed along N
+    (coalesced), the exchange in registers and shared memory. A strided element-wise copy reads one byte per
+    32-byte sector for 1-byte values."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    base = tl.program_id(2).to(tl.int64) * N * K
+    mask = (n[:, None] < N) & (k[None, :] < K)
+    tile = tl.load(x_ptr + base + n[:, None] * K + k[None, :], mask=mask, other=0)
+    tl.store(out_ptr + base + k[:, None] * N + n[None, :], tl.trans(tile), mask=tl.trans(mask))

@@ -13,9 +13,10 @@ from moe_tune.kernels.fp8_frozen import (
     frozen_fp8_grouped_mm,
     quantize_activation_rows,
     quantize_weight,
+    transpose_experts,
 )
 from moe_tune.kernels.fp8_grouped import quantize_rows
-from tests.harness import triton_interpreted
+from tests.harness import compile_for_hopper, triton_interpreted
 from tests.tiny import rel_err
 
 E4M3_MAX = 448.0
@@ -112,11 +113,31 @@ def _triton_matches_pytorch() -> None:
         got = quantize_activation_rows(*args, triton_kernel=True)
         want = quantize_activation_rows(*args, triton_kernel=False)
         assert torch.equal(got[1], want[1])
+    # The input gradient's transposed copy of the experts: bytes moved, none changed (dims no multiple of the tile).
+    w = quantize_weight(torch.randn(3, 70, 100, generator=g))[0]
+    got = transpose_experts(w, triton_kernel=True)
+    assert got.is_contiguous() and torch.equal(got.view(torch.uint8), w.transpose(-2, -1).view(torch.uint8))
 
 
 def test_triton_quantization_equals_pytorch_bit_for_bit():
     triton_interpreted(
         f"import {__name__} as t; t._triton_matches_pytorch()", "test_kernel_on_the_gpu_equals_its_cpu_emulation"
+    )
+
+
+def test_triton_kernels_compile_for_hopper():
+    """The quantization and transpose kernels compiled for sm90 on the CPU (what the interpreter cannot check)."""
+    from moe_tune.kernels.triton_fp8 import quantize_rows_kernel, transpose_kernel
+
+    for has_col_scale in (False, True):
+        compile_for_hopper(
+            quantize_rows_kernel,
+            dict(x_ptr="*bf16", q_ptr="*fp8e4nv", inv_scale_ptr="*fp32", col_scale_ptr="*fp32", offs_ptr="*i32"),
+            dict(num_groups="i32", K="i32", x_row_stride="i64"),
+            dict(HAS_COL_SCALE=has_col_scale, BLOCK=2048, BLOCK_GROUPS=128),
+        )
+    compile_for_hopper(
+        transpose_kernel, dict(x_ptr="*u8", out_ptr="*u8"), dict(N="i32", K="i32"), dict(BLOCK_N=64, BLOCK_K=64)
     )
 
 

@@ -10,7 +10,7 @@ import torch
 
 from moe_tune.kernels import fp8_frozen, nf4_frozen
 from moe_tune.kernels.frozen import dense_grouped_mm, quantized_grouped_mm
-from tests.harness import triton_interpreted
+from tests.harness import compile_for_hopper, triton_interpreted
 from tests.tiny import rel_err
 
 
@@ -45,28 +45,34 @@ def test_kernel_equals_fp32_matmuls_of_the_dequantized_weights():
 
 
 def test_kernel_compiles_for_hopper():
-    """Compiled ahead of time for sm_90 (Triton's own compiler, to PTX, on the CPU): the interpreter runs code that
-    the GPU compiler refuses (code after a constexpr if's return is compiled for the other format's pointers too)."""
-    triton = pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[dev]' brings it)")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """Compiled ahead of time for sm90 on the CPU: the interpreter runs code that the GPU compiler refuses (code
+    after a constexpr if's return is compiled for the other format's pointers too)."""
     from moe_tune.kernels.frozen import BLOCK_M, CONFIGS
     from moe_tune.kernels.triton_frozen import frozen_grouped_mm_kernel
 
-    if "nvidia" not in triton.backends.backends:
-        pytest.skip("this Triton has no CUDA backend to compile with")
-    pointers = {"a_ptr": "*bf16", "s_ptr": "*fp32", "table_ptr": "*fp32", "offs_ptr": "*i32", "tile_ends_ptr": "*i32"}
+    pointers = dict(a_ptr="*bf16", table_ptr="*fp32", offs_ptr="*i32", tile_ends_ptr="*i32", out_ptr="*bf16")
     sizes = dict.fromkeys(("R", "N", "K", "num_groups", "scales_per_row"), "i32")
     o, c, warps, stages = CONFIGS[0]
     for fmt, weights, scales in ((0, "*fp8e4nv", "*fp32"), (1, "*u8", "*bf16")):
         for transpose in (True, False):
-            signature = {**pointers, "w_ptr": weights, "s_ptr": scales, "out_ptr": "*bf16", **sizes}
-            meta = dict(FORMAT=fmt, SCALE_BLOCK=64, TRANSPOSE=transpose, IEEE=False, BLOCK_M=BLOCK_M, BLOCK_O=o,
-                        BLOCK_C=c, BLOCK_GROUPS=256)  # fmt: skip
-            source = ASTSource(frozen_grouped_mm_kernel, {**signature, **dict.fromkeys(meta, "constexpr")}, meta)
-            compiled = triton.compile(source, GPUTarget("cuda", 90, 32), {"num_warps": warps, "num_stages": stages})
-            assert "mma" in compiled.asm["ptx"], (fmt, transpose)  # tl.dot became tensor-core instructions
+            ptx = compile_for_hopper(
+                frozen_grouped_mm_kernel,
+                {**pointers, "w_ptr": weights, "s_ptr": scales},
+                sizes,
+                dict(
+                    FORMAT=fmt,
+                    SCALE_BLOCK=64,
+                    TRANSPOSE=transpose,
+                    IEEE=False,
+                    BLOCK_M=BLOCK_M,
+                    BLOCK_O=o,
+                    BLOCK_C=c,
+                    BLOCK_GROUPS=256,
+                ),  # fmt: skip
+                num_warps=warps,
+                num_stages=stages,
+            )
+            assert "mma" in ptx, (fmt, transpose)  # tl.dot became tensor-core instructions
 
 
 @pytest.mark.gpu
