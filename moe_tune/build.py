@@ -76,7 +76,8 @@ def build_source(cfg: Config, rank: int) -> tuple[str | None, object]:
     if cfg.model.path is not None:
         return cfg.model.path, AutoConfig.from_pretrained(cfg.model.path)
     if cfg.model.name.startswith("tiny_"):
-        path = os.path.join(cfg.output_dir, BASE_MODEL)
+        # Absolute: checkpoints and exported adapters name it as their base, read from any directory.
+        path = os.path.abspath(os.path.join(cfg.output_dir, BASE_MODEL))
         if rank == 0:
             drop_stale_base_model(path, cfg.model.name, cfg.model.overrides)
             build_tiny_checkpoint(path, cfg.model.name, cfg.model.overrides, seed=cfg.train.seed)

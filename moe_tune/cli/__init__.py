@@ -10,3 +10,8 @@ env.py     ``moe-tune-env`` = ``python -m moe_tune.env``: versions, GPUs and the
 The overrides' check and composition, shared by ``moe-tune``, the torchrun launcher and the bench, are the config's
 (``moe_tune.config.overrides``).
 """
+
+
+def described(doc: str) -> str:
+    """A module docstring as ``--help`` shows it: no reStructuredText literal quotes."""
+    return doc.replace("``", "")

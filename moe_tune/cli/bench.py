@@ -41,6 +41,7 @@ from moe_tune.bench.workload import (
     with_defaults,
     workload,
 )
+from moe_tune.cli import described
 
 
 def _default_nproc() -> int:
@@ -53,7 +54,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     summary, _, details = __doc__.partition("\n\n")
     p = argparse.ArgumentParser(
         prog="moe-tune-bench",
-        description=" ".join(summary.split()),
+        description=described(" ".join(summary.split())),
         epilog=details,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

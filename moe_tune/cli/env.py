@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+from moe_tune.cli import described
 from moe_tune.env.backends import BACKENDS, probe
 from moe_tune.env.report import LABELS, collect, gpus, versions
 
@@ -43,7 +44,7 @@ def _print_backend(row: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="moe-tune-env", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="moe-tune-env", description=described(__doc__.splitlines()[0]))
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")

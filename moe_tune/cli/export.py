@@ -11,9 +11,11 @@ import json
 import os
 import sys
 
+from moe_tune.cli import described
+
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="moe-tune-export", description=__doc__)
+    parser = argparse.ArgumentParser(prog="moe-tune-export", description=described(__doc__))
     parser.add_argument("checkpoint", help="a checkpoints/step_<N> directory written by moe-tune")
     parser.add_argument("out", help="output directory for the Hugging Face checkpoint")
     parser.add_argument(

@@ -4,7 +4,8 @@ before it is launched, on any machine (CPU only is enough).
 Takes ``moe-tune``'s own overrides. Prints the predicted peak memory per rank (``peak_gib``: the step's
 ``torch.cuda.max_memory_allocated``) with its parts, whether it fits, and the predicted tokens/s per GPU. With
 ``--search``: every layout of ``--gpus`` GPUs (expert parallelism, micro-batch, activation checkpointing) that fits,
-fastest first, and why each other one does not. Exit 2 for a configuration that cannot run, as ``moe-tune``; 3
+fastest first, and why each other one does not; those of the three keys given a value are held at it. A key given as
+``auto`` (as ``moe-tune`` takes it) is searched the same way. Exit 2 for a configuration that cannot run, as ``moe-tune``; 3
 when the layout does not fit (with ``--search``: when none does), so that a script can branch on it.
 """
 
@@ -12,20 +13,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+from moe_tune.cli import described
 from moe_tune.config import UserError
+from moe_tune.config.overrides import AUTO_KEYS
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moe-tune-plan", description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p = argparse.ArgumentParser(
+        prog="moe-tune-plan", description=described(__doc__.split("\n\n")[0].replace("\n", " "))
+    )
     p.add_argument("overrides", nargs="*", help="moe-tune's overrides (model=..., parallel.ep=..., train....)")
     p.add_argument("--gpus", type=int, default=None, help="world size (default: the layout's, as moe-tune's launch)")
     p.add_argument("--gpu-mem-gib", type=float, default=None, help="memory per GPU (default: an H200's 140.4)")
     p.add_argument("--headroom", type=float, default=None, help="share of each GPU left free (default 0.05)")
     p.add_argument("--routing", choices=("real", "balanced"), default="real", help="expected routing imbalance")
-    p.add_argument("--search", action="store_true", help="list the layouts that fit, fastest first")
-    p.add_argument("--max-micro-batch", type=int, default=16, help="largest micro-batch --search tries")
+    p.add_argument(
+        "--search", action="store_true", help="list the layouts that fit, fastest first (keys given are held)"
+    )
+    p.add_argument("--max-micro-batch", type=int, default=16, help="largest micro-batch --search tries (default 16)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -66,6 +74,26 @@ def _print_plan(d: dict) -> None:
     print(f"predicted {d['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, step {d['step_s'] * 1e3:.0f} ms ({parts})")
 
 
+def _print_search(result: dict, searched: tuple[str, ...]) -> None:
+    held = [k for k in AUTO_KEYS if k not in searched]
+    given = f" ({', '.join(held)} as given)" if held else ""
+    print(f"layouts of {result['gpus']} GPU(s) that fit, fastest first{given}:")
+    for d in result["fits"]:
+        print("  " + _row(d))
+    if not result["fits"]:
+        print("  none")
+    print("rejected:" + ("" if result["rejected"] else " none"))
+    for r in result["rejected"]:
+        lay = r["layout"]
+        print(f"  ep={lay['ep']} mb={lay['micro_batch_size']} ac={lay['activation_checkpointing']}: {r['reason']}")
+    if result["best"]:
+        lay = result["best"]["layout"]
+        print(
+            f"best: parallel.ep={lay['ep']} train.micro_batch_size={lay['micro_batch_size']} "
+            f"parallel.activation_checkpointing={lay['activation_checkpointing']}"
+        )
+
+
 def check_flags(args) -> None:
     """The flags' values, before anything is composed (one line, exit 2)."""
     if args.gpus is not None and args.gpus < 1:
@@ -78,6 +106,19 @@ def check_flags(args) -> None:
         raise UserError(f"--max-micro-batch {args.max_micro_batch}: give the largest micro-batch to try, >= 1")
 
 
+def searched_keys(overrides: list[str], search: bool) -> tuple[tuple[str, ...] | None, list[str]]:
+    """(the layout keys to search, None for a plan of the layout as given; the overrides without ``auto`` values).
+    ``auto`` keys are searched; with ``--search`` so is every layout key the overrides do not set."""
+    from moe_tune.plan.auto import auto_keys
+
+    auto = auto_keys(overrides)
+    given = [o for o in overrides if o.split("=", 1)[0] not in auto]
+    if search:
+        held = {o.split("=", 1)[0].lstrip("+") for o in given if "=" in o}
+        return tuple(k for k in AUTO_KEYS if k not in held), given
+    return (tuple(auto) if auto else None), given
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)  # flags and overrides in any order
     try:
@@ -86,17 +127,19 @@ def main(argv: list[str] | None = None) -> int:
         from moe_tune.plan import DEFAULT_GPU_MEM_GIB, DEFAULT_HEADROOM, plan, search
 
         check_flags(args)
-        cfg = cli_args.to_config(cli_args.check(args.overrides))
+        searched, overrides = searched_keys(args.overrides, args.search)
+        cfg = cli_args.to_config(cli_args.check(overrides))
         check_model_source(cfg)  # a missing or unreadable model.path: moe-tune's own one line
         mem = DEFAULT_GPU_MEM_GIB if args.gpu_mem_gib is None else args.gpu_mem_gib
         headroom = DEFAULT_HEADROOM if args.headroom is None else args.headroom
-        if args.search:
+        if searched is not None:
             from moe_tune.plan import default_gpus
 
             gpus = args.gpus or default_gpus(cfg)
-            fitting, rejected = search(cfg, gpus, mem, headroom, args.routing, args.max_micro_batch)
+            fitting, rejected = search(cfg, gpus, mem, headroom, args.routing, args.max_micro_batch, searched)
             result = {
                 "gpus": gpus,
+                "searched": list(searched),
                 "fits": [p.as_dict() for p in fitting],
                 "rejected": [{"layout": lay, "reason": why} for lay, why in rejected],
                 "best": fitting[0].as_dict() if fitting else None,
@@ -106,26 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"moe-tune-plan: error: {e}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(result, indent=2))
-    elif args.search:
-        print(f"layouts of {result['gpus']} GPU(s) that fit, fastest first:")
-        for d in result["fits"]:
-            print("  " + _row(d))
-        if not result["fits"]:
-            print("  none")
-        print("rejected:" + ("" if result["rejected"] else " none"))
-        for r in result["rejected"]:
-            lay = r["layout"]
-            print(f"  ep={lay['ep']} mb={lay['micro_batch_size']} ac={lay['activation_checkpointing']}: {r['reason']}")
-        if result["best"]:
-            lay = result["best"]["layout"]
-            print(
-                f"best: parallel.ep={lay['ep']} train.micro_batch_size={lay['micro_batch_size']} "
-                f"parallel.activation_checkpointing={lay['activation_checkpointing']}"
-            )
-    else:
-        _print_plan(result)
+    try:
+        if args.json:
+            print(json.dumps(result, indent=2))
+        elif searched is not None:
+            _print_search(result, searched)
+        else:
+            _print_plan(result)
+        sys.stdout.flush()
+    except BrokenPipeError:  # piped into head: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor a second error at exit's flush
     fits = bool(result["fits"])  # a list of layouts under --search, a bool otherwise
     return 0 if fits else 3
 

@@ -23,6 +23,8 @@ from moe_tune.config import COMM_CONFIGS, ConfigError
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
 # OmegaConf's conversion error: "Value 'abc' of type 'str' could not be converted to Integer full_key: train.steps"
+# Keys that take "auto" on moe-tune's command line: the planner's search picks them (moe_tune.plan.auto).
+AUTO_KEYS = ("parallel.ep", "parallel.activation_checkpointing", "train.micro_batch_size")
 TYPE_ERROR = re.compile(r"Value '(.*?)' of type '\w+' could not be converted to (\w+) full_key: (\S+)")
 EXPECTED = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
 # OmegaConf's error for a bool key: "Value 'maybe' is not a valid bool (type str) full_key: data.packing"
@@ -298,7 +300,8 @@ def _describe(e: Exception, overrides: list[str]) -> str:
     type_error = TYPE_ERROR.search(msg)
     if type_error:
         value, expected, key = type_error.groups()
-        return f"{key}={value!r} is not {EXPECTED.get(expected, expected)}; give {key} a value of that type"
+        also = " (or auto: the planner picks it)" if key in AUTO_KEYS else ""
+        return f"{key}={value!r} is not {EXPECTED.get(expected, expected)}; give {key} a value of that type{also}"
     bool_error = BOOL_ERROR.search(msg)
     if bool_error:
         value, key = bool_error.groups()
@@ -340,10 +343,23 @@ def help_text(overrides: list[str]) -> str:
         "       torchrun --nproc-per-node N -m moe_tune [group=option ...] [key=value ...]\n\n"
         f"Config groups (group=option):\n{groups}\n\n"
         f"Allowed values (key: what it takes (what it means); checked before anything runs):\n{checked}\n\n"
+        f"Planned before the launch, for the world size and GPU memory at hand (moe-tune-plan --search shows how):\n"
+        f"  {', '.join(k + '=auto' for k in AUTO_KEYS)}\n\n"
         "Hydra's flags: --cfg job|hydra|all (print the config, run nothing), --package KEY, --resolve,\n"
         "  --info [all|config|defaults|defaults-tree|plugins|searchpath], -m (sweeps and launchers), --hydra-help\n\n"
         f"Config (key=value; with the overrides given):\n{OmegaConf.to_yaml(check(overrides))}"
     )
 
 
-__all__ = ["CONF_DIR", "check", "checked_keys", "compose", "help_text", "parse", "runs_job", "schema_keys", "to_config"]
+__all__ = [
+    "AUTO_KEYS",
+    "CONF_DIR",
+    "check",
+    "checked_keys",
+    "compose",
+    "help_text",
+    "parse",
+    "runs_job",
+    "schema_keys",
+    "to_config",
+]

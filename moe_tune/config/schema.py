@@ -152,8 +152,8 @@ class KernelsConfig:
     # The quantized base's expert GEMMs (peft.quantize_base). "torch": FP8 through torch._scaled_grouped_mm both ways
     # (the input gradient reads a transposed copy of the experts made per call), NF4 32 experts dequantized at a time
     # for bf16 grouped GEMMs (a host sync per call); measured on an H200. "triton": the FP8 input gradient and both
-    # NF4 directions through one Triton grouped GEMM that dequantizes weight tiles in registers (no copy, no sync);
-    # tested on the CPU through Triton's interpreter, not yet measured on a GPU.
+    # NF4 directions through one Triton grouped GEMM that dequantizes weight tiles in registers (no copy, no sync;
+    # CUDA only); measured slower than "torch" on an H100 (docs/lora.md). Changes nothing without a quantized base.
     quantized_base: str = field("torch", choices=QUANTIZED_GEMMS, help="the quantized base's GEMMs")
 
     def fp8_options(self) -> dict:

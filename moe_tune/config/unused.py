@@ -6,9 +6,10 @@ from __future__ import annotations
 from moe_tune.config.schema import Config, TrainConfig
 
 
-def unused_settings(cfg: Config) -> list[str]:
+def unused_settings(cfg: Config, device_type: str = "cuda") -> list[str]:
+    """``device_type``: the run's device ("cpu" or "cuda"; some kernels exist on CUDA only)."""
     t, d, default = cfg.train, cfg.data, TrainConfig()
-    lines = []
+    lines = _quantized_gemm(cfg, device_type)
     if t.eval_every > 0 and d.val_path is None and d.val_fraction == 0:
         lines.append(
             f"train.eval_every={t.eval_every} has no validation set to evaluate, so no val_loss is logged; add "
@@ -33,3 +34,22 @@ def unused_settings(cfg: Config) -> list[str]:
             "logger=none has none; add logger=tensorboard (or wandb, mlflow)"
         )
     return lines
+
+
+def _quantized_gemm(cfg: Config, device_type: str) -> list[str]:
+    """kernels.quantized_base chooses the GEMMs of a quantized base's experts: only with one, and Triton on CUDA."""
+    gemm = cfg.kernels.quantized_base
+    if gemm == "torch":
+        return []
+    if cfg.peft.name != "lora" or cfg.peft.quantize_base == "none":
+        quantized = f"peft={cfg.peft.name}" if cfg.peft.name != "lora" else "peft.quantize_base=none"
+        return [
+            f"kernels.quantized_base={gemm} chooses the GEMMs of a quantized base's experts, and {quantized} keeps "
+            "them in bf16; add peft=lora peft.quantize_base=fp8 (or nf4) to quantize them"
+        ]
+    if device_type != "cuda":
+        return [
+            f"kernels.quantized_base={gemm} is a CUDA kernel; on the {device_type} the quantized experts are "
+            "dequantized and multiplied in PyTorch"
+        ]
+    return []

@@ -34,9 +34,11 @@ class ParallelDims:
                 f"world size ({self.world_size}); try parallel.dp_shard=-1"
             )
         if self.dp_shard % self.ep:
+            divisors = [e for e in range(1, self.dp_shard + 1) if self.dp_shard % e == 0]
             raise ConfigError(
                 f"parallel.ep ({self.ep}) must divide parallel.dp_shard ({self.dp_shard}, world size "
-                f"{self.world_size}); expert parallelism borrows its ranks from dp_shard: try parallel.ep=1"
+                f"{self.world_size}); expert parallelism borrows its ranks from dp_shard: try parallel.ep="
+                f"{' or '.join(map(str, divisors))}"
             )
 
     @classmethod

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_tune.config import AC_MODES, AllToAllConfig, Config, ConfigError
+from moe_tune.config.overrides import AUTO_KEYS
 from moe_tune.plan.memory import CALIBRATION, GIB, Calibration
 from moe_tune.plan.speed import H200, LINKS, Links, Rates
 
@@ -164,10 +165,7 @@ def plan(
     return p
 
 
-SEARCHED = ("parallel.ep", "parallel.activation_checkpointing", "train.micro_batch_size")
-
-
-def candidates(cfg: Config, gpus: int, num_experts: int, max_micro_batch: int = 16, vary=SEARCHED):
+def candidates(cfg: Config, gpus: int, num_experts: int, max_micro_batch: int = 16, vary=AUTO_KEYS):
     """Layouts to try: every ep dividing both the experts and the GPUs, micro-batches 1, 2, 4, ... (global batch
     kept when set), each checkpointing mode; of these only the keys in ``vary``, the others as ``cfg`` has them."""
     p, t = cfg.parallel, cfg.train
@@ -194,7 +192,7 @@ def search(
     headroom: float = DEFAULT_HEADROOM,
     routing: str = "real",
     max_micro_batch: int = 16,
-    vary=SEARCHED,
+    vary=AUTO_KEYS,
 ) -> tuple[list[Plan], list[tuple[dict, str]]]:
     """(plans that fit, fastest first; rejected layouts with the reason). A micro-batch that does not fit ends
     that (ep, checkpointing) line: larger ones only need more."""
@@ -219,7 +217,16 @@ def search(
         else:
             rejected.append((layout, p.problems[0]))
             stop.add(key)
-    fitting.sort(key=lambda p: -p.speed["tokens_per_s_per_gpu"])
+    # Equal predicted speeds come from a host-bound step, whose launches the model counts once per layer: a
+    # recompute still adds its own, so the layout recomputing least comes first, then the one needing least memory.
+    recompute = {"none": 0, "selective": 1, "full": 2}
+    fitting.sort(
+        key=lambda p: (
+            -round(p.speed["tokens_per_s_per_gpu"]),
+            recompute[p.config.parallel.activation_checkpointing],
+            p.memory.peak,
+        )
+    )
     return fitting, rejected
 
 

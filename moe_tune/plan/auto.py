@@ -10,8 +10,7 @@ import os
 import sys
 
 from moe_tune.config import ConfigError
-
-AUTO_KEYS = ("parallel.ep", "parallel.activation_checkpointing", "train.micro_batch_size")
+from moe_tune.config.overrides import AUTO_KEYS
 
 
 def auto_keys(overrides: list[str]) -> list[str]:

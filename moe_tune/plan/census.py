@@ -11,6 +11,7 @@ rank the same shapes (FSDP2's last shard may be up to one row shorter; counted a
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -69,11 +70,13 @@ def fake_world(world_size: int):
 
     if dist.is_initialized():
         raise RuntimeError("moe-tune-plan builds under a fake process group and cannot run inside a real one")
+    hook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]": once per plan, a prefix each
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def census(cfg: Config, hf_config, world_size: int) -> Census:

@@ -135,8 +135,9 @@ class Trainer:
         t, optim = self.cfg.train, self.cfg.optim
         if self.rank == 0:
             report_rounding(t.precision, optim.stochastic_rounding)
-            for line in unused_settings(self.cfg):  # the run goes on as asked: a note, not a warning
+            for line in unused_settings(self.cfg, self.device.type):  # the run goes on as asked: a note, not a warning
                 log.info("note: %s", line)
+            log.info("trains %s", trained_what(self.cfg))
         # Ranks are (dp_replicate, dp_shard) row-major: replicas of one shard share rank % dp_shard and so draw the
         # same stochastic-rounding bits (they must stay equal); without a moe_tune mesh (the NeMo peer): every rank.
         dp_shard = self.mesh.dims.dp_shard if self.mesh is not None else self.world
@@ -378,6 +379,20 @@ class Trainer:
             data_stats={"train": self.data.stats, "val": val_stats},
             **self.built.describe,
         )
+
+
+def trained_what(cfg: Config) -> str:
+    """What the optimizer updates, for the run's log: every weight, or LoRA's adapters over a frozen base and how
+    that base is held."""
+    p = cfg.peft
+    if p.name != "lora":
+        return "every weight (a full fine-tune)"
+    base = "bf16" if p.quantize_base == "none" else f"{p.quantize_base} (peft.quantize_base)"
+    router = " and the routers" if p.train_router else ""
+    return (
+        f"LoRA adapters of rank {p.rank} (alpha {p.alpha:g}) on {', '.join(p.target)}{router}; the frozen routed "
+        f"experts held in {base}"
+    )
 
 
 __all__ = ["Trainer"]

@@ -285,12 +285,13 @@ def test_cli_hub_id_as_model_path_says_it_is_not_downloaded(tmp_path):
 
 def test_cli_lora_export_as_model_path_names_its_base_and_the_merge(tmp_path):
     """A LoRA run's hf/ (a PEFT adapter) as model.path: the line names the base model and the run's checkpoint to
-    merge; the merge it names gives a directory model.path takes."""
+    merge; the merge it names gives a directory model.path takes. The run's output_dir is relative and the merge
+    runs elsewhere: the built-in preset's base model is named by its absolute path."""
     from moe_tune.config.model_dir import model_dir_problem
 
     run = tmp_path / "lora"
-    args = [f"output_dir={run}", "peft=lora", "train.steps=2", "checkpoint.every=2", *FAST_RUN]
-    assert run_main(args).returncode == 0
+    args = ["output_dir=lora", "peft=lora", "train.steps=2", "checkpoint.every=2", *FAST_RUN]
+    assert run_main(args, cwd=tmp_path).returncode == 0
     line = _one_error_line([f"output_dir={tmp_path / 'next'}", f"model.path={run / 'hf'}"])
     assert line.startswith(f"moe-tune: error: model.path={run / 'hf'} is a PEFT LORA adapter (adapter_config.json, ")
     assert f"its base model is {run / 'base_model'} (adapter_config.json's base_model_name_or_path): " in line
@@ -298,7 +299,9 @@ def test_cli_lora_export_as_model_path_names_its_base_and_the_merge(tmp_path):
     checkpoint = run / "checkpoints" / "step_2"
     assert f"{checkpoint} <dir> --merge, or PEFT's merge_and_unload) and give model.path=<dir>" in line
     merged = tmp_path / "merged"
-    r = run_main([str(checkpoint), str(merged), "--merge"], main=export_main)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = run_main([str(checkpoint), str(merged), "--merge"], cwd=elsewhere, main=export_main)
     assert r.returncode == 0, r.stderr[-3000:]
     assert model_dir_problem(str(merged)) is None
 

@@ -15,6 +15,8 @@ from moe_tune.config.unused import unused_settings
         (["peft=lora", "train.aux_loss_coef=0.5"], "train.aux_loss_coef=0.5 changes nothing with peft=lora"),
         (["peft=lora", "train.z_loss_coef=0.1"], "train.z_loss_coef=0.1 changes nothing with peft=lora"),
         (["logger.expert_load_image_every=1"], "logger.expert_load_image_every=1 draws images for a tracker"),
+        (["kernels.quantized_base=triton"], "kernels.quantized_base=triton chooses the GEMMs of a quantized base"),
+        (["peft=lora", "kernels.quantized_base=triton"], "and peft.quantize_base=none keeps them in bf16"),
     ],
 )
 def test_each_unused_setting_is_named(overrides, expected):
@@ -31,7 +33,18 @@ def test_each_unused_setting_is_named(overrides, expected):
         ["peft=lora", "peft.train_router=true", "train.aux_loss_coef=0.5"],
         ["peft=lora"],
         ["logger=tensorboard", "logger.expert_load_image_every=1"],
+        ["peft=lora", "peft.quantize_base=nf4", "kernels.quantized_base=triton"],
     ],
 )
 def test_used_settings_say_nothing(overrides):
     assert unused_settings(to_config(compose(["train.steps=20", *overrides]))) == []
+
+
+def test_a_cuda_kernel_on_the_cpu_is_named():
+    """The Triton GEMMs of a quantized base exist on CUDA only: on the CPU the run says what it does instead."""
+    overrides = ["train.steps=20", "peft=lora", "peft.quantize_base=fp8", "kernels.quantized_base=triton"]
+    lines = unused_settings(to_config(compose(overrides)), device_type="cpu")
+    assert lines == [
+        "kernels.quantized_base=triton is a CUDA kernel; on the cpu the quantized experts are dequantized and "
+        "multiplied in PyTorch"
+    ]

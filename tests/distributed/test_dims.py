@@ -12,7 +12,12 @@ from moe_tune.distributed.dims import BatchLayout, ParallelDims
 @pytest.mark.parametrize(
     "kwargs,world,message",
     [
-        (dict(ep=3), 8, "parallel.ep (3) must divide parallel.dp_shard (8"),
+        (
+            dict(ep=3),
+            8,
+            "must divide parallel.dp_shard (8, world size 8); expert parallelism borrows its ranks from "
+            "dp_shard: try parallel.ep=1 or 2 or 4 or 8",
+        ),
         (dict(dp_replicate=3), 8, "parallel.dp_replicate (3) must divide the world size (8)"),
         (dict(dp_replicate=2, dp_shard=2), 8, "x parallel.dp_shard (2) must equal the world size (8)"),
     ],

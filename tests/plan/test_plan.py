@@ -140,9 +140,50 @@ def test_search_lists_fitting_layouts_fastest_first_and_says_why_others_do_not_f
         assert all(q.config.train.micro_batch_size < lay["micro_batch_size"] for q in same)
 
 
+def test_search_of_equal_speeds_takes_the_least_recompute_first():
+    """LoRA on the tiny model is host-bound: the checkpointing modes predict one speed, though a recompute adds its
+    launches (not in the model): the order is none, selective, full, whatever order they were tried in."""
+    fitting, _ = search(_cfg("peft=lora"), 1, vary=("parallel.activation_checkpointing",))
+    speeds = [round(p.speed["tokens_per_s_per_gpu"]) for p in fitting]
+    assert len(set(speeds)) == 1, speeds
+    assert [p.config.parallel.activation_checkpointing for p in fitting] == ["none", "selective", "full"]
+
+
+def test_cli_search_holds_the_layout_keys_given(capsys):
+    """--search varies only the layout keys the overrides leave open; a key given as auto is searched without
+    --search (as moe-tune takes it)."""
+    assert plan_main(["--search", "--gpus", "4", "parallel.ep=2", "--json", "--max-micro-batch", "2"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["searched"] == ["parallel.activation_checkpointing", "train.micro_batch_size"]
+    assert {f["layout"]["ep"] for f in d["fits"]} == {2}
+    assert plan_main(["--gpus", "4", "train.micro_batch_size=auto", "--max-micro-batch", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(
+        "layouts of 4 GPU(s) that fit, fastest first (parallel.ep, parallel.activation_checkpointing as given):"
+    )
+    assert {line.split()[1] for line in out.splitlines() if line.startswith("  ep=")} == {"mb=1", "mb=2", "mb=4"}
+
+
+def test_cli_piped_into_head_ends_quietly():
+    """``moe-tune-plan ... | head -1``: the reader has closed the pipe before the plan is printed (``true`` reads
+    nothing); no BrokenPipeError traceback, and the plan's exit code."""
+    import subprocess
+    import sys
+
+    cmd = f"{sys.executable} -m moe_tune.cli.plan --search --gpus 4 --json | true; exit ${{PIPESTATUS[0]}}"
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
 def test_cli_prints_one_json_object(capsys):
+    import sys
+
+    hook = sys.excepthook
     # flags and overrides in any order, as moe-tune takes them
     assert plan_main(["--gpus", "2", "parallel.ep=2", "--json", "train.micro_batch_size=2"]) == 0
+    # the fake process group's excepthook (a "[rank0]:" prefix on a traceback's lines) goes with the group: not one
+    # more prefix per plan
+    assert sys.excepthook is hook
     d = json.loads(capsys.readouterr().out)
     assert d["layout"]["micro_batch_size"] == 2 and d["layout"]["ep"] == 2 and d["gpus"] == 2
     assert d["peak_gib"] > 0 and d["fits"]

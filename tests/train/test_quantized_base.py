@@ -28,6 +28,17 @@ def _losses(run) -> list[float]:
     return [r["loss"] for r in read_metrics(run)]
 
 
+def test_the_log_says_what_trains_and_how_the_base_is_held():
+    from moe_tune.cli.train import compose, to_config
+    from moe_tune.train.trainer import trained_what
+
+    assert trained_what(to_config(compose(["peft=lora", "peft.quantize_base=nf4"]))) == (
+        "LoRA adapters of rank 16 (alpha 32) on attention, experts; the frozen routed experts held in nf4 "
+        "(peft.quantize_base)"
+    )
+    assert trained_what(to_config(compose([]))) == "every weight (a full fine-tune)"
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_the_experts_are_held_quantized_only(make_trainer, mode):
     trainer = make_trainer(*LORA, f"peft.quantize_base={mode}")
