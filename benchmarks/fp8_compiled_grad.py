@@ -1,11 +1,14 @@
 """Issue 36: ``kernels.experts=grouped_mm_fp8`` under ``torch.compile`` gave input and weight gradients with relative
-error 1.0 on an H200 (validation refuses the pair). This bisects where, in one run on one Hopper GPU, comparing
-each compiled piece with the same piece in eager mode on the same inputs (Qwen3-30B-A3B's expert dims, uneven
-groups, an empty one, padding rows past the last group):
+error 1.0 on an H200 (validation refuses the pair). Its GEMMs were then an autograd.Function around
+``torch._scaled_grouped_mm`` that dynamo traced through; they are now custom ops with their autograd registered, as
+the frozen base's FP8 GEMMs are (those compile to eager's results). This checks the fix and bisects the old failure,
+in one run on one Hopper GPU, comparing each compiled piece with the same piece in eager mode on the same inputs
+(Qwen3-30B-A3B's expert dims, uneven groups, an empty one, padding rows past the last group):
 
-  1. the whole FP8 grouped GEMM (forward, input gradient, weight gradient) under the inductor backend;
-  2. the same under ``aot_eager`` (AOTAutograd's graphs run eagerly: no inductor code): if 1 is wrong and 2 right,
-     inductor's code is at fault, else the tracing of the autograd.Function;
+  1. ``fp8_grouped_mm`` (the custom ops) under inductor and under ``aot_eager``: the fix, expected equal;
+  2. ``Traced``, the old autograd.Function over the same pieces, under inductor and ``aot_eager`` (AOTAutograd's
+     graphs run eagerly: no inductor code): the minimal reproduction, expected wrong if the bug is torch's tracing
+     of ``torch._scaled_grouped_mm``;
   3. the quantizations alone under inductor (values and scales, bitwise): ``quantize_rows`` over each axis and
      ``quantize_group_columns`` after ``pad_groups``;
   4. ``torch._scaled_grouped_mm`` alone under inductor, in each of the three layouts the GEMMs use, and whether its
@@ -49,19 +52,51 @@ def inputs(rows: int, experts: int, K: int, N: int):
     return x, w, offs, dy
 
 
-def whole(x, w, offs, dy, backend: str | None) -> None:
-    def run(fn):
+class Traced(torch.autograd.Function):
+    """The GEMMs as they were when compiled gradients came out wrong: the same pieces, traced through by dynamo."""
+
+    @staticmethod
+    def forward(ctx, x_RK, w_eKN, offs_e):
+        ctx.save_for_backward(x_RK, w_eKN, offs_e)
+        xq_RK, sx_R = f8.quantize_rows(x_RK)
+        wq_eNK, sw_eN = f8.quantize_rows(w_eKN.transpose(-2, -1))
+        return f8.scaled_grouped_mm(xq_RK, wq_eNK.transpose(-2, -1), sx_R, sw_eN, offs_e, True).to(x_RK.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_RN):
+        x_RK, w_eKN, offs_e = ctx.saved_tensors
+        dyq_RN, sdy_R = f8.quantize_rows(dy_RN)
+        wq_eKN, sw_eK = f8.quantize_rows(w_eKN)
+        dx = f8.scaled_grouped_mm(dyq_RN, wq_eKN.transpose(-2, -1), sdy_R, sw_eK, offs_e, True).to(x_RK.dtype)
+        return dx, weight_grad_traced(x_RK, dy_RN, offs_e).to(w_eKN.dtype), None
+
+
+def weight_grad_traced(x_RK, dy_RN, offs_e, mm=None):
+    """The old weight gradient: ``fp8_weight_grad``'s steps, returning the kernel output's transposed view."""
+    e, R = offs_e.shape[0], x_RK.shape[0]
+    dest_R, group_B, padded_offs_e, P = f8.pad_groups(offs_e, R)
+    x_PK = x_RK.new_zeros(P, x_RK.shape[1]).index_copy_(0, dest_R, x_RK)
+    dy_PN = dy_RN.new_zeros(P, dy_RN.shape[1]).index_copy_(0, dest_R, dy_RN)
+    xq_PK, sx_GK = f8.quantize_group_columns(x_PK, group_B, e + 1)
+    dyq_PN, sdy_GN = f8.quantize_group_columns(dy_PN, group_B, e + 1)
+    args = (dyq_PN.t().contiguous(), xq_PK.t().contiguous().t(), sdy_GN[:e].contiguous().view(-1))
+    args = (*args, sx_GK[:e].contiguous().view(-1), padded_offs_e)
+    return (mm or (lambda *a: f8.scaled_grouped_mm(*a, True)))(*args).transpose(-2, -1)
+
+
+def whole(x, w, offs, dy, backend: str, fn=f8.fp8_grouped_mm, label="fp8_grouped_mm (custom ops)") -> None:
+    def run(f):
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-        out = fn(xx, ww, offs)
+        out = f(xx, ww, offs)
         out.backward(dy)
         return out.detach(), xx.grad, ww.grad
 
-    eager = run(f8.fp8_grouped_mm)
+    eager = run(fn)
     torch._dynamo.reset()
-    compiled = run(torch.compile(f8.fp8_grouped_mm, backend=backend or "inductor"))
+    compiled = run(torch.compile(fn, backend=backend))
     routed = int(offs[-1])  # rows past it are padding, which the GEMMs leave undefined
     for i, (name, rows) in enumerate((("out", routed), ("dx", routed), ("dw", None))):
-        report(f"{backend or 'inductor'}: whole FP8 grouped GEMM, {name}", rel(compiled[i][:rows], eager[i][:rows]))
+        report(f"{backend}: {label}, {name}", rel(compiled[i][:rows], eager[i][:rows]))
 
 
 def quantizations(x, w, offs, dy) -> None:
@@ -100,8 +135,8 @@ def gemms(x, w, offs, dy) -> None:
     def mm(a, b, sa, sb, o):
         return torch._scaled_grouped_mm(a, b, sa, sb, offs=o, out_dtype=torch.bfloat16, use_fast_accum=True)
 
-    seen = []  # the weight gradient's operands, as _weight_grad makes them
-    f8._weight_grad(x, dy, offs, lambda *a: seen.append(a[:5]) or mm(*a[:5]), True)
+    seen = []  # the weight gradient's operands, as fp8_weight_grad makes them
+    weight_grad_traced(x, dy, offs, lambda *a: seen.append(a) or mm(*a))
     layouts["weight gradient (2d x 2d)"] = seen[0]
     torch._dynamo.reset()
     for name, args in layouts.items():
@@ -124,8 +159,9 @@ def main() -> None:
     for K, N in ((2048, 1536), (768, 2048)):  # Qwen3-30B-A3B's gate_up and down
         print(f"-- experts 128, K {K}, N {N}")
         data = inputs(args.rows, 128, K, N)
-        whole(*data, None)
-        whole(*data, "aot_eager")
+        for backend in ("inductor", "aot_eager"):
+            whole(*data, backend)
+            whole(*data, backend, Traced.apply, "Traced (the old autograd.Function)")
         quantizations(*data)
         gemms(*data)
 

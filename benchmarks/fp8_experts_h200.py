@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from moe_tune.kernels.fp8_grouped import emulated_scaled_grouped_mm, fp8_grouped_mm, quantize_rows, scaled_grouped_mm
+from moe_tune.kernels.fp8_grouped import fp8_grouped_mm, quantize_rows, scaled_grouped_mm
 
 E, D, I, ROWS = 128, 2048, 768, 32768  # noqa: E741 (I: expert hidden dim, the moe/ legend)
 FLOP = 3 * 2 * ROWS * (D * 2 * I + I * D)
@@ -101,7 +101,7 @@ def check(out_dir: str) -> dict:
         for label, mm in (
             ("cuda", lambda a, b, o: fp8_grouped_mm(a, b, o, fast_accum=False)),
             ("cuda_fast_accum", fp8_grouped_mm),
-            ("emulated", lambda a, b, o: fp8_grouped_mm(a, b, o, kernel=emulated_scaled_grouped_mm)),
+            ("emulated", lambda a, b, o: fp8_grouped_mm(a, b, o, emulate=True)),
             ("bf16", _bf16_mm),
         ):
             xi, wi = x.clone().requires_grad_(), w.detach().clone().requires_grad_()

@@ -27,7 +27,12 @@ import functools
 
 import torch
 
-from moe_tune.kernels.fp8_grouped import E4M3, emulated_scaled_grouped_mm, quantize_rows, scaled_grouped_mm
+from moe_tune.kernels.fp8_grouped import (
+    emulated_scaled_grouped_mm,
+    quantize_rows,
+    quantize_rows_triton,
+    scaled_grouped_mm,
+)
 from moe_tune.kernels.frozen import dense_grouped_mm, quantized_grouped_mm, register_input_grad
 from moe_tune.kernels.groups import row_groups
 
@@ -54,39 +59,13 @@ def quantize_activation_rows(
     """One power-of-two scale per row of ``x`` -> (E4M3 [R, K], dequantization scales [R]). With ``col_scale_GK``
     (e + 1 rows) and group ends ``offs_e`` (e), each row is first multiplied by its group's row of column scales
     (rows past the last group by row e). ``triton_kernel`` (None: on CUDA): one Triton pass, which finds each
-    row's group itself; otherwise the same values from PyTorch ops."""
+    row's group itself (``fp8_grouped.quantize_rows_triton``); otherwise the same values from PyTorch ops."""
     if not (x_RK.is_cuda if triton_kernel is None else triton_kernel):
         t = x_RK.float()
         if col_scale_GK is not None:
             t = t * col_scale_GK[row_groups(offs_e, x_RK.shape[0])]
         return quantize_rows(t)
-    import triton
-
-    from moe_tune.kernels.triton_fp8 import quantize_rows_kernel
-
-    x_RK = x_RK if x_RK.stride(-1) == 1 else x_RK.contiguous()
-    R, K = x_RK.shape
-    q = torch.empty(R, K, dtype=E4M3, device=x_RK.device)
-    inv_scale = torch.empty(R, dtype=torch.float32, device=x_RK.device)
-    if R:
-        block = triton.next_power_of_2(K)
-        has_col_scale = col_scale_GK is not None
-        num_groups = offs_e.shape[0] if has_col_scale else 1
-        quantize_rows_kernel[(R,)](
-            x_RK,
-            q,
-            inv_scale,
-            col_scale_GK if has_col_scale else inv_scale,
-            offs_e if has_col_scale else inv_scale,
-            num_groups,
-            K,
-            x_RK.stride(0),
-            HAS_COL_SCALE=has_col_scale,
-            BLOCK=block,
-            BLOCK_GROUPS=triton.next_power_of_2(num_groups),
-            num_warps=4 if block <= 2048 else 8,
-        )
-    return q, inv_scale
+    return quantize_rows_triton(x_RK, col_scale_GK, offs_e)
 
 
 def transpose_experts(w_eNK: torch.Tensor, triton_kernel: bool | None = None) -> torch.Tensor:

@@ -3,7 +3,9 @@
 ``fp8_grouped_mm(x_RK, w_eKN, offs_e)`` is a drop-in for ``experts.grouped_mm``: each of its three GEMMs
 (forward, input gradient, weight gradient) quantizes both operands to E4M3 on the fly and runs
 ``torch._scaled_grouped_mm`` (a CUTLASS kernel for Hopper, sm90). Every scale is a power of two, so scaling and
-unscaling add no rounding of their own, and every scale is computed on the device: no host sync.
+unscaling add no rounding of their own, and every scale is computed on the device: no host sync. On CUDA, rows
+stored contiguously are quantized in one Triton pass each (``quantize_rows_triton``). The three GEMMs are custom
+ops with their autograd registered, so that ``torch.compile`` calls them as they are.
 
 The kernel's contract (the same checks as its meta function, which the CPU emulation runs): the left operand
 row-major, the right one column-major, fp32 scales holding what to multiply the FP8 values by, row counts and
@@ -124,71 +126,144 @@ def emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs, fast_accum: bool) -
     return out.to(torch.bfloat16)
 
 
-class FP8GroupedMM(torch.autograd.Function):
-    """``out_RN = x_RK @ w_eKN[j]`` for the rows of group j, every GEMM in E4M3 with fp32 power-of-two scales.
-
-    - forward: x per row (one scale per token row, over K); w per (expert, output column n), over K. Each
-      scale spans exactly the values one dot product contracts, so an outlier token or column costs precision
-      to itself only.
-    - input gradient ``dx = dy @ w_j^T``: dy per row (over N); w per (expert, input row k), over N: the
-      other axis, for the same reason (the contraction is now over N).
-    - weight gradient ``dw_j = x_j^T @ dy_j``: contracts over expert j's tokens, so x and dy are scaled per
-      (expert, column), over that expert's rows ("2d x 2d" kernel, groups along the tokens). Each group is first
-      padded with zero rows to a multiple of 16 (the kernel's alignment); the zeros add nothing.
-    E4M3 everywhere (not E5M2 for gradients): row-wise scales already fit each row's range, and E4M3's extra
-    mantissa bit is the better trade. Saved for backward: x and w as given (bf16), as for ``F.grouped_mm``.
-    """
-
-    @staticmethod
-    def forward(ctx, x_RK, w_eKN, offs_e, kernel: ScaledGroupedMM, fast_accum: bool):
-        ctx.save_for_backward(x_RK, w_eKN, offs_e)
-        ctx.kernel, ctx.fast_accum = kernel, fast_accum
-        xq_RK, sx_R = quantize_rows(x_RK)
-        wq_eNK, sw_eN = quantize_rows(w_eKN.transpose(-2, -1))
-        out = kernel(xq_RK, wq_eNK.transpose(-2, -1), sx_R, sw_eN, offs_e, fast_accum)
-        return out.to(x_RK.dtype)
-
-    @staticmethod
-    def backward(ctx, dy_RN):
-        x_RK, w_eKN, offs_e = ctx.saved_tensors
-        kernel, fast_accum = ctx.kernel, ctx.fast_accum
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dyq_RN, sdy_R = quantize_rows(dy_RN)
-            wq_eKN, sw_eK = quantize_rows(w_eKN)
-            dx = kernel(dyq_RN, wq_eKN.transpose(-2, -1), sdy_R, sw_eK, offs_e, fast_accum).to(x_RK.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = _weight_grad(x_RK, dy_RN, offs_e, kernel, fast_accum).to(w_eKN.dtype)
-        return dx, dw, None, None, None
+def _kernel(emulate: bool) -> ScaledGroupedMM:
+    # Looked up at each call: tests wrap the emulation to see which GEMMs run.
+    return emulated_scaled_grouped_mm if emulate else scaled_grouped_mm
 
 
-def _weight_grad(x_RK, dy_RN, offs_e, kernel: ScaledGroupedMM, fast_accum: bool) -> torch.Tensor:
-    """``dw[j] = x_j^T @ dy_j`` as ``[e, K, N]``, computed as ``(dy_j^T @ x_j)^T``: the kernel's output
-    ``[e, N, K]`` is then the layout of the "out_in" weights' own gradient (a transposed view, no copy)."""
-    e, R = offs_e.shape[0], x_RK.shape[0]
+def quantize_rows_triton(
+    x_RK: torch.Tensor, col_scale_GK: torch.Tensor | None = None, offs_e: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows`` of a 2-d ``x`` in one Triton pass (``triton_fp8.quantize_rows_kernel``), bit for bit the
+    same values; with ``col_scale_GK`` and ``offs_e``, each row first multiplied by its group's row of column scales
+    (``fp8_frozen.quantize_activation_rows``). Unfused, PyTorch runs about eight passes over the rows."""
+    import triton
+
+    from moe_tune.kernels.triton_fp8 import quantize_rows_kernel
+
+    x_RK = x_RK if x_RK.stride(-1) == 1 else x_RK.contiguous()
+    R, K = x_RK.shape
+    q = torch.empty(R, K, dtype=E4M3, device=x_RK.device)
+    inv_scale = torch.empty(R, dtype=torch.float32, device=x_RK.device)
+    if R:
+        block = triton.next_power_of_2(K)
+        has_col_scale = col_scale_GK is not None
+        num_groups = offs_e.shape[0] if has_col_scale else 1
+        quantize_rows_kernel[(R,)](
+            x_RK,
+            q,
+            inv_scale,
+            col_scale_GK if has_col_scale else inv_scale,
+            offs_e if has_col_scale else inv_scale,
+            num_groups,
+            K,
+            x_RK.stride(0),
+            HAS_COL_SCALE=has_col_scale,
+            BLOCK=block,
+            BLOCK_GROUPS=triton.next_power_of_2(num_groups),
+            num_warps=4 if block <= 2048 else 8,
+        )
+    return q, inv_scale
+
+
+def quantize_rows_fused(t: torch.Tensor, triton_kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows`` (batched over leading dims), the same values bit for bit. ``triton_kernel`` (None: on CUDA):
+    rows laid out contiguously go through ``quantize_rows_triton``; other layouts, and the CPU, through PyTorch."""
+    if not (t.is_cuda if triton_kernel is None else triton_kernel) or not t.is_contiguous():
+        return quantize_rows(t)
+    q, inv_scale = quantize_rows_triton(t.view(-1, t.shape[-1]))
+    return q.view(t.shape), inv_scale.view(t.shape[:-1])
+
+
+# The GEMMs are custom ops, opaque to torch.compile, their autograd registered below: traced through (an
+# autograd.Function around torch._scaled_grouped_mm), compiled input and weight gradients came out wrong on an H200
+# under inductor and aot_eager alike, while the frozen base's FP8 GEMMs, custom ops around the same kernel, compile
+# to eager's results (kernels/fp8_frozen.py).
+@torch.library.custom_op("moe_tune::fp8_grouped_mm", mutates_args=())
+def fp8_rows_by_rows(
+    a_RC: torch.Tensor, b_eDC: torch.Tensor, offs_e: torch.Tensor, fast_accum: bool, emulate: bool
+) -> torch.Tensor:
+    """``out_RD = a_RC @ b_eDC[j]^T`` for the rows of group j: ``a`` quantized per row, ``b`` per (expert, row),
+    both over C, the contraction. The forward (a = x, b = the weights ``[e, N, K]``) and the input gradient (a = dy,
+    b = the weights ``[e, K, N]``)."""
+    aq_RC, sa_R = quantize_rows_fused(a_RC)
+    bq_eDC, sb_eD = quantize_rows_fused(b_eDC)
+    return _kernel(emulate)(aq_RC, bq_eDC.transpose(-2, -1), sa_R, sb_eD, offs_e, fast_accum).to(a_RC.dtype)
+
+
+@fp8_rows_by_rows.register_fake
+def _(a_RC, b_eDC, offs_e, fast_accum, emulate):
+    return a_RC.new_empty(a_RC.shape[0], b_eDC.shape[1])
+
+
+@torch.library.custom_op("moe_tune::fp8_grouped_mm_weight_grad", mutates_args=())
+def fp8_weight_grad(
+    dy_RD: torch.Tensor, a_RC: torch.Tensor, offs_e: torch.Tensor, fast_accum: bool, emulate: bool
+) -> torch.Tensor:
+    """``dy_j^T @ a_j`` for each group j as ``[e, D, C]``: the gradient of ``fp8_rows_by_rows``'s ``b``. It contracts
+    over expert j's rows, so both are scaled per (expert, column), over that expert's rows ("2d x 2d" kernel, groups
+    along the rows), each group first padded with zero rows to a multiple of 16 (the kernel's alignment)."""
+    e, R = offs_e.shape[0], a_RC.shape[0]
     dest_R, group_B, padded_offs_e, P = pad_groups(offs_e, R)
-    x_PK = x_RK.new_zeros(P, x_RK.shape[1]).index_copy_(0, dest_R, x_RK)
-    dy_PN = dy_RN.new_zeros(P, dy_RN.shape[1]).index_copy_(0, dest_R, dy_RN)
-    xq_PK, sx_GK = quantize_group_columns(x_PK, group_B, e + 1)
-    dyq_PN, sdy_GN = quantize_group_columns(dy_PN, group_B, e + 1)
-    a_NP = dyq_PN.t().contiguous()  # row-major left operand
-    b_PK = xq_PK.t().contiguous().t()  # column-major right operand
-    sa = sdy_GN[:e].contiguous().view(-1)
-    sb = sx_GK[:e].contiguous().view(-1)
-    return kernel(a_NP, b_PK, sa, sb, padded_offs_e, fast_accum).transpose(-2, -1)
+    a_PC = a_RC.new_zeros(P, a_RC.shape[1]).index_copy_(0, dest_R, a_RC)
+    dy_PD = dy_RD.new_zeros(P, dy_RD.shape[1]).index_copy_(0, dest_R, dy_RD)
+    aq_PC, sa_GC = quantize_group_columns(a_PC, group_B, e + 1)
+    dyq_PD, sdy_GD = quantize_group_columns(dy_PD, group_B, e + 1)
+    left_DP = dyq_PD.t().contiguous()  # row-major left operand
+    right_PC = aq_PC.t().contiguous().t()  # column-major right operand
+    sl, sr = sdy_GD[:e].contiguous().view(-1), sa_GC[:e].contiguous().view(-1)
+    return _kernel(emulate)(left_DP, right_PC, sl, sr, padded_offs_e, fast_accum).to(a_RC.dtype)
+
+
+@fp8_weight_grad.register_fake
+def _(dy_RD, a_RC, offs_e, fast_accum, emulate):
+    return a_RC.new_empty(offs_e.shape[0], dy_RD.shape[1], a_RC.shape[1])
+
+
+def _setup_context(ctx, inputs, output):
+    a_RC, b_eDC, offs_e, fast_accum, emulate = inputs
+    ctx.save_for_backward(a_RC, b_eDC, offs_e)  # as given (bf16), as for F.grouped_mm
+    ctx.fast_accum, ctx.emulate = fast_accum, emulate
+
+
+def _backward(ctx, dy_RD):
+    """Only the gradients autograd asks for: a frozen base (LoRA) runs no weight-gradient GEMM."""
+    a_RC, b_eDC, offs_e = ctx.saved_tensors
+    dy_RD = dy_RD.contiguous()
+    da = db = None
+    if ctx.needs_input_grad[0]:
+        da = fp8_rows_by_rows(dy_RD, b_eDC.transpose(-2, -1), offs_e, ctx.fast_accum, ctx.emulate)
+    if ctx.needs_input_grad[1]:
+        db = fp8_weight_grad(dy_RD, a_RC, offs_e, ctx.fast_accum, ctx.emulate).to(b_eDC.dtype)
+    return da, db, None, None, None
+
+
+fp8_rows_by_rows.register_autograd(_backward, setup_context=_setup_context)
 
 
 def fp8_grouped_mm(
     x_RK: torch.Tensor,
     w_eKN: torch.Tensor,
     offs_e: torch.Tensor,
-    kernel: ScaledGroupedMM | None = None,
+    emulate: bool | None = None,
     fast_accum: bool = True,
 ) -> torch.Tensor:
-    """``experts.grouped_mm`` in FP8. ``kernel``: None picks the CUDA kernel for CUDA tensors and the emulation
-    otherwise (``validate`` refuses the option for runs without an sm90 GPU; CPU tests use the emulation).
-    ``fast_accum``: Hopper's faster FP8 accumulation (no periodic promotion to fp32), as torchao's FP8 MoE
-    training uses."""
-    if kernel is None:
-        kernel = scaled_grouped_mm if x_RK.is_cuda else emulated_scaled_grouped_mm
-    return FP8GroupedMM.apply(x_RK, w_eKN, offs_e, kernel, fast_accum)
+    """``experts.grouped_mm`` in FP8 E4M3 with fp32 power-of-two scales: ``out_RN = x_RK @ w_eKN[j]`` for the rows of
+    group j, each of its three GEMMs quantizing both operands on the fly.
+
+    - forward: x per row (one scale per token row, over K); w per (expert, output column n), over K. Each scale
+      spans exactly the values one dot product contracts, so an outlier token or column costs precision to itself.
+    - input gradient ``dx = dy @ w_j^T``: dy per row (over N); w per (expert, input row k), over N: the other
+      axis, for the same reason (the contraction is now over N).
+    - weight gradient ``dw_j = x_j^T @ dy_j``: contracts over expert j's tokens, so x and dy are scaled per
+      (expert, column), over that expert's rows ("2d x 2d" kernel, groups along the tokens). Each group is first
+      padded with zero rows to a multiple of 16 (the kernel's alignment); the zeros add nothing.
+    E4M3 everywhere (not E5M2 for gradients): row-wise scales already fit each row's range, and E4M3's extra
+    mantissa bit is the better trade.
+
+    ``emulate`` (None: off the GPU) runs ``emulated_scaled_grouped_mm`` in place of the CUDA kernel (``validate``
+    refuses the option for runs without an sm90 GPU; CPU tests use the emulation). ``fast_accum``: Hopper's faster
+    FP8 accumulation (no periodic promotion to fp32), as torchao's FP8 MoE training uses."""
+    emulate = not x_RK.is_cuda if emulate is None else emulate
+    # The weights' rows over K are w's columns: for GroupedExperts' "out_in" storage [e, N, K], contiguous rows.
+    return fp8_rows_by_rows(x_RK, w_eKN.transpose(-2, -1), offs_e, fast_accum, emulate)

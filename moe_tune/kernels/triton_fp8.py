@@ -1,6 +1,7 @@
-"""Row-wise E4M3 quantization in one pass (``moe_tune.kernels.fp8_frozen`` launches it on CUDA). A module-level
-function, so that Triton's interpreter (``TRITON_INTERPRET=1``) resolves it by name; imported only when the kernel is
-launched (CPU installs need not have Triton)."""
+"""Row-wise E4M3 quantization in one pass (``moe_tune.kernels.fp8_grouped.quantize_rows_triton`` launches it on
+CUDA) and a tiled transpose of stacked FP8 experts (``fp8_frozen.transpose_experts``). Module-level functions, so
+that Triton's interpreter (``TRITON_INTERPRET=1``) resolves them by name; imported only when a kernel is launched
+(CPU installs need not have Triton)."""
 
 import triton
 import triton.language as tl

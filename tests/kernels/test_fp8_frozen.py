@@ -15,7 +15,7 @@ from moe_tune.kernels.fp8_frozen import (
     quantize_weight,
     transpose_experts,
 )
-from moe_tune.kernels.fp8_grouped import quantize_rows
+from moe_tune.kernels.fp8_grouped import quantize_rows, quantize_rows_fused
 from tests.harness import compile_for_hopper, triton_interpreted
 from tests.tiny import rel_err
 
@@ -113,6 +113,10 @@ def _triton_matches_pytorch() -> None:
         got = quantize_activation_rows(*args, triton_kernel=True)
         want = quantize_activation_rows(*args, triton_kernel=False)
         assert torch.equal(got[1], want[1])
+    # kernels.experts=grouped_mm_fp8's weights, stacked [e, N, K]: one scale per (expert, row), the same bits.
+    w3 = torch.randn(3, 5, 48, generator=g).to(torch.bfloat16) * torch.logspace(-2, 2, 5).view(1, 5, 1)
+    (q, s), s_ref = quantize_rows_fused(w3, triton_kernel=True), quantize_rows(w3)[1]
+    assert q.shape == w3.shape and s.shape == (3, 5) and torch.equal(s, s_ref)
     # The input gradient's transposed copy of the experts: bytes moved, none changed (dims no multiple of the tile).
     w = quantize_weight(torch.randn(3, 70, 100, generator=g))[0]
     got = transpose_experts(w, triton_kernel=True)
