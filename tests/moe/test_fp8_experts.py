@@ -1,6 +1,6 @@
-"""kernels.experts=grouped_mm_fp8: the FP8 grouped GEMM (custom ops, their autograd registered) against fp32 grouped_mm, run on CPU
-with the emulated kernel (dequantized operands in fp32, after the real kernel's meta checks); on an sm90 GPU with
-torch._scaled_grouped_mm. The quantizers round-trip, and configs that cannot run it are refused in one line.
+"""kernels.experts=grouped_mm_fp8: the FP8 grouped GEMM (custom ops, their autograd registered) against fp32
+grouped_mm, run on CPU with the emulated kernel (dequantized operands in fp32, after the real kernel's meta checks);
+on an sm90 GPU with torch._scaled_grouped_mm. The quantizers round-trip, and configs that cannot run it are refused in one line.
 
 Tolerance: E4M3 keeps 3 mantissa bits (relative rounding error up to 2^-4 per value), and both operands of each
 GEMM are quantized: on random data the relative error of a product is about 4e-2, so outputs and the three
