@@ -32,6 +32,19 @@ def offsets() -> torch.Tensor:
     return counts_for("real").cumsum(0).to(torch.int32).cuda()
 
 
+def _in_passes(fn, budget: int):
+    """``fn`` run with nf4's dequantization budget set to ``budget`` bytes."""
+
+    def run():
+        kept, nf4_frozen.DEQUANT_BUDGET_BYTES = nf4_frozen.DEQUANT_BUDGET_BYTES, budget
+        try:
+            return fn()
+        finally:
+            nf4_frozen.DEQUANT_BUDGET_BYTES = kept
+
+    return run
+
+
 def cases(N: int, K: int, offs: torch.Tensor) -> dict:
     """name -> (zero-argument call, FLOPs or 0 for a piece that is no GEMM)."""
     w = torch.randn(E, N, K, device="cuda") / K**0.5
@@ -60,6 +73,11 @@ def cases(N: int, K: int, offs: torch.Tensor) -> dict:
             lambda t=triton: nf4_frozen.frozen_nf4_input_grad(dy, codes, scales, offs, t),
             flop,
         )
+    # The torch path as the H200/H100 rows ran it: passes of 32 experts, the group offsets read on the host per GEMM.
+    rows["nf4 forward (torch, passes of 32 experts)"] = (
+        _in_passes(lambda: nf4_frozen.frozen_nf4_grouped_mm(x, codes, scales, offs), 32 * N * K * 2),
+        flop,
+    )
     rows["piece: fp8 quantize x per row"] = (lambda: fp8_frozen.quantize_activation_rows(x), 0)
     rows["piece: fp8 weight transposed copy (torch)"] = (lambda: fp8_frozen.transpose_experts(q, False), 0)
     rows["piece: fp8 weight transposed copy (triton)"] = (lambda: fp8_frozen.transpose_experts(q, True), 0)

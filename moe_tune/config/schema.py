@@ -150,8 +150,8 @@ class KernelsConfig:
     fused_loss: bool = True
     loss_chunk_size: int = field(4096, ge=1, help="tokens per loss chunk")
     # The quantized base's expert GEMMs (peft.quantize_base). "torch": FP8 through torch._scaled_grouped_mm both ways
-    # (the input gradient reads a transposed copy of the experts made per call), NF4 32 experts dequantized at a time
-    # for bf16 grouped GEMMs (a host sync per call); measured on an H200. "triton": the FP8 input gradient and both
+    # (the input gradient reads a transposed copy of the experts made per call), NF4 a projection's experts
+    # dequantized for bf16 grouped GEMMs (all at once where they fit 1 GiB: no host sync). "triton": the FP8 input gradient and both
     # NF4 directions through one Triton grouped GEMM that dequantizes weight tiles in registers (no copy, no sync;
     # CUDA only); measured slower than "torch" on an H100 (docs/lora.md). Changes nothing without a quantized base.
     quantized_base: str = field("torch", choices=QUANTIZED_GEMMS, help="the quantized base's GEMMs")
@@ -276,7 +276,7 @@ class PeftConfig:
     train_router: bool = False
     # The frozen routed experts (97% of a MoE's weights) held quantized instead of in bf16: "fp8" (E4M3, one
     # power-of-two scale per expert and output row; Hopper FP8 GEMMs, emulated on the CPU) or "nf4" (4-bit
-    # NormalFloat, a bf16 scale per 64 inputs; dequantized a block of experts at a time for bf16 GEMMs). Quantized as
+    # NormalFloat, a bf16 scale per 64 inputs; dequantized for bf16 GEMMs). Quantized as
     # the checkpoint is read; adapters train as usual and export against the original bf16 base.
     quantize_base: str = field("none", choices=QUANTIZED_BASES, help="the frozen experts' storage under LoRA")
 

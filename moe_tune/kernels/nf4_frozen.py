@@ -7,9 +7,9 @@ expert's output row is divided by its largest magnitude (stored in bf16) and eac
 nearest NF4 value; two codes per byte. 4.25 bits per weight with the scales (4.5 with blocks of 32).
 
 ``frozen_nf4_grouped_mm(x_RK, codes, scales, offs_e)`` is ``x @ W_j^T`` for the rows of group j: the experts are
-dequantized ``EXPERTS_PER_PASS`` at a time into the input's dtype (one Triton pass on CUDA: ``triton_nf4``), and each
-such block runs one grouped GEMM over its own rows, so no more than that many experts are ever held dequantized;
-finding each block's rows reads the group offsets on the host: one device sync per call. With
+dequantized into the input's dtype (one Triton pass on CUDA: ``triton_nf4``) for bf16 grouped GEMMs: all of a
+projection's local experts at once where they fit ``DEQUANT_BUDGET_BYTES`` (one GEMM, no host sync), else in passes
+of as many as fit, each over its own rows, found by reading the group offsets on the host (one sync per call). With
 ``kernels.quantized_base=triton`` on CUDA, one Triton grouped GEMM dequantizes each weight tile in registers instead
 (``frozen.quantized_grouped_mm``: no dequantized experts, no sync). Backward gives the input gradient only (the base is
 frozen), the same way. A custom op: torch.compile calls it as it is.
@@ -45,8 +45,11 @@ NF4 = (
 )
 BLOCKS = (64, 32)  # inputs per scale: the first that divides the input dim
 SCALE_DTYPE = torch.bfloat16
-# Experts dequantized at once in the GEMMs: Qwen3-30B-A3B's gate_up block of 32 is 200 MB in bf16; 4 passes a GEMM.
-EXPERTS_PER_PASS = 32
+# Bytes of dequantized experts a GEMM holds at once. A projection's local experts that fit dequantize in one pass: one
+# grouped GEMM, no host sync (Qwen3-30B-A3B's gate_up, 128 experts, is 0.75 GiB in bf16). Larger ones go in passes of
+# as many experts as fit, each finding its rows from the group offsets read on the host: one sync per GEMM, which
+# stalls the queue the host keeps ahead of the GPU.
+DEQUANT_BUDGET_BYTES = 1 << 30
 DEQUANT_BYTES = 512  # code bytes per program of the Triton dequantization
 
 
@@ -101,16 +104,19 @@ def dequantize_weight(
 def _grouped(a_RK: torch.Tensor, codes, scales, offs_e: torch.Tensor, transpose: bool, triton: bool) -> torch.Tensor:
     """``a @ W_j^T`` (``transpose``) or ``a @ W_j`` for the rows of each group j; rows past the last group are 0.
     ``triton`` on CUDA: one Triton grouped GEMM that dequantizes each weight tile in registers
-    (``frozen.quantized_grouped_mm``); otherwise ``EXPERTS_PER_PASS`` experts dequantized at a time, one grouped GEMM
-    each."""
+    (``frozen.quantized_grouped_mm``); otherwise the experts dequantized in passes of ``DEQUANT_BUDGET_BYTES``, one
+    grouped GEMM each."""
     if triton and a_RK.is_cuda:
         return quantized_grouped_mm(a_RK, codes, scales, offs_e, transpose=transpose, table=_table(a_RK.device))
     e, N, half = codes.shape
+    per_pass = max(1, DEQUANT_BUDGET_BYTES // (N * 2 * half * a_RK.element_size()))
+    if per_pass >= e:
+        return _one_pass(a_RK, codes, scales, offs_e, transpose)
     out_dim = N if transpose else 2 * half
     bounds = [0, *offs_e.tolist()]  # host sync: each pass's rows
     pieces = []
-    for j0 in range(0, e, EXPERTS_PER_PASS):
-        j1 = min(j0 + EXPERTS_PER_PASS, e)
+    for j0 in range(0, e, per_pass):
+        j1 = min(j0 + per_pass, e)
         start, stop = bounds[j0], bounds[j1]
         if start == stop:
             continue
@@ -122,6 +128,15 @@ def _grouped(a_RK: torch.Tensor, codes, scales, offs_e: torch.Tensor, transpose:
     if not pieces:
         return a_RK.new_zeros(0, out_dim)
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def _one_pass(a_RK: torch.Tensor, codes, scales, offs_e: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """Every expert dequantized at once, one grouped GEMM over all rows: nothing read on the host. The GEMM leaves
+    rows past the last group unwritten; they are set to 0 on the device."""
+    w = dequantize_weight(codes, scales, a_RK.dtype)
+    out = F.grouped_mm(a_RK, w.transpose(-2, -1) if transpose else w, offs=offs_e)
+    routed = torch.arange(a_RK.shape[0], device=a_RK.device) < offs_e[-1]
+    return torch.where(routed.unsqueeze(-1), out, 0)
 
 
 @torch.library.custom_op("moe_tune::frozen_nf4_grouped_mm", mutates_args=())

@@ -13,8 +13,9 @@ from moe_tune.kernels.nf4_frozen import NF4, dequantize_weight, frozen_nf4_group
 from tests.harness import triton_interpreted
 from tests.tiny import rel_err
 
-E = nf4_frozen.EXPERTS_PER_PASS + 4  # two passes
-COUNTS = [3] * 5 + [0] * (nf4_frozen.EXPERTS_PER_PASS - 5) + [0, 9, 0, 4]  # pass 1 ends empty, pass 2 starts so
+PER_PASS = 32  # experts per pass where the dequantization budget is made to hold that many (monkeypatched)
+E = PER_PASS + 4  # two passes
+COUNTS = [3] * 5 + [0] * (PER_PASS - 5) + [0, 9, 0, 4]  # pass 1 ends empty, pass 2 starts so
 
 
 @pytest.mark.parametrize("K, block", [(128, 64), (96, 32)])
@@ -33,7 +34,12 @@ def test_each_weight_becomes_the_nearest_nf4_value_of_its_block(K, block):
     assert torch.equal(dequantize_weight(*quantize_weight(back)), back)  # NF4 values times the scale stay as they are
 
 
-def test_grouped_mm_and_input_gradient_equal_fp32_matmuls_of_the_dequantized_weights():
+@pytest.mark.parametrize("passes", [1, 2])
+def test_grouped_mm_and_input_gradient_equal_fp32_matmuls_of_the_dequantized_weights(monkeypatch, passes):
+    """Every expert in one pass (nothing read on the host), and in two passes of PER_PASS experts."""
+    per_pass = E if passes == 1 else PER_PASS
+    monkeypatch.setattr(nf4_frozen, "DEQUANT_BUDGET_BYTES", per_pass * 24 * 64 * 4)  # fp32 [24, 64] experts
+    monkeypatch.setattr(torch.Tensor, "tolist", _no_host_read if passes == 1 else torch.Tensor.tolist)
     g = torch.Generator().manual_seed(1)
     codes, scales = quantize_weight(torch.randn(E, 24, 64, generator=g))
     w = dequantize_weight(codes, scales)
@@ -47,6 +53,10 @@ def test_grouped_mm_and_input_gradient_equal_fp32_matmuls_of_the_dequantized_wei
     assert rel_err(y[:rows], torch.einsum("rk,rnk->rn", x[:rows].detach(), w[groups])) < 1e-6
     assert rel_err(x.grad[:rows], torch.einsum("rn,rnk->rk", dy[:rows], w[groups])) < 1e-6
     assert not y[rows:].any() and not x.grad[rows:].any()
+
+
+def _no_host_read(t):
+    raise AssertionError("one pass reads nothing on the host")
 
 
 def _triton_matches_pytorch() -> None:
