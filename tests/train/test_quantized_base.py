@@ -104,10 +104,13 @@ def _train_on_ranks(rank: int, *runs: list[str]) -> None:
 @pytest.mark.dist
 def test_fp8_base_on_two_ranks_ep2_equals_fsdp(tmp_path):
     """2 gloo ranks: EP=2 (each rank quantizes its half of the experts) and FSDP2 over both (every rank holds all
-    experts quantized, the adapters sharded): the same losses over 4 steps, as with a bf16 base."""
+    experts quantized, the adapters sharded): the same losses over 4 steps, within 1e-4. The two layouts sum the
+    adapters' gradients in other orders (about 1e-7 apart); where that moves an activation across an E4M3 rounding
+    boundary the next step's loss moves by about 1e-5 of itself (seen 1.9e-5 with transformers 5.25's tiny model), so
+    the bf16 base's 1e-5 is too tight here. A wrong expert or shard is off by far more."""
     dp, ep = tmp_path / "dp", tmp_path / "ep"
     common = ["train.steps=4", *FP8]
     run_ranks(_train_on_ranks, 2, [f"output_dir={dp}", *common], [f"output_dir={ep}", "parallel.ep=2", *common])
     a, b = _losses(dp), _losses(ep)
-    assert len(a) == 4 and all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(a, b)), (a, b)
+    assert len(a) == 4 and all(abs(x - y) <= 1e-4 * abs(x) for x, y in zip(a, b)), (a, b)
     assert read_hf_tensors(dp / "hf").keys() == read_hf_tensors(ep / "hf").keys()
