@@ -18,9 +18,10 @@ class StopSignal:
     (Ctrl-C pressed again) raises KeyboardInterrupt: stop now, without saving.
 
     ``agreed`` is a collective: call it on the same steps on every rank (the trainer calls it on its logging and
-    checkpoint steps, a pure function of the step, so a signal stops the run at most ``train.log_every - 1``
-    steps after it landed). The handler's flag is never cleared: a signal landing while the ranks agree is
-    counted at the next call."""
+    checkpoint steps, a pure function of the step, so a signal stops a run of several ranks at most
+    ``train.log_every - 1`` steps after it landed). One process has no rank to agree with: the trainer stops it after
+    the step a signal landed in (``received``). The handler's flag is never cleared: a signal landing while the
+    ranks agree is counted at the next call."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -41,6 +42,11 @@ class StopSignal:
             again = "; Ctrl-C again stops at once, without saving" if signum == signal.SIGINT else ""
             log.info("signal %d received: stopping at the next step the ranks agree on%s", signum, again)
         self._received = signum
+
+    @property
+    def received(self) -> bool:
+        """This process got a signal (its own view: not an agreement)."""
+        return bool(self._received)
 
     def agreed(self, device) -> bool:
         if not self.enabled:

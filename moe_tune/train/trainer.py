@@ -266,7 +266,8 @@ class Trainer:
             timer.tick()
             profiler.step()  # after the step's time: writing the trace is the next step's (profile.py)
             pending.append((self.step, out["lr"], out))
-            if not self.cadence.syncs(self.step):
+            alone_and_signalled = self.world == 1 and stop.received  # no rank to agree on a later step with
+            if not self.cadence.syncs(self.step) and not alone_and_signalled:
                 continue  # no host sync: the next step queues behind this one
             timer.pause()  # host sync: the queued steps' work is done
             if self._sync_step(pending, timer, progress, stop):

@@ -113,7 +113,9 @@ def test_a_divergence_is_found_at_the_next_sync_step_and_never_saved(tmp_path, m
     assert json.load(open(tmp_path / "summary.json"))
 
 
-def test_a_signal_stops_at_the_next_logging_step_with_a_checkpoint(tmp_path, make_trainer):
+def test_one_process_stops_after_the_step_a_signal_landed_in_with_a_checkpoint(tmp_path, make_trainer):
+    """Not at the next logging step (step 8 here): one process has no rank to agree with, and on a large model the
+    steps up to it could outlast the scheduler's grace period."""
     trainer = make_trainer("train.steps=20", "train.log_every=4")
     original = trainer.train_step
 
@@ -126,8 +128,8 @@ def test_a_signal_stops_at_the_next_logging_step_with_a_checkpoint(tmp_path, mak
     with pytest.raises(SystemExit) as e:
         trainer.fit()
     assert e.value.code == 128 + signal.SIGUSR1
-    assert [r["step"] for r in _rows(tmp_path)] == list(range(1, 9))
-    assert _saved(tmp_path) == ["step_8"]
+    assert [r["step"] for r in _rows(tmp_path)] == list(range(1, 7))
+    assert _saved(tmp_path) == ["step_6"]
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # the handler is restored
 
 
