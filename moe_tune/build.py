@@ -91,6 +91,9 @@ def check_model_source(cfg: Config) -> None:
     """Before any process group or write: a model.path's config.json and safetensors headers can be read, a
     preset's overrides have the types of the fields they replace (one line each, exit 2)."""
     if cfg.model.path is not None:
+        problem = model_dir_problem(cfg.model.path)
+        if problem:
+            raise CheckpointError(problem)
         hf = check_source_dir(cfg.model.path)
         check_family(cfg.model, hf["model_type"], hf.get("architectures"))
         check_tokenizer(cfg, hf.get("vocab_size"))

@@ -14,6 +14,9 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 def model_dir_problem(path: str, key: str = "model.path") -> str | None:
     """None when ``path`` holds a config.json; else the line saying what ``path`` is and what to give instead."""
+    run = _run_problem(path, key)
+    if run is not None:
+        return run
     if os.path.isfile(os.path.join(path, "config.json")):
         return None
     if not os.path.exists(path):
@@ -31,6 +34,27 @@ def model_dir_problem(path: str, key: str = "model.path") -> str | None:
     return f"{key}={path} has no config.json; give a local Hugging Face checkpoint directory"
 
 
+def _run_problem(path: str, key: str) -> str | None:
+    """A moe-tune run's output_dir (its config.json is moe_tune's, not a model's) or one of its checkpoints: the
+    model it exported, or how to export one."""
+    if os.path.isfile(os.path.join(path, "metrics.jsonl")) or os.path.isdir(os.path.join(path, "checkpoints")):
+        hf = os.path.join(path, "hf")
+        if os.path.isfile(os.path.join(hf, "config.json")):
+            return f"{key}={path} is a moe-tune run directory, not a model: its exported model is {hf}: give {key}={hf}"
+        if os.path.isfile(os.path.join(hf, "adapter_config.json")):
+            return _adapter_problem(hf, key)
+        export = f"moe-tune-export {_newest_checkpoint(path)} <dir>"
+        return f"{key}={path} is a moe-tune run directory with no exported model: run {export} and give {key}=<dir>"
+    parent = os.path.dirname(os.path.abspath(path))
+    if re.fullmatch(r"step_\d+", os.path.basename(os.path.abspath(path))) and os.path.basename(parent) == "checkpoints":
+        return (
+            f"{key}={path} is a moe-tune training checkpoint, not a model: export it (moe-tune-export {path} <dir>, "
+            f"--merge for LoRA) and give {key}=<dir>; to continue that run, rerun it with output_dir="
+            f"{os.path.dirname(parent)}"
+        )
+    return None
+
+
 def _adapter_problem(path: str, key: str) -> str:
     """A PEFT adapter directory (moe-tune-export's output for a LoRA run): its base model and how to merge it."""
     try:
@@ -39,7 +63,9 @@ def _adapter_problem(path: str, key: str) -> str:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         adapter = {}
     adapter = adapter if isinstance(adapter, dict) else {}
-    kind = f"PEFT {adapter['peft_type']}" if isinstance(adapter.get("peft_type"), str) else "PEFT"
+    names = {"LORA": "LoRA"}  # PEFT's peft_type as its docs spell it
+    peft_type = adapter.get("peft_type")
+    kind = f"PEFT {names.get(peft_type, peft_type)}" if isinstance(peft_type, str) else "PEFT"
     base = adapter.get("base_model_name_or_path")
     use_base = (
         f"its base model is {base} (adapter_config.json's base_model_name_or_path): give {key}={base}"

@@ -293,7 +293,7 @@ def test_cli_lora_export_as_model_path_names_its_base_and_the_merge(tmp_path):
     args = ["output_dir=lora", "peft=lora", "train.steps=2", "checkpoint.every=2", *FAST_RUN]
     assert run_main(args, cwd=tmp_path).returncode == 0
     line = _one_error_line([f"output_dir={tmp_path / 'next'}", f"model.path={run / 'hf'}"])
-    assert line.startswith(f"moe-tune: error: model.path={run / 'hf'} is a PEFT LORA adapter (adapter_config.json, ")
+    assert line.startswith(f"moe-tune: error: model.path={run / 'hf'} is a PEFT LoRA adapter (adapter_config.json, ")
     assert f"its base model is {run / 'base_model'} (adapter_config.json's base_model_name_or_path): " in line
     assert f"give model.path={run / 'base_model'}, or merge the adapter into its base first (moe-tune-export " in line
     checkpoint = run / "checkpoints" / "step_2"

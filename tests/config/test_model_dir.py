@@ -43,7 +43,7 @@ def test_a_peft_adapter_names_its_base_and_the_newest_checkpoint(tmp_path):
         json.dumps({"peft_type": "LORA", "base_model_name_or_path": "/models/base"})
     )
     assert model_dir_problem(str(adapter)) == (
-        f"model.path={adapter} is a PEFT LORA adapter (adapter_config.json, no config.json), not a full model; its "
+        f"model.path={adapter} is a PEFT LoRA adapter (adapter_config.json, no config.json), not a full model; its "
         "base model is /models/base (adapter_config.json's base_model_name_or_path): give model.path=/models/base, "
         "or merge the adapter into its base first (moe-tune-export <run>/checkpoints/step_<N> <dir> --merge, or "
         "PEFT's merge_and_unload) and give model.path=<dir>"
@@ -58,3 +58,27 @@ def test_an_adapter_without_a_base_model(tmp_path):
     line = model_dir_problem(str(tmp_path), key="path")
     assert line.startswith(f"path={tmp_path} is a PEFT adapter (adapter_config.json, no config.json), not a full")
     assert "its adapter_config.json names no base model: give path=<the base model's directory>" in line
+
+
+def test_a_run_directory_names_its_exported_model(tmp_path):
+    """A run's output_dir holds a config.json of its own (moe_tune's config, no model_type): the line names the
+    model it exported, or the export to run; a checkpoint names the export and the run to continue."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_4").mkdir(parents=True)
+    (run / "config.json").write_text('{"train": {}}')
+    assert model_dir_problem(str(run)) == (
+        f"model.path={run} is a moe-tune run directory with no exported model: run moe-tune-export "
+        f"{run}/checkpoints/step_4 <dir> and give model.path=<dir>"
+    )
+    (run / "hf").mkdir()
+    (run / "hf" / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    assert model_dir_problem(str(run)) == (
+        f"model.path={run} is a moe-tune run directory, not a model: its exported model is {run}/hf: give "
+        f"model.path={run}/hf"
+    )
+    assert model_dir_problem(str(run / "hf")) is None
+    assert model_dir_problem(str(run / "checkpoints" / "step_4")) == (
+        f"model.path={run}/checkpoints/step_4 is a moe-tune training checkpoint, not a model: export it "
+        f"(moe-tune-export {run}/checkpoints/step_4 <dir>, --merge for LoRA) and give model.path=<dir>; to continue "
+        f"that run, rerun it with output_dir={run}"
+    )

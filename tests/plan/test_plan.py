@@ -268,3 +268,11 @@ def test_auto_refuses_a_sweep_and_a_layout_that_cannot_fit(monkeypatch):
     monkeypatch.setattr("moe_tune.plan.auto.gpu_memory_gib", lambda: 0.25)
     with pytest.raises(ConfigError, match="no layout of 1 GPU"):
         resolve(["train.micro_batch_size=auto", "parallel.activation_checkpointing=auto"])
+
+
+def test_cli_names_an_adapter_as_moe_tune_does(tmp_path, capsys):
+    """A PEFT adapter directory as model.path: moe-tune's line (its base model), not an unreadable config.json."""
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "/b"}))
+    assert plan_main([f"model.path={tmp_path}", "--gpus", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a PEFT LoRA adapter" in err[0] and "give model.path=/b" in err[0], err
