@@ -47,12 +47,17 @@ def _row(d: dict) -> str:
     )
 
 
-def _print_plan(d: dict) -> None:
-    lay, shape = d["layout"], d["shape"]
-    print(
+def _model_line(d: dict) -> str:
+    shape = d["shape"]
+    return (
         f"{d['model']} ({shape['layers']} layers, {shape['moe_layers']} of them MoE: {shape['experts']} experts, "
         f"top-{shape['top_k']}; hidden {shape['hidden']}, vocab {shape['vocab']:,})"
     )
+
+
+def _print_plan(d: dict) -> None:
+    lay = d["layout"]
+    print(_model_line(d))
     print(
         f"on {d['gpus']} GPU(s) of {d['gpu_mem_gib']:g} GiB: dp_replicate={lay['dp_replicate']} "
         f"dp_shard={lay['dp_shard']} ep={lay['ep']} (efsdp={lay['efsdp']}), micro-batch {lay['micro_batch_size']} x "
@@ -77,6 +82,8 @@ def _print_plan(d: dict) -> None:
 def _print_search(result: dict, searched: tuple[str, ...]) -> None:
     held = [k for k in AUTO_KEYS if k not in searched]
     given = f" ({', '.join(held)} as given)" if held else ""
+    if result["model"]:
+        print(_model_line(result["model"]))
     print(f"layouts of {result['gpus']} GPU(s) that fit, fastest first{given}:")
     for d in result["fits"]:
         print("  " + _row(d))
@@ -92,6 +99,19 @@ def _print_search(result: dict, searched: tuple[str, ...]) -> None:
             f"best: parallel.ep={lay['ep']} train.micro_batch_size={lay['micro_batch_size']} "
             f"parallel.activation_checkpointing={lay['activation_checkpointing']}"
         )
+
+
+def _model_of(fitting: list, cfg, gpus: int, mem: float) -> dict | None:
+    """The model as it will be trained ({"model", "shape"}), for the search's first line: from a layout that fits,
+    else from the layout as given (None where that cannot run)."""
+    from moe_tune.config import ConfigError
+    from moe_tune.plan import plan
+
+    try:
+        d = fitting[0].as_dict() if fitting else plan(cfg, gpus, mem).as_dict()
+    except ConfigError:
+        return None
+    return {"model": d["model"], "shape": d["shape"]}
 
 
 def check_flags(args) -> None:
@@ -143,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 "fits": [p.as_dict() for p in fitting],
                 "rejected": [{"layout": lay, "reason": why} for lay, why in rejected],
                 "best": fitting[0].as_dict() if fitting else None,
+                "model": _model_of(fitting, cfg, gpus, mem),
             }
         else:
             result = plan(cfg, args.gpus, mem, headroom, args.routing).as_dict()

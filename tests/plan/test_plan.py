@@ -158,8 +158,11 @@ def test_cli_search_holds_the_layout_keys_given(capsys):
     assert {f["layout"]["ep"] for f in d["fits"]} == {2}
     assert plan_main(["--gpus", "4", "train.micro_batch_size=auto", "--max-micro-batch", "4"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(
-        "layouts of 4 GPU(s) that fit, fastest first (parallel.ep, parallel.activation_checkpointing as given):"
+    first, second = out.splitlines()[:2]
+    assert first.startswith("tiny_qwen3_moe (4 layers, ") and "experts, top-" in first  # the model, as without --search
+    assert (
+        second
+        == "layouts of 4 GPU(s) that fit, fastest first (parallel.ep, parallel.activation_checkpointing as given):"
     )
     assert {line.split()[1] for line in out.splitlines() if line.startswith("  ep=")} == {"mb=1", "mb=2", "mb=4"}
 
