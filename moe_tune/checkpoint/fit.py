@@ -39,8 +39,8 @@ def _differing(saved: dict, now: dict, section: str, keys) -> tuple[str, str]:
 
 
 def _peft_differs(saved: dict, now: dict) -> tuple[str, str]:
-    if saved.get("name", "none") != now["name"]:
-        return _differing(saved, now, "peft", ["name"])
+    if saved.get("name", "none") != now["name"]:  # a group, chosen as peft=lora on the command line
+        return tuple(side.replace("peft.name=", "peft=") for side in _differing(saved, now, "peft", ["name"]))
     return _differing(saved, now, "peft", PEFT_KEYS[1:]) if now["name"] != "none" else ("", "")
 
 

@@ -35,8 +35,8 @@ def _cfg(output_dir: str, **sections) -> Config:
     ("saved", "now", "was", "has"),
     [
         ({"name": "lora", "rank": 16}, {"name": "lora", "rank": 8}, "peft.rank=16", "peft.rank=8"),
-        ({"name": "lora"}, {"name": "none"}, "peft.name=lora", "peft.name=none"),
-        ({"name": "none"}, {"name": "lora"}, "peft.name=none", "peft.name=lora"),
+        ({"name": "lora"}, {"name": "none"}, "peft=lora", "peft=none"),
+        ({"name": "none"}, {"name": "lora"}, "peft=none", "peft=lora"),
         ({"name": "lora", "target": ["experts"]}, {"name": "lora"}, "peft.target=[experts]", "[attention,experts]"),
     ],
 )
