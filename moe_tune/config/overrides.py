@@ -196,6 +196,8 @@ def _compose(overrides: list[str], options: dict[str, list[str]]):
         if group not in options:
             raise ConfigError(_describe(e, overrides)) from None
         extra = "; or model=hf model.path=<local Hugging Face directory>" if group == "model" else ""
+        if group == "peft" and name == "qlora":  # QLoRA is LoRA over a 4-bit base
+            extra = "; QLoRA is peft=lora peft.quantize_base=nf4"
         raise ConfigError(f"{group}={name} is not one of {', '.join(options[group])}{extra}") from None
     except Exception as e:  # noqa: BLE001  (Hydra raises many exception types for bad overrides)
         raise ConfigError(_describe(e, overrides)) from None
@@ -269,6 +271,31 @@ def in_brackets(key: str, value: str) -> str:
     return f"{key} is a list; write it in brackets: '{key}=[{value}]' (quoted for the shell)"
 
 
+# Names Transformers' TrainingArguments, TRL's SFTConfig and PEFT's LoraConfig give what a moe_tune key holds.
+PEER_NAMES = {
+    "learning_rate": "train.lr",
+    "max_steps": "train.steps",
+    "per_device_train_batch_size": "train.micro_batch_size",
+    "max_seq_length": "train.seq_len",
+    "max_length": "train.seq_len",
+    "seed": "train.seed",
+    "logging_steps": "train.log_every",
+    "eval_steps": "train.eval_every",
+    "bf16": "train.precision",
+    "warmup_steps": "optim.warmup_steps",
+    "lr_scheduler_type": "optim.schedule",
+    "save_steps": "checkpoint.every",
+    "save_total_limit": "checkpoint.keep_last",
+    "resume_from_checkpoint": "checkpoint.resume",
+    "gradient_checkpointing": "parallel.activation_checkpointing",
+    "r": "peft.rank",
+    "lora_r": "peft.rank",
+    "lora_alpha": "peft.alpha",
+    "lora_dropout": "peft.dropout",
+    "target_modules": "peft.target",
+}
+
+
 def unknown_key_message(key: str, plus: bool, keys: set[str], cfg) -> str:
     """One line: the key is not in the schema, with the closest valid keys (never a ``+`` to add it)."""
     shown = f"+{key}" if plus else key
@@ -279,7 +306,9 @@ def unknown_key_message(key: str, plus: bool, keys: set[str], cfg) -> str:
         if owners:
             choice = " or ".join(f"comm={n}" for n in owners)
             return f"{shown} is an option of {choice}, not of comm={cfg.comm.name}; add {choice}"
-    close = difflib.get_close_matches(key, sorted(keys), n=3, cutoff=0.6)
+    peer = PEER_NAMES.get(leaf)
+    close = [peer] if peer in keys else []
+    close += [k for k in difflib.get_close_matches(key, sorted(keys), n=3, cutoff=0.6) if k not in close]
     close += [k for k in sorted(keys) if k.rpartition(".")[2] == leaf and k not in close]
     hint = f"did you mean {' or '.join(close[:3])}? " if close else ""
     return f"{shown} is not a config key{fixed}; {hint}moe-tune --help lists every key"

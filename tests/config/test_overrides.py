@@ -78,6 +78,11 @@ def test_every_builtin_model_is_a_config():
         (["train.stepz=5"], "train.stepz is not a config key; did you mean train.steps"),
         (["+train.stepz=5"], "+train.stepz is not a config key (+ adds no key"),
         (["steps=5"], "steps is not a config key; did you mean train.steps?"),
+        # A name from Transformers' TrainingArguments, TRL or PEFT: its moe_tune key first.
+        (["train.learning_rate=1e-4"], "train.learning_rate is not a config key; did you mean train.lr?"),
+        (["peft.lora_alpha=16"], "peft.lora_alpha is not a config key; did you mean peft.alpha"),
+        (["peft=qlora"], "peft=qlora is not one of lora, none; QLoRA is peft=lora peft.quantize_base=nf4"),
+        (["train.train.seed=1"], "did you mean train.seed"),
         (["comm.num_sms=8"], "comm.num_sms is an option of comm=deepep, not of comm=all_to_all; add comm=deepep"),
         (["+train.steps=5"], "+train.steps: train.steps is already a key; write train.steps=<value> without the +"),
         (["model.overrides.num_hidden_layers=1"], "add it with +model.overrides.num_hidden_layers=1"),
