@@ -20,6 +20,9 @@ def model_dir_problem(path: str, key: str = "model.path") -> str | None:
     if os.path.isfile(os.path.join(path, "config.json")):
         return None
     if not os.path.exists(path):
+        typo = _local_typo(path, key)
+        if typo:
+            return typo
         full = os.path.abspath(os.path.expanduser(path))
         where = "" if full == path else f" (no directory {full})"
         hub_id = path if HUB_ID.fullmatch(path) else "<hub id>"
@@ -32,6 +35,21 @@ def model_dir_problem(path: str, key: str = "model.path") -> str | None:
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
         return _adapter_problem(path, key)
     return f"{key}={path} has no config.json; give a local Hugging Face checkpoint directory"
+
+
+def _local_typo(path: str, key: str) -> str | None:
+    """A missing path whose parent directory exists here, and that has a close name there or looks like a hub id
+    (``my/ckp``, with ``my/`` here), is a local path mistyped: the parent's entries closest to its last part."""
+    import difflib
+
+    parent, name = os.path.split(os.path.expanduser(path.rstrip("/")))
+    if not parent or not os.path.isdir(parent):
+        return None
+    close = difflib.get_close_matches(name, sorted(os.listdir(parent)), n=3, cutoff=0.6)
+    if not close and not HUB_ID.fullmatch(path):
+        return None
+    hint = f"did you mean {' or '.join(os.path.join(parent, c) for c in close)}?" if close else "check the path"
+    return f"{key}={path} does not exist (the directory {parent} does, without {name}); {hint}"
 
 
 def _run_problem(path: str, key: str) -> str | None:

@@ -82,3 +82,15 @@ def test_a_run_directory_names_its_exported_model(tmp_path):
         f"(moe-tune-export {run}/checkpoints/step_4 <dir>, --merge for LoRA) and give model.path=<dir>; to continue "
         f"that run, rerun it with output_dir={run}"
     )
+
+
+def test_a_mistyped_local_path_is_no_hub_id(tmp_path, monkeypatch):
+    """``my/ckp`` looks like owner/name, but ``my/`` is here: a typo of ``my/ckpt``, not a model to download."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my" / "ckpt").mkdir(parents=True)
+    assert (
+        model_dir_problem("my/ckp")
+        == "model.path=my/ckp does not exist (the directory my does, without ckp); did you mean my/ckpt?"
+    )
+    assert model_dir_problem("my/zzz").endswith("; check the path")
+    assert "hf download Qwen/Qwen3-30B-A3B" in model_dir_problem("Qwen/Qwen3-30B-A3B")
