@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from moe_tune.config import DataConfig, DataError
 from moe_tune.data.encode import IGNORE, Encoder
-from moe_tune.data.records import TEMPLATE_FAULTS, BadRecord, detect_format, normalize
+from moe_tune.data.records import SETTING_FAULTS, BadRecord, detect_format, normalize
 from moe_tune.data.templates import RenderTimeout
 
 log = logging.getLogger("moe_tune")
@@ -23,7 +23,7 @@ RecordSource = Callable[[], Iterator[tuple[str, object]]]
 
 
 def bad_record_message(where: str, bad: BadRecord) -> str:
-    if bad.reason in TEMPLATE_FAULTS:  # the detail names the fix
+    if bad.reason in SETTING_FAULTS:  # the detail names the fix
         return f"{where}: {bad.detail}"
     what = "line" if bad.reason in ("invalid_json", "invalid_utf8") else "record"
     fix = f"{bad.fix}, " if bad.fix else ""
@@ -50,7 +50,7 @@ class Tally:
         }
 
     def skip(self, where: str, bad: BadRecord) -> None:
-        if self.policy == "error" or bad.reason in TEMPLATE_FAULTS:
+        if self.policy == "error" or bad.reason in SETTING_FAULTS:
             raise DataError(bad_record_message(where, bad))
         skipped = self.stats["records_skipped"]
         skipped[bad.reason] = skipped.get(bad.reason, 0) + 1

@@ -45,9 +45,10 @@ class BadRecord(Exception):
         self.reason, self.detail, self.fix = reason, detail, fix
 
 
-# Reasons that are the chat template's fault, not the record's: the run stops at the first such record whatever
-# data.on_bad_record says (skipping would drop every record of its shape), and the detail names the fix.
-TEMPLATE_FAULTS = ("template_rewrites_history", "template_timeout")
+# Reasons that are a setting's fault (the chat template's, data.format's), not the record's: the run stops at the
+# first such record whatever data.on_bad_record says (skipping would drop every record of its shape), and the detail
+# names the fix.
+SETTING_FAULTS = ("template_rewrites_history", "template_timeout", "format_mismatch")
 
 
 @dataclass
@@ -86,6 +87,21 @@ def normalize(record, fmt: str, cfg: DataConfig) -> Chat | Completion | Text:
     """The sample of ``record`` read as ``fmt``; BadRecord if a field is missing or of the wrong type."""
     if not isinstance(record, dict):
         raise BadRecord("wrong_type", f"a record must be a JSON object, got {type(record).__name__}")
+    try:
+        return _normalize(record, fmt, cfg)
+    except BadRecord as bad:
+        given = cfg.format != "auto"  # auto read the format off the file's first record: this one is the odd one
+        other = detect_format(record, cfg) if given and bad.reason == "missing_field" else None
+        if other is None or other == fmt:
+            raise
+        raise BadRecord(
+            "format_mismatch",
+            f"{bad.detail}: data.format={fmt} was given, and this record is data.format={other}'s; set "
+            f"data.format={other}, or drop data.format (auto reads each file's format off its first record)",
+        ) from None
+
+
+def _normalize(record: dict, fmt: str, cfg: DataConfig) -> Chat | Completion | Text:
     if fmt == "chat":
         messages = [_chat_message(m, i) for i, m in enumerate(_list_field(record, "messages"))]
         return _chat(_with_system(messages, record), _tools(record), cfg.train_on)

@@ -45,7 +45,7 @@ RENDER_LIMIT_S = 10.0
 class RenderTimeout(BaseException):
     """A render ran past RENDER_LIMIT_S. A BaseException: the ``except Exception`` that turns a template's own
     errors into a skippable bad record must not catch it (the template's fault stops the run, see records.py's
-    TEMPLATE_FAULTS)."""
+    SETTING_FAULTS)."""
 
     def __init__(self, seconds: float):
         super().__init__(

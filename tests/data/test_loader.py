@@ -13,10 +13,10 @@ from moe_tune.data import build_datasets
 from moe_tune.models.presets import build_tokenizer
 
 
-def _build(tmp_path, records: list[dict]):
+def _build(tmp_path, records: list[dict], **data):
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    cfg = DataConfig(path=str(path), cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(path=str(path), cache_dir=str(tmp_path / "cache"), **data)
     return build_datasets(cfg, build_tokenizer(), 16, 0)
 
 
@@ -36,6 +36,27 @@ def test_a_record_of_no_known_format_is_a_data_error_naming_its_line_and_keys(tm
     assert message.startswith(f"{tmp_path / 'data.jsonl'}:1: ")
     assert "keys: ['answer', 'question']" in message and "prompt + response" in message and "text" in message
     assert "\n" not in message
+
+
+CHAT = {"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}
+
+
+@pytest.mark.parametrize("on_bad_record", ["error", "skip"])
+def test_a_format_given_that_the_records_are_not_names_theirs(tmp_path, on_bad_record):
+    """data.format=sharegpt over chat records: the setting is at fault, not the records, so skipping them all is no
+    fix; the line names the records' format. Under auto, a chat file's odd record is the record's fault."""
+    with pytest.raises(DataError) as e:
+        _build(tmp_path, [CHAT, CHAT], format="sharegpt", on_bad_record=on_bad_record)
+    assert str(e.value) == (
+        f"{tmp_path / 'data.jsonl'}:1: no 'conversations' field (keys: ['messages']): data.format=sharegpt was "
+        "given, and this record is data.format=chat's; set data.format=chat, or drop data.format (auto reads each "
+        "file's format off its first record)"
+    )
+    from moe_tune.data.records import BadRecord, normalize
+
+    with pytest.raises(BadRecord) as bad:  # auto took chat from the file's first record
+        normalize({"conversations": [{"from": "human", "value": "x"}]}, "chat", DataConfig())
+    assert bad.value.reason == "missing_field"
 
 
 def test_records_longer_than_seq_len_are_cut_counted_and_warned_about(tmp_path, caplog):
