@@ -149,9 +149,27 @@ def _chat_message(message, i: int) -> dict:
     if role not in ROLES:
         raise BadRecord("unknown_role", f"messages[{i}].role {role!r} is not one of {', '.join(ROLES)}")
     content = message.get("content")
+    if isinstance(content, list):  # OpenAI's content parts: the text ones, in order
+        content = message["content"] = _text_parts(content, i)
     if not isinstance(content, str) and not (content is None and role == "assistant" and message.get("tool_calls")):
         raise BadRecord("wrong_type", f"messages[{i}].content must be a string, got {_show(content)}")
     return message
+
+
+def _text_parts(parts: list, i: int) -> str:
+    """``[{"type": "text", "text": ...}, ...]`` (OpenAI's chat format) as one string, the parts joined as they are;
+    a part of another type (an image) has no place in a text model's record."""
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            raise BadRecord(
+                "wrong_type",
+                f"messages[{i}].content[{j}] is {_show(part) if kind is None else repr(kind) + ' content'}; "
+                'content parts must be text ({"type": "text", "text": ...}): moe_tune trains text models',
+            )
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def _sharegpt_message(turn, i: int) -> dict:

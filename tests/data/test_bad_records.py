@@ -184,3 +184,14 @@ def test_json_nested_past_the_parsers_depth_is_a_bad_line(tmp_path):
         f"{tmp_path / 'data.jsonl'}:2: tools is a string nested too deep to read as JSON; fix the record or set "
         "data.on_bad_record=skip"
     )
+
+
+def test_an_image_content_part_is_named(tmp_path):
+    """OpenAI's content parts: text ones are joined (test_formats.py); another type is one line naming it."""
+    image = {"role": "user", "content": [{"type": "text", "text": "what is this?"}, {"type": "image_url"}]}
+    with pytest.raises(DataError) as e:
+        build(tmp_path, [GOOD, json.dumps({"messages": [image, {"role": "assistant", "content": "a"}]}).encode()])
+    assert str(e.value) == (
+        f"{tmp_path / 'data.jsonl'}:2: messages[0].content[1] is 'image_url' content; content parts must be text "
+        '({"type": "text", "text": ...}): moe_tune trains text models; fix the record or set data.on_bad_record=skip'
+    )

@@ -106,6 +106,13 @@ def test_sharegpt_is_the_same_conversation(tmp_path):
     assert samples(tmp_path, [record]) == [chat_expectation("assistant")]
 
 
+def test_openai_text_parts_are_the_same_conversation(tmp_path):
+    """content as OpenAI's list of text parts: the parts joined, the conversation as with plain strings."""
+    parts = [{**m, "content": [{"type": "text", "text": m["content"][:1]}, {"type": "text", "text": m["content"][1:]}]}
+             for m in CHAT]  # fmt: skip
+    assert samples(tmp_path, [{"messages": parts}]) == [chat_expectation("assistant")]
+
+
 @pytest.mark.parametrize("key", ["response", "completion"])
 @pytest.mark.parametrize("train_on", ["assistant", "all"])
 def test_prompt_completion(tmp_path, key, train_on):
