@@ -286,6 +286,15 @@ def build_training_model(cfg: Config, env) -> Built:
     model.train()
     if source is not None and not has_tokenizer(source) and env.rank == 0:  # built-in data (check_tokenizer)
         log.warning("%s has no tokenizer files: moe_tune's character tokenizer reads the built-in data", source)
+    longest = getattr(hf_config, "max_position_embeddings", None)
+    if longest and cfg.train.seq_len > longest and env.rank == 0:
+        log.warning(
+            "train.seq_len=%d is longer than the model's max_position_embeddings=%d: positions past %d are ones it "
+            "was not trained on; lower train.seq_len, or extend the model's context first (its config's rope_scaling)",
+            cfg.train.seq_len,
+            longest,
+            longest,
+        )
     return Built(
         model=model,
         mesh=mesh,

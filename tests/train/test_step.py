@@ -214,3 +214,19 @@ def test_loss_normalizer_counts_the_shifted_label_positions_of_all_micro_batches
     trainer._micro_batch = lambda step, micro: batches[micro]
     loss = float(trainer.train_step(0)["loss"])
     assert loss == pytest.approx(ce_sum / sum(shifted), rel=1e-6)
+
+
+@pytest.mark.parametrize("seq_len, warned", [(8192, True), (4096, False)])
+def test_a_sequence_past_the_models_positions_is_warned_about(make_trainer, monkeypatch, seq_len, warned):
+    """train.seq_len beyond config.json's max_position_embeddings (4096 for the tiny preset) trains on positions
+    the model never saw: a warning names both and the fixes."""
+    from moe_tune import build as module
+
+    warnings = []  # the Trainer reconfigures logging (so pytest's caplog would miss it)
+    monkeypatch.setattr(module.log, "warning", lambda msg, *args: warnings.append(msg % args))
+    make_trainer("train.steps=1", f"train.seq_len={seq_len}", "train.micro_batch_size=1")
+    hits = [w for w in warnings if "max_position_embeddings" in w]
+    assert bool(hits) == warned
+    assert not warned or hits[0].startswith(
+        "train.seq_len=8192 is longer than the model's max_position_embeddings=4096"
+    )
