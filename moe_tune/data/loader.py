@@ -128,9 +128,16 @@ def _cached(cfg: DataConfig, tokenizer, seq_len: int, seed: int, with_train: boo
     )
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     user_data = {"train": cfg.path is not None, "val": (cfg.val_path or cfg.path) is not None}
+    labels = {name: f"data ({name})" for name in ("train", "val")}
+    if cfg.val_path is None and cfg.val_fraction > 0 and entry.get("train_stats"):  # records read once, then split
+        held, kept = entry["val_stats"]["records_read"], entry["train_stats"]["records_read"]
+        labels["train"] = (
+            f"data (train; data.val_fraction={cfg.val_fraction:g} held out {held} of {held + kept} records)"
+        )
+        labels["val"] = "data (val, held out by data.val_fraction)"
     for name in ("train", "val"):
         if rank0 and entry.get(f"{name}_stats"):
-            report_stats(f"data ({name})", entry[f"{name}_stats"], warn_truncated=user_data[name])
+            report_stats(labels[name], entry[f"{name}_stats"], warn_truncated=user_data[name])
     return entry
 
 

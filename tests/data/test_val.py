@@ -29,8 +29,11 @@ def texts(data) -> list[str]:
     return build_tokenizer().batch_decode(data.ids.tolist(), skip_special_tokens=True)
 
 
-def test_val_fraction_is_a_disjoint_seeded_split(cfg):
-    train, val = build_datasets(replace(cfg, val_fraction=0.2), build_tokenizer(), 32, seed=0)
+def test_val_fraction_is_a_disjoint_seeded_split(cfg, caplog):
+    with caplog.at_level("INFO", logger="moe_tune"):
+        train, val = build_datasets(replace(cfg, val_fraction=0.2), build_tokenizer(), 32, seed=0)
+    # The log counts the file's records as read once, then split (not "40 read" of a 50-record file).
+    assert "data (train; data.val_fraction=0.2 held out 10 of 50 records): 40 records read" in caplog.text
     assert len(val) == 10 and len(train) == 40
     assert sorted(texts(train) + texts(val)) == [r["text"] for r in RECORDS]
     assert val.stats["records_used"] == 10 and train.stats["records_read"] == 40
