@@ -25,6 +25,16 @@ from tests.harness import free_port
 COMMANDS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo", "squeue")
 # Jobs leave the controller's memory this long after they end (the default, 300 s, would keep every test's jobs).
 MIN_JOB_AGE_S = 10
+
+
+def first_job_id() -> int:
+    """Each pytest-xdist worker's cluster numbers its jobs from its own thousand (gw0 from 1, gw1 from 1001): the
+    launchers derive a job's rendezvous port from its id (train.sbatch: 20000 + id % 20000; submitit likewise), so
+    two clusters on one host, both counting from 1, gave two jobs one port and one job the other's store."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return 1 + 1000 * int(worker.removeprefix("gw") or 0)
+
+
 SLURM_CONF = """\
 ClusterName=moetune
 SlurmctldHost={host}(127.0.0.1)
@@ -55,6 +65,7 @@ JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 ReturnToService=2
 MinJobAge={min_job_age}
+FirstJobId={first_job_id}
 KillWait=20
 NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
@@ -120,6 +131,7 @@ class LocalSlurm:
             dir=self.dir,
             min_job_age=MIN_JOB_AGE_S,
             cpus=self.cpus,
+            first_job_id=first_job_id(),
         )
         (self.dir / "slurm.conf").write_text(text)
 
