@@ -5,8 +5,8 @@ Takes ``moe-tune``'s own overrides. Prints the predicted peak memory per rank (`
 ``torch.cuda.max_memory_allocated``) with its parts, whether it fits, and the predicted tokens/s per GPU. With
 ``--search``: every layout of ``--gpus`` GPUs (expert parallelism, micro-batch, activation checkpointing) that fits,
 fastest first, and why each other one does not; those of the three keys given a value are held at it. A key given as
-``auto`` (as ``moe-tune`` takes it) is searched the same way. Exit 2 for a configuration that cannot run, as ``moe-tune``; 3
-when the layout does not fit (with ``--search``: when none does), so that a script can branch on it.
+``auto`` (as ``moe-tune`` takes it) is searched the same way. Exit 2 for a configuration that cannot run, as
+``moe-tune``; 3 when the layout does not fit (with ``--search``: when none does), so that a script can branch on it.
 """
 
 from __future__ import annotations

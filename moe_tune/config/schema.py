@@ -151,9 +151,10 @@ class KernelsConfig:
     loss_chunk_size: int = field(4096, ge=1, help="tokens per loss chunk")
     # The quantized base's expert GEMMs (peft.quantize_base). "torch": FP8 through torch._scaled_grouped_mm both ways
     # (the input gradient reads a transposed copy of the experts made per call), NF4 a projection's experts
-    # dequantized for bf16 grouped GEMMs (all at once where they fit 1 GiB: no host sync). "triton": the FP8 input gradient and both
-    # NF4 directions through one Triton grouped GEMM that dequantizes weight tiles in registers (no copy, no sync;
-    # CUDA only); measured slower than "torch" on an H100 (docs/lora.md). Changes nothing without a quantized base.
+    # dequantized for bf16 grouped GEMMs (all at once where they fit 1 GiB: no host sync). "triton": the FP8 input
+    # gradient and both NF4 directions through one Triton grouped GEMM that dequantizes weight tiles in registers (no
+    # copy, no sync; CUDA only); measured slower than "torch" on an H100 (docs/lora.md). Changes nothing without a
+    # quantized base.
     quantized_base: str = field("torch", choices=QUANTIZED_GEMMS, help="the quantized base's GEMMs")
 
     def fp8_options(self) -> dict:

@@ -11,9 +11,9 @@ per-step weight quantization is what makes ``kernels.experts=grouped_mm_fp8`` sl
     output rows, and Hopper's FP8 GEMM reads its operands contraction-innermost with scales along the output dims
     only. ``kernels.quantized_base=torch``: the weight's row scales are folded into dy (``dy[r, n] * s[j(r), n]``,
     exact: powers of two) in the pass that quantizes dy per row, and the weight's bytes are copied transposed (e x
-    out x in bytes per call, one tiled Triton pass on CUDA) for ``torch._scaled_grouped_mm``. ``triton``: dy as it is against the dequantized
-    weights in one Triton grouped GEMM that reads the E4M3 tiles in their stored layout (``frozen``). Only the
-    weights and offsets are saved for backward.
+    out x in bytes per call, one tiled Triton pass on CUDA) for ``torch._scaled_grouped_mm``. ``triton``: dy as it is
+    against the dequantized weights in one Triton grouped GEMM that reads the E4M3 tiles in their stored layout
+    (``frozen``). Only the weights and offsets are saved for backward.
 Registered as a custom op with its autograd, so torch.compile calls it as it is and traces neither direction. On
 the CPU: the FP8 kernel is ``fp8_grouped.emulated_scaled_grouped_mm`` (both quantized operands dequantized, then an
 fp32 matmul per group); ``triton``'s input gradient ``frozen.dense_grouped_mm`` of the dequantized weights.
