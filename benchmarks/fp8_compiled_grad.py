@@ -1,18 +1,18 @@
 """Issue 36: ``kernels.experts=grouped_mm_fp8`` under ``torch.compile`` gave input and weight gradients with relative
-error 1.0 on an H200 (validation refuses the pair). Its GEMMs were then an autograd.Function around
-``torch._scaled_grouped_mm`` that dynamo traced through; they are now custom ops with their autograd registered, as
-the frozen base's FP8 GEMMs are (those compile to eager's results). This checks the fix and bisects the old failure,
-in one run on one Hopper GPU, comparing each compiled piece with the same piece in eager mode on the same inputs
-(Qwen3-30B-A3B's expert dims, uneven groups, an empty one, padding rows past the last group):
+error 1.0 on an H200. Its GEMMs were then an autograd.Function around ``torch._scaled_grouped_mm`` that dynamo traced
+through. Now the kernel is an opaque custom op (``fp8_grouped.opaque_scaled_grouped_mm``) and only the
+quantizations around it are traced, so that inductor still fuses them. This checks that design and bisects the old
+failure, in one run on one Hopper GPU, comparing each compiled piece with the same piece in eager mode on the same
+inputs (Qwen3-30B-A3B's expert dims, uneven groups, an empty one, padding rows past the last group):
 
-  1. ``fp8_grouped_mm`` (the custom ops) under inductor and under ``aot_eager``: the fix, expected equal;
+  1. ``fp8_grouped_mm`` (kernel opaque) under inductor and under ``aot_eager``: expected equal;
   2. ``Traced``, the old autograd.Function over the same pieces, under inductor and ``aot_eager`` (AOTAutograd's
      graphs run eagerly: no inductor code): the minimal reproduction, expected wrong if the bug is torch's tracing
      of ``torch._scaled_grouped_mm``;
   3. the quantizations alone under inductor (values and scales, bitwise): ``quantize_rows`` over each axis and
      ``quantize_group_columns`` after ``pad_groups``;
-  4. ``torch._scaled_grouped_mm`` alone under inductor, in each of the three layouts the GEMMs use, and whether its
-     meta function's output strides (what compiled graphs, aot_eager's too, assume) are the kernel's.
+  4. ``torch._scaled_grouped_mm`` alone under inductor and aot_eager, in each of the three layouts the GEMMs use,
+     and whether its meta function's output strides (what compiled graphs, aot_eager's too, assume) are the kernel's.
 
     python benchmarks/fp8_compiled_grad.py [--rows 8192] > <results dir>/fp8_compiled_grad.txt
 
@@ -84,7 +84,7 @@ def weight_grad_traced(x_RK, dy_RN, offs_e, mm=None):
     return (mm or (lambda *a: f8.scaled_grouped_mm(*a, True)))(*args).transpose(-2, -1)
 
 
-def whole(x, w, offs, dy, backend: str, fn=f8.fp8_grouped_mm, label="fp8_grouped_mm (custom ops)") -> None:
+def whole(x, w, offs, dy, backend: str, fn=f8.fp8_grouped_mm, label="fp8_grouped_mm (kernel opaque)") -> None:
     def run(f):
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
         out = f(xx, ww, offs)
@@ -138,9 +138,13 @@ def gemms(x, w, offs, dy) -> None:
     seen = []  # the weight gradient's operands, as fp8_weight_grad makes them
     weight_grad_traced(x, dy, offs, lambda *a: seen.append(a) or mm(*a))
     layouts["weight gradient (2d x 2d)"] = seen[0]
-    torch._dynamo.reset()
+    routed = int(offs[-1])  # 2d x 3d: rows past it are padding, which the kernel leaves undefined
     for name, args in layouts.items():
-        report(f"inductor: _scaled_grouped_mm alone, {name}", rel(torch.compile(mm)(*args), mm(*args)))
+        rows = None if "2d x 2d" in name else routed
+        for backend in ("inductor", "aot_eager"):
+            torch._dynamo.reset()
+            compiled = torch.compile(mm, backend=backend)(*args)
+            report(f"{backend}: _scaled_grouped_mm alone, {name}", rel(compiled[:rows], mm(*args)[:rows]))
         # Compiled graphs (aot_eager too) replay views with the strides the meta function gives: a meta function
         # whose strides differ from the kernel's output would have the real output read wrongly.
         meta = mm(*(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in args))
@@ -149,13 +153,48 @@ def gemms(x, w, offs, dy) -> None:
         report(f"_scaled_grouped_mm's meta strides differ, {name}", float(real.stride() != meta.stride()))
 
 
+def log_kernel_inputs(x, w, offs, dy) -> None:
+    """What the opaque kernel receives, eager then compiled (aot_eager), call by call: the op's body runs eagerly
+    inside compiled graphs too, so a wrong operand in the compiled backward shows here."""
+
+    def summary(t: torch.Tensor) -> str:
+        head = t.flatten()[:3].tolist() if t.dtype in (torch.int32, torch.int64) else f"{t.float().abs().sum():.4e}"
+        return f"{tuple(t.shape)}{tuple(t.stride())} {str(t.dtype)[6:]} {head}"
+
+    real = f8._kernel
+
+    def logged(emulate):
+        def kernel(a, b, sa, sb, o, fast_accum):
+            out = real(emulate)(a, b, sa, sb, o, fast_accum)
+            names = ("a", "b", "scale_a", "scale_b", "offs", "out")
+            print("   ", "; ".join(f"{n} {summary(t)}" for n, t in zip(names, (a, b, sa, sb, o, out))), flush=True)
+            return out
+
+        return kernel
+
+    f8._kernel = logged
+    try:
+        for backend in ("eager", "aot_eager"):
+            print(f"-- kernel inputs, {backend}", flush=True)
+            torch._dynamo.reset()
+            fn = f8.fp8_grouped_mm if backend == "eager" else torch.compile(f8.fp8_grouped_mm, backend=backend)
+            xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+            fn(xx, ww, offs).backward(dy)
+            print(f"    grads: dx {summary(xx.grad)}; dw {summary(ww.grad)}", flush=True)
+    finally:
+        f8._kernel = real
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=8192, help="routed rows (tokens x top-k)")
+    parser.add_argument("--log-kernel-inputs", action="store_true", help="only log the kernel's operands per call")
     args = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         raise SystemExit("fp8_compiled_grad.py: needs a Hopper GPU (torch._scaled_grouped_mm is sm90)")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, rows {args.rows}")
+    if args.log_kernel_inputs:
+        return log_kernel_inputs(*inputs(args.rows, 128, 2048, 1536))
     for K, N in ((2048, 1536), (768, 2048)):  # Qwen3-30B-A3B's gate_up and down
         print(f"-- experts 128, K {K}, N {N}")
         data = inputs(args.rows, 128, K, N)

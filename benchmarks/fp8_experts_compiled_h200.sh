@@ -6,9 +6,11 @@
 #     until this passes.
 #   PART=speed: the committed 8-layer workload (experiment=qwen3_30b_a3b_1gpu: Qwen3-30B-A3B shapes, seq 4096,
 #     bf16 parameters, data=random, real routing) compiled, bf16 grouped_mm against grouped_mm_fp8, at each
-#     micro-batch of MBS (default "4 1"), then 24 layers at micro-batch MB24 (default 3; none skips it); medians of steps 6-20.
+#     micro-batch of MBS (default "4 1"), then 24 layers at micro-batch MB24 (default 3; none skips it); medians
+#     of steps 6-20.
 #   PART=losses: 100 steps of the built-in chat records at the precision protocol's lr (3e-5), bf16 against FP8.
-#   OUT=<dir> PART=check|speed|losses [MBS="4 1"] [MB24=3|none] bash benchmarks/fp8_experts_compiled_h200.sh [overrides...]
+#   OUT=<dir> PART=check|speed|losses [MBS="4 1"] [MB24=3|none] bash benchmarks/fp8_experts_compiled_h200.sh \
+#     [overrides...]
 set -euo pipefail
 OUT=${OUT:?OUT=<results directory>}
 PART=${PART:-check}
@@ -28,8 +30,9 @@ case $PART in
     for mb in $MBS; do
       python -m moe_tune.bench "${common[@]}" train.micro_batch_size="$mb" "$@" "${opts[@]}" --out "$OUT/8l_mb$mb"
     done
-    [[ $MB24 == none ]] || python -m moe_tune.bench "${common[@]}" model.overrides.num_hidden_layers=24 train.micro_batch_size="$MB24" "$@" \
-      "${opts[@]}" --out "$OUT/24l_mb3" ;;
+    [[ $MB24 == none ]] || python -m moe_tune.bench "${common[@]}" model.overrides.num_hidden_layers=24 \
+      train.micro_batch_size="$MB24" "$@" \
+      "${opts[@]}" --out "$OUT/24l_mb$MB24" ;;
   losses)
     python -m moe_tune.bench "${common[@]}" data=arithmetic data.num_samples=16384 train.steps=100 train.lr=3e-5 \
       train.warmup_steps_excluded=10 "$@" "${opts[@]}" --out "$OUT/losses" ;;
