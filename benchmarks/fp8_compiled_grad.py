@@ -1,14 +1,14 @@
-"""Issue 36: ``kernels.experts=grouped_mm_fp8`` under ``torch.compile`` gave input and weight gradients with relative
-error 1.0 on an H200. Its GEMMs were then an autograd.Function around ``torch._scaled_grouped_mm`` that dynamo traced
-through. Now the kernel is an opaque custom op (``fp8_grouped.opaque_scaled_grouped_mm``) and only the
-quantizations around it are traced, so that inductor still fuses them. This checks that design and bisects the old
-failure, in one run on one Hopper GPU, comparing each compiled piece with the same piece in eager mode on the same
-inputs (Qwen3-30B-A3B's expert dims, uneven groups, an empty one, padding rows past the last group):
+"""Issue 36: ``kernels.experts=grouped_mm_fp8`` under ``torch.compile``. As an autograd.Function that dynamo traces,
+its compiled input and weight gradients were wrong: relative error 1.0 on an H200 with the kernel in the graph, and
+zero on an H100 with the kernel an opaque custom op and only the quantizations traced (bd8ee5d; ``dy`` reaches the
+backward as zeros). Its three GEMMs are custom ops with their autograd registered, as the frozen base's are; those
+compile to eager's results. This checks them and bisects the old failure, in one run on one Hopper GPU, comparing
+each compiled piece with the same piece in eager mode on the same inputs (Qwen3-30B-A3B's expert dims, uneven
+groups, an empty one, padding rows past the last group):
 
-  1. ``fp8_grouped_mm`` (kernel opaque) under inductor and under ``aot_eager``: expected equal;
+  1. ``fp8_grouped_mm`` (the custom ops) under inductor and under ``aot_eager``: expected equal;
   2. ``Traced``, the old autograd.Function over the same pieces, under inductor and ``aot_eager`` (AOTAutograd's
-     graphs run eagerly: no inductor code): the minimal reproduction, expected wrong if the bug is torch's tracing
-     of ``torch._scaled_grouped_mm``;
+     graphs run eagerly: no inductor code): the minimal reproduction (gradients zero);
   3. the quantizations alone under inductor (values and scales, bitwise): ``quantize_rows`` over each axis and
      ``quantize_group_columns`` after ``pad_groups``;
   4. ``torch._scaled_grouped_mm`` alone under inductor and aot_eager, in each of the three layouts the GEMMs use,
@@ -84,7 +84,7 @@ def weight_grad_traced(x_RK, dy_RN, offs_e, mm=None):
     return (mm or (lambda *a: f8.scaled_grouped_mm(*a, True)))(*args).transpose(-2, -1)
 
 
-def whole(x, w, offs, dy, backend: str, fn=f8.fp8_grouped_mm, label="fp8_grouped_mm (kernel opaque)") -> None:
+def whole(x, w, offs, dy, backend: str, fn=f8.fp8_grouped_mm, label="fp8_grouped_mm (custom ops)") -> None:
     def run(f):
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
         out = f(xx, ww, offs)
@@ -188,7 +188,9 @@ def log_kernel_inputs(x, w, offs, dy) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=8192, help="routed rows (tokens x top-k)")
-    parser.add_argument("--log-kernel-inputs", action="store_true", help="only log the kernel's operands per call")
+    parser.add_argument(
+        "--log-kernel-inputs", action="store_true", help="only log the kernel's operands per call, eager and compiled"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         raise SystemExit("fp8_compiled_grad.py: needs a Hopper GPU (torch._scaled_grouped_mm is sm90)")

@@ -218,12 +218,6 @@ def _check_kernels(cfg: Config) -> None:
             f"({t.micro_batch_size} x {t.seq_len} = {tokens}) must be a multiple of 128; "
             f"try train.seq_len={-(-t.seq_len // 128) * 128}"
         )
-    if k.experts == "grouped_mm_fp8" and k.compile:
-        raise ConfigError(
-            "kernels.experts=grouped_mm_fp8 with kernels.compile=true is refused: compiled, its input and weight "
-            "gradients came out zero on an H100 (benchmarks/README.md); "
-            "set kernels.compile=false or kernels.experts=grouped_mm"
-        )
     if k.name != "te" and k.fp8 != "none":
         raise ConfigError(f"kernels.fp8={k.fp8} needs kernels=te; add kernels=te or set kernels.fp8=none")
     if k.name == "te" and k.compile:

@@ -175,95 +175,70 @@ def quantize_rows_fused(t: torch.Tensor, triton_kernel: bool | None = None) -> t
     return q.view(t.shape), inv_scale.view(t.shape[:-1])
 
 
-# The kernel is a custom op, opaque to torch.compile; the quantizations around it are traced, so that inductor fuses
-# each into one or two passes. Traced through (torch._scaled_grouped_mm itself in the graph), compiled outputs and
-# gradients came out wrong on an H100 and an H200, under inductor and aot_eager alike, while each quantization
-# compiled alone gives eager's bits (benchmarks/fp8_compiled_grad.py, benchmarks/README.md).
-@torch.library.custom_op("moe_tune::scaled_grouped_mm", mutates_args=())
-def opaque_scaled_grouped_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale_a: torch.Tensor,
-    scale_b: torch.Tensor,
-    offs: torch.Tensor,
-    fast_accum: bool,
-    emulate: bool,
+# The GEMMs are custom ops, opaque to torch.compile, their autograd registered below: traced through (an
+# autograd.Function around torch._scaled_grouped_mm), compiled input and weight gradients came out wrong on an H200
+# under inductor and aot_eager alike, while the frozen base's FP8 GEMMs, custom ops around the same kernel, compile
+# to eager's results (kernels/fp8_frozen.py).
+@torch.library.custom_op("moe_tune::fp8_grouped_mm", mutates_args=())
+def fp8_rows_by_rows(
+    a_RC: torch.Tensor, b_eDC: torch.Tensor, offs_e: torch.Tensor, fast_accum: bool, emulate: bool
 ) -> torch.Tensor:
-    """``torch._scaled_grouped_mm`` (or its emulation) on the layouts it takes, whatever a compiled graph handed in:
-    ``a`` row-major, ``b`` column-major (no copy where they already are)."""
-    a = a if a.stride(-1) == 1 else a.contiguous()
-    b = b if b.stride(-2) == 1 else b.transpose(-2, -1).contiguous().transpose(-2, -1)
-    return _kernel(emulate)(a, b, scale_a.contiguous(), scale_b.contiguous(), offs, fast_accum)
-
-
-@opaque_scaled_grouped_mm.register_fake
-def _(a, b, scale_a, scale_b, offs, fast_accum, emulate):
-    if b.dim() == 3:  # 2d x 3d: [rows, N]
-        return a.new_empty(a.shape[0], b.shape[-1], dtype=torch.bfloat16)
-    return a.new_empty(offs.shape[0], a.shape[0], b.shape[-1], dtype=torch.bfloat16)  # 2d x 2d: [groups, M, N]
-
-
-def _quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # Compiled: PyTorch's ops, which inductor fuses with what surrounds them; eager: one Triton pass where it can.
-    return quantize_rows(t) if torch.compiler.is_compiling() else quantize_rows_fused(t)
-
-
-def _rows_by_rows(a_RC, b_eDC, offs_e, fast_accum: bool, emulate: bool) -> torch.Tensor:
     """``out_RD = a_RC @ b_eDC[j]^T`` for the rows of group j: ``a`` quantized per row, ``b`` per (expert, row),
     both over C, the contraction. The forward (a = x, b = the weights ``[e, N, K]``) and the input gradient (a = dy,
     b = the weights ``[e, K, N]``)."""
-    aq_RC, sa_R = _quantize_rows(a_RC)
-    bq_eDC, sb_eD = _quantize_rows(b_eDC)
-    out = opaque_scaled_grouped_mm(aq_RC, bq_eDC.transpose(-2, -1), sa_R, sb_eD, offs_e, fast_accum, emulate)
-    return out.to(a_RC.dtype)
+    aq_RC, sa_R = quantize_rows_fused(a_RC)
+    bq_eDC, sb_eD = quantize_rows_fused(b_eDC)
+    return _kernel(emulate)(aq_RC, bq_eDC.transpose(-2, -1), sa_R, sb_eD, offs_e, fast_accum).to(a_RC.dtype)
 
 
-def _weight_grad(dy_RD, a_RC, offs_e, fast_accum: bool, emulate: bool) -> torch.Tensor:
-    """``dy_j^T @ a_j`` for each group j as ``[e, D, C]``: the gradient of ``_rows_by_rows``'s ``b``. It contracts
+@fp8_rows_by_rows.register_fake
+def _(a_RC, b_eDC, offs_e, fast_accum, emulate):
+    return a_RC.new_empty(a_RC.shape[0], b_eDC.shape[1])
+
+
+@torch.library.custom_op("moe_tune::fp8_grouped_mm_weight_grad", mutates_args=())
+def fp8_weight_grad(
+    dy_RD: torch.Tensor, a_RC: torch.Tensor, offs_e: torch.Tensor, fast_accum: bool, emulate: bool
+) -> torch.Tensor:
+    """``dy_j^T @ a_j`` for each group j as ``[e, D, C]``: the gradient of ``fp8_rows_by_rows``'s ``b``. It contracts
     over expert j's rows, so both are scaled per (expert, column), over that expert's rows ("2d x 2d" kernel, groups
     along the rows), each group first padded with zero rows to a multiple of 16 (the kernel's alignment)."""
     e, R = offs_e.shape[0], a_RC.shape[0]
     dest_R, group_B, padded_offs_e, P = pad_groups(offs_e, R)
-    rows_R = torch.arange(R, dtype=dest_R.dtype, device=dest_R.device)
-    src_P = torch.full((P,), R, dtype=dest_R.dtype, device=dest_R.device).scatter_(0, dest_R, rows_R)
-    a_PC, dy_PD = _padded(a_RC, src_P), _padded(dy_RD, src_P)
+    a_PC = a_RC.new_zeros(P, a_RC.shape[1]).index_copy_(0, dest_R, a_RC)
+    dy_PD = dy_RD.new_zeros(P, dy_RD.shape[1]).index_copy_(0, dest_R, dy_RD)
     aq_PC, sa_GC = quantize_group_columns(a_PC, group_B, e + 1)
     dyq_PD, sdy_GD = quantize_group_columns(dy_PD, group_B, e + 1)
-    left_DP = dyq_PD.t().contiguous()  # row-major left operand (compiled: written so by the quantization's pass)
+    left_DP = dyq_PD.t().contiguous()  # row-major left operand
     right_PC = aq_PC.t().contiguous().t()  # column-major right operand
-    sl, sr = sdy_GD[:e].reshape(-1), sa_GC[:e].reshape(-1)
-    return opaque_scaled_grouped_mm(left_DP, right_PC, sl, sr, padded_offs_e, fast_accum, emulate).to(a_RC.dtype)
+    sl, sr = sdy_GD[:e].contiguous().view(-1), sa_GC[:e].contiguous().view(-1)
+    return _kernel(emulate)(left_DP, right_PC, sl, sr, padded_offs_e, fast_accum).to(a_RC.dtype)
 
 
-def _padded(t_RC: torch.Tensor, src_P: torch.Tensor) -> torch.Tensor:
-    """Row p of the padded layout: ``t_RC[src_P[p]]``, zeros where ``src_P`` is R (a padding row). A gather, so that
-    compiled, inductor reads the rows through it inside the quantization's passes and the padded copy never exists."""
-    R = t_RC.shape[0]
-    if R == 0:
-        return t_RC.new_zeros(src_P.shape[0], t_RC.shape[1])
-    return torch.where((src_P < R).unsqueeze(1), t_RC[src_P.clamp(max=R - 1)], 0)
+@fp8_weight_grad.register_fake
+def _(dy_RD, a_RC, offs_e, fast_accum, emulate):
+    return a_RC.new_empty(offs_e.shape[0], dy_RD.shape[1], a_RC.shape[1])
 
 
-class _FP8GroupedMM(torch.autograd.Function):
-    """The three GEMMs of ``fp8_grouped_mm``; the backward runs only the gradients autograd asks for (a frozen
-    base, LoRA, runs no weight-gradient GEMM)."""
+def _setup_context(ctx, inputs, output):
+    a_RC, b_eDC, offs_e, fast_accum, emulate = inputs
+    ctx.save_for_backward(a_RC, b_eDC, offs_e)  # as given (bf16), as for F.grouped_mm
+    ctx.fast_accum, ctx.emulate = fast_accum, emulate
 
-    @staticmethod
-    def forward(ctx, a_RC, b_eDC, offs_e, fast_accum: bool, emulate: bool):
-        ctx.save_for_backward(a_RC, b_eDC, offs_e)  # as given (bf16), as for F.grouped_mm
-        ctx.fast_accum, ctx.emulate = fast_accum, emulate
-        return _rows_by_rows(a_RC, b_eDC, offs_e, fast_accum, emulate)
 
-    @staticmethod
-    def backward(ctx, dy_RD):
-        a_RC, b_eDC, offs_e = ctx.saved_tensors
-        dy_RD = dy_RD.contiguous()
-        da = db = None
-        if ctx.needs_input_grad[0]:
-            da = _rows_by_rows(dy_RD, b_eDC.transpose(-2, -1), offs_e, ctx.fast_accum, ctx.emulate)
-        if ctx.needs_input_grad[1]:
-            db = _weight_grad(dy_RD, a_RC, offs_e, ctx.fast_accum, ctx.emulate).to(b_eDC.dtype)
-        return da, db, None, None, None
+def _backward(ctx, dy_RD):
+    """Only the gradients autograd asks for: a frozen base (LoRA) runs no weight-gradient GEMM."""
+    a_RC, b_eDC, offs_e = ctx.saved_tensors
+    dy_RD = dy_RD.contiguous()
+    da = db = None
+    if ctx.needs_input_grad[0]:
+        da = fp8_rows_by_rows(dy_RD, b_eDC.transpose(-2, -1), offs_e, ctx.fast_accum, ctx.emulate)
+    if ctx.needs_input_grad[1]:
+        db = fp8_weight_grad(dy_RD, a_RC, offs_e, ctx.fast_accum, ctx.emulate).to(b_eDC.dtype)
+    return da, db, None, None, None
+
+
+fp8_rows_by_rows.register_autograd(_backward, setup_context=_setup_context)
 
 
 def fp8_grouped_mm(
@@ -291,4 +266,4 @@ def fp8_grouped_mm(
     FP8 accumulation (no periodic promotion to fp32), as torchao's FP8 MoE training uses."""
     emulate = not x_RK.is_cuda if emulate is None else emulate
     # The weights' rows over K are w's columns: for GroupedExperts' "out_in" storage [e, N, K], contiguous rows.
-    return _FP8GroupedMM.apply(x_RK, w_eKN.transpose(-2, -1), offs_e, fast_accum, emulate)
+    return fp8_rows_by_rows(x_RK, w_eKN.transpose(-2, -1), offs_e, fast_accum, emulate)
