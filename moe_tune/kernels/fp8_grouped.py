@@ -3,9 +3,11 @@
 ``fp8_grouped_mm(x_RK, w_eKN, offs_e)`` is a drop-in for ``experts.grouped_mm``: each of its three GEMMs
 (forward, input gradient, weight gradient) quantizes both operands to E4M3 on the fly and runs
 ``torch._scaled_grouped_mm`` (a CUTLASS kernel for Hopper, sm90). Every scale is a power of two, so scaling and
-unscaling add no rounding of their own, and every scale is computed on the device: no host sync. On CUDA, rows
-stored contiguously are quantized in one Triton pass each (``quantize_rows_triton``). The three GEMMs are custom
-ops with their autograd registered, so that ``torch.compile`` calls them as they are.
+unscaling add no rounding of their own, and every scale is computed on the device: no host sync. On CUDA each
+operand is quantized by one Triton kernel: rows stored contiguously by ``quantize_rows_triton`` (x, dy, the forward's
+experts), the input gradient's experts over their other axis by ``quantize_expert_columns_triton``, the weight
+gradient's padded groups by ``quantize_padded_group_columns_triton``. The three GEMMs are custom ops with their
+autograd registered, so that ``torch.compile`` calls them as they are (nothing inside them fuses).
 
 The kernel's contract (the same checks as its meta function, which the CPU emulation runs): the left operand
 row-major, the right one column-major, fp32 scales holding what to multiply the FP8 values by, row counts and
@@ -175,6 +177,61 @@ def quantize_rows_fused(t: torch.Tensor, triton_kernel: bool | None = None) -> t
     return q.view(t.shape), inv_scale.view(t.shape[:-1])
 
 
+def _group_columns_triton(t_RC, offs_G, out_offs_G, q, out_group_scale: int, out_col_stride: int) -> torch.Tensor:
+    """Launches ``triton_fp8.quantize_group_columns_kernel`` over the groups ``offs_G`` of ``t_RC``'s rows, writing
+    the E4M3 values into ``q`` as it places them; returns the inverse scales ``[G, C]``."""
+    import triton
+
+    from moe_tune.kernels.triton_fp8 import quantize_group_columns_kernel
+
+    t_RC = t_RC if t_RC.stride(-1) == 1 else t_RC.contiguous()
+    G, C = offs_G.shape[0], t_RC.shape[1]
+    inv_scale_GC = torch.empty(G, C, dtype=torch.float32, device=t_RC.device)
+    if G and C:
+        block_c = 64
+        quantize_group_columns_kernel[(G, triton.cdiv(C, block_c))](
+            t_RC,
+            q,
+            inv_scale_GC,
+            offs_G,
+            out_offs_G,
+            C,
+            t_RC.stride(0),
+            out_group_scale,
+            out_col_stride,
+            BLOCK_R=64,
+            BLOCK_C=block_c,
+        )
+    return inv_scale_GC
+
+
+def quantize_padded_group_columns_triton(
+    t_RC: torch.Tensor, offs_e: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weight gradient's operand in one Triton kernel: ``quantize_group_columns`` of ``t_RC``'s rows padded
+    per group to multiples of 16 (``pad_groups``), returned transposed: the E4M3 values ``[C, P]`` (row-major), the
+    inverse scales ``[e, C]`` and the padded offsets (int32). The same values as the PyTorch path, which runs about
+    ten passes (the padded copy, block amaxes, a scatter, the cast, the transposed copy) where this reads the rows
+    twice. Columns past the last padded group are left unwritten: the kernel reads up to the offsets only."""
+    e, R = offs_e.shape[0], t_RC.shape[0]
+    P = -(-(R + (ROW_ALIGN - 1) * e) // ROW_ALIGN) * ROW_ALIGN  # as pad_groups bounds it, on the host
+    counts_e = torch.diff(offs_e.long(), prepend=offs_e.new_zeros(1, dtype=torch.long))
+    padded_offs_e = torch.cumsum((counts_e + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN, 0).to(torch.int32)
+    q_CP = torch.empty(t_RC.shape[1], P, dtype=E4M3, device=t_RC.device)
+    inv_scale_eC = _group_columns_triton(t_RC, offs_e, padded_offs_e, q_CP, 1, P)
+    return q_CP, inv_scale_eC, padded_offs_e
+
+
+def quantize_expert_columns_triton(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows(w_eNK.transpose(-2, -1))`` of contiguous experts ``[e, N, K]`` in one Triton kernel: one
+    scale per (expert, k) over N, the E4M3 values written ``[e, K, N]`` contiguous (the input gradient's right
+    operand), the inverse scales ``[e, K]``. PyTorch reads the strided rows in about eight passes."""
+    e, N, K = w_eNK.shape
+    bounds_e = torch.arange(1, e + 1, device=w_eNK.device, dtype=torch.int32) * N
+    q_eKN = torch.empty(e, K, N, dtype=E4M3, device=w_eNK.device)
+    return q_eKN, _group_columns_triton(w_eNK.reshape(e * N, K), bounds_e, bounds_e, q_eKN, K, N)
+
+
 # The GEMMs are custom ops, opaque to torch.compile, their autograd registered below: traced through (an
 # autograd.Function around torch._scaled_grouped_mm), compiled input and weight gradients came out wrong on an H200
 # under inductor and aot_eager alike, while the frozen base's FP8 GEMMs, custom ops around the same kernel, compile
@@ -187,7 +244,10 @@ def fp8_rows_by_rows(
     both over C, the contraction. The forward (a = x, b = the weights ``[e, N, K]``) and the input gradient (a = dy,
     b = the weights ``[e, K, N]``)."""
     aq_RC, sa_R = quantize_rows_fused(a_RC)
-    bq_eDC, sb_eD = quantize_rows_fused(b_eDC)
+    if b_eDC.is_cuda and not b_eDC.is_contiguous() and b_eDC.transpose(-2, -1).is_contiguous():
+        bq_eDC, sb_eD = quantize_expert_columns_triton(b_eDC.transpose(-2, -1))  # the input gradient's experts
+    else:
+        bq_eDC, sb_eD = quantize_rows_fused(b_eDC)
     return _kernel(emulate)(aq_RC, bq_eDC.transpose(-2, -1), sa_R, sb_eD, offs_e, fast_accum).to(a_RC.dtype)
 
 
@@ -203,6 +263,11 @@ def fp8_weight_grad(
     """``dy_j^T @ a_j`` for each group j as ``[e, D, C]``: the gradient of ``fp8_rows_by_rows``'s ``b``. It contracts
     over expert j's rows, so both are scaled per (expert, column), over that expert's rows ("2d x 2d" kernel, groups
     along the rows), each group first padded with zero rows to a multiple of 16 (the kernel's alignment)."""
+    if a_RC.is_cuda:
+        dyq_DP, sdy_eD, padded_offs_e = quantize_padded_group_columns_triton(dy_RD, offs_e)
+        aq_CP, sa_eC, _ = quantize_padded_group_columns_triton(a_RC, offs_e)
+        sl, sr = sdy_eD.view(-1), sa_eC.view(-1)
+        return _kernel(emulate)(dyq_DP, aq_CP.t(), sl, sr, padded_offs_e, fast_accum).to(a_RC.dtype)
     e, R = offs_e.shape[0], a_RC.shape[0]
     dest_R, group_B, padded_offs_e, P = pad_groups(offs_e, R)
     a_PC = a_RC.new_zeros(P, a_RC.shape[1]).index_copy_(0, dest_R, a_RC)

@@ -59,3 +59,54 @@ def transpose_kernel(x_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
     mask = (n[:, None] < N) & (k[None, :] < K)
     tile = tl.load(x_ptr + base + n[:, None] * K + k[None, :], mask=mask, other=0)
     tl.store(out_ptr + base + k[:, None] * N + n[None, :], tl.trans(tile), mask=tl.trans(mask))
+
+
+@triton.jit
+def quantize_group_columns_kernel(
+    t_ptr,
+    q_ptr,
+    inv_scale_ptr,
+    offs_ptr,
+    out_offs_ptr,
+    C,
+    t_row_stride,
+    out_group_scale,
+    out_col_stride,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """One program per (group g, block of columns) of ``t`` [R, C], whose rows come in groups (group g: rows
+    ``offs[g-1]`` to ``offs[g]``): one power-of-two scale per (group, column) over the group's rows, as
+    ``quantize_rows_kernel`` finds it, ``inv_scale[g, c]`` its inverse; the E4M3 values written transposed, column c
+    of group g at ``q + out_offs[g-1] x out_group_scale + c x out_col_stride``, one element per row, and zeros
+    after the group's rows up to ``out_offs[g]`` (its padding). Two reads of the group's rows (amax, then the values),
+    one write, nothing read on the host. The FP8 weight gradient's operands (``out_offs`` the groups padded to 16
+    rows, ``out_group_scale`` 1, ``out_col_stride`` the padded row count: a [C, P] matrix) and the input gradient's
+    experts (groups of N rows of the stored ``[e, N, K]`` experts, ``out_group_scale`` K, ``out_col_stride`` N:
+    ``[e, K, N]``)."""
+    g = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < C
+    first = g > 0
+    start = tl.load(offs_ptr + g - 1, mask=first, other=0).to(tl.int64)
+    end = tl.load(offs_ptr + g).to(tl.int64)
+    out_start = tl.load(out_offs_ptr + g - 1, mask=first, other=0).to(tl.int64)
+    out_rows = tl.load(out_offs_ptr + g).to(tl.int64) - out_start
+    rows = tl.arange(0, BLOCK_R)
+    amax = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_R):
+        mask = ((r0 + rows) < end)[:, None] & col_mask[None, :]
+        x = tl.load(t_ptr + (r0 + rows)[:, None] * t_row_stride + cols[None, :], mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
+    bits = tl.maximum(amax, 1e-30).to(tl.int32, bitcast=True)
+    power = 135 - ((bits >> 23) & 0xFF) - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # as quantize_rows_kernel
+    scale = ((power + 127) << 23).to(tl.float32, bitcast=True)
+    tl.store(inv_scale_ptr + g.to(tl.int64) * C + cols, 1.0 / scale, mask=col_mask)
+    out_base = q_ptr + out_start * out_group_scale + cols[:, None].to(tl.int64) * out_col_stride
+    for i0 in range(0, out_rows, BLOCK_R):
+        i = i0 + rows
+        mask = ((start + i) < end)[:, None] & col_mask[None, :]
+        x = tl.load(t_ptr + (start + i)[:, None] * t_row_stride + cols[None, :], mask=mask, other=0.0)
+        q = tl.minimum(tl.maximum(x.to(tl.float32) * scale[None, :], -448.0), 448.0)
+        out_mask = col_mask[:, None] & (i < out_rows)[None, :]
+        tl.store(out_base + i[None, :], tl.trans(q).to(q_ptr.dtype.element_ty), mask=out_mask)

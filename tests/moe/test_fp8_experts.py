@@ -27,6 +27,7 @@ from moe_tune.kernels.fp8_grouped import (
 )
 from moe_tune.lora import LoRASpec
 from moe_tune.moe.experts import ExpertsOptions, ExpertsSpec, GroupedExperts
+from tests.harness import compile_for_hopper, triton_interpreted
 from tests.tiny import rel_err
 
 FP8_TOL = 5e-2
@@ -174,6 +175,70 @@ def test_quantize_group_columns_scales_each_group_alone():
     back = q.float().view(-1, ROW_ALIGN, 24) * inv_scale[group_B].unsqueeze(1)
     back = back.view(P, 24)[dest]
     assert rel_err(back[:16], t[:16]) < FP8_TOL and rel_err(back[16:], t[16:]) < FP8_TOL
+
+
+def _triton_group_columns_match_pytorch(device: str = "cpu") -> None:
+    """``triton_fp8.quantize_group_columns_kernel`` in both of its uses against the PyTorch path: scales bit for bit;
+    the values written into an fp32 buffer (where they land, unrounded), which PyTorch's own E4M3 cast then turns
+    into the PyTorch path's bits (Triton's interpreter rounds fp32 to E4M3 its own way; the GPU test compares the
+    E4M3 bytes). Masked columns (40 is no multiple of 64), an empty group, a group longer than a block of 64 rows,
+    rows past the last group, an all-zero column. On CUDA the wrappers' E4M3 bytes are compared too."""
+    from moe_tune.kernels.fp8_grouped import (
+        E4M3,
+        _group_columns_triton,
+        quantize_expert_columns_triton,
+        quantize_padded_group_columns_triton,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    counts, C = [5, 0, 70, 16, 3], 40
+    R = sum(counts) + 4
+    t = (torch.randn(R, C, generator=g) * torch.logspace(-2, 2, C)).to(torch.bfloat16)
+    t[:, 7] = 0
+    t, offs = t.to(device), torch.tensor(counts).cumsum(0).to(device, torch.int32)
+    e = len(counts)
+    dest, group_B, padded_ref, P = pad_groups(offs, R)
+    q_ref, s_ref = quantize_group_columns(t.new_zeros(P, C).index_copy_(0, dest, t), group_B, e + 1)
+    q32 = torch.full((C, P), float("nan"), device=device)
+    inv = _group_columns_triton(t, offs, padded_ref, q32, 1, P)
+    used = int(padded_ref[-1])
+    assert torch.equal(inv, s_ref[:e])
+    assert torch.equal(q32[:, :used].t().to(E4M3).view(torch.uint8), q_ref[:used].view(torch.uint8))
+    assert q32[:, used:].isnan().all()  # past the last padded group: not written
+    q, inv, padded = quantize_padded_group_columns_triton(t, offs)
+    assert q.shape == (C, P) and q.dtype == E4M3 and torch.equal(padded, padded_ref) and torch.equal(inv, s_ref[:e])
+    if device == "cuda":
+        assert torch.equal(q[:, :used].t().view(torch.uint8), q_ref[:used].view(torch.uint8))
+    # The input gradient's experts: stored [e, N, K], one scale per (expert, k) over N, written [e, K, N].
+    w = (torch.randn(3, 24, C, generator=g) * torch.logspace(-1, 1, 3).view(3, 1, 1)).to(device, torch.bfloat16)
+    q_ref, s_ref = quantize_rows(w.transpose(-2, -1))
+    bounds = torch.arange(1, 4, dtype=torch.int32, device=device) * 24
+    q32 = torch.full((3, C, 24), float("nan"), device=device)
+    inv = _group_columns_triton(w.reshape(-1, C), bounds, bounds, q32, C, 24)
+    assert torch.equal(inv, s_ref) and torch.equal(q32.to(E4M3).view(torch.uint8), q_ref.view(torch.uint8))
+    q, inv = quantize_expert_columns_triton(w)
+    assert q.shape == (3, C, 24) and q.is_contiguous() and torch.equal(inv, s_ref)
+    if device == "cuda":
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_triton_group_columns_equal_pytorch():
+    triton_interpreted(
+        f"import {__name__} as t; t._triton_group_columns_match_pytorch()",
+        "test_cuda_kernel_matches_bf16_and_the_emulation",
+    )
+
+
+def test_triton_group_columns_compile_for_hopper():
+    from moe_tune.kernels.triton_fp8 import quantize_group_columns_kernel
+
+    for q_type in ("*fp8e4nv", "*fp32"):
+        compile_for_hopper(
+            quantize_group_columns_kernel,
+            dict(t_ptr="*bf16", q_ptr=q_type, inv_scale_ptr="*fp32", offs_ptr="*i32", out_offs_ptr="*i32"),
+            dict(C="i32", t_row_stride="i64", out_group_scale="i64", out_col_stride="i64"),
+            dict(BLOCK_R=64, BLOCK_C=64),
+        )
 
 
 def test_emulation_refuses_what_the_kernel_refuses():
