@@ -24,6 +24,7 @@ agree far closer than that).
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 
@@ -153,6 +154,52 @@ def gemms(x, w, offs, dy) -> None:
         report(f"_scaled_grouped_mm's meta strides differ, {name}", float(real.stride() != meta.stride()))
 
 
+def bisect_function(fp8_forward: bool, fp8_backward: bool, cast: bool) -> type[torch.autograd.Function]:
+    """An autograd.Function over the forward and input-gradient GEMMs, each in FP8 (``Traced``'s pieces) or bf16
+    (``F.grouped_mm``); ``cast``: the output goes through ``.to(x.dtype)`` (a no-op alias: it is bf16 already), as
+    ``Traced``'s does, else it is returned as the GEMM made it. No weight gradient."""
+
+    def gemm(fp8: bool, a_RC, b_eCD, offs_e):
+        if not fp8:
+            return torch.nn.functional.grouped_mm(a_RC, b_eCD, offs=offs_e)
+        aq_RC, sa_R = f8.quantize_rows(a_RC)
+        bq_eDC, sb_eD = f8.quantize_rows(b_eCD.transpose(-2, -1))
+        return f8.scaled_grouped_mm(aq_RC, bq_eDC.transpose(-2, -1), sa_R, sb_eD, offs_e, True)
+
+    class Bisect(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x_RK, w_eKN, offs_e):
+            ctx.save_for_backward(w_eKN, offs_e)
+            out = gemm(fp8_forward, x_RK, w_eKN, offs_e)
+            return out.to(x_RK.dtype) if cast else out
+
+        @staticmethod
+        def backward(ctx, dy_RN):
+            w_eKN, offs_e = ctx.saved_tensors
+            return gemm(fp8_backward, dy_RN, w_eKN.transpose(-2, -1), offs_e), None, None
+
+    return Bisect
+
+
+def bisect(x, w, offs, dy) -> None:
+    """Which part of ``Traced`` the zero compiled gradient needs: the input gradient of each variant, compiled
+    (aot_eager, then inductor) against eager, and whether the compiled one is all zeros."""
+    routed = int(offs[-1])
+    for fp8_forward, fp8_backward, cast in itertools.product((True, False), (True, False), (True, False)):
+        fn = bisect_function(fp8_forward, fp8_backward, cast).apply
+        label = f"forward {'fp8' if fp8_forward else 'bf16'}, backward {'fp8' if fp8_backward else 'bf16'}"
+        label += ", .to(dtype)" if cast else ", returned as made"
+        for backend in ("eager", "aot_eager", "inductor"):
+            torch._dynamo.reset()
+            xx = x.clone().requires_grad_()
+            (fn if backend == "eager" else torch.compile(fn, backend=backend))(xx, w, offs).backward(dy)
+            if backend == "eager":
+                eager = xx.grad[:routed]
+                continue
+            zero = " (all zero)" if not xx.grad[:routed].any() else ""
+            report(f"{backend}: {label}: dx{zero}", rel(xx.grad[:routed], eager))
+
+
 def log_kernel_inputs(x, w, offs, dy) -> None:
     """What the opaque kernel receives, eager then compiled (aot_eager), call by call: the op's body runs eagerly
     inside compiled graphs too, so a wrong operand in the compiled backward shows here."""
@@ -188,6 +235,7 @@ def log_kernel_inputs(x, w, offs, dy) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=8192, help="routed rows (tokens x top-k)")
+    parser.add_argument("--bisect", action="store_true", help="only bisect the zero compiled gradient")
     parser.add_argument(
         "--log-kernel-inputs", action="store_true", help="only log the kernel's operands per call, eager and compiled"
     )
@@ -197,6 +245,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, rows {args.rows}")
     if args.log_kernel_inputs:
         return log_kernel_inputs(*inputs(args.rows, 128, 2048, 1536))
+    if args.bisect:
+        return bisect(*inputs(args.rows, 128, 2048, 1536))
     for K, N in ((2048, 1536), (768, 2048)):  # Qwen3-30B-A3B's gate_up and down
         print(f"-- experts 128, K {K}, N {N}")
         data = inputs(args.rows, 128, K, N)
