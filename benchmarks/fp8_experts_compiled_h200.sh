@@ -2,8 +2,8 @@
 # Issue 36, FP8 routed experts compiled (kernels.experts=grouped_mm_fp8 kernels.compile=true), one Hopper GPU:
 #   PART=check: the FP8 experts' GPU tests (compiled == eager bit for bit under inductor and aot_eager, the kernel
 #     against bf16 and the emulation, the Triton quantization) and benchmarks/fp8_compiled_grad.py (the custom ops
-#     and the old autograd.Function, each compiled against eager; the pieces alone). Validation refuses the pair
-#     until this passes.
+#     and the old autograd.Function, each compiled against eager; the pieces alone), then its --bisect of the old
+#     Function's zero compiled gradient.
 #   PART=speed: the committed 8-layer workload (experiment=qwen3_30b_a3b_1gpu: Qwen3-30B-A3B shapes, seq 4096,
 #     bf16 parameters, data=random, real routing) compiled, bf16 grouped_mm against grouped_mm_fp8, at each
 #     micro-batch of MBS (default "4 1"), then 24 layers at micro-batch MB24 (default 3; none skips it); medians
@@ -25,7 +25,8 @@ case $PART in
   check)
     python -m pytest -q -p no:cacheprovider tests/moe/test_fp8_experts.py tests/kernels/test_fp8_frozen.py \
       2>&1 | tee "$OUT/gpu_tests.txt" || true
-    python benchmarks/fp8_compiled_grad.py 2>&1 | tee "$OUT/fp8_compiled_grad.txt" ;;
+    python benchmarks/fp8_compiled_grad.py 2>&1 | tee "$OUT/fp8_compiled_grad.txt"
+    python benchmarks/fp8_compiled_grad.py --bisect 2>&1 | tee "$OUT/fp8_compiled_grad_bisect.txt" ;;
   speed)
     for mb in $MBS; do
       python -m moe_tune.bench "${common[@]}" train.micro_batch_size="$mb" "$@" "${opts[@]}" --out "$OUT/8l_mb$mb"
