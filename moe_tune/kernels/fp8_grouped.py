@@ -70,6 +70,19 @@ def quantize_group_columns(t_PC: torch.Tensor, group_B: torch.Tensor, num_groups
     return q_PC, scale_GC.reciprocal()
 
 
+def _padded_row_bound(num_rows: int, num_groups: int) -> int:
+    """The rows after padding each group to a multiple of 16, at most: a bound known on the host (no sync)."""
+    return -(-(num_rows + (ROW_ALIGN - 1) * num_groups) // ROW_ALIGN) * ROW_ALIGN
+
+
+def _padded_counts(offs_e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each group's rows, its rows padded to a multiple of 16, and the padded groups' ends (int64)."""
+    offs = offs_e.long()
+    counts_e = torch.diff(offs, prepend=offs.new_zeros(1))
+    padded_counts_e = (counts_e + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+    return counts_e, padded_counts_e, torch.cumsum(padded_counts_e, 0)
+
+
 def pad_groups(offs_e: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Where each of ``num_rows`` rows goes when every group is padded to a multiple of 16 rows, all on the device
     (output sizes are bounded on the host: no sync). Rows past ``offs_e[-1]`` (a dispatcher's fixed-capacity
@@ -78,11 +91,9 @@ def pad_groups(offs_e: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch
     Returns (dest_R: each row's padded index, group_B: each 16-row block's group, e for the tail,
     padded offs_e (int32), P: the padded row count)."""
     e = offs_e.shape[0]
-    num_padded = -(-(num_rows + (ROW_ALIGN - 1) * e) // ROW_ALIGN) * ROW_ALIGN
+    num_padded = _padded_row_bound(num_rows, e)
     offs = offs_e.long()
-    counts_e = torch.diff(offs, prepend=offs.new_zeros(1))
-    padded_counts_e = (counts_e + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
-    padded_offs_e = torch.cumsum(padded_counts_e, 0)
+    counts_e, padded_counts_e, padded_offs_e = _padded_counts(offs)
     # Group e is the tail: rows past offs_e[-1], placed after the last padded group.
     starts = torch.cat([offs - counts_e, offs[-1:]])
     padded_starts = torch.cat([padded_offs_e - padded_counts_e, padded_offs_e[-1:]])
@@ -213,10 +224,8 @@ def quantize_padded_group_columns_triton(
     inverse scales ``[e, C]`` and the padded offsets (int32). The same values as the PyTorch path, which runs about
     ten passes (the padded copy, block amaxes, a scatter, the cast, the transposed copy) where this reads the rows
     twice. Columns past the last padded group are left unwritten: the kernel reads up to the offsets only."""
-    e, R = offs_e.shape[0], t_RC.shape[0]
-    P = -(-(R + (ROW_ALIGN - 1) * e) // ROW_ALIGN) * ROW_ALIGN  # as pad_groups bounds it, on the host
-    counts_e = torch.diff(offs_e.long(), prepend=offs_e.new_zeros(1, dtype=torch.long))
-    padded_offs_e = torch.cumsum((counts_e + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN, 0).to(torch.int32)
+    P = _padded_row_bound(t_RC.shape[0], offs_e.shape[0])
+    padded_offs_e = _padded_counts(offs_e)[2].to(torch.int32)
     q_CP = torch.empty(t_RC.shape[1], P, dtype=E4M3, device=t_RC.device)
     inv_scale_eC = _group_columns_triton(t_RC, offs_e, padded_offs_e, q_CP, 1, P)
     return q_CP, inv_scale_eC, padded_offs_e
@@ -233,8 +242,8 @@ def quantize_expert_columns_triton(w_eNK: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 # The GEMMs are custom ops, opaque to torch.compile, their autograd registered below: traced through (an
-# autograd.Function around torch._scaled_grouped_mm), compiled input and weight gradients came out wrong on an H200
-# under inductor and aot_eager alike, while the frozen base's FP8 GEMMs, custom ops around the same kernel, compile
+# autograd.Function around torch._scaled_grouped_mm, or around an opaque kernel with the quantizations traced),
+# compiled input and weight gradients came out wrong on an H200 and zero on an H100, under inductor and aot_eager, while the frozen base's FP8 GEMMs, custom ops around the same kernel, compile
 # to eager's results (kernels/fp8_frozen.py).
 @torch.library.custom_op("moe_tune::fp8_grouped_mm", mutates_args=())
 def fp8_rows_by_rows(
