@@ -243,8 +243,9 @@ def quantize_expert_columns_triton(w_eNK: torch.Tensor) -> tuple[torch.Tensor, t
 
 # The GEMMs are custom ops, opaque to torch.compile, their autograd registered below: traced through (an
 # autograd.Function around torch._scaled_grouped_mm, or around an opaque kernel with the quantizations traced),
-# compiled input and weight gradients came out wrong on an H200 and zero on an H100, under inductor and aot_eager, while the frozen base's FP8 GEMMs, custom ops around the same kernel, compile
-# to eager's results (kernels/fp8_frozen.py).
+# compiled input and weight gradients came out wrong on an H200 and zero on an H100, under inductor and aot_eager,
+# while the frozen base's FP8 GEMMs, custom ops around the same kernel, compile to eager's results
+# (kernels/fp8_frozen.py).
 @torch.library.custom_op("moe_tune::fp8_grouped_mm", mutates_args=())
 def fp8_rows_by_rows(
     a_RC: torch.Tensor, b_eDC: torch.Tensor, offs_e: torch.Tensor, fast_accum: bool, emulate: bool

@@ -113,7 +113,7 @@ def test_compiled_gemms_give_eager_results_bit_for_bit():
     """torch.compile (inductor, one graph) calls the three FP8 GEMMs as the custom ops they are: output and both
     gradients equal eager's bit for bit (the quantizations run inside the ops, so nothing is fused differently).
     As an autograd.Function traced by dynamo (the kernel in the graph, or an opaque op with the quantizations
-    traced), the compiled gradients were zero on an H100 and wrong on an H200; on the CPU that only shows up on a GPU."""
+    traced), the compiled gradients were zero on an H100 and wrong on an H200; with the CPU's emulated kernel, right."""
     x, w, dy, offs = _operands(COUNTS["uneven_with_empty"], extra_rows=3)
 
     def mm(a, b, o):
@@ -224,9 +224,14 @@ def _triton_group_columns_match_pytorch(device: str = "cpu") -> None:
 
 def test_triton_group_columns_equal_pytorch():
     triton_interpreted(
-        f"import {__name__} as t; t._triton_group_columns_match_pytorch()",
-        "test_cuda_kernel_matches_bf16_and_the_emulation",
+        f"import {__name__} as t; t._triton_group_columns_match_pytorch()", "test_cuda_group_columns_equal_pytorch"
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU to run the compiled Triton kernel")
+def test_cuda_group_columns_equal_pytorch():
+    _triton_group_columns_match_pytorch("cuda")
 
 
 def test_triton_group_columns_compile_for_hopper():
