@@ -69,7 +69,7 @@ def this_runs_hyperparameters(
     are ``train.precision`` and ``optim.stochastic_rounding`` (the weights and moments load into this run's dtypes;
     forgetting them on a resume would otherwise change memory and rounding silently) and ``optim.compiled`` (the
     same maths); so is other data (``data.name``, ``path``, ``val_path``, ``val_fraction``: the remaining steps
-    read it)."""
+    read it), and under LoRA ``peft.alpha``, ``dropout`` and ``quantize_base`` (the adapters load as saved)."""
     t, o = cfg.train, cfg.optim
     changes = []
     if saved["train"]["lr"] != t.lr:
@@ -99,6 +99,10 @@ def this_runs_hyperparameters(
         changes.append(f"optim.stochastic_rounding {was} -> {now}")
     # The remaining steps read this run's data: another set changes what they train on.
     changes += _changed(cfg, saved, [("data", k) for k in ("name", "path", "val_path", "val_fraction")])
+    # The adapters' scale and dropout change what the same weights compute; the frozen base's storage changes its
+    # rounding and the memory (a requeue that forgets peft.quantize_base=nf4 may no longer fit).
+    if cfg.peft.name != "none" and "peft" in saved:
+        changes += _changed(cfg, saved, [("peft", k) for k in ("alpha", "dropout", "quantize_base")])
     # A longer run (train.steps) is the usual reason for a new shape: information, not a warning.
     keys = [("optim", k) for k in ("warmup_steps", "schedule", "min_lr_ratio", "compiled")] + [("train", "steps")]
     return changes, _changed(cfg, saved, keys)

@@ -8,6 +8,8 @@ Not bitwise: the layouts sum the same numbers in other orders. The Hugging Face 
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import torch
 
@@ -278,6 +280,21 @@ def test_a_resume_with_other_data_or_another_model_path_says_so(tmp_path, caplog
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert "model.path /ckpt/b is not the checkpoint's (/ckpt/a): training continues from the checkpoint's" in warned[0]
     assert warned[1] == "resuming with this run's data.path train.jsonl -> other.jsonl (the checkpoint had the former)"
+
+
+def test_a_lora_resume_warns_of_another_alpha_dropout_or_quantized_base():
+    """A requeue that forgets peft.quantize_base=nf4 trains on a bf16 base (other rounding, about twice the
+    memory), and another peft.alpha rescales the adapters: both are warned about, naming both sides."""
+    from moe_tune.checkpoint.resume import this_runs_hyperparameters
+    from moe_tune.cli.train import compose, to_config
+
+    def config(*overrides):
+        return to_config(compose(["peft=lora", *overrides]))
+
+    saved = asdict(config("peft.quantize_base=nf4"))
+    changes, _ = this_runs_hyperparameters(config("peft.alpha=64"), saved, [], {"base_lrs": []}, [])
+    assert changes == ["peft.alpha 32.0 -> 64.0", "peft.quantize_base nf4 -> none"]
+    assert this_runs_hyperparameters(config("peft.quantize_base=nf4"), saved, [], {"base_lrs": []}, [])[0] == []
 
 
 def test_a_lora_resume_from_a_moved_base_says_the_adapters_continue_on_it():
