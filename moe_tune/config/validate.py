@@ -56,6 +56,11 @@ def validate(
     return dims
 
 
+def _nf4_fix(dim: int, hidden: int) -> str:
+    # FP8 only where its own alignment holds: a fix that is refused in turn is no fix.
+    return "peft.quantize_base=fp8 or none" if not (dim % 16 or hidden % 16) else "peft.quantize_base=none"
+
+
 def check_expert_dims(cfg: Config, dim: int, hidden: int) -> None:
     """The experts' dims where their weights are stored in blocks: FP8 GEMMs (kernels.experts=grouped_mm_fp8,
     peft.quantize_base=fp8) need FP8 rows on 16-byte boundaries, NF4 (peft.quantize_base=nf4) whole blocks of 32
@@ -64,7 +69,7 @@ def check_expert_dims(cfg: Config, dim: int, hidden: int) -> None:
     for key, multiple, why, fix in (
         ("kernels.experts=grouped_mm_fp8", 16, "the FP8 grouped GEMM's alignment", "kernels.experts=grouped_mm"),
         ("peft.quantize_base=fp8", 16, "the FP8 grouped GEMM's alignment", "peft.quantize_base=none"),
-        ("peft.quantize_base=nf4", 32, "NF4's blocks of inputs", "peft.quantize_base=fp8 or none"),
+        ("peft.quantize_base=nf4", 32, "NF4's blocks of inputs", _nf4_fix(dim, hidden)),
     ):
         asked = key == f"kernels.experts={cfg.kernels.experts}" or key == f"peft.quantize_base={quantized}"
         if asked and (dim % multiple or hidden % multiple):

@@ -113,6 +113,12 @@ def test_a_built_in_model_draws_the_quantized_experts_as_the_bf16_ones(mode):
             "peft.quantize_base=nf4 needs the model dim (2048) and the expert hidden dim (784) to be "
             "multiples of 32 (NF4's blocks of inputs); use peft.quantize_base=fp8 or none for this model",
         ),
+        (  # 40 is no multiple of 16 either: fp8 would be refused in turn
+            "nf4",
+            (64, 40),
+            "peft.quantize_base=nf4 needs the model dim (64) and the expert hidden dim (40) to be "
+            "multiples of 32 (NF4's blocks of inputs); use peft.quantize_base=none for this model",
+        ),
     ],
 )
 def test_config_refuses_expert_dims_the_format_cannot_hold(mode, dims, message):
