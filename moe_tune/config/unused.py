@@ -39,17 +39,23 @@ def unused_settings(cfg: Config, device_type: str = "cuda") -> list[str]:
 def _quantized_gemm(cfg: Config, device_type: str) -> list[str]:
     """kernels.quantized_base chooses the GEMMs of a quantized base's experts: only with one, and Triton on CUDA."""
     gemm = cfg.kernels.quantized_base
+    lines = []
+    if cfg.peft.name == "lora" and cfg.peft.quantize_base == "fp8" and device_type != "cuda":
+        lines.append(
+            f"peft.quantize_base=fp8 on the {device_type} emulates the FP8 GEMMs (the same E4M3 values, multiplied "
+            "in fp32): the numbers and the memory of FP8, far slower; its kernel needs an sm90 GPU (H100, H200)"
+        )
     if gemm == "torch":
-        return []
+        return lines
     if cfg.peft.name != "lora" or cfg.peft.quantize_base == "none":
         quantized = f"peft={cfg.peft.name}" if cfg.peft.name != "lora" else "peft.quantize_base=none"
-        return [
+        return lines + [
             f"kernels.quantized_base={gemm} chooses the GEMMs of a quantized base's experts, and {quantized} keeps "
             "them in bf16; add peft=lora peft.quantize_base=fp8 (or nf4) to quantize them"
         ]
     if device_type != "cuda":
-        return [
+        return lines + [
             f"kernels.quantized_base={gemm} is a CUDA kernel; on the {device_type} the quantized experts are "
             "dequantized and multiplied in PyTorch"
         ]
-    return []
+    return lines

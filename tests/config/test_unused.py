@@ -42,9 +42,19 @@ def test_used_settings_say_nothing(overrides):
 
 def test_a_cuda_kernel_on_the_cpu_is_named():
     """The Triton GEMMs of a quantized base exist on CUDA only: on the CPU the run says what it does instead."""
-    overrides = ["train.steps=20", "peft=lora", "peft.quantize_base=fp8", "kernels.quantized_base=triton"]
+    overrides = ["train.steps=20", "peft=lora", "peft.quantize_base=nf4", "kernels.quantized_base=triton"]
     lines = unused_settings(to_config(compose(overrides)), device_type="cpu")
     assert lines == [
         "kernels.quantized_base=triton is a CUDA kernel; on the cpu the quantized experts are dequantized and "
         "multiplied in PyTorch"
+    ]
+
+
+def test_an_fp8_base_on_the_cpu_says_it_is_emulated():
+    """An FP8 base trains on the CPU through the kernel's emulation (tests, small models): the log says so."""
+    cfg = to_config(compose(["train.steps=20", "peft=lora", "peft.quantize_base=fp8"]))
+    assert unused_settings(cfg) == []  # on a GPU: nothing to say
+    assert unused_settings(cfg, device_type="cpu") == [
+        "peft.quantize_base=fp8 on the cpu emulates the FP8 GEMMs (the same E4M3 values, multiplied in fp32): the "
+        "numbers and the memory of FP8, far slower; its kernel needs an sm90 GPU (H100, H200)"
     ]
