@@ -279,3 +279,12 @@ def test_cli_names_an_adapter_as_moe_tune_does(tmp_path, capsys):
     assert plan_main([f"model.path={tmp_path}", "--gpus", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is a PEFT LoRA adapter" in err[0] and "give model.path=/b" in err[0], err
+
+
+def test_cli_plan_of_a_quantized_base_says_its_speed_is_bf16s(capsys):
+    """The speed model counts a quantized base's GEMMs as bf16's: the plan says so, with the measured ratios."""
+    assert plan_main(["peft=lora", "peft.quantize_base=nf4"]) == 0
+    out = capsys.readouterr().out
+    assert "the speed counts the nf4 base's GEMMs as bf16's" in out and "nf4 0.76x" in out
+    assert plan_main(["peft=lora"]) == 0
+    assert "the speed counts" not in capsys.readouterr().out
