@@ -9,7 +9,7 @@ from moe_tune.config.schema import Config, TrainConfig
 def unused_settings(cfg: Config, device_type: str = "cuda") -> list[str]:
     """``device_type``: the run's device ("cpu" or "cuda"; some kernels exist on CUDA only)."""
     t, d, default = cfg.train, cfg.data, TrainConfig()
-    lines = _quantized_gemm(cfg, device_type)
+    lines = _emulated_fp8_base(cfg, device_type) + _quantized_gemm(cfg, device_type)
     if t.eval_every > 0 and d.val_path is None and d.val_fraction == 0:
         lines.append(
             f"train.eval_every={t.eval_every} has no validation set to evaluate, so no val_loss is logged; add "
@@ -39,23 +39,27 @@ def unused_settings(cfg: Config, device_type: str = "cuda") -> list[str]:
 def _quantized_gemm(cfg: Config, device_type: str) -> list[str]:
     """kernels.quantized_base chooses the GEMMs of a quantized base's experts: only with one, and Triton on CUDA."""
     gemm = cfg.kernels.quantized_base
-    lines = []
-    if cfg.peft.name == "lora" and cfg.peft.quantize_base == "fp8" and device_type != "cuda":
-        lines.append(
-            f"peft.quantize_base=fp8 on the {device_type} emulates the FP8 GEMMs (the same E4M3 values, multiplied "
-            "in fp32): the numbers and the memory of FP8, far slower; its kernel needs an sm90 GPU (H100, H200)"
-        )
     if gemm == "torch":
-        return lines
+        return []
     if cfg.peft.name != "lora" or cfg.peft.quantize_base == "none":
         quantized = f"peft={cfg.peft.name}" if cfg.peft.name != "lora" else "peft.quantize_base=none"
-        return lines + [
+        return [
             f"kernels.quantized_base={gemm} chooses the GEMMs of a quantized base's experts, and {quantized} keeps "
             "them in bf16; add peft=lora peft.quantize_base=fp8 (or nf4) to quantize them"
         ]
     if device_type != "cuda":
-        return lines + [
+        return [
             f"kernels.quantized_base={gemm} is a CUDA kernel; on the {device_type} the quantized experts are "
             "dequantized and multiplied in PyTorch"
         ]
-    return lines
+    return []
+
+
+def _emulated_fp8_base(cfg: Config, device_type: str) -> list[str]:
+    """An FP8 base off CUDA runs the kernel's emulation: a run that says nothing looks like FP8 on a GPU."""
+    if cfg.peft.name != "lora" or cfg.peft.quantize_base != "fp8" or device_type == "cuda":
+        return []
+    return [
+        f"peft.quantize_base=fp8 on the {device_type} emulates the FP8 GEMMs (the same E4M3 values, multiplied in "
+        "fp32): the numbers and the memory of FP8, far slower; its kernel needs an sm90 GPU (H100, H200)"
+    ]

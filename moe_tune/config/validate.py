@@ -56,9 +56,14 @@ def validate(
     return dims
 
 
+# FP8 rows start on 16-byte boundaries (the FP8 grouped GEMM's alignment).
+FP8_ALIGN = 16
+
+
 def _nf4_fix(dim: int, hidden: int) -> str:
     # FP8 only where its own alignment holds: a fix that is refused in turn is no fix.
-    return "peft.quantize_base=fp8 or none" if not (dim % 16 or hidden % 16) else "peft.quantize_base=none"
+    fp8_fits = not (dim % FP8_ALIGN or hidden % FP8_ALIGN)
+    return "peft.quantize_base=fp8 or none" if fp8_fits else "peft.quantize_base=none"
 
 
 def check_expert_dims(cfg: Config, dim: int, hidden: int) -> None:
@@ -67,8 +72,8 @@ def check_expert_dims(cfg: Config, dim: int, hidden: int) -> None:
     inputs (``kernels.nf4_frozen.BLOCKS``): the model dim and the expert hidden dim must be multiples of them."""
     quantized = cfg.peft.quantize_base if cfg.peft.name == "lora" else "none"
     for key, multiple, why, fix in (
-        ("kernels.experts=grouped_mm_fp8", 16, "the FP8 grouped GEMM's alignment", "kernels.experts=grouped_mm"),
-        ("peft.quantize_base=fp8", 16, "the FP8 grouped GEMM's alignment", "peft.quantize_base=none"),
+        ("kernels.experts=grouped_mm_fp8", FP8_ALIGN, "the FP8 grouped GEMM's alignment", "kernels.experts=grouped_mm"),
+        ("peft.quantize_base=fp8", FP8_ALIGN, "the FP8 grouped GEMM's alignment", "peft.quantize_base=none"),
         ("peft.quantize_base=nf4", 32, "NF4's blocks of inputs", _nf4_fix(dim, hidden)),
     ):
         asked = key == f"kernels.experts={cfg.kernels.experts}" or key == f"peft.quantize_base={quantized}"

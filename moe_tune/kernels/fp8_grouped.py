@@ -181,8 +181,14 @@ def quantize_rows_triton(
 
 def quantize_rows_fused(t: torch.Tensor, triton_kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_rows`` (batched over leading dims), the same values bit for bit. ``triton_kernel`` (None: on CUDA):
-    rows laid out contiguously go through ``quantize_rows_triton``; other layouts, and the CPU, through PyTorch."""
-    if not (t.is_cuda if triton_kernel is None else triton_kernel) or not t.is_contiguous():
+    rows laid out contiguously go through ``quantize_rows_triton``, the rows of stacked matrices stored transposed
+    (an input gradient's experts) through ``quantize_expert_columns_triton``; other layouts, and the CPU, through
+    PyTorch."""
+    if not (t.is_cuda if triton_kernel is None else triton_kernel):
+        return quantize_rows(t)
+    if t.dim() == 3 and not t.is_contiguous() and t.transpose(-2, -1).is_contiguous():
+        return quantize_expert_columns_triton(t.transpose(-2, -1))
+    if not t.is_contiguous():
         return quantize_rows(t)
     q, inv_scale = quantize_rows_triton(t.view(-1, t.shape[-1]))
     return q.view(t.shape), inv_scale.view(t.shape[:-1])
@@ -254,10 +260,7 @@ def fp8_rows_by_rows(
     both over C, the contraction. The forward (a = x, b = the weights ``[e, N, K]``) and the input gradient (a = dy,
     b = the weights ``[e, K, N]``)."""
     aq_RC, sa_R = quantize_rows_fused(a_RC)
-    if b_eDC.is_cuda and not b_eDC.is_contiguous() and b_eDC.transpose(-2, -1).is_contiguous():
-        bq_eDC, sb_eD = quantize_expert_columns_triton(b_eDC.transpose(-2, -1))  # the input gradient's experts
-    else:
-        bq_eDC, sb_eD = quantize_rows_fused(b_eDC)
+    bq_eDC, sb_eD = quantize_rows_fused(b_eDC)
     return _kernel(emulate)(aq_RC, bq_eDC.transpose(-2, -1), sa_R, sb_eD, offs_e, fast_accum).to(a_RC.dtype)
 
 
