@@ -200,6 +200,47 @@ def bisect(x, w, offs, dy) -> None:
             report(f"{backend}: {label}: dx{zero}", rel(xx.grad[:routed], eager))
 
 
+def minimal_function(op: str, ret: str) -> type[torch.autograd.Function]:
+    """The bisection's failing case with nothing of FP8 left: one bf16 GEMM each way (``mm``: the first expert's
+    weight for every row; ``grouped_mm``: ``F.grouped_mm`` over the groups), the output returned through ``ret``
+    (``to``: ``.to(x.dtype)``, a no-op alias; ``view_as``: an explicit view; ``made``: as the GEMM made it)."""
+
+    def gemm(a_RC, b_eCD, offs_e):
+        if op == "mm":
+            return a_RC @ b_eCD[0]
+        return torch.nn.functional.grouped_mm(a_RC, b_eCD, offs=offs_e)
+
+    class Minimal(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x_RK, w_eKN, offs_e):
+            ctx.save_for_backward(w_eKN, offs_e)
+            out = gemm(x_RK, w_eKN, offs_e)
+            return {"to": lambda t: t.to(x_RK.dtype), "view_as": lambda t: t.view_as(t), "made": lambda t: t}[ret](out)
+
+        @staticmethod
+        def backward(ctx, dy_RN):
+            w_eKN, offs_e = ctx.saved_tensors
+            return gemm(dy_RN, w_eKN.transpose(-2, -1), offs_e), None, None
+
+    return Minimal
+
+
+def minimal(x, w, offs, dy) -> None:
+    """The smallest case that still gives a zero compiled input gradient, for the upstream report: which GEMM
+    (mm, grouped_mm) and which return (alias or not) it needs, under aot_eager (no inductor code)."""
+    routed = int(offs[-1])
+    for op, ret in itertools.product(("mm", "grouped_mm"), ("to", "view_as", "made")):
+        results = {}
+        for backend in ("eager", "aot_eager"):
+            torch._dynamo.reset()
+            xx = x.clone().requires_grad_()
+            fn = minimal_function(op, ret).apply
+            (fn if backend == "eager" else torch.compile(fn, backend=backend))(xx, w, offs).backward(dy)
+            results[backend] = xx.grad[:routed]
+        zero = " (all zero)" if not results["aot_eager"].any() else ""
+        report(f"aot_eager: {op}, return {ret}: dx{zero}", rel(results["aot_eager"], results["eager"]))
+
+
 def log_kernel_inputs(x, w, offs, dy) -> None:
     """What the opaque kernel receives, eager then compiled (aot_eager), call by call: the op's body runs eagerly
     inside compiled graphs too, so a wrong operand in the compiled backward shows here."""
@@ -236,6 +277,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=8192, help="routed rows (tokens x top-k)")
     parser.add_argument("--bisect", action="store_true", help="only bisect the zero compiled gradient")
+    parser.add_argument("--minimal", action="store_true", help="only the bf16 reduction of the zero gradient")
     parser.add_argument(
         "--log-kernel-inputs", action="store_true", help="only log the kernel's operands per call, eager and compiled"
     )
@@ -245,6 +287,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, rows {args.rows}")
     if args.log_kernel_inputs:
         return log_kernel_inputs(*inputs(args.rows, 128, 2048, 1536))
+    if args.minimal:
+        return minimal(*inputs(args.rows, 128, 2048, 1536))
     if args.bisect:
         return bisect(*inputs(args.rows, 128, 2048, 1536))
     for K, N in ((2048, 1536), (768, 2048)):  # Qwen3-30B-A3B's gate_up and down
