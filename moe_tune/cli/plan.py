@@ -80,7 +80,7 @@ def _print_plan(d: dict) -> None:
     if lay["quantize_base"] != "none":
         print(
             f"  the speed counts the {lay['quantize_base']} base's GEMMs as bf16's: measured (one H100, Qwen3-30B-A3B "
-            "LoRA, full checkpointing) fp8 0.90x and nf4 0.76x the bf16 base's tokens/s (benchmarks/README.md)"
+            "LoRA, full checkpointing) fp8 0.75-0.90x and nf4 0.76-0.79x the bf16 base's tokens/s (benchmarks/README.md)"
         )
 
 
@@ -99,11 +99,44 @@ def _print_search(result: dict, searched: tuple[str, ...]) -> None:
         lay = r["layout"]
         print(f"  ep={lay['ep']} mb={lay['micro_batch_size']} ac={lay['activation_checkpointing']}: {r['reason']}")
     if result["best"]:
-        lay = result["best"]["layout"]
+        print(f"best: {_layout_overrides(result['best']['layout'])}")
+    quantized = result.get("quantized_base")
+    if quantized and quantized["best"]:
+        best = quantized["best"]
         print(
-            f"best: parallel.ep={lay['ep']} train.micro_batch_size={lay['micro_batch_size']} "
-            f"parallel.activation_checkpointing={lay['activation_checkpointing']}"
+            f"with the frozen experts in NF4 and bf16 adapters ({' '.join(quantized['overrides'])}), "
+            f"{quantized['fits']} layout(s) fit; best: {_layout_overrides(best['layout'])} "
+            f"({best['reserved_gib']:.1f} GiB, {best['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU as bf16's)"
         )
+    elif quantized:
+        print(f"none fits with the frozen experts in NF4 and bf16 adapters either ({' '.join(quantized['overrides'])})")
+
+
+def _layout_overrides(lay: dict) -> str:
+    return (
+        f"parallel.ep={lay['ep']} train.micro_batch_size={lay['micro_batch_size']} "
+        f"parallel.activation_checkpointing={lay['activation_checkpointing']}"
+    )
+
+
+# What a LoRA search that fits nowhere tries next: the smallest frozen base with bf16 adapters (docs/lora.md).
+QUANTIZED_BASE_OVERRIDES = ("peft.quantize_base=nf4", "train.precision=bf16")
+
+
+def _quantized_search(overrides: list[str], gpus: int, mem: float, headroom: float, args, searched) -> dict | None:
+    """The same search with the frozen experts in NF4 and bf16 adapters, for a LoRA run none of whose layouts fit
+    on a bf16 base: {"overrides", "fits" (how many), "best"}; None where NF4 cannot hold this model (its dims)."""
+    from moe_tune.config import ConfigError
+    from moe_tune.config import overrides as cli_args
+    from moe_tune.plan import search
+
+    try:
+        cfg = cli_args.to_config(cli_args.check([*overrides, *QUANTIZED_BASE_OVERRIDES]))
+        fitting, _ = search(cfg, gpus, mem, headroom, args.routing, args.max_micro_batch, searched)
+    except ConfigError:
+        return None
+    best = fitting[0].as_dict() if fitting else None
+    return {"overrides": list(QUANTIZED_BASE_OVERRIDES), "fits": len(fitting), "best": best}
 
 
 def _model_of(fitting: list, cfg, gpus: int, mem: float) -> dict | None:
@@ -170,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                 "best": fitting[0].as_dict() if fitting else None,
                 "model": _model_of(fitting, cfg, gpus, mem),
             }
+            if not fitting and cfg.peft.name == "lora" and cfg.peft.quantize_base == "none":
+                result["quantized_base"] = _quantized_search(overrides, gpus, mem, headroom, args, searched)
         else:
             result = plan(cfg, args.gpus, mem, headroom, args.routing).as_dict()
     except UserError as e:
