@@ -78,13 +78,23 @@ class Constraint:
         extras = [str(x) for x in (self.also,) if x is not None] + (["null"] if self.nullable else [])
         return " or ".join([text, *extras])
 
+    def _pick(self, key: str, value: Any) -> str:
+        """The fix for a value outside the choices: the one choice it names in other letter case or hyphens
+        (NF4, Grouped-MM), else any of them."""
+        spelled_alike = [c for c in self.choices if _folded(c) == _folded(value)]
+        return f"did you mean {key}={spelled_alike[0]}?" if len(spelled_alike) == 1 else "pick one of those"
+
     def problem(self, key: str, value: Any) -> str | None:
         """The error line for ``key=value``, or None when the value is allowed."""
         if self.allows(value):
             return None
         if self.choices is not None:
-            return f"{key}={value!r} is not one of {', '.join(self.choices)}; pick one of those"
+            return f"{key}={value!r} is not one of {', '.join(self.choices)}; {self._pick(key, value)}"
         return out_of_range(key, value, self.text(), self.example)
+
+
+def _folded(value: Any) -> str:
+    return str(value).lower().replace("-", "_")
 
 
 def out_of_range(key: str, value: Any, allowed: str, example: str) -> str:

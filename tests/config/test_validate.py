@@ -99,7 +99,9 @@ def test_overlap_validates_for_all_to_all():
         (["train.max_nonfinite_steps=-1"], 1, "train.max_nonfinite_steps=-1 is out of range: it must be >= 0"),
         (["peft.rank=8"], 1, "peft.rank=8 configures LoRA, but peft=none trains every weight; add peft=lora"),
         (["peft.quantize_base=fp8"], 1, "peft.quantize_base=fp8 configures LoRA, but peft=none trains every weight"),
-        (["peft=lora", "peft.quantize_base=int4"], 1, "peft.quantize_base='int4' is not one of none, fp8, nf4"),
+        (["peft=lora", "peft.quantize_base=int4"], 1, "peft.quantize_base='int4' is not one of none, fp8, nf4; pick"),
+        (["peft=lora", "peft.quantize_base=NF4"], 1, "not one of none, fp8, nf4; did you mean peft.quantize_base=nf4?"),
+        (["kernels.experts=Grouped-MM"], 1, "did you mean kernels.experts=grouped_mm?"),
         (
             ["peft=lora", "peft.quantize_base=nf4", "kernels.experts=grouped_mm_fp8"],
             1,
