@@ -139,10 +139,12 @@ def end_of_turn_id(tokenizer) -> int | None:
     return ids[0] if ids and ids[0] in special else None
 
 
-def stop_at_end_of_turn(out_dir: str) -> None:
+def stop_at_end_of_turn(out_dir: str, config_dir: str | None = None) -> None:
     """generation_config.json's ``eos_token_id`` gains the chat template's end-of-turn token when it lacks it, so
     that ``generate`` stops at the end of the answer the model was trained to close (a base model's config stops
-    at its end-of-text token only, while a chat template ends each turn with its own)."""
+    at its end-of-text token only, while a chat template ends each turn with its own). Without a
+    generation_config.json, one is made from ``config_dir``'s config.json (default ``out_dir``: an adapter
+    directory has none of its own)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     if not os.path.isfile(os.path.join(out_dir, "tokenizer_config.json")):
@@ -158,7 +160,7 @@ def stop_at_end_of_turn(out_dir: str) -> None:
     if os.path.isfile(os.path.join(out_dir, "generation_config.json")):
         generation = GenerationConfig.from_pretrained(out_dir)
     else:
-        generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(out_dir))
+        generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(config_dir or out_dir))
     eos = generation.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     if eot not in eos:

@@ -19,8 +19,14 @@ import torch.distributed as dist
 
 from moe_tune.distributed.process_group import rank_world
 from moe_tune.lora import ADAPTER, is_adapter
-from moe_tune.models.export import full_tensor, gather_experts, save_safetensors, write_chat_template
-from moe_tune.models.hf_io import EXPERT_PARAM, expert_offsets
+from moe_tune.models.export import (
+    full_tensor,
+    gather_experts,
+    save_safetensors,
+    stop_at_end_of_turn,
+    write_chat_template,
+)
+from moe_tune.models.hf_io import EXPERT_PARAM, copy_side_files, expert_offsets
 
 PREFIX = "base_model.model."
 # PEFT (0.21, on transformers v5) reads a target_modules entry ending in these names as a transformers-v4 expert
@@ -108,6 +114,11 @@ def write_adapter(model, out_dir: str, ep_group=None, dtype=None, chat_template:
         save_safetensors(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
         with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
             json.dump(adapter_config(model, names, sorted(set(routers))), f, indent=2, sort_keys=True)
+        # The base's tokenizer and generation config beside the adapters (as a TRL run saves them), the latter
+        # stopping at the chat template's end of turn: GenerationConfig.from_pretrained(out_dir) for generate.
+        copy_side_files(model.source_dir, out_dir)
         write_chat_template(out_dir, chat_template)
+        if model.source_dir:
+            stop_at_end_of_turn(out_dir, config_dir=model.source_dir)
     if world > 1:
         dist.barrier()

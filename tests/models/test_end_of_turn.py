@@ -66,3 +66,34 @@ def test_nothing_to_add_leaves_the_generation_config(checkpoint, template):
     before = open(f"{checkpoint}/generation_config.json").read()
     stop_at_end_of_turn(checkpoint)
     assert open(f"{checkpoint}/generation_config.json").read() == before
+
+
+@pytest.mark.parametrize("base_has_generation_config", [True, False], ids=["base_config", "no_base_config"])
+def test_a_lora_adapter_directory_stops_at_the_end_of_turn(checkpoint, tmp_path, base_has_generation_config):
+    """A LoRA run's hf/ holds the base's tokenizer and a generation config that stops at <|im_end|> (made from the
+    base's config.json when the base has none): PEFT's model generates with it and stops at a forced <|im_end|>."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from moe_tune.build import from_pretrained
+    from moe_tune.lora import LoRASpec
+    from moe_tune.models.peft_export import write_adapter
+
+    if not base_has_generation_config:
+        os.remove(f"{checkpoint}/generation_config.json")
+    adapter = str(tmp_path / "adapter")
+    write_adapter(from_pretrained(checkpoint, lora=LoRASpec(rank=4, targets=("attention", "experts"))), adapter)
+    tokenizer = AutoTokenizer.from_pretrained(adapter)  # the tokenizer came along
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert end in _eos(adapter) and tokenizer.eos_token_id in _eos(adapter)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint), adapter).eval()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "1+1"}], add_generation_prompt=True)
+    ids = torch.tensor([prompt["input_ids"] if hasattr(prompt, "keys") else prompt])
+    out = model.generate(
+        input_ids=ids,
+        generation_config=GenerationConfig.from_pretrained(adapter),
+        max_new_tokens=6,
+        do_sample=False,
+        prefix_allowed_tokens_fn=lambda *_: [end],
+    )
+    assert out.shape[1] - ids.shape[1] == 1
