@@ -326,6 +326,7 @@ def _write_config(model, out_dir: str) -> None:
     if src and os.path.isfile(src):
         with open(src) as f:
             cfg = json.load(f)
+        cfg.pop("quantization_config", None)  # a block-scaled FP8 source is read and written as bf16
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2, sort_keys=True)
     else:

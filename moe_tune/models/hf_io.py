@@ -20,6 +20,7 @@ from moe_tune.config import CheckpointError
 from moe_tune.lora import is_adapter
 from moe_tune.lora.experts import PROJECTIONS
 from moe_tune.models.families import Family
+from moe_tune.models.fp8_checkpoint import SCALE_SUFFIX, checkpoint_block_size, dequantize_rows
 from moe_tune.models.shard_index import read_index
 from moe_tune.moe.experts import GroupedExperts
 
@@ -39,7 +40,13 @@ SIDE_FILES = (
     "merges.txt",
     "tokenizer.model",
 )
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+}
 
 
 class CheckpointReader:
@@ -59,6 +66,7 @@ class CheckpointReader:
         self.weight_map: dict[str, str] = weight_map
         self._handles: dict[str, object] = {}
         self.used: set[str] = set()
+        self.fp8_block = checkpoint_block_size(path)  # block-scaled FP8 weights, read as bf16 (fp8_checkpoint)
 
     def __contains__(self, key: str) -> bool:
         return key in self.weight_map
@@ -73,14 +81,28 @@ class CheckpointReader:
     def shape(self, key: str) -> list[int]:
         return list(self._slice(key).get_shape())
 
+    def _scale_key(self, key: str) -> str | None:
+        """The block scales' key of a block-scaled FP8 weight, else None."""
+        scale = key + SCALE_SUFFIX
+        return scale if self.fp8_block is not None and scale in self.weight_map else None
+
     def dtype(self, key: str) -> torch.dtype:
+        """The dtype ``rows`` returns: bf16 for a block-scaled FP8 weight (what exports write it as)."""
+        if self._scale_key(key):
+            return torch.bfloat16
         return _DTYPES.get(self._slice(key).get_dtype(), torch.float32)
 
     def rows(self, key: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         sl = self._slice(key)
-        if start is None:
-            return sl[:]
-        return sl[start:stop]
+        data = sl[:] if start is None else sl[start:stop]
+        scale_key = self._scale_key(key)
+        if scale_key is None:
+            return data
+        first = 0 if start is None else start
+        bn = self.fp8_block[0]
+        last_block = (first + data.shape[0] - 1) // bn + 1 if data.shape[0] else first // bn
+        scales = self._slice(scale_key)[first // bn : last_block]
+        return dequantize_rows(data, scales, first, self.fp8_block)
 
 
 def disk_key(family: Family, name: str) -> str:

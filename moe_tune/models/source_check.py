@@ -13,6 +13,7 @@ import os
 import struct
 
 from moe_tune.config import CheckpointError, ConfigError
+from moe_tune.models.fp8_checkpoint import block_size
 from moe_tune.models.shard_index import read_index
 
 # A safetensors file starts with the header's length (8 bytes, little-endian) and then that many bytes of JSON.
@@ -127,6 +128,7 @@ def check_source_dir(path: str) -> dict:
     cfg = read_config_json(path)
     file = os.path.join(path, "config.json")
     check_sizes(cfg, lambda key: f"{file}: {key}", "fix it there or copy config.json from the model's original release")
+    block_size(cfg, file)  # a quantization moe_tune does not read: refused here, before anything is built
     try:
         AutoConfig.from_pretrained(path)
     except Exception as e:  # transformers' own validation: a wrongly typed field, an unknown value

@@ -1,0 +1,73 @@
+"""Checkpoints published in block-scaled FP8 (DeepSeek-V3's own release, Qwen3-*-FP8): read as bf16.
+
+Such a checkpoint says so in config.json, ``"quantization_config": {"quant_method": "fp8", "weight_block_size":
+[128, 128], ...}`` (transformers' FineGrainedFP8 format), and stores each quantized weight ``<key>`` ([N, K],
+float8_e4m3fn) beside ``<key>_scale_inv`` ([ceil(N / bn), ceil(K / bk)], fp32): the factor each (bn x bk) block's
+values are multiplied by to give the weight. ``hf_io.CheckpointReader`` hands such weights out dequantized (fp32), row
+range by row range, so a rank reads only its rows and never a whole model in bf16; everything downstream (a bf16
+or fp32 model, ``peft.quantize_base=fp8|nf4`` quantizing again shard by shard, exports, merges) sees bf16 weights.
+Exports are bf16 and their config.json carries no quantization_config.
+
+Any other ``quant_method`` (GPTQ, AWQ, bitsandbytes, compressed-tensors, GPT-OSS's MXFP4) is refused when the
+checkpoint is checked, with the fix: the model's bf16 release.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from moe_tune.config import CheckpointError
+
+SCALE_SUFFIX = "_scale_inv"
+
+
+def block_size(cfg: dict, file: str) -> tuple[int, int] | None:
+    """(rows, cols) of one scale's block for a block-scaled FP8 config.json (``cfg``, read from ``file``); None
+    without a quantization_config. Raises CheckpointError for a quantization moe_tune does not read."""
+    q = cfg.get("quantization_config")
+    if q is None:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    bf16 = "give the model's bf16 release (or dequantize it with transformers first)"
+    if method != "fp8":
+        raise CheckpointError(
+            f"{file}: quantization_config.quant_method={method!r}; moe_tune reads bf16, fp16 or fp32 checkpoints "
+            f"and block-scaled fp8 ones (DeepSeek-V3, Qwen3-*-FP8): {bf16}"
+        )
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise CheckpointError(
+            f"{file}: quantization_config.weight_block_size={block!r}; moe_tune reads fp8 checkpoints scaled per "
+            f"block ([128, 128] in DeepSeek-V3's and Qwen's releases), not per tensor or channel: {bf16}"
+        )
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise CheckpointError(f"{file}: quantization_config.fmt={q['fmt']!r}; moe_tune reads e4m3 weights: {bf16}")
+    return block[0], block[1]
+
+
+def checkpoint_block_size(path: str) -> tuple[int, int] | None:
+    """``block_size`` of the checkpoint directory ``path`` (None without a config.json)."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        return None
+    with open(file, encoding="utf-8") as f:
+        return block_size(json.load(f), file)
+
+
+def dequantize_rows(q_rK: torch.Tensor, scale_bK: torch.Tensor, start: int, block: tuple[int, int]) -> torch.Tensor:
+    """fp32 rows [start, start + r) of a block-scaled weight: ``q_rK`` those rows' E4M3 values, ``scale_bK`` the
+    scale rows of the blocks they fall in (the first being block ``start // block[0]``). fp32 as transformers
+    computes it; the model's dtype then rounds it once (bf16 parameters, an export)."""
+    if q_rK.dim() != 2:
+        raise CheckpointError(f"a block-scaled fp8 tensor of shape {tuple(q_rK.shape)}: moe_tune reads 2-d ones")
+    r, K = q_rK.shape
+    bn, bk = block
+    rows = torch.arange(start, start + r) // bn - start // bn
+    scale_rK = scale_bK.float()[rows].repeat_interleave(bk, dim=1)[:, :K]
+    return q_rK.float() * scale_rK
+
+
+__all__ = ["SCALE_SUFFIX", "block_size", "checkpoint_block_size", "dequantize_rows"]
