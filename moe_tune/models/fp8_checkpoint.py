@@ -1,12 +1,13 @@
-"""Checkpoints published in block-scaled FP8 (DeepSeek-V3's own release, Qwen3-*-FP8): read as bf16.
+"""Checkpoints published in block-scaled FP8 (DeepSeek-V3's own release, Qwen3-*-FP8): read dequantized.
 
 Such a checkpoint says so in config.json, ``"quantization_config": {"quant_method": "fp8", "weight_block_size":
 [128, 128], ...}`` (transformers' FineGrainedFP8 format), and stores each quantized weight ``<key>`` ([N, K],
 float8_e4m3fn) beside ``<key>_scale_inv`` ([ceil(N / bn), ceil(K / bk)], fp32): the factor each (bn x bk) block's
 values are multiplied by to give the weight. ``hf_io.CheckpointReader`` hands such weights out dequantized (fp32), row
 range by row range, so a rank reads only its rows and never a whole model in bf16; everything downstream (a bf16
-or fp32 model, ``peft.quantize_base=fp8|nf4`` quantizing again shard by shard, exports, merges) sees bf16 weights.
-Exports are bf16 and their config.json carries no quantization_config.
+or fp32 model, ``peft.quantize_base=fp8|nf4`` quantizing again shard by shard, exports, merges) sees those values
+as it would a bf16 checkpoint's. Exports write them as bf16, and their config.json carries no quantization_config.
+An E4M3 tensor without its scales (no quantization_config, or the scale tensor missing) is refused by name.
 
 Any other ``quant_method`` (GPTQ, AWQ, bitsandbytes, compressed-tensors, GPT-OSS's MXFP4) is refused when the
 checkpoint is checked, with the fix: the model's bf16 release.
@@ -22,6 +23,7 @@ import torch
 from moe_tune.config import CheckpointError
 
 SCALE_SUFFIX = "_scale_inv"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def block_size(cfg: dict, file: str) -> tuple[int, int] | None:
@@ -57,6 +59,16 @@ def checkpoint_block_size(path: str) -> tuple[int, int] | None:
         return block_size(json.load(f), file)
 
 
+def unscaled_fp8(path: str, key: str, block: tuple[int, int] | None) -> str:
+    """The line for an FP8 tensor the reader cannot scale: without a quantization_config, or without its scales."""
+    if block is None:
+        return (
+            f"checkpoint {path}: {key} is stored in fp8, but config.json has no quantization_config saying how it "
+            "is scaled; copy config.json from the model's original release, or give its bf16 release"
+        )
+    return f"checkpoint {path}: {key} is stored in fp8 without {key}{SCALE_SUFFIX}, its block scales; is it complete?"
+
+
 def dequantize_rows(q_rK: torch.Tensor, scale_bK: torch.Tensor, start: int, block: tuple[int, int]) -> torch.Tensor:
     """fp32 rows [start, start + r) of a block-scaled weight: ``q_rK`` those rows' E4M3 values, ``scale_bK`` the
     scale rows of the blocks they fall in (the first being block ``start // block[0]``). fp32 as transformers
@@ -70,4 +82,4 @@ def dequantize_rows(q_rK: torch.Tensor, scale_bK: torch.Tensor, start: int, bloc
     return q_rK.float() * scale_rK
 
 
-__all__ = ["SCALE_SUFFIX", "block_size", "checkpoint_block_size", "dequantize_rows"]
+__all__ = ["FP8_DTYPES", "SCALE_SUFFIX", "block_size", "checkpoint_block_size", "dequantize_rows", "unscaled_fp8"]

@@ -20,7 +20,13 @@ from moe_tune.config import CheckpointError
 from moe_tune.lora import is_adapter
 from moe_tune.lora.experts import PROJECTIONS
 from moe_tune.models.families import Family
-from moe_tune.models.fp8_checkpoint import SCALE_SUFFIX, checkpoint_block_size, dequantize_rows
+from moe_tune.models.fp8_checkpoint import (
+    FP8_DTYPES,
+    SCALE_SUFFIX,
+    checkpoint_block_size,
+    dequantize_rows,
+    unscaled_fp8,
+)
 from moe_tune.models.shard_index import read_index
 from moe_tune.moe.experts import GroupedExperts
 
@@ -66,7 +72,7 @@ class CheckpointReader:
         self.weight_map: dict[str, str] = weight_map
         self._handles: dict[str, object] = {}
         self.used: set[str] = set()
-        self.fp8_block = checkpoint_block_size(path)  # block-scaled FP8 weights, read as bf16 (fp8_checkpoint)
+        self.fp8_block = checkpoint_block_size(path)  # block-scaled FP8 weights, read dequantized (fp8_checkpoint)
 
     def __contains__(self, key: str) -> bool:
         return key in self.weight_map
@@ -97,6 +103,8 @@ class CheckpointReader:
         data = sl[:] if start is None else sl[start:stop]
         scale_key = self._scale_key(key)
         if scale_key is None:
+            if data.dtype in FP8_DTYPES:
+                raise CheckpointError(unscaled_fp8(self.path, key, self.fp8_block))
             return data
         first = 0 if start is None else start
         bn = self.fp8_block[0]

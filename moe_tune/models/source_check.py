@@ -13,7 +13,7 @@ import os
 import struct
 
 from moe_tune.config import CheckpointError, ConfigError
-from moe_tune.models.fp8_checkpoint import block_size
+from moe_tune.models.fp8_checkpoint import SCALE_SUFFIX, block_size, unscaled_fp8
 from moe_tune.models.shard_index import read_index
 
 # A safetensors file starts with the header's length (8 bytes, little-endian) and then that many bytes of JSON.
@@ -60,8 +60,8 @@ def read_config_json(path: str) -> dict:
     return cfg
 
 
-def check_safetensors_header(file: str) -> None:
-    """The header of one ``.safetensors`` file: a length that fits the file, then a JSON object."""
+def check_safetensors_header(file: str) -> dict:
+    """The header of one ``.safetensors`` file: a length that fits the file, then a JSON object (returned)."""
     size = os.path.getsize(file)
     fix = "the file is truncated or corrupt; download or copy it again"
     with open(file, "rb") as f:
@@ -84,6 +84,7 @@ def check_safetensors_header(file: str) -> None:
         raise CheckpointError(f"{file}: the safetensors header has an entry without data_offsets; {fix}") from None
     if HEADER_LEN_BYTES + n + end > size:
         raise CheckpointError(f"{file}: {size} bytes, but its header lists {HEADER_LEN_BYTES + n + end}; {fix}")
+    return parsed
 
 
 # Sizes a model needs at least one of: zero or less would build a model without that part, or fail mid-run.
@@ -128,7 +129,7 @@ def check_source_dir(path: str) -> dict:
     cfg = read_config_json(path)
     file = os.path.join(path, "config.json")
     check_sizes(cfg, lambda key: f"{file}: {key}", "fix it there or copy config.json from the model's original release")
-    block_size(cfg, file)  # a quantization moe_tune does not read: refused here, before anything is built
+    block = block_size(cfg, file)  # a quantization moe_tune does not read: refused here, before anything is built
     try:
         AutoConfig.from_pretrained(path)
     except Exception as e:  # transformers' own validation: a wrongly typed field, an unknown value
@@ -138,8 +139,17 @@ def check_source_dir(path: str) -> dict:
             "field or copy config.json from the model's original release"
         ) from None
     read_index(path)
+    dtypes = {}
     for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        check_safetensors_header(file)
+        header = check_safetensors_header(file)
+        dtypes.update({k: e.get("dtype") for k, e in header.items() if k != "__metadata__" and isinstance(e, dict)})
+    fp8 = sorted(
+        k
+        for k, t in dtypes.items()
+        if t in ("F8_E4M3", "F8_E5M2") and (block is None or k + SCALE_SUFFIX not in dtypes)
+    )
+    if fp8:  # stored in fp8 with nothing that says how to scale it: refused before anything is built
+        raise CheckpointError(unscaled_fp8(path, fp8[0], block))
     return cfg
 
 

@@ -187,3 +187,28 @@ def test_the_files_hold_what_the_test_writes(tmp_path):
         assert f.get_slice(key).get_dtype() == "F8_E4M3" and f.get_slice(key + "_scale_inv").get_dtype() == "F32"
         n, k = f.get_slice(key).get_shape()
         assert f.get_slice(key + "_scale_inv").get_shape() == [-(-n // BLOCK[0]), -(-k // BLOCK[1])]
+
+
+@pytest.mark.parametrize("damage", ["scale_missing", "no_quantization_config"])
+def test_fp8_weights_without_their_scales_are_refused_by_name(tmp_path, damage):
+    """An E4M3 weight the reader cannot scale (its scale tensor missing, or config.json not saying it is
+    quantized) stops the load naming the tensor, instead of training on unscaled values."""
+    from moe_tune.build import from_pretrained
+
+    fp8 = str(tmp_path / "fp8")
+    fp8_checkpoint(save_tiny(tmp_path / "base", "qwen3_moe"), fp8)
+    key = "model.layers.1.self_attn.k_proj.weight"
+    if damage == "scale_missing":
+        tensors = load_file(os.path.join(fp8, "model.safetensors"))
+        del tensors[key + "_scale_inv"]
+        save_file(tensors, os.path.join(fp8, "model.safetensors"), metadata={"format": "pt"})
+        expected = f"{key} is stored in fp8 without {key}_scale_inv"
+    else:
+        config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+        del config["quantization_config"]
+        (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+        expected = "is stored in fp8, but config.json has no quantization_config"
+    with pytest.raises(CheckpointError, match=expected.replace(".", r"\.")):
+        check_source_dir(fp8)  # what moe-tune checks before anything is built or written (exit 2)
+    with pytest.raises(CheckpointError, match=expected.replace(".", r"\.")):
+        from_pretrained(fp8)  # and the reader itself
