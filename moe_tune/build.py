@@ -26,9 +26,11 @@ from moe_tune.distributed.expert_parallel import ep_dispatchers
 from moe_tune.distributed.fsdp import experts_options
 from moe_tune.distributed.mesh import ParallelMesh, build_mesh
 from moe_tune.distributed.parallelize import parallelize
+from moe_tune.distributed.process_group import rank_world
 from moe_tune.lora import LoRASpec
 from moe_tune.metrics import flops_per_token
 from moe_tune.models.families import expert_dims, num_experts
+from moe_tune.models.fp8_checkpoint import checkpoint_block_size
 from moe_tune.models.hf_io import load_state
 from moe_tune.models.init import init_random
 from moe_tune.models.lora import init_lora
@@ -263,6 +265,11 @@ def source_loader(source: str | None, seed: int) -> Callable[[MoECausalLM], None
 
     def load(model: MoECausalLM) -> None:
         if source is not None:
+            block = checkpoint_block_size(source)
+            if block is not None and rank_world()[0] == 0:
+                log.info(
+                    "%s: fp8 weights scaled per %dx%d block (quantization_config), read dequantized", source, *block
+                )
             load_state(model, source, model.family)
         else:
             init_random(model, seed=seed, num_experts=model.num_experts)

@@ -81,8 +81,8 @@ class Constraint:
     def _pick(self, key: str, value: Any) -> str:
         """The fix for a value outside the choices: the one choice it names in other letter case or hyphens
         (NF4, Grouped-MM), else any of them."""
-        spelled_alike = [c for c in self.choices if _folded(c) == _folded(value)]
-        return f"did you mean {key}={spelled_alike[0]}?" if len(spelled_alike) == 1 else "pick one of those"
+        alike = spelled_alike(value, self.choices)
+        return f"did you mean {key}={alike[0]}?" if len(alike) == 1 else "pick one of those"
 
     def problem(self, key: str, value: Any) -> str | None:
         """The error line for ``key=value``, or None when the value is allowed."""
@@ -93,8 +93,13 @@ class Constraint:
         return out_of_range(key, value, self.text(), self.example)
 
 
-def _folded(value: Any) -> str:
-    return str(value).lower().replace("-", "_")
+def spelled_alike(value: Any, choices) -> list[str]:
+    """The choices ``value`` names in other letter case or with hyphens for underscores (NF4, Grouped-MM)."""
+
+    def folded(v: Any) -> str:
+        return str(v).lower().replace("-", "_")
+
+    return [c for c in choices if folded(c) == folded(value)]
 
 
 def out_of_range(key: str, value: Any, allowed: str, example: str) -> str:

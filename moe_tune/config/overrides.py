@@ -18,6 +18,7 @@ import re
 import typing
 
 from moe_tune.config import COMM_CONFIGS, ConfigError
+from moe_tune.config.constraints import spelled_alike
 
 # The configs ship inside the package, so an installed wheel finds them wherever it runs.
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
@@ -196,8 +197,11 @@ def _compose(overrides: list[str], options: dict[str, list[str]]):
         if group not in options:
             raise ConfigError(_describe(e, overrides)) from None
         extra = "; or model=hf model.path=<local Hugging Face directory>" if group == "model" else ""
-        if group == "peft" and name == "qlora":  # QLoRA is LoRA over a 4-bit base
+        if group == "peft" and name.lower() == "qlora":  # QLoRA is LoRA over a 4-bit base
             extra = "; QLoRA is peft=lora peft.quantize_base=nf4"
+        alike = spelled_alike(name, options[group])
+        if len(alike) == 1:
+            extra = f"; did you mean {group}={alike[0]}?"
         raise ConfigError(f"{group}={name} is not one of {', '.join(options[group])}{extra}") from None
     except Exception as e:  # noqa: BLE001  (Hydra raises many exception types for bad overrides)
         raise ConfigError(_describe(e, overrides)) from None

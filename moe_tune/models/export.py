@@ -104,7 +104,7 @@ def write_checkpoint(
         dist.all_gather_object(gathered, (writer.files, writer.nbytes))
     if rank == 0:
         _write_index(out_dir, gathered, world)
-        _write_config(model, out_dir)
+        _write_config(model, out_dir, dtype)
         copy_side_files(model.source_dir, out_dir)
         write_chat_template(out_dir, chat_template)
         stop_at_end_of_turn(out_dir)
@@ -321,12 +321,19 @@ class _ShardWriter:
         self.pending, self.size = {}, 0
 
 
-def _write_config(model, out_dir: str) -> None:
+def _write_config(model, out_dir: str, dtype: torch.dtype | None = None) -> None:
+    """The source's config.json as it is, but for what the export changed: no quantization_config (a block-scaled
+    FP8 source is written as bf16), and ``dtype`` (the weights' one dtype, when given) as the dtype transformers
+    then loads them in."""
     src = os.path.join(model.source_dir, "config.json") if model.source_dir else None
     if src and os.path.isfile(src):
         with open(src) as f:
             cfg = json.load(f)
-        cfg.pop("quantization_config", None)  # a block-scaled FP8 source is read and written as bf16
+        cfg.pop("quantization_config", None)
+        if dtype is not None:
+            cfg["dtype"] = str(dtype).removeprefix("torch.")
+            if "torch_dtype" in cfg:  # transformers v4's name for it
+                cfg["torch_dtype"] = cfg["dtype"]
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2, sort_keys=True)
     else:

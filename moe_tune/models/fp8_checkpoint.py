@@ -69,12 +69,33 @@ def unscaled_fp8(path: str, key: str, block: tuple[int, int] | None) -> str:
     return f"checkpoint {path}: {key} is stored in fp8 without {key}{SCALE_SUFFIX}, its block scales; is it complete?"
 
 
+def scale_problem(
+    path: str, key: str, weight_dtype: str, weight_shape: list[int], scale_shape: list[int], block: tuple[int, int]
+) -> str | None:
+    """The line for a weight whose ``_scale_inv`` cannot be its block scales, else None: the weight not stored in
+    fp8 (a checkpoint dequantized in part, its scales left behind), or a scale grid other than ceil(shape / block)
+    (scales made for another weight_block_size)."""
+    if weight_dtype not in ("F8_E4M3", "F8_E5M2"):
+        return (
+            f"checkpoint {path}: {key} is stored in {weight_dtype}, not fp8, yet has {key}{SCALE_SUFFIX}; a checkpoint "
+            "dequantized in part? Give the release as published, or drop the stale scale tensors"
+        )
+    if len(weight_shape) != 2:
+        return f"checkpoint {path}: {key} has shape {tuple(weight_shape)}; moe_tune reads 2-d block-scaled fp8 weights"
+    grid = [-(-n // b) for n, b in zip(weight_shape, block)]
+    if list(scale_shape) != grid:
+        return (
+            f"checkpoint {path}: {key}{SCALE_SUFFIX} has shape {tuple(scale_shape)}, but {key} {tuple(weight_shape)} in "
+            f"blocks of {list(block)} (config.json's weight_block_size) needs {tuple(grid)}; does config.json belong "
+            "to these weights?"
+        )
+    return None
+
+
 def dequantize_rows(q_rK: torch.Tensor, scale_bK: torch.Tensor, start: int, block: tuple[int, int]) -> torch.Tensor:
     """fp32 rows [start, start + r) of a block-scaled weight: ``q_rK`` those rows' E4M3 values, ``scale_bK`` the
     scale rows of the blocks they fall in (the first being block ``start // block[0]``). fp32 as transformers
     computes it; the model's dtype then rounds it once (bf16 parameters, an export)."""
-    if q_rK.dim() != 2:
-        raise CheckpointError(f"a block-scaled fp8 tensor of shape {tuple(q_rK.shape)}: moe_tune reads 2-d ones")
     r, K = q_rK.shape
     bn, bk = block
     rows = torch.arange(start, start + r) // bn - start // bn
@@ -82,4 +103,12 @@ def dequantize_rows(q_rK: torch.Tensor, scale_bK: torch.Tensor, start: int, bloc
     return q_rK.float() * scale_rK
 
 
-__all__ = ["FP8_DTYPES", "SCALE_SUFFIX", "block_size", "checkpoint_block_size", "dequantize_rows", "unscaled_fp8"]
+__all__ = [
+    "FP8_DTYPES",
+    "SCALE_SUFFIX",
+    "block_size",
+    "checkpoint_block_size",
+    "dequantize_rows",
+    "scale_problem",
+    "unscaled_fp8",
+]

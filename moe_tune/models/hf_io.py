@@ -25,6 +25,7 @@ from moe_tune.models.fp8_checkpoint import (
     SCALE_SUFFIX,
     checkpoint_block_size,
     dequantize_rows,
+    scale_problem,
     unscaled_fp8,
 )
 from moe_tune.models.shard_index import read_index
@@ -88,9 +89,17 @@ class CheckpointReader:
         return list(self._slice(key).get_shape())
 
     def _scale_key(self, key: str) -> str | None:
-        """The block scales' key of a block-scaled FP8 weight, else None."""
+        """The block scales' key of a block-scaled FP8 weight (checked to fit it), else None."""
         scale = key + SCALE_SUFFIX
-        return scale if self.fp8_block is not None and scale in self.weight_map else None
+        if self.fp8_block is None or scale not in self.weight_map:
+            return None
+        weight, scales = self._slice(key), self._slice(scale)
+        problem = scale_problem(
+            self.path, key, weight.get_dtype(), weight.get_shape(), scales.get_shape(), self.fp8_block
+        )
+        if problem:
+            raise CheckpointError(problem)
+        return scale
 
     def dtype(self, key: str) -> torch.dtype:
         """The dtype ``rows`` returns: bf16 for a block-scaled FP8 weight (what exports write it as)."""

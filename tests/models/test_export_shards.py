@@ -25,3 +25,20 @@ def test_small_shard_limit_gives_hf_sharded_checkpoint(tmp_path):
     ids = torch.randint(4, 90, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ref(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_an_export_in_another_dtype_says_so_in_config_json(tmp_path):
+    """Weights written in a forced dtype (``dtype``: the run's model.dtype) are that dtype in config.json too, so
+    transformers' default from_pretrained loads them as they are (it loaded a bf16 export of an fp32 source as fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    src = build_tiny_checkpoint(str(tmp_path / "src"), overrides={"num_hidden_layers": 1})
+    source_dtype = json.load(open(tmp_path / "src" / "config.json")).get("dtype")
+    model = moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    for dtype in (torch.bfloat16, torch.float32):
+        out = tmp_path / str(dtype)
+        write_checkpoint(model, str(out), dtype=dtype)
+        assert json.load(open(out / "config.json"))["dtype"] == str(dtype).removeprefix("torch.")
+        assert AutoModelForCausalLM.from_pretrained(str(out)).dtype == dtype
+    write_checkpoint(model, str(tmp_path / "as_source"))
+    assert json.load(open(tmp_path / "as_source" / "config.json")).get("dtype") == source_dtype

@@ -212,3 +212,31 @@ def test_fp8_weights_without_their_scales_are_refused_by_name(tmp_path, damage):
         check_source_dir(fp8)  # what moe-tune checks before anything is built or written (exit 2)
     with pytest.raises(CheckpointError, match=expected.replace(".", r"\.")):
         from_pretrained(fp8)  # and the reader itself
+
+
+@pytest.mark.parametrize("damage", ["config_block_larger", "config_block_smaller", "stale_scale"])
+def test_scales_that_cannot_be_the_weights_blocks_are_refused_by_name(tmp_path, damage):
+    """Scales made for another weight_block_size than config.json says (coarser or finer), or left beside a weight
+    that is no longer fp8 (a checkpoint dequantized in part), stop the check and the reader naming the tensor:
+    before, the first trained on weights up to 40% off, the second crashed, the third scaled bf16 weights again."""
+    from moe_tune.build import from_pretrained
+
+    fp8 = str(tmp_path / "fp8")
+    fp8_checkpoint(
+        save_tiny(tmp_path / "base", "qwen3_moe"), fp8, [32, 32] if damage == "config_block_smaller" else BLOCK
+    )
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    key = "model.layers.0.self_attn.q_proj.weight"
+    if damage == "stale_scale":
+        tensors = load_file(os.path.join(fp8, "model.safetensors"))
+        tensors[key] = _dequantized(tensors[key], tensors[key + "_scale_inv"]).bfloat16()
+        save_file(tensors, os.path.join(fp8, "model.safetensors"), metadata={"format": "pt"})
+        expected = f"{key} is stored in BF16, not fp8, yet has {key}_scale_inv"
+    else:
+        config["quantization_config"]["weight_block_size"] = [128, 128] if damage == "config_block_larger" else [8, 8]
+        (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+        expected = "_scale_inv has shape .* needs"
+    with pytest.raises(CheckpointError, match=expected):
+        check_source_dir(fp8)
+    with pytest.raises(CheckpointError, match=expected):
+        from_pretrained(fp8)
