@@ -85,9 +85,9 @@ def scale_problem(
     grid = [-(-n // b) for n, b in zip(weight_shape, block)]
     if list(scale_shape) != grid:
         return (
-            f"checkpoint {path}: {key}{SCALE_SUFFIX} has shape {tuple(scale_shape)}, but {key} {tuple(weight_shape)} in "
-            f"blocks of {list(block)} (config.json's weight_block_size) needs {tuple(grid)}; does config.json belong "
-            "to these weights?"
+            f"checkpoint {path}: {key}{SCALE_SUFFIX} has shape {tuple(scale_shape)}, but {key} "
+            f"{tuple(weight_shape)} in blocks of {list(block)} (config.json's weight_block_size) needs {tuple(grid)}; "
+            "does config.json belong to these weights?"
         )
     return None
 

@@ -53,6 +53,7 @@ _DTYPES = {
     "F16": torch.float16,
     "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 
