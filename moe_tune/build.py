@@ -265,11 +265,8 @@ def source_loader(source: str | None, seed: int) -> Callable[[MoECausalLM], None
 
     def load(model: MoECausalLM) -> None:
         if source is not None:
-            block = checkpoint_block_size(source)
-            if block is not None and rank_world()[0] == 0:
-                log.info(
-                    "%s: fp8 weights scaled per %dx%d block (quantization_config), read dequantized", source, *block
-                )
+            if (block := checkpoint_block_size(source)) and rank_world()[0] == 0:
+                log.info("%s: fp8 weights in %dx%d blocks (quantization_config), read dequantized", source, *block)
             load_state(model, source, model.family)
         else:
             init_random(model, seed=seed, num_experts=model.num_experts)
