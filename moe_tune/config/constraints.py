@@ -102,6 +102,12 @@ def spelled_alike(value: Any, choices) -> list[str]:
     return [c for c in choices if folded(c) == folded(value)]
 
 
+def not_null(key: str, schema: type) -> str:
+    """The line for ``key=null`` where the key takes a value: what it takes, where ``schema`` (Config) says."""
+    takes = next((c.text() for k, _, c in constrained_fields(schema) if k == key), "a value")
+    return f"{key}=null: {key} takes {takes}, not null; give it one, or leave it out for its default"
+
+
 def out_of_range(key: str, value: Any, allowed: str, example: str) -> str:
     """The one line for a number outside its range (a rule between keys words its own range the same way)."""
     return f"{key}={spelled(value)} is out of range: it must be {allowed}; try {key}={example}"

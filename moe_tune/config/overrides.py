@@ -17,8 +17,8 @@ import os
 import re
 import typing
 
-from moe_tune.config import COMM_CONFIGS, ConfigError
-from moe_tune.config.constraints import spelled_alike
+from moe_tune.config import COMM_CONFIGS, Config, ConfigError
+from moe_tune.config.constraints import not_null, spelled_alike
 
 # The configs ship inside the package, so an installed wheel finds them wherever it runs.
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
@@ -199,8 +199,7 @@ def _compose(overrides: list[str], options: dict[str, list[str]]):
         extra = "; or model=hf model.path=<local Hugging Face directory>" if group == "model" else ""
         if group == "peft" and name.lower() == "qlora":  # QLoRA is LoRA over a 4-bit base
             extra = "; QLoRA is peft=lora peft.quantize_base=nf4"
-        alike = spelled_alike(name, options[group])
-        if len(alike) == 1:
+        if len(alike := spelled_alike(name, options[group])) == 1:
             extra = f"; did you mean {group}={alike[0]}?"
         raise ConfigError(f"{group}={name} is not one of {', '.join(options[group])}{extra}") from None
     except Exception as e:  # noqa: BLE001  (Hydra raises many exception types for bad overrides)
@@ -342,6 +341,9 @@ def _describe(e: Exception, overrides: list[str]) -> str:
     not_a_list = NOT_A_LIST.search(msg)
     if not_a_list:
         return in_brackets(*not_a_list.groups())
+    not_optional = re.search(r"field '(\S+?)' is not Optional", msg)  # OmegaConf's line for null on a valued key
+    if not_optional:
+        return not_null(not_optional.group(1), Config)
     return f"{msg} (overrides: {' '.join(overrides) or 'none'})"
 
 

@@ -83,6 +83,8 @@ def test_every_builtin_model_is_a_config():
         (["peft.lora_alpha=16"], "peft.lora_alpha is not a config key; did you mean peft.alpha"),
         (["peft=qlora"], "peft=qlora is not one of lora, none; QLoRA is peft=lora peft.quantize_base=nf4"),
         (["peft=LoRA"], "peft=LoRA is not one of lora, none; did you mean peft=lora?"),
+        (["peft=lora", "peft.quantize_base=null"], "peft.quantize_base=null: peft.quantize_base takes none, fp8, nf4"),
+        (["data.packing=null"], "data.packing=null: data.packing takes a value, not null; give it one, or leave it"),
         (["comm=All-To-All"], "did you mean comm=all_to_all?"),
         (["train.train.seed=1"], "did you mean train.seed"),
         (["comm.num_sms=8"], "comm.num_sms is an option of comm=deepep, not of comm=all_to_all; add comm=deepep"),
