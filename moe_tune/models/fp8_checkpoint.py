@@ -24,6 +24,7 @@ from moe_tune.config import CheckpointError
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_NAMES = ("F8_E4M3", "F8_E5M2")  # the same, as safetensors headers name them
 
 
 def block_size(cfg: dict, file: str) -> tuple[int, int] | None:
@@ -75,7 +76,7 @@ def scale_problem(
     """The line for a weight whose ``_scale_inv`` cannot be its block scales, else None: the weight not stored in
     fp8 (a checkpoint dequantized in part, its scales left behind), or a scale grid other than ceil(shape / block)
     (scales made for another weight_block_size)."""
-    if weight_dtype not in ("F8_E4M3", "F8_E5M2"):
+    if weight_dtype not in FP8_NAMES:
         return (
             f"checkpoint {path}: {key} is stored in {weight_dtype}, not fp8, yet has {key}{SCALE_SUFFIX}; a checkpoint "
             "dequantized in part? Give the release as published, or drop the stale scale tensors"
@@ -92,6 +93,20 @@ def scale_problem(
     return None
 
 
+def check_headers(path: str, entries: dict[str, dict], block: tuple[int, int] | None) -> None:
+    """Every fp8 tensor has block scales that fit it, and every scale tensor is an fp8 weight's (``entries``: the
+    safetensors headers' key -> {"dtype", "shape"}): the reader's checks, before anything is built."""
+    for key in sorted(entries):
+        if entries[key].get("dtype") in FP8_NAMES and (block is None or key + SCALE_SUFFIX not in entries):
+            raise CheckpointError(unscaled_fp8(path, key, block))
+        name = key.removesuffix(SCALE_SUFFIX)
+        if block is not None and name != key and name in entries:
+            weight, scale = entries[name], entries[key]
+            problem = scale_problem(path, name, weight.get("dtype"), weight.get("shape"), scale.get("shape"), block)
+            if problem:
+                raise CheckpointError(problem)
+
+
 def dequantize_rows(q_rK: torch.Tensor, scale_bK: torch.Tensor, start: int, block: tuple[int, int]) -> torch.Tensor:
     """fp32 rows [start, start + r) of a block-scaled weight: ``q_rK`` those rows' E4M3 values, ``scale_bK`` the
     scale rows of the blocks they fall in (the first being block ``start // block[0]``). fp32 as transformers
@@ -105,8 +120,10 @@ def dequantize_rows(q_rK: torch.Tensor, scale_bK: torch.Tensor, start: int, bloc
 
 __all__ = [
     "FP8_DTYPES",
+    "FP8_NAMES",
     "SCALE_SUFFIX",
     "block_size",
+    "check_headers",
     "checkpoint_block_size",
     "dequantize_rows",
     "scale_problem",

@@ -22,6 +22,7 @@ from moe_tune.lora.experts import PROJECTIONS
 from moe_tune.models.families import Family
 from moe_tune.models.fp8_checkpoint import (
     FP8_DTYPES,
+    FP8_NAMES,
     SCALE_SUFFIX,
     checkpoint_block_size,
     dequantize_rows,
@@ -52,8 +53,7 @@ _DTYPES = {
     "BF16": torch.bfloat16,
     "F16": torch.float16,
     "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
+    **dict(zip(FP8_NAMES, FP8_DTYPES)),
 }
 
 

@@ -13,7 +13,7 @@ import os
 import struct
 
 from moe_tune.config import CheckpointError, ConfigError
-from moe_tune.models.fp8_checkpoint import SCALE_SUFFIX, block_size, scale_problem, unscaled_fp8
+from moe_tune.models.fp8_checkpoint import block_size, check_headers
 from moe_tune.models.shard_index import read_index
 
 # A safetensors file starts with the header's length (8 bytes, little-endian) and then that many bytes of JSON.
@@ -143,22 +143,8 @@ def check_source_dir(path: str) -> dict:
     for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         header = check_safetensors_header(file)
         entries.update({k: e for k, e in header.items() if k != "__metadata__" and isinstance(e, dict)})
-    check_fp8_scales(path, entries, block)
+    check_headers(path, entries, block)
     return cfg
-
-
-def check_fp8_scales(path: str, entries: dict[str, dict], block: tuple[int, int] | None) -> None:
-    """Every fp8 tensor has block scales that fit it, and every scale tensor is an fp8 weight's (``entries``: the
-    safetensors headers' key -> {"dtype", "shape"}), before anything is built; the reader checks the same."""
-    for key in sorted(entries):
-        if entries[key].get("dtype") in ("F8_E4M3", "F8_E5M2") and (block is None or key + SCALE_SUFFIX not in entries):
-            raise CheckpointError(unscaled_fp8(path, key, block))
-        name = key.removesuffix(SCALE_SUFFIX)
-        if block is not None and name != key and name in entries:
-            weight, scale = entries[name], entries[key]
-            problem = scale_problem(path, name, weight.get("dtype"), weight.get("shape"), scale.get("shape"), block)
-            if problem:
-                raise CheckpointError(problem)
 
 
 def _same_type(value, default) -> bool:
