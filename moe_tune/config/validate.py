@@ -48,6 +48,16 @@ def validate(
     BatchLayout.from_config(cfg.train, dims.dp)  # the global batch: a whole number of micro-batches
     if cfg.comm.name != "all_to_all" and dims.ep == 1:
         raise ConfigError(f"comm={cfg.comm.name} needs expert parallelism; set parallel.ep>1 or comm=all_to_all")
+    if cfg.kernels.cuda_graphs and world_size > 1:
+        raise ConfigError(
+            f"kernels.cuda_graphs=true records each layer for one rank's fixed shapes and parameter addresses; "
+            f"with {world_size} ranks FSDP2 gathers parameters anew each step; drop kernels.cuda_graphs"
+        )
+    if cfg.kernels.cuda_graphs and cfg.train.precision == "bf16_fp32_master" and cfg.peft.name != "lora":
+        raise ConfigError(
+            "kernels.cuda_graphs=true needs parameters at fixed addresses, and train.precision=bf16_fp32_master "
+            "casts them through FSDP2 anew each step; use train.precision=bf16 or drop kernels.cuda_graphs"
+        )
     if cfg.comm.overlap and dims.ep == 1:
         raise ConfigError(
             "comm.overlap=true hides expert-parallel communication and parallel.ep=1 has none; "
@@ -230,6 +240,10 @@ def _check_kernels(cfg: Config) -> None:
         )
     if k.name != "te" and k.fp8 != "none":
         raise ConfigError(f"kernels.fp8={k.fp8} needs kernels=te; add kernels=te or set kernels.fp8=none")
+    if k.cuda_graphs and not k.compile:
+        raise ConfigError(
+            "kernels.cuda_graphs=true replays the compiled layers as CUDA graphs; add kernels.compile=true"
+        )
     if k.name == "te" and k.compile:
         # TE's modules (their autograd Functions and FP8 state) fail inside dynamo with torch 2.11 + TE 2.20
         # (InternalTorchDynamoError: NotImplementedError); compiled around them, every layer would be split at

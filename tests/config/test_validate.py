@@ -78,6 +78,17 @@ def test_overlap_validates_for_all_to_all():
         (["kernels.fp8=current"], 1, "kernels.fp8=current needs kernels=te"),
         (["kernels=te", "kernels.experts=te"], 1, "kernels.experts=te is not offered"),
         (["kernels=te", "kernels.compile=true"], 1, "kernels=te with kernels.compile=true is not supported"),
+        (["kernels.cuda_graphs=true"], 1, "kernels.cuda_graphs=true replays the compiled layers as CUDA graphs; add"),
+        (
+            ["kernels.compile=true", "kernels.cuda_graphs=true", "train.precision=bf16"],
+            2,
+            "kernels.cuda_graphs=true records each layer for one rank's fixed shapes and parameter addresses; with 2",
+        ),
+        (
+            ["kernels.compile=true", "kernels.cuda_graphs=true"],
+            1,
+            "train.precision=bf16_fp32_master casts them through FSDP2 anew each step; use train.precision=bf16",
+        ),
         (["train.profile=true", "train.steps=8"], 1, "train.profile=true traces steps 7-9"),
         (["kernels.fp8_amax_compute_algo=mean"], 1, "kernels.fp8_amax_compute_algo='mean' is not one of max"),
         (["kernels.fp8_amax_history_len=0"], 1, "kernels.fp8_amax_history_len=0 is out of range: it must be >= 1"),
