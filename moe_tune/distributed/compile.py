@@ -24,10 +24,11 @@ def apply_compile(model, enabled: bool, dynamic: bool | None = None, cuda_graphs
     count until torch's recompile limit and then run eagerly (seen in the compiled rows' logs on 2 x H200, EP=2:
     "hit config.recompile_limit (8)" for the frames after the dispatch's sync). ``cuda_graphs``: each layer's
     compiled forward and backward are recorded once as CUDA graphs and replayed (torch's "reduce-overhead" mode,
-    its CUDA graph trees); the trainer marks where each micro-batch begins."""
+    its CUDA graph trees); the model then marks where each of its forwards begins (``cuda_graphs``)."""
     if not enabled:
         return
     mode = "reduce-overhead" if cuda_graphs else None
+    model.cuda_graphs = cuda_graphs
     for layer in model.layers:
         inner = getattr(layer.forward, "checkpointed", None)
         if inner is not None:

@@ -97,6 +97,9 @@ class MoECausalLM(nn.Module):
         self._hf_class = type(hf_model)
         self._moe_layers = [m for m in self.modules() if isinstance(m, MoE)]
         self._moe_stats = moe_stats or MoEStatsCollector()
+        # Set by ``apply_compile(cuda_graphs=True)``: the layers replay CUDA graphs, whose outputs the next replay
+        # overwrites, so each forward marks where a new replay may begin and keeps copies of the routing counts.
+        self.cuda_graphs = False
 
     # -- structure -------------------------------------------------------------------------------
     @property
@@ -113,6 +116,21 @@ class MoECausalLM(nn.Module):
         return moes[0].spec.router.num_experts if moes else 0
 
     # -- forward ---------------------------------------------------------------------------------
+    def _packed_kwargs(self, input_ids, position_ids, attention_mask) -> dict:
+        """The sequence boundaries of packed rows for an attention that takes them (none otherwise)."""
+        if not self.packed_attention:
+            return {}
+        if attention_mask is not None:
+            # transformers gives a registered attention function no mask at all: refuse, never ignore it.
+            raise ValueError(
+                "this model attends over packed rows (kernels=te, or packed_attention) and takes no "
+                "attention_mask (transformers passes none to its attention): give rows without padding, or "
+                "packed rows with position_ids restarting at 0 at each sequence"
+            )
+        if position_ids is None:
+            return {}
+        return packed_sequence_kwargs(position_ids.expand(input_ids.shape))
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -126,22 +144,15 @@ class MoECausalLM(nn.Module):
         The loss is the token sum divided by ``loss_normalizer`` (default: this batch's label tokens).
         ``return_logits`` None: logits whenever no backward can follow (no labels, eval mode or torch.no_grad());
         a training forward with labels leaves them None, as the fused loss never builds them (the memory saving)."""
-        extra = {}
-        if self.packed_attention:
-            if attention_mask is not None:
-                # transformers gives a registered attention function no mask at all: refuse, never ignore it.
-                raise ValueError(
-                    "this model attends over packed rows (kernels=te, or packed_attention) and takes no "
-                    "attention_mask (transformers passes none to its attention): give rows without padding, or "
-                    "packed rows with position_ids restarting at 0 at each sequence"
-                )
-            if position_ids is not None:
-                extra = packed_sequence_kwargs(position_ids.expand(input_ids.shape))
+        extra = self._packed_kwargs(input_ids, position_ids, attention_mask)
         self._moe_stats.start()
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         hidden = self.model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False, **extra
         ).last_hidden_state
-        out = CausalLMOutput(moe_stats=self._moe_stats.take())
+        stats = self._moe_stats.take()
+        out = CausalLMOutput(moe_stats=stats.kept() if self.cuda_graphs else stats)
         training = self.training and torch.is_grad_enabled()
         want_logits = (labels is None or not training) if return_logits is None else return_logits
         if want_logits:

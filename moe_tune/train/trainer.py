@@ -19,7 +19,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -158,8 +158,6 @@ class Trainer:
         for m, (ids, labels, pos) in enumerate(batches):
             if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 root: reduce on the last micro-batch
                 model.set_requires_gradient_sync(m == layout.accum - 1)
-            if self.cfg.kernels.cuda_graphs:  # the graphs' earlier outputs may be overwritten from here on
-                torch.compiler.cudagraph_mark_step_begin()
             with self._autocast():
                 out = model(ids, labels=labels, position_ids=pos, loss_normalizer=normalizer)
             extra = (out.loss - out.ce_loss) / layout.accum  # balancing losses, averaged over micro-batches
@@ -180,10 +178,7 @@ class Trainer:
             dist.all_reduce(ce_sum)  # mesh: all ranks; per-rank sums of token losses / (global / dp)
         # moe_stats: the routing statistics of the step's last micro-batch (its loads, for the metrics).
         loss = ce_sum / layout.dp_size
-        stats = out.moe_stats
-        if self.cfg.kernels.cuda_graphs:  # outputs of CUDA graphs that the next replay overwrites: kept as copies
-            stats = replace(stats, counts_E=tuple(c.clone() for c in stats.counts_E))
-        return {"loss": loss, "grad_norm": grad_norm, "tokens": tokens, "lr": lr, "moe_stats": stats}
+        return {"loss": loss, "grad_norm": grad_norm, "tokens": tokens, "lr": lr, "moe_stats": out.moe_stats}
 
     def _micro_batch(self, step: int, micro: int):
         return self.data.micro_batch(step, micro, self.layout, self.rank, self.device)

@@ -58,3 +58,12 @@ def test_an_fp8_base_on_the_cpu_says_it_is_emulated():
         "peft.quantize_base=fp8 on the cpu emulates the FP8 GEMMs (the same E4M3 values, multiplied in fp32): the "
         "numbers and the memory of FP8, far slower; its kernel needs an sm90 GPU (H100, H200)"
     ]
+
+
+def test_cuda_graphs_on_the_cpu_are_named():
+    """CUDA graphs exist on CUDA only: on the CPU the compiled layers run as they are, and the log says so."""
+    cfg = to_config(compose(["train.steps=20", "kernels.compile=true", "kernels.cuda_graphs=true"]))
+    assert unused_settings(cfg) == []
+    assert unused_settings(cfg, device_type="cpu") == [
+        "kernels.cuda_graphs=true records CUDA graphs; on the cpu the compiled layers run as compiled"
+    ]
