@@ -140,6 +140,63 @@ BUGS = [
         ("return torch.bmm(weights_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).squeeze(1)",),
         "return y_TKD.sum(dim=1)",
     ),
+    # LoRA on a quantized base and FP8 checkpoints (issue 34): storage, reading and merging.
+    Bug(
+        "nf4_nibble_order",
+        "NF4 codes are packed with the upper nibble first, while they are read lower nibble first",
+        ("moe_tune/kernels/nf4_frozen.py",),
+        ("packed = codes[..., 0::2] | (codes[..., 1::2] << 4)",),
+        "packed = codes[..., 1::2] | (codes[..., 0::2] << 4)",
+    ),
+    Bug(
+        "nf4_round_up",
+        "NF4 quantization rounds each value up to the next code instead of to the nearest",
+        ("moe_tune/kernels/nf4_frozen.py",),
+        ("midpoints = (table[1:] + table[:-1]) / 2",),
+        "midpoints = table[:-1]",
+    ),
+    Bug(
+        "nf4_first_block_scale",
+        "NF4 dequantization scales every block of a row by the row's first block scale",
+        ("moe_tune/kernels/nf4_frozen.py",),
+        ("blocks = values.reshape(e, N, scales.shape[-1], -1) * scales.float().unsqueeze(-1)",),
+        "blocks = values.reshape(e, N, scales.shape[-1], -1) * scales.float()[..., :1].unsqueeze(-1)",
+    ),
+    Bug(
+        "quantized_fill_offset",
+        "a quantized base's experts loaded in chunks all land at the first local expert",
+        ("moe_tune/moe/quantized_base.py",),
+        ("self.codes[first : first + codes.shape[0]].copy_(codes)",),
+        "self.codes[: codes.shape[0]].copy_(codes)",
+    ),
+    Bug(
+        "fp8_base_padding_rows",
+        "the FP8 base's input gradient scales a dispatcher's padding rows by 1 instead of 0",
+        ("moe_tune/kernels/fp8_frozen.py",),
+        ("col_scale_GN = torch.cat([s_eN, s_eN.new_zeros(1, N)])",),
+        "col_scale_GN = torch.cat([s_eN, s_eN.new_ones(1, N)])",
+    ),
+    Bug(
+        "fp8_pow2_mantissa",
+        "the FP8 power-of-two scale ignores the mantissa, so rows whose absmax mantissa exceeds 0.875 saturate",
+        ("moe_tune/kernels/fp8_grouped.py",),
+        ("power = 9 - exponent - (mantissa > 0.875).to(exponent.dtype)",),
+        "power = 9 - exponent",
+    ),
+    Bug(
+        "fp8_release_block_rows",
+        "an FP8 release's rows read from a range starting mid-checkpoint take the scales of the first blocks",
+        ("moe_tune/models/fp8_checkpoint.py",),
+        ("rows = torch.arange(start, start + r) // bn - start // bn",),
+        "rows = torch.arange(r) // bn",
+    ),
+    Bug(
+        "expert_merge_scaling",
+        "merging expert adapters drops LoRA's alpha / rank scaling",
+        ("moe_tune/lora/experts.py",),
+        ("return torch.bmm(B_eNr.float(), A_erK.float()) * self.scaling",),
+        "return torch.bmm(B_eNr.float(), A_erK.float())",
+    ),
 ]
 
 
