@@ -149,7 +149,7 @@ def test_summary_of_a_chrome_trace(tmp_path):
     assert s["exposed_communication_ms_per_step"] == pytest.approx(0.2)
 
 
-def _trace_summary(argv: list[str]) -> int:
+def _trace_summary_module():
     import importlib.util
     import pathlib
 
@@ -157,7 +157,43 @@ def _trace_summary(argv: list[str]) -> int:
     spec = importlib.util.spec_from_file_location("trace_summary", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main(argv)
+    return module
+
+
+def _trace_summary(argv: list[str]) -> int:
+    return _trace_summary_module().main(argv)
+
+
+def test_idle_gaps_name_the_late_host_op(tmp_path):
+    """An idle GPU before a kernel the host launched late is put on the host op around that launch; one before a
+    kernel launched early is not the host's; gaps shorter than the threshold and outside the steps are left out."""
+
+    def x(cat, name, ts, dur, tid=1, corr=None):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": {"correlation": corr}}
+
+    events = [
+        x("user_annotation", "ProfilerStep#7", 0, 2000),
+        x("kernel", "gemm_a", 0, 100, tid=7, corr=1),
+        x("cpu_op", "aten::nonzero", 150, 200),  # the host busy in an op, then launching inside it
+        x("cpu_op", "aten::copy_", 300, 40),
+        x("cuda_runtime", "cudaLaunchKernel", 320, 5, corr=2),
+        x("kernel", "gemm_b", 400, 100, tid=7, corr=2),  # idle 100-400: host late, in aten::copy_
+        x("cuda_runtime", "cudaLaunchKernel", 60, 5, corr=3),
+        x("kernel", "gemm_c", 550, 100, tid=7, corr=3),  # idle 500-550: launched early (waited on something else)
+        x("kernel", "gemm_d", 660, 100, tid=7, corr=4),  # idle 10 us: under the threshold
+        x("kernel", "gemm_e", 3000, 100, tid=7, corr=5),  # after the traced step
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    report = _trace_summary_module().gaps_report(str(path), top=5, min_gap_us=20)
+    assert report["idle_ms_host_late"] == pytest.approx(0.3)
+    assert report["idle_ms_waiting_otherwise"] == pytest.approx(0.05)
+    assert report["host_late_ms_by_op"] == {"aten::copy_": pytest.approx(0.3)}
+    assert [(g["before"], g["after"], g["host_late"]) for g in report["longest"]] == [
+        ("gemm_a", "gemm_b", True),
+        ("gemm_b", "gemm_c", False),
+    ]
+    assert _trace_summary(["--gaps", "3", str(path)]) == 0
 
 
 def test_trace_summary_refuses_what_it_cannot_summarise(tmp_path, capsys):
