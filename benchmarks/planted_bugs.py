@@ -2,9 +2,10 @@
 
     python benchmarks/planted_bugs.py --tree DIR --python PY --out results.json [-- pytest args]
 
-For each bug: copy ``DIR``'s tracked files (``git -C DIR ls-files``) into a scratch folder, make the one edit,
-run ``PY -m pytest -x -q -p no:cacheprovider <pytest args>`` there (its moe_tune first on the path, also for the
-processes tests start), and record whether it failed (caught) and how long it took. The unedited tree runs
+For each bug: copy ``DIR``'s tracked files (``git -C DIR ls-files``, as they were when the script started) into a
+scratch folder, make the one edit, run ``PY -m pytest -x -q -p no:cacheprovider <pytest args>`` there (its
+moe_tune first on the path, also for the processes tests start), and record whether it failed (caught) and how
+long it took. The unedited tree runs
 first: a suite that fails as it is would make every bug look caught, so the script stops there.
 
 A bug names the file under either layout of the package (before and after the house's moves, issue 37) and the
@@ -254,9 +255,13 @@ def main() -> None:
     logs = os.path.splitext(a.out)[0]
     os.makedirs(logs, exist_ok=True)
     rows = []
+    # One copy of the tree taken now, each bug's from it: edits to the tree while the bugs run (minutes each) reach
+    # neither the bugs nor the unedited run they are measured against.
+    snapshot = tempfile.TemporaryDirectory(prefix="planted-tree-")
+    copy_tree(a.tree, snapshot.name)
     for bug in [None] * (not a.skip_clean) + bugs:
         with tempfile.TemporaryDirectory(prefix="planted-") as root:
-            copy_tree(a.tree, root)
+            shutil.copytree(snapshot.name, root, dirs_exist_ok=True)
             edited = plant(root, bug) if bug else ""
             name = bug.name if bug else "clean"
             log = os.path.join(logs, f"{name}.log")

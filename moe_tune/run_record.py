@@ -1,6 +1,6 @@
-"""What a run leaves beside its metrics: the logging setup, the resolved config, and summary.json with the commit,
-versions and hardware it ran on (docs/checkpoints-and-outputs.md). Shared by the trainer, the benchmark and its
-baselines."""
+"""What a run leaves beside its metrics: the logging setup, the resolved config, summary.json with the commit,
+versions and hardware it ran on (docs/checkpoints-and-outputs.md), and the log's line on what it trains. Shared by
+the trainer, the benchmark and its baselines."""
 
 from __future__ import annotations
 
@@ -83,4 +83,26 @@ def write_run_summary(cfg: Config, rank: int, world: int, device, flops_per_toke
     return summary
 
 
-__all__ = ["git_commit", "hardware_name", "setup_logging", "write_config", "write_json", "write_run_summary"]
+def trained_what(cfg: Config) -> str:
+    """What the optimizer updates, for the run's log: every weight, or LoRA's adapters over a frozen base and how
+    that base is held."""
+    p = cfg.peft
+    if p.name != "lora":
+        return "every weight (a full fine-tune)"
+    base = "bf16" if p.quantize_base == "none" else f"{p.quantize_base} (peft.quantize_base)"
+    router = " and the routers" if p.train_router else ""
+    return (
+        f"LoRA adapters of rank {p.rank} (alpha {p.alpha:g}) on {', '.join(p.target)}{router}; the frozen routed "
+        f"experts held in {base}"
+    )
+
+
+__all__ = [
+    "git_commit",
+    "hardware_name",
+    "setup_logging",
+    "trained_what",
+    "write_config",
+    "write_json",
+    "write_run_summary",
+]

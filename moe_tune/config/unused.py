@@ -14,6 +14,11 @@ def unused_settings(cfg: Config, device_type: str = "cuda") -> list[str]:
         lines.append(
             f"kernels.cuda_graphs=true records CUDA graphs; on the {device_type} the compiled layers run as compiled"
         )
+    if cfg.optim.overlap_forward and device_type != "cuda":
+        lines.append(
+            f"optim.overlap_forward=true runs the update on a side CUDA stream; on the {device_type} it runs after "
+            "the backward as usual"
+        )
     if t.eval_every > 0 and d.val_path is None and d.val_fraction == 0:
         lines.append(
             f"train.eval_every={t.eval_every} has no validation set to evaluate, so no val_loss is logged; add "

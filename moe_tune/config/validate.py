@@ -48,22 +48,32 @@ def validate(
     BatchLayout.from_config(cfg.train, dims.dp)  # the global batch: a whole number of micro-batches
     if cfg.comm.name != "all_to_all" and dims.ep == 1:
         raise ConfigError(f"comm={cfg.comm.name} needs expert parallelism; set parallel.ep>1 or comm=all_to_all")
-    if cfg.kernels.cuda_graphs and world_size > 1:
-        raise ConfigError(
-            f"kernels.cuda_graphs=true records each layer for one rank's fixed shapes and parameter addresses; "
-            f"with {world_size} ranks FSDP2 gathers parameters anew each step; drop kernels.cuda_graphs"
-        )
-    if cfg.kernels.cuda_graphs and cfg.train.precision == "bf16_fp32_master" and cfg.peft.name != "lora":
-        raise ConfigError(
-            "kernels.cuda_graphs=true needs parameters at fixed addresses, and train.precision=bf16_fp32_master "
-            "casts them through FSDP2 anew each step; use train.precision=bf16 or drop kernels.cuda_graphs"
-        )
+    _check_one_rank_plain(cfg, world_size)
     if cfg.comm.overlap and dims.ep == 1:
         raise ConfigError(
             "comm.overlap=true hides expert-parallel communication and parallel.ep=1 has none; "
             "set parallel.ep>1 or comm.overlap=false"
         )
     return dims
+
+
+def _check_one_rank_plain(cfg: Config, world_size: int) -> None:
+    """kernels.cuda_graphs and optim.overlap_forward need one rank's parameters as plain tensors at fixed addresses:
+    FSDP2 gathers them anew each step (several ranks; fp32 master weights cast through it on one)."""
+    for key, on, why in (
+        ("kernels.cuda_graphs", cfg.kernels.cuda_graphs, "records each layer for fixed parameter addresses"),
+        ("optim.overlap_forward", cfg.optim.overlap_forward, "waits for each layer's update before its forward"),
+    ):
+        if on and world_size > 1:
+            raise ConfigError(
+                f"{key}=true {why} on one rank; with {world_size} ranks FSDP2 gathers the parameters anew each step "
+                f"on its own stream; drop {key}"
+            )
+        if on and cfg.train.precision == "bf16_fp32_master" and cfg.peft.name != "lora":
+            raise ConfigError(
+                f"{key}=true {why}, and train.precision=bf16_fp32_master casts the parameters through FSDP2 anew "
+                f"each step; use train.precision=bf16 or drop {key}"
+            )
 
 
 # FP8 rows start on 16-byte boundaries (the FP8 grouped GEMM's alignment).

@@ -33,7 +33,8 @@ from moe_tune.env import require_backends
 from moe_tune.loggers import build_logger, require_logger
 from moe_tune.metrics import MetricsWriter, StepTimer
 from moe_tune.moe.stats import MoEStats
-from moe_tune.run_record import setup_logging, write_config, write_run_summary
+from moe_tune.optim.overlap import build_update
+from moe_tune.run_record import setup_logging, trained_what, write_config, write_run_summary
 from moe_tune.train.cadence import Cadence
 from moe_tune.train.evaluate import evaluate
 from moe_tune.train.guard import Diverged, NonFiniteGuard
@@ -77,6 +78,7 @@ class Trainer:
         # Every rank is a data-parallel rank (EP borrows its ranks from dp_shard).
         self.layout = BatchLayout.from_config(t, dp_size=self.world)
         self.optimizer, self.scheduler = self.build_optimizer()
+        self.update = build_update(self.optimizer, self.model, cfg.optim.overlap_forward, self.device)
         vocab_size = self.model.config.vocab_size
         self.data, self.val_data = build_datasets(cfg.data, self.tokenizer, t.seq_len, t.seed, vocab_size=vocab_size)
         self.metrics = MetricsWriter(cfg.output_dir, self.rank == 0 and write_run_files, t.warmup_steps_excluded)
@@ -169,7 +171,7 @@ class Trainer:
         # optimizer then skips the update on the device; the guard counts skipped steps, also on the device.
         self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
         lr = self.scheduler.get_last_lr()[0]  # this update's; the scheduler then moves on to the next step's
-        self.optimizer.step()
+        self.update.step()  # the optimizer's step (optim.overlap_forward: beside the next forward)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if load_LE is not None:
@@ -279,6 +281,7 @@ class Trainer:
     def _sync_step(self, pending: list, timer: StepTimer, progress: Progress, stop: StopSignal) -> bool:
         """Checks, metrics rows and checkpoint of a sync step (the same steps on every rank); True to stop early
         on a signal that any rank got."""
+        self.update.settle()  # every update done before anything below reads a parameter
         for dispatcher in self._dispatchers:
             dispatcher.check()  # after the sync: every rank sees the same device-side verdicts
         diverged = self.guard.check(self.step)
@@ -380,20 +383,6 @@ class Trainer:
             data_stats={"train": self.data.stats, "val": val_stats},
             **self.built.describe,
         )
-
-
-def trained_what(cfg: Config) -> str:
-    """What the optimizer updates, for the run's log: every weight, or LoRA's adapters over a frozen base and how
-    that base is held."""
-    p = cfg.peft
-    if p.name != "lora":
-        return "every weight (a full fine-tune)"
-    base = "bf16" if p.quantize_base == "none" else f"{p.quantize_base} (peft.quantize_base)"
-    router = " and the routers" if p.train_router else ""
-    return (
-        f"LoRA adapters of rank {p.rank} (alpha {p.alpha:g}) on {', '.join(p.target)}{router}; the frozen routed "
-        f"experts held in {base}"
-    )
 
 
 __all__ = ["Trainer"]

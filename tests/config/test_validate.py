@@ -82,12 +82,22 @@ def test_overlap_validates_for_all_to_all():
         (
             ["kernels.compile=true", "kernels.cuda_graphs=true", "train.precision=bf16"],
             2,
-            "kernels.cuda_graphs=true records each layer for one rank's fixed shapes and parameter addresses; with 2",
+            "kernels.cuda_graphs=true records each layer for fixed parameter addresses on one rank; with 2 ranks",
         ),
         (
             ["kernels.compile=true", "kernels.cuda_graphs=true"],
             1,
-            "train.precision=bf16_fp32_master casts them through FSDP2 anew each step; use train.precision=bf16",
+            "train.precision=bf16_fp32_master casts the parameters through FSDP2 anew each step; use train.precision=bf16",
+        ),
+        (
+            ["optim.overlap_forward=true", "train.precision=bf16"],
+            2,
+            "optim.overlap_forward=true waits for each layer's update before its forward on one rank; with 2 ranks",
+        ),
+        (
+            ["optim.overlap_forward=true"],
+            1,
+            "optim.overlap_forward=true waits for each layer's update before its forward, and train.precision=bf16_fp32",
         ),
         (["train.profile=true", "train.steps=8"], 1, "train.profile=true traces steps 7-9"),
         (["kernels.fp8_amax_compute_algo=mean"], 1, "kernels.fp8_amax_compute_algo='mean' is not one of max"),

@@ -30,7 +30,7 @@ def _losses(run) -> list[float]:
 
 def test_the_log_says_what_trains_and_how_the_base_is_held():
     from moe_tune.cli.train import compose, to_config
-    from moe_tune.train.trainer import trained_what
+    from moe_tune.run_record import trained_what
 
     assert trained_what(to_config(compose(["peft=lora", "peft.quantize_base=nf4"]))) == (
         "LoRA adapters of rank 16 (alpha 32) on attention, experts; the frozen routed experts held in nf4 "

@@ -1,6 +1,8 @@
-"""``kernels.cuda_graphs=true`` on a GPU: the compiled layers replayed as CUDA graphs train exactly as the same
-compiled layers launched one kernel at a time (the graphs hold the same kernels), with and without activation
-checkpointing, and no layer falls back to launching without a graph."""
+"""The step's GPU-only variants train exactly as the plain compiled step: ``kernels.cuda_graphs=true`` (the compiled
+layers replayed as CUDA graphs: the same kernels; no layer falls back to launching without a graph) and
+``optim.overlap_forward=true`` (the update on a side stream beside the next forward: the same kernels per
+parameter, so any race with the forward would show), alone and together, with and without activation
+checkpointing."""
 
 from __future__ import annotations
 
@@ -42,11 +44,19 @@ def _losses(tmp_path, name: str, extra: list[str]) -> tuple[list[float], list[fl
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ac", ["none", "full"])
-def test_cuda_graphs_train_as_the_compiled_layers(tmp_path, ac):
+@pytest.mark.parametrize(
+    "variant",
+    [
+        ["kernels.cuda_graphs=true"],
+        ["optim.overlap_forward=true"],
+        ["kernels.cuda_graphs=true", "optim.overlap_forward=true"],
+    ],
+)
+def test_gpu_variants_train_as_the_plain_step(tmp_path, ac, variant):
     plain = _losses(tmp_path, "plain", [f"parallel.activation_checkpointing={ac}"])
-    graphs = _losses(tmp_path, "graphs", [f"parallel.activation_checkpointing={ac}", "kernels.cuda_graphs=true"])
-    assert graphs[2]["skips"].get("cudagraph_skips", 0) == 0, graphs[2]["skips"]
-    assert graphs[0] == plain[0], (graphs[0], plain[0])  # losses, step by step
-    assert graphs[1] == plain[1], (graphs[1], plain[1])  # gradient norms
-    assert torch.equal(graphs[2]["counts"], plain[2]["counts"])  # the routing counts kept past the graphs' replay
+    other = _losses(tmp_path, "variant", [f"parallel.activation_checkpointing={ac}", *variant])
+    assert other[2]["skips"].get("cudagraph_skips", 0) == 0, other[2]["skips"]
+    assert other[0] == plain[0], (other[0], plain[0])  # losses, step by step
+    assert other[1] == plain[1], (other[1], plain[1])  # gradient norms
+    assert torch.equal(other[2]["counts"], plain[2]["counts"])  # the routing counts (kept past graph replays)
     assert plain[0][-1] < plain[0][0]  # the steps trained
