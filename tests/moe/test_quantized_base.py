@@ -75,6 +75,22 @@ def test_fill_takes_the_family_layout(layout, mode):
 
 
 @pytest.mark.parametrize("mode", list(TOL))
+def test_experts_filled_in_chunks_land_at_their_own_index(mode):
+    """The loader quantizes a checkpoint's experts a few at a time (``hf_io.QUANTIZE_BLOCK``): each chunk lands where
+    its first expert is, the same bytes as one fill of them all (the tiny models' 8 experts fit one chunk)."""
+    ref, whole = _pair("out_in", mode)
+    _, chunked = _pair("out_in", mode)
+    for proj in PROJECTIONS:
+        w = getattr(ref, f"{proj}_proj").detach()
+        whole.fill_base_(proj, 0, w)
+        for j in range(0, E, 3):  # experts [0, 3), then [3, 4)
+            chunked.fill_base_(proj, j, w[j : j + 3])
+    held = dict(chunked.named_buffers())
+    for name, buf in whole.named_buffers():
+        assert torch.equal(buf, held[name]), name
+
+
+@pytest.mark.parametrize("mode", list(TOL))
 def test_a_built_in_model_draws_the_quantized_experts_as_the_bf16_ones(mode):
     """A preset without a checkpoint (the benchmarks' random initialisation): the quantized experts hold the values
     the bf16 base draws by name, quantized."""
