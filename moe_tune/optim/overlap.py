@@ -2,7 +2,8 @@
 
 The update is bound by memory (it reads and writes every parameter, gradient and moment once) and the forward by
 its GEMMs, yet on one GPU the update otherwise runs alone between a step's backward and the next forward: at
-micro-batch 1 it is about a quarter of the step (benchmarks/README.md, "Micro-batch 1"). Here the update is issued
+micro-batch 1 it is about a third of the step's GPU time (benchmarks/README.md, "No GPU lent: the small step's
+two variants and Unsloth's row made ready"). Here the update is issued
 on a side stream in the forward's order, in buckets: first every parameter outside the decoder layers (embeddings,
 final norm, lm_head), then each decoder layer's. An event marks each bucket's end; the model's forward waits, on
 its own stream, for bucket 0 as it starts and for bucket i + 1 as decoder layer i starts (forward pre-hooks that
@@ -13,7 +14,8 @@ as in one call (AdamW's state and stochastic rounding's random bits are per para
 same.
 
 The gradients are freed on the main stream after the step (``zero_grad``) while the side stream still reads them:
-each is marked as used by the side stream, so the allocator hands its memory out only after. Anything else that
+each is marked as used by the side stream, so the allocator hands its memory out only after (the gradients stay
+allocated into the next forward, until their bucket is done: the peak can grow by up to their size). Anything else that
 reads the parameters or the optimizer's state (checkpoints, evaluation's end, exports, the metrics) comes after
 ``settle``, which the trainer calls at every step that waits for the device anyway.
 
