@@ -4,6 +4,7 @@ layer's), on a GPU beside the next forward. The buckets' calls must give every p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -85,3 +86,71 @@ def test_buckets_follow_the_forward_and_hold_each_trained_parameter_once():
     assert parts[0][0] is model.embed.weight and parts[1] == [model.layers[0].weight, model.layers[0].bias]
     held = [id(p) for part in parts for p in part]
     assert sorted(held) == sorted(id(p) for p in model.parameters() if p.requires_grad)
+
+
+class _Inner(nn.Module):
+    """A transformers-like body: the embedding, then the layers (what ``model.model`` runs)."""
+
+    def __init__(self, outer: Stack):
+        super().__init__()
+        self.outer = [outer]  # not a submodule: the parameters stay the outer model's
+
+    def forward(self, ids):
+        h = self.outer[0].embed(ids)
+        for layer in self.outer[0].layers:
+            h = torch.tanh(layer(h))
+        return h
+
+
+def test_each_layer_waits_for_its_own_bucket(monkeypatch):
+    """The wiring, with CUDA's stream calls recorded instead of run (no GPU here; the GPU test runs them): the update
+    waits for the main stream, marks every gradient as read by the side stream, records bucket b's event after
+    bucket b's call; the forward waits for bucket 0 as the body starts and for bucket i + 1 as layer i starts."""
+    from moe_tune.optim import overlap
+
+    calls = []
+
+    class Event:
+        def __init__(self):
+            self.index = len(events)
+            events.append(self)
+
+        def record(self, stream):
+            calls.append(("record", self.index, stream))
+
+    class Stream:
+        def __init__(self, name="side"):
+            self.name = name
+
+        def wait_stream(self, other):
+            calls.append(("wait_stream", self.name, other.name))
+
+        def wait_event(self, event):
+            calls.append(("wait_event", self.name, event.index))
+
+        def __repr__(self):
+            return self.name
+
+    events: list[Event] = []
+    main = Stream("main")
+    monkeypatch.setattr(overlap.torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(overlap.torch.cuda, "Event", Event)
+    monkeypatch.setattr(overlap.torch.cuda, "current_stream", lambda: main)
+    monkeypatch.setattr(overlap.torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: calls.append(("record_stream", s.name)))
+    model = Stack(torch.float32)
+    model.model = _Inner(model)
+    opt = build_optimizer(model.named_parameters(), OptimConfig(compiled=False), lr=1e-2)
+    update = overlap.OverlappedUpdate(opt, model)
+    model.model(torch.zeros(2, 3, dtype=torch.long))
+    assert calls == [("wait_event", "main", b) for b in range(4)]  # body, then layers 0-2 in order
+    calls.clear()
+    model(torch.zeros(2, 3, dtype=torch.long)).sum().backward()
+    calls.clear()
+    update.step()
+    assert calls[0] == ("wait_stream", "side", "main")
+    assert calls[1:9] == [("record_stream", "side")] * 8  # every gradient: embedding, head, 3 x (weight, bias)
+    assert calls[9:] == [("record", b, update.stream) for b in range(4)]
+    calls.clear()
+    update.settle()
+    assert calls == [("wait_stream", "main", "side")]
