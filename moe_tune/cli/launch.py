@@ -4,7 +4,9 @@ exit code a job scheduler needs.
 torchrun itself exits 1 with its agent's traceback when it is stopped by a signal (Slurm's time limit or
 preemption), although every rank saved the agreed step and exited 128 + the signal; and it exits 1 for a rank's
 exit 2 (a value to fix). Here the launcher exits 128 + the signal with one line in the first case, and with the
-first failed rank's own exit code (its error line already printed) in the second.
+first failed rank's own exit code (its error line already printed) in the second. torchrun's agent passes SIGTERM,
+SIGINT, SIGHUP and SIGQUIT on to the ranks; SIGUSR1 (what ``sbatch --signal=USR1@...`` sends before the time limit)
+killed it at once, leaving the ranks running without a word: here it is passed on the same way.
 
     python -m moe_tune.launch --standalone --nproc-per-node 8 model=hf model.path=/ckpt parallel.ep=8
 
@@ -13,6 +15,8 @@ Arguments up to the first ``key=value`` override are torchrun's (``--nproc-per-n
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 
@@ -53,6 +57,14 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + 2
 
 
+def _stop_with(signum: int, frame) -> None:
+    """As torchrun's agent treats SIGTERM: its run stops, sends the signal on to every rank and waits for them."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    sigval = signal.Signals(signum)
+    raise SignalException(f"launcher {os.getpid()} got {sigval.name}", sigval=sigval)
+
+
 def launch(argv: list[str]) -> int:
     launcher, overrides = split_argv(argv)
     check_overrides(overrides)  # before torch is imported: a value to fix is said at once
@@ -61,6 +73,7 @@ def launch(argv: list[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args([*launcher, "-m", "moe_tune", *overrides])
+    signal.signal(signal.SIGUSR1, _stop_with)  # the agent handles TERM, INT, HUP and QUIT this way itself
     try:
         run(args)
     except SignalException as e:

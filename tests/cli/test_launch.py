@@ -28,10 +28,13 @@ def test_split_argv_at_the_first_override():
     assert split_argv(["--standalone"]) == (["--standalone"], [])
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl_c"])
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1], ids=["sigterm", "ctrl_c", "sigusr1"]
+)
 @pytest.mark.slow
 def test_a_stop_signal_exits_128_plus_it_without_a_traceback(tmp_path, cli_env, signum):
-    """SIGTERM (Slurm) or SIGINT (Ctrl-C in the terminal reaches the launcher, which passes it on) to the
+    """SIGTERM (Slurm), SIGINT (Ctrl-C in the terminal reaches the launcher, which passes it on) or SIGUSR1 (Slurm's
+    warning before the time limit; torchrun's agent alone dies of it and leaves the ranks running) to the
     launcher: both ranks save the agreed step; the launcher exits 128 + the signal with one line."""
     run = tmp_path / "run"
     args = [f"output_dir={run}", "train.steps=100000", "checkpoint.export_hf=false", "parallel.ep=2", *FAST_RUN]
