@@ -18,6 +18,26 @@ from moe_tune.distributed.dims import BatchLayout
 
 log = logging.getLogger("moe_tune")
 
+# The data settings that decide which rows the remaining steps read (data.cache_dir and num_proc do not).
+DATA_KEYS = (
+    "name",
+    "path",
+    "num_samples",
+    "format",
+    "chat_template",
+    "train_on",
+    "prompt_key",
+    "response_key",
+    "text_key",
+    "packing",
+    "packing_strategy",
+    "packing_buffer",
+    "streaming",
+    "on_bad_record",
+    "val_path",
+    "val_fraction",
+)
+
 
 def keep_global_batch(layout: BatchLayout, train: TrainConfig, meta: dict, path: str, rank: int = 0) -> BatchLayout:
     """The layout a resume trains with, which continues the run's data order: step s reads the rows after those of
@@ -68,8 +88,8 @@ def this_runs_hyperparameters(
     run's config; a change is reported as information, as the rate follows the new shape from the next step. So
     are ``train.precision`` and ``optim.stochastic_rounding`` (the weights and moments load into this run's dtypes;
     forgetting them on a resume would otherwise change memory and rounding silently) and ``optim.compiled`` (the
-    same maths); so is other data (``data.name``, ``path``, ``val_path``, ``val_fraction``: the remaining steps
-    read it), and under LoRA ``peft.alpha``, ``dropout`` and ``quantize_base`` (the adapters load as saved)."""
+    same maths); so is other data or other rows of it (``DATA_KEYS``, ``train.seq_len``, ``train.seed``: the remaining
+    steps read them), and under LoRA ``peft.alpha``, ``dropout`` and ``quantize_base`` (the adapters load as saved)."""
     t, o = cfg.train, cfg.optim
     changes = []
     if saved["train"]["lr"] != t.lr:
@@ -97,8 +117,9 @@ def this_runs_hyperparameters(
     now = rounds_stochastically(t.precision, o.stochastic_rounding)
     if was != now:
         changes.append(f"optim.stochastic_rounding {was} -> {now}")
-    # The remaining steps read this run's data: another set changes what they train on.
-    changes += _changed(cfg, saved, [("data", k) for k in ("name", "path", "val_path", "val_fraction")])
+    # The remaining steps read this run's data: another set, or the same records made into other rows (another
+    # sequence length, seed, packing, loss mask or record format), changes what they train on.
+    changes += _changed(cfg, saved, [("data", k) for k in DATA_KEYS] + [("train", "seq_len"), ("train", "seed")])
     # The adapters' scale and dropout change what the same weights compute; the frozen base's storage changes its
     # rounding and the memory (a requeue that forgets peft.quantize_base=nf4 may no longer fit).
     if cfg.peft.name != "none" and "peft" in saved:

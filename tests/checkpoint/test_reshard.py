@@ -282,6 +282,25 @@ def test_a_resume_with_other_data_or_another_model_path_says_so(tmp_path, caplog
     assert warned[1] == "resuming with this run's data.path train.jsonl -> other.jsonl (the checkpoint had the former)"
 
 
+def test_a_resume_that_makes_other_rows_of_the_data_says_so():
+    """The same records packed at another length, shuffled by another seed, unpacked or masked otherwise: the
+    remaining steps read other rows than the run would have (a new-user trial found each accepted silently)."""
+    from moe_tune.checkpoint.resume import this_runs_hyperparameters
+    from moe_tune.cli.train import compose, to_config
+
+    saved = asdict(to_config(compose([])))
+    overrides = ["train.seq_len=128", "train.seed=1", "data.packing=false", "data.train_on=all"]
+    changes, _ = this_runs_hyperparameters(to_config(compose(overrides)), saved, [], {"base_lrs": []}, [])
+    assert changes == [
+        "data.train_on assistant -> all",
+        "data.packing True -> False",
+        "train.seq_len 256 -> 128",
+        "train.seed 0 -> 1",
+    ]
+    unchanged = to_config(compose(["data.num_proc=2", "data.cache_dir=/tmp/elsewhere"]))
+    assert this_runs_hyperparameters(unchanged, saved, [], {"base_lrs": []}, [])[0] == []
+
+
 def test_a_lora_resume_warns_of_another_alpha_dropout_or_quantized_base():
     """A requeue that forgets peft.quantize_base=nf4 trains on a bf16 base (other rounding, about twice the
     memory), and another peft.alpha rescales the adapters: both are warned about, naming both sides."""
