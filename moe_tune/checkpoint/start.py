@@ -1,7 +1,9 @@
 """What a run's start makes of its output_dir and ``checkpoint.resume``, before anything is written there.
 
-A used directory is no fresh start (``checkpoint.resume=auto`` over a finished or crashed run without a
-checkpoint would restart at step 1 over it), and a checkpoint past ``train.steps`` leaves nothing to train (a
+A finished run is no fresh start (``checkpoint.resume=auto`` over one without a checkpoint would restart at step 1
+over its outputs); a run that stopped before its first checkpoint (killed, out of memory, a failed node) starts
+again from step 1, as a requeued job must, its metrics rows replaced as a resume replaces those past its
+checkpoint; and a checkpoint past ``train.steps`` leaves nothing to train (a
 shorter run given by mistake, which would otherwise exit 0 having trained nothing). A checkpoint at
 ``train.steps`` is a finished run run again: as in torchtitan and Lightning it trains nothing and ends with
 exit 0, which a requeued or retried job relies on; the trainer says so (``note_finished``).
@@ -21,19 +23,28 @@ log = logging.getLogger("moe_tune")
 RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "hf")
 
 
-def check_start(run_dir: str, resume: str, steps: int) -> None:
+def check_start(run_dir: str, resume: str, steps: int, rank: int = 0) -> None:
     """CheckpointError (one line) for a start that would overwrite a run or train nothing."""
-    check_fresh_start(run_dir, resume)
+    check_fresh_start(run_dir, resume, rank)
     check_steps_left(run_dir, resume, steps)
 
 
-def check_fresh_start(run_dir: str, resume: str) -> None:
-    """``checkpoint.resume=auto`` in a directory that holds a run's outputs but no complete checkpoint would start
-    at step 1 over them: refused. ``checkpoint.resume=none`` starts afresh, replacing them (metrics.jsonl restarts
-    at step 1)."""
+def check_fresh_start(run_dir: str, resume: str, rank: int = 0) -> None:
+    """``checkpoint.resume=auto`` in a directory that holds a finished run's outputs (summary.json, hf/) but no
+    complete checkpoint would start at step 1 over them: refused. One that holds only the metrics of a run that
+    stopped before its first checkpoint starts again, with a warning. ``checkpoint.resume=none`` starts afresh
+    either way (metrics.jsonl restarts at step 1)."""
     if resume != "auto" or manifest.complete_checkpoints(run_dir):
         return
     found = [name for name in RUN_OUTPUTS if _not_empty(os.path.join(run_dir, name))]
+    if found == ["metrics.jsonl"]:  # no summary.json: the run never ended, and it saved no checkpoint
+        if rank == 0:
+            log.warning(
+                "output_dir %s holds a run that stopped before its first checkpoint (metrics.jsonl, no summary.json): "
+                "starting it again from step 1, its metrics rows replaced (checkpoint.every=N saves every N steps)",
+                run_dir,
+            )
+        return
     if found:
         raise CheckpointError(
             f"output_dir {run_dir} already holds a run ({', '.join(found)}) but no checkpoint to resume from; give "

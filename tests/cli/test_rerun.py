@@ -37,3 +37,20 @@ def test_rerun_is_refused_overwritten_on_request_or_resumed(tmp_path):
         "resuming with this run's train.steps 2 -> 3 (the checkpoint had the former)",  # a longer schedule
     ], r.stderr[-2000:]
     assert _steps(run) == [1, 2, 3]
+
+
+def test_a_run_that_stopped_before_its_first_checkpoint_starts_again(tmp_path):
+    """A run killed (OOM, a failed node) before any checkpoint leaves metrics.jsonl but no summary.json: the same
+    command, as a requeued job gives it, starts again from step 1 with a warning, its rows replaced (a new-user
+    trial saw it refused, exit 2, as if the run had finished)."""
+    import shutil
+
+    run = tmp_path / "run"
+    args = [f"output_dir={run}", *FAST_RUN, "train.steps=2"]
+    _ok(args)
+    (run / "summary.json").unlink()  # what a kill -9 before the end leaves: no summary, no export
+    shutil.rmtree(run / "hf")
+    r = _ok(args)
+    assert f"output_dir {run} holds a run that stopped before its first checkpoint" in r.stderr, r.stderr[-2000:]
+    assert _steps(run) == [1, 2]  # replaced, not appended to
+    assert (run / "summary.json").is_file()
