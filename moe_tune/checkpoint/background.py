@@ -14,6 +14,7 @@ they never interleave with the training thread's collectives on the default grou
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -36,6 +37,28 @@ def storage_writer(path: str):
     from torch.distributed.checkpoint import FileSystemWriter
 
     return FileSystemWriter(path, sync_files=True, thread_count=WRITE_THREADS)
+
+
+@contextlib.contextmanager
+def writer_thread_errors():
+    """The exceptions of DCP's writer threads during a save, kept instead of printed. DCP prints a failed writer
+    thread's traceback (a full disk: about two hundred lines from eight threads before the save's one line) and
+    returns as if its files were written when the failure was not in the calling thread's own share: the caller
+    must raise what this collects (``save._write``). Other threads' exceptions print as before."""
+    errors: list[BaseException] = []
+    previous = threading.excepthook
+
+    def keep(args) -> None:
+        if args.thread is not None and "_write_files_from_queue" in args.thread.name:
+            errors.append(args.exc_value)
+        else:
+            previous(args)
+
+    threading.excepthook = keep
+    try:
+        yield errors
+    finally:
+        threading.excepthook = previous
 
 
 def _layout(state: dict) -> list:

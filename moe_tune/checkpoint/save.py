@@ -111,12 +111,19 @@ def _write(tensors: dict, meta: dict | None, path: str, step: int, rank: int, gr
     import torch.distributed.checkpoint as dcp
 
     start = time.perf_counter()
-    dcp.save(tensors, storage_writer=background.storage_writer(path), process_group=group)  # every file fsync'd
+    with background.writer_thread_errors() as errors:
+        dcp.save(tensors, storage_writer=background.storage_writer(path), process_group=group)  # every file fsync'd
+    failed = [bool(errors)]
+    if dist.is_initialized():  # every rank's files are written, or some rank's are not: all raise, none goes on
+        failed = [None] * dist.get_world_size(group)
+        dist.all_gather_object(failed, bool(errors), group=group)
+    if any(failed):
+        raise errors[0] if errors else OSError(f"another rank's files of {path} could not be written")
     if rank == 0:
         write_json(os.path.join(path, "meta.json"), meta)  # flushed and fsync'd
     written = time.perf_counter()
     if dist.is_initialized():
-        dist.barrier(group=group)  # every rank's files are written: list and hash them
+        dist.barrier(group=group)  # meta.json is written: list and hash every file
     files = manifest.write_complete(path, step, group=group)  # COMPLETE with sizes and checksums, last (rank 0)
     if dist.is_initialized():
         dist.barrier(group=group)

@@ -190,6 +190,35 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(t
     assert latest(str(tmp_path)) == _ckpt(tmp_path, 2) and manifest.verify(_ckpt(tmp_path, 2)) is None
 
 
+def test_a_writer_threads_failure_fails_the_save_without_its_traceback(tmp_path, make_trainer, monkeypatch, capfd):  # noqa: F811
+    """DCP writes a save's files on eight threads and, when one of its own threads fails (not the caller's share),
+    prints that thread's traceback and returns as if every file were written: the checkpoint would be marked
+    COMPLETE without them. The save fails instead (no COMPLETE: a resume passes over it), the error raised where
+    the run waits for the save, and no thread prints a traceback."""
+    import threading
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    create_stream = FileSystem.create_stream
+    failed = threading.Event()
+
+    def worker_fails_at_step_4(self, path, mode):
+        if "step_4" in str(path):
+            if "_write_files_from_queue" in threading.current_thread().name:
+                failed.set()
+                raise OSError(errno.EIO, "Input/output error")
+            failed.wait(timeout=10)  # the caller's own share: after a worker failed
+        return create_stream(self, path, mode)
+
+    monkeypatch.setattr(FileSystem, "create_stream", worker_fails_at_step_4)
+    trainer = make_trainer("train.steps=6", "checkpoint.every=2", out=str(tmp_path))
+    with pytest.raises(OSError, match="Input/output error"):
+        trainer.fit()
+    assert failed.is_set()  # a writer thread did fail
+    assert latest(str(tmp_path)) == _ckpt(tmp_path, 2) and manifest.verify(_ckpt(tmp_path, 2)) is None
+    assert "Exception in thread" not in capfd.readouterr().err
+
+
 def test_export_of_a_damaged_checkpoint_is_exit_2_naming_the_file(four_steps, capsys):
     from moe_tune.cli.export import main
 
