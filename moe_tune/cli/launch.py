@@ -47,14 +47,13 @@ def check_overrides(overrides: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_tune.cli.train import INTERRUPTED, honour_sigint
+    from moe_tune.cli.train import honour_sigint, interrupted
 
     honour_sigint()
     try:
         return launch(sys.argv[1:] if argv is None else argv)
-    except KeyboardInterrupt:  # Ctrl-C before torchrun's agent took SIGINT over (it stops the ranks after that)
-        print(INTERRUPTED, file=sys.stderr)
-        return 128 + 2
+    except KeyboardInterrupt as e:  # a stop before torchrun's agent took the signals over (it stops the ranks after)
+        return interrupted(e)
 
 
 def _stop_with(signum: int, frame) -> None:

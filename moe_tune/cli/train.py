@@ -20,12 +20,38 @@ QUIET_EXIT_DELAY_S = 5.0
 INTERRUPTED = "moe-tune: interrupted; nothing saved since the last checkpoint"
 
 
+class StopRequested(KeyboardInterrupt):
+    """SIGTERM or SIGUSR1 outside training (the run starting, or writing its outputs): handled as Ctrl-C is."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_requested(signum: int, frame) -> None:
+    raise StopRequested(signum)
+
+
 def honour_sigint() -> None:
     """Ctrl-C stops the process from its start to its exit, whatever SIGINT disposition it inherited. A process
     started with ``&`` by a non-interactive shell (a script, a CI step, a wrapper that backgrounds the run) inherits
     SIGINT ignored, and Python keeps that: Ctrl-C would be dropped while the run starts and obeyed once
-    ``StopSignal`` takes it over for training. Here it raises KeyboardInterrupt (one line, exit 130) until then."""
+    ``StopSignal`` takes it over for training. Here it raises KeyboardInterrupt (one line, exit 130) until then.
+    SIGTERM and SIGUSR1 (Slurm's) killed the process without a word before training: they raise StopRequested
+    (one line, exit 128 + the signal) outside training likewise."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, _stop_requested)
+
+
+def interrupted(e: KeyboardInterrupt) -> int:
+    """The line for a stop outside training (Ctrl-C or ``StopRequested``), printed; returns the exit code."""
+    signum = getattr(e, "signum", signal.SIGINT)
+    if signum == signal.SIGINT:
+        print(INTERRUPTED, file=sys.stderr)
+    else:
+        print(f"moe-tune: stopped by signal {int(signum)}; nothing saved since the last checkpoint", file=sys.stderr)
+    return 128 + int(signum)
 
 
 def fail(message: str, quiet: bool = False) -> None:
@@ -226,9 +252,8 @@ def main() -> None:
         register_configs()
         register_launcher()
         hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(run)()
-    except KeyboardInterrupt:  # Ctrl-C before training started, or a second one while it stopped
-        print(INTERRUPTED, file=sys.stderr)
-        raise SystemExit(128 + 2) from None
+    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM) before training started, or a second one while it stopped
+        raise SystemExit(interrupted(e)) from None
 
 
 if __name__ == "__main__":

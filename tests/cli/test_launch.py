@@ -71,14 +71,16 @@ def inheriting(inherited: str):
     return lambda: signal.signal(signal.SIGINT, INHERITED_SIGINT[inherited])
 
 
-def ctrl_c_while_starting(module: str, args: list[str], env: dict, inherited: str) -> tuple[int, list[str]]:
-    """``python -m module args`` started with SIGINT ``inherited``, sent SIGINT once it prints STARTING:
+def ctrl_c_while_starting(
+    module: str, args: list[str], env: dict, inherited: str, signum: int = signal.SIGINT
+) -> tuple[int, list[str]]:
+    """``python -m module args`` started with SIGINT ``inherited``, sent ``signum`` once it prints STARTING:
     (exit code, its stderr lines after that one)."""
     cmd = [PY, "-c", MARK_STARTING, module, *args]
     p = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, preexec_fn=inheriting(inherited))
     for line in iter(p.stderr.readline, ""):
         if line.rstrip("\n") == STARTING:
-            p.send_signal(signal.SIGINT)
+            p.send_signal(signum)
             break
     after = p.stderr.read()
     return p.wait(timeout=60), after.splitlines()
@@ -99,6 +101,19 @@ def test_ctrl_c_in_one_process_saves_and_before_training_is_one_line(tmp_path, c
     early = tmp_path / "early"
     code, lines = ctrl_c_while_starting("moe_tune", [f"output_dir={early}", *FAST_RUN], cli_env, inherited)
     assert (code, lines) == (130, [INTERRUPTED]) and not early.exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["sigterm", "sigusr1"])
+@pytest.mark.parametrize("module", ["moe_tune", "moe_tune.launch"])
+@pytest.mark.slow
+def test_a_stop_signal_while_starting_is_one_line(tmp_path, cli_env, module, signum):
+    """SIGTERM or SIGUSR1 (a Slurm job cancelled or at its time limit while the run starts) before training: one
+    line, exit 128 + the signal, nothing written (it killed the process without a word: a new-user trial)."""
+    out = tmp_path / "run"
+    args = (["--standalone", "--nproc-per-node", "2"] if module == "moe_tune.launch" else []) + [f"output_dir={out}"]
+    code, lines = ctrl_c_while_starting(module, [*args, *FAST_RUN], cli_env, "default", signum)
+    line = f"moe-tune: stopped by signal {int(signum)}; nothing saved since the last checkpoint"
+    assert (code, lines) == (128 + signum, [line]) and not out.exists()
 
 
 @pytest.mark.parametrize("inherited", INHERITED_SIGINT)
