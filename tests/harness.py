@@ -11,6 +11,7 @@ import gc
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -214,6 +215,8 @@ def run_main(args: list[str], cwd=None, main=None) -> subprocess.CompletedProces
             return train_main()
 
     out, err, saved_argv, here = io.StringIO(), io.StringIO(), sys.argv[:], os.getcwd()
+    # The entry points take SIGINT, SIGTERM and SIGUSR1 over for the process (honour_sigint): back after the run.
+    saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     # Logging as in a fresh interpreter: no handler but the last resort (warnings and errors to stderr) until the
     # run configures its own; pytest's capture handlers come back after.
     root = logging.getLogger()
@@ -247,6 +250,8 @@ def run_main(args: list[str], cwd=None, main=None) -> subprocess.CompletedProces
             os.chdir(here)
             release_held()  # a run refused or failed in this process leaves no lock behind
             destroy_distributed()
+            for signum, handler in saved_signals.items():
+                signal.signal(signum, handler)
             root.handlers = saved_logging[0]
             root.setLevel(saved_logging[1])
     stderr = err.getvalue() + "".join(
