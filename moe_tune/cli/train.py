@@ -37,7 +37,7 @@ def honour_sigint() -> None:
     started with ``&`` by a non-interactive shell (a script, a CI step, a wrapper that backgrounds the run) inherits
     SIGINT ignored, and Python keeps that: Ctrl-C would be dropped while the run starts and obeyed once
     ``StopSignal`` takes it over for training. Here it raises KeyboardInterrupt (one line, exit 130) until then.
-    SIGTERM and SIGUSR1 (Slurm's) killed the process without a word before training: they raise StopRequested
+    SIGTERM and SIGUSR1 (Slurm's) would end the process without a word before training: they raise StopRequested
     (one line, exit 128 + the signal) outside training likewise."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for signum in (signal.SIGTERM, signal.SIGUSR1):

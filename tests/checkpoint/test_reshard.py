@@ -284,7 +284,7 @@ def test_a_resume_with_other_data_or_another_model_path_says_so(tmp_path, caplog
 
 def test_a_resume_that_makes_other_rows_of_the_data_says_so():
     """The same records packed at another length, shuffled by another seed, unpacked or masked otherwise: the
-    remaining steps read other rows than the run would have (a new-user trial found each accepted silently)."""
+    remaining steps read other rows than the run would have, so the resume names each change."""
     from moe_tune.checkpoint.resume import this_runs_hyperparameters
     from moe_tune.cli.train import compose, to_config
 

@@ -108,7 +108,7 @@ def test_ctrl_c_in_one_process_saves_and_before_training_is_one_line(tmp_path, c
 @pytest.mark.slow
 def test_a_stop_signal_while_starting_is_one_line(tmp_path, cli_env, module, signum):
     """SIGTERM or SIGUSR1 (a Slurm job cancelled or at its time limit while the run starts) before training: one
-    line, exit 128 + the signal, nothing written (it killed the process without a word: a new-user trial)."""
+    line, exit 128 + the signal, nothing written (their default action would end it without a word)."""
     out = tmp_path / "run"
     args = (["--standalone", "--nproc-per-node", "2"] if module == "moe_tune.launch" else []) + [f"output_dir={out}"]
     code, lines = ctrl_c_while_starting(module, [*args, *FAST_RUN], cli_env, "default", signum)

@@ -41,8 +41,8 @@ def test_rerun_is_refused_overwritten_on_request_or_resumed(tmp_path):
 
 def test_a_run_that_stopped_before_its_first_checkpoint_starts_again(tmp_path):
     """A run killed (OOM, a failed node) before any checkpoint leaves metrics.jsonl but no summary.json: the same
-    command, as a requeued job gives it, starts again from step 1 with a warning, its rows replaced (a new-user
-    trial saw it refused, exit 2, as if the run had finished)."""
+    command, as a requeued job gives it, starts again from step 1 with a warning, its rows replaced: it is no
+    finished run to protect."""
     import shutil
 
     run = tmp_path / "run"
