@@ -17,8 +17,11 @@ OUT=${OUT:?OUT=<results directory>}
 PART=${PART:-speed}
 MBS=${MBS:-1 4}
 common=(experiment=qwen3_30b_a3b_1gpu train.precision=bf16 kernels.compile=true)
-variants='compiled:;cuda_graphs:kernels.cuda_graphs=true;overlap_forward:optim.overlap_forward=true'
-variants+=';both:kernels.cuda_graphs=true,optim.overlap_forward=true'
+# Each variant's overrides, comma-separated: the speed rows' variants and the profile's VARIANT.
+declare -A OVERRIDES=([cuda_graphs]=kernels.cuda_graphs=true [overlap_forward]=optim.overlap_forward=true
+  [both]=kernels.cuda_graphs=true,optim.overlap_forward=true)
+variants='compiled:'
+for name in cuda_graphs overlap_forward both; do variants+=";$name:${OVERRIDES[$name]}"; done
 export PYTHONPATH="$(pwd):${PYTHONPATH:-}"
 mkdir -p "$OUT"
 case $PART in
@@ -31,14 +34,13 @@ case $PART in
         --variants "${VARIANTS:-$variants}" --timeout-s "${TIMEOUT:-240}" --out "$OUT/mb$mb"
     done ;;
   profile)
-    for name in plain "${VARIANT:-both}"; do
-      case $name in
-        plain) extra=() ;;
-        cuda_graphs) extra=(kernels.cuda_graphs=true) ;;
-        overlap_forward) extra=(optim.overlap_forward=true) ;;
-        both) extra=(kernels.cuda_graphs=true optim.overlap_forward=true) ;;
-        *) echo "small_step_h200.sh: VARIANT=$name is not cuda_graphs, overlap_forward or both" >&2; exit 2 ;;
-      esac
+    name=${VARIANT:-both}
+    if [[ -z ${OVERRIDES[$name]:-} ]]; then
+      echo "small_step_h200.sh: VARIANT=$name is not ${!OVERRIDES[*]}" >&2; exit 2
+    fi
+    for name in plain "$name"; do
+      extra=()
+      [[ $name == plain ]] || IFS=, read -ra extra <<< "${OVERRIDES[$name]}"
       run=/tmp/small_step_profile_$name
       rm -rf "$run"
       python -m moe_tune "${common[@]}" train.micro_batch_size=1 train.steps=11 train.profile=true "${extra[@]}" \
