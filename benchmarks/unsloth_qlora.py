@@ -43,22 +43,59 @@ def say(*parts) -> None:
     print(f"[{time.time() - T0:7.1f}s]", *parts, flush=True)
 
 
-def write_checkpoint(path: str, layers: int, device: str = "cuda") -> None:
-    """Qwen3-30B-A3B's config with ``layers`` layers, transformers' random init (made on ``device``), and a
-    tokenizer, saved in ``path``."""
+def write_checkpoint(path: str, layers: int, overrides: dict | None = None) -> None:
+    """Qwen3-30B-A3B's config with ``layers`` layers (``overrides`` of its other keys: tests), random bf16 weights,
+    and a tokenizer, saved in ``path``, one safetensors shard per layer. transformers saves a model of one layer
+    first, so the keys and the on-disk layout are its own; every further layer is drawn anew as transformers
+    initialises it (normal, std ``initializer_range``; norms 1). The whole model is never in memory at once: saved
+    at once, its 61 GB plus the save's conversion overflowed an 80 GB GPU, and the host holds it in /dev/shm."""
     import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     from moe_tune.models.presets import preset_config
 
-    cfg = preset_config("qwen3_30b_a3b", {"num_hidden_layers": layers})  # the shapes of moe_tune's rows
+    def config(num_layers: int):  # the shapes of moe_tune's rows
+        cfg = preset_config("qwen3_30b_a3b", {**(overrides or {}), "num_hidden_layers": num_layers})
+        cfg.eos_token_id, cfg.pad_token_id = cfg.vocab_size - 1, cfg.vocab_size - 2
+        return cfg
+
+    cfg = config(1)
     vocab = cfg.vocab_size
-    cfg.eos_token_id, cfg.pad_token_id = vocab - 1, vocab - 2
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    del model
+    seed_dir = path + ".one_layer"
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(seed_dir)
+    tensors = {}
+    for name in sorted(os.listdir(seed_dir)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(seed_dir, name), "pt") as f:
+                tensors.update({k: f.get_tensor(k) for k in f.keys()})
+    layer0 = {k.removeprefix("model.layers.0."): v for k, v in tensors.items() if k.startswith("model.layers.0.")}
+    rest = {k: v for k, v in tensors.items() if not k.startswith("model.layers.")}
+    os.makedirs(path, exist_ok=True)
+    shards = [f"model-{i + 1:05d}-of-{layers + 1:05d}.safetensors" for i in range(layers + 1)]
+    weight_map = {}
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # drawing 30B numbers on the host takes minutes
+    gen = torch.Generator(device).manual_seed(0)
+    for i in range(layers):
+        layer = {}
+        for k, v in layer0.items():
+            if i == 0 or k.endswith("norm.weight"):
+                layer[f"model.layers.{i}.{k}"] = v
+            else:
+                drawn = torch.randn(v.shape, generator=gen, device=device, dtype=torch.float32)
+                layer[f"model.layers.{i}.{k}"] = (drawn * cfg.initializer_range).to(v.dtype).cpu()
+        save_file(layer, os.path.join(path, shards[i]), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(layer, shards[i]))
+    save_file(rest, os.path.join(path, shards[-1]), metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(rest, shards[-1]))
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    config(layers).save_pretrained(path)
+    for name in os.listdir(seed_dir):
+        os.remove(os.path.join(seed_dir, name))
+    os.rmdir(seed_dir)
     words = {f"t{i}": i for i in range(vocab - 2)} | {"<pad>": vocab - 2, "<|im_end|>": vocab - 1}
     tokenizer = Tokenizer(models.WordLevel(words, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -101,6 +138,7 @@ def train(args) -> dict:
     say("trained parameters:", sum(p.numel() for p in trained) / 1e6, "M")
     opt = torch.optim.AdamW(trained, lr=1e-4)
     torch.cuda.reset_peak_memory_stats()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # drawing 30B numbers on the host takes minutes
     gen = torch.Generator().manual_seed(0)
     seconds, losses = [], []
     for step in range(args.steps):
