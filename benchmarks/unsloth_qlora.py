@@ -138,7 +138,6 @@ def train(args) -> dict:
     say("trained parameters:", sum(p.numel() for p in trained) / 1e6, "M")
     opt = torch.optim.AdamW(trained, lr=1e-4)
     torch.cuda.reset_peak_memory_stats()
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # drawing 30B numbers on the host takes minutes
     gen = torch.Generator().manual_seed(0)
     seconds, losses = [], []
     for step in range(args.steps):

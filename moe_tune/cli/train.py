@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 # compose and to_config: tests and the benchmark compose through moe_tune.cli
@@ -52,6 +53,23 @@ def interrupted(e: KeyboardInterrupt) -> int:
     else:
         print(f"moe-tune: stopped by signal {int(signum)}; nothing saved since the last checkpoint", file=sys.stderr)
     return 128 + int(signum)
+
+
+def leave(code: int) -> None:
+    """Exit with ``code`` after a stop outside training. A second Ctrl-C leaves the run mid-way: its process group
+    and a checkpoint writer may still be alive. Python's own exit would wait for the writer (no stop "at once") and
+    then tear the groups' C++ threads down with the interpreter, which aborts the process at times (SIGABRT,
+    "terminate called without an active exception", exit 134). Such a process flushes its logs and leaves now; the
+    checkpoint in flight stays without ``COMPLETE``, which a resume passes over."""
+    distributed = sys.modules.get("torch.distributed")
+    if threading.active_count() > 1 or (
+        distributed is not None and distributed.is_available() and distributed.is_initialized()
+    ):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
 
 
 def fail(message: str, quiet: bool = False) -> None:
@@ -253,7 +271,7 @@ def main() -> None:
         register_launcher()
         hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(run)()
     except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM) before training started, or a second one while it stopped
-        raise SystemExit(interrupted(e)) from None
+        leave(interrupted(e))
 
 
 if __name__ == "__main__":

@@ -145,10 +145,6 @@ class KernelsConfig:
     # recompiled once with symbolic sizes where they change (the expert-parallel rows per step, packed sequence
     # lengths). False: one graph per shape, and past torch's recompile limit (8) that part runs eagerly.
     compile_dynamic: bool | None = None
-    # With compile=true: each compiled layer's forward and backward replayed as CUDA graphs (torch.compile's
-    # "reduce-overhead" mode), so its kernels launch as one graph instead of one by one from the host. Needs fixed
-    # shapes and parameters at fixed addresses: one rank without FSDP2 sharding (train.precision=bf16, or LoRA).
-    cuda_graphs: bool = False
     # Chunked linear cross-entropy that never materialises the full logits; on a GPU each chunk's softmax and
     # gradient are one Triton kernel in place over its bf16 logits (moe_tune/kernels/triton_loss.py).
     fused_loss: bool = True

@@ -58,22 +58,21 @@ def validate(
 
 
 def _check_one_rank_plain(cfg: Config, world_size: int) -> None:
-    """kernels.cuda_graphs and optim.overlap_forward need one rank's parameters as plain tensors at fixed addresses:
-    FSDP2 gathers them anew each step (several ranks; fp32 master weights cast through it on one)."""
-    for key, on, why in (
-        ("kernels.cuda_graphs", cfg.kernels.cuda_graphs, "records each layer for fixed parameter addresses"),
-        ("optim.overlap_forward", cfg.optim.overlap_forward, "waits for each layer's update before its forward"),
-    ):
-        if on and world_size > 1:
-            raise ConfigError(
-                f"{key}=true {why} on one rank; with {world_size} ranks FSDP2 gathers the parameters anew each step "
-                f"on its own stream; drop {key}"
-            )
-        if on and cfg.train.precision == "bf16_fp32_master" and cfg.peft.name != "lora":
-            raise ConfigError(
-                f"{key}=true {why}, and train.precision=bf16_fp32_master casts the parameters through FSDP2 anew "
-                f"each step; use train.precision=bf16 or drop {key}"
-            )
+    """optim.overlap_forward needs one rank's parameters as plain tensors at fixed addresses: FSDP2 gathers them
+    anew each step (several ranks; fp32 master weights cast through it on one)."""
+    if not cfg.optim.overlap_forward:
+        return
+    why = "optim.overlap_forward=true waits for each layer's update before its forward"
+    if world_size > 1:
+        raise ConfigError(
+            f"{why} on one rank; with {world_size} ranks FSDP2 gathers the parameters anew each step on its own "
+            "stream; drop optim.overlap_forward"
+        )
+    if cfg.train.precision == "bf16_fp32_master" and cfg.peft.name != "lora":
+        raise ConfigError(
+            f"{why}, and train.precision=bf16_fp32_master casts the parameters through FSDP2 anew each step; use "
+            "train.precision=bf16 or drop optim.overlap_forward"
+        )
 
 
 # FP8 rows start on 16-byte boundaries (the FP8 grouped GEMM's alignment).
@@ -250,10 +249,6 @@ def _check_kernels(cfg: Config) -> None:
         )
     if k.name != "te" and k.fp8 != "none":
         raise ConfigError(f"kernels.fp8={k.fp8} needs kernels=te; add kernels=te or set kernels.fp8=none")
-    if k.cuda_graphs and not k.compile:
-        raise ConfigError(
-            "kernels.cuda_graphs=true replays the compiled layers as CUDA graphs; add kernels.compile=true"
-        )
     if k.name == "te" and k.compile:
         # TE's modules (their autograd Functions and FP8 state) fail inside dynamo with torch 2.11 + TE 2.20
         # (InternalTorchDynamoError: NotImplementedError); compiled around them, every layer would be split at

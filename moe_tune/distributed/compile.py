@@ -18,20 +18,16 @@ import torch
 from moe_tune.distributed.activation_checkpoint import checkpoint_forward_
 
 
-def apply_compile(model, enabled: bool, dynamic: bool | None = None, cuda_graphs: bool = False) -> None:
+def apply_compile(model, enabled: bool, dynamic: bool | None = None) -> None:
     """``dynamic``: torch.compile's. The default (None) lets the regions after the dispatch's host sync, whose
     row counts change every step, compile once with symbolic sizes; with False they recompile for each new
     count until torch's recompile limit and then run eagerly (seen in the compiled rows' logs on 2 x H200, EP=2:
-    "hit config.recompile_limit (8)" for the frames after the dispatch's sync). ``cuda_graphs``: each layer's
-    compiled forward and backward are recorded once as CUDA graphs and replayed (torch's "reduce-overhead" mode,
-    its CUDA graph trees); the model then marks where each of its forwards begins (``cuda_graphs``)."""
+    "hit config.recompile_limit (8)" for the frames after the dispatch's sync)."""
     if not enabled:
         return
-    mode = "reduce-overhead" if cuda_graphs else None
-    model.cuda_graphs = cuda_graphs
     for layer in model.layers:
         inner = getattr(layer.forward, "checkpointed", None)
         if inner is not None:
-            checkpoint_forward_(layer, torch.compile(inner, fullgraph=False, dynamic=dynamic, mode=mode))
+            checkpoint_forward_(layer, torch.compile(inner, fullgraph=False, dynamic=dynamic))
         else:
-            layer.compile(fullgraph=False, dynamic=dynamic, mode=mode)
+            layer.compile(fullgraph=False, dynamic=dynamic)

@@ -13,5 +13,5 @@ from moe_tune.distributed.mesh import ParallelMesh
 def parallelize(model, mesh: ParallelMesh, cfg) -> None:
     """``cfg``: the run's Config (``parallel``, ``kernels.compile`` and ``train.precision`` are read)."""
     apply_ac(model, cfg.parallel.activation_checkpointing)
-    apply_compile(model, cfg.kernels.compile, cfg.kernels.compile_dynamic, cfg.kernels.cuda_graphs)
+    apply_compile(model, cfg.kernels.compile, cfg.kernels.compile_dynamic)
     apply_fsdp(model, mesh, cfg.train.precision, cfg.parallel.reshard_after_forward)

@@ -97,9 +97,6 @@ class MoECausalLM(nn.Module):
         self._hf_class = type(hf_model)
         self._moe_layers = [m for m in self.modules() if isinstance(m, MoE)]
         self._moe_stats = moe_stats or MoEStatsCollector()
-        # Set by ``apply_compile(cuda_graphs=True)``: the layers replay CUDA graphs, whose outputs the next replay
-        # overwrites, so each forward marks where a new replay may begin and keeps copies of the routing counts.
-        self.cuda_graphs = False
 
     # -- structure -------------------------------------------------------------------------------
     @property
@@ -146,13 +143,10 @@ class MoECausalLM(nn.Module):
         a training forward with labels leaves them None, as the fused loss never builds them (the memory saving)."""
         extra = self._packed_kwargs(input_ids, position_ids, attention_mask)
         self._moe_stats.start()
-        if self.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()
         hidden = self.model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False, **extra
         ).last_hidden_state
-        stats = self._moe_stats.take()
-        out = CausalLMOutput(moe_stats=stats.kept() if self.cuda_graphs else stats)
+        out = CausalLMOutput(moe_stats=self._moe_stats.take())
         training = self.training and torch.is_grad_enabled()
         want_logits = (labels is None or not training) if return_logits is None else return_logits
         if want_logits:

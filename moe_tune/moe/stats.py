@@ -11,7 +11,7 @@ layer, and every layer would compile anew.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -30,10 +30,6 @@ class MoEStats:
     def counts_LE(self, layers: Collection[int] | None = None) -> torch.Tensor:
         """Rows per expert of the MoE layers in decoder layers ``layers`` (default: every one), stacked [L, E]."""
         return torch.stack([c for i, c in zip(self.layer_idx, self.counts_E) if layers is None or i in layers])
-
-    def kept(self) -> MoEStats:
-        """The same statistics with the counts copied: a CUDA graph's outputs are overwritten at its next replay."""
-        return replace(self, counts_E=tuple(c.clone() for c in self.counts_E))
 
 
 class LayerStats:

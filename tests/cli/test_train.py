@@ -178,6 +178,27 @@ def test_a_waiting_rank_that_is_not_stopped_prints_its_line(monkeypatch, capsys)
     assert capsys.readouterr().err == "moe-tune: error: data.jsonl:2: not valid JSON\n"
 
 
+LEAVE_MIDWAY = """
+import logging, sys, threading, time
+from moe_tune.cli import train
+from moe_tune.distributed.process_group import init_distributed
+init_distributed("gloo")
+threading.Thread(target=time.sleep, args=(120,), name="a checkpoint writer").start()
+logging.basicConfig(stream=sys.stdout)
+logging.getLogger("moe_tune").warning("logged before the stop")
+print("printed before the stop", file=sys.stderr)
+train.leave(130)
+"""
+
+
+def test_a_stop_that_leaves_the_run_midway_exits_at_once_with_its_code(cli_env):
+    """A second Ctrl-C while a checkpoint writer runs and a process group exists: exit 130 now, logs flushed; not
+    after the writer, and not through the interpreter's teardown of the group's threads."""
+    r = subprocess.run([PY, "-c", LEAVE_MIDWAY], env=cli_env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 130, r.stderr[-2000:]
+    assert "logged before the stop" in r.stdout and r.stderr.strip() == "printed before the stop"
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

@@ -78,17 +78,6 @@ def test_overlap_validates_for_all_to_all():
         (["kernels.fp8=current"], 1, "kernels.fp8=current needs kernels=te"),
         (["kernels=te", "kernels.experts=te"], 1, "kernels.experts=te is not offered"),
         (["kernels=te", "kernels.compile=true"], 1, "kernels=te with kernels.compile=true is not supported"),
-        (["kernels.cuda_graphs=true"], 1, "kernels.cuda_graphs=true replays the compiled layers as CUDA graphs; add"),
-        (
-            ["kernels.compile=true", "kernels.cuda_graphs=true", "train.precision=bf16"],
-            2,
-            "kernels.cuda_graphs=true records each layer for fixed parameter addresses on one rank; with 2 ranks",
-        ),
-        (
-            ["kernels.compile=true", "kernels.cuda_graphs=true"],
-            1,
-            "train.precision=bf16_fp32_master casts the parameters through FSDP2 anew each step; use train.precision=bf16",
-        ),
         (
             ["optim.overlap_forward=true", "train.precision=bf16"],
             2,
