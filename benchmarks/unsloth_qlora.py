@@ -1,6 +1,7 @@
 """Issue 34's Unsloth row: QLoRA through Unsloth on Qwen3-30B-A3B shapes, for the side-by-side table of LoRA on a
-quantized base. Unsloth loads only from a checkpoint on disk, so this writes one first: transformers' own random
-initialisation of the shapes (``--layers`` of 48), bf16 safetensors, with a word-level tokenizer of the real
+quantized base. Unsloth loads only from a checkpoint on disk, so this writes one first, a layer at a time: random
+weights of the shapes (``--layers`` of 48) drawn as transformers initialises them, in transformers' own layout,
+bf16 safetensors, with a word-level tokenizer of the real
 vocabulary size (no hub here), in ``--ckpt`` (default /dev/shm: 48 layers take 61 GB, which RAM holds and the
 machine's disk may not). Then, as Unsloth's documentation shows it: ``FastLanguageModel.from_pretrained(...,
 load_in_4bit=True)``, ``get_peft_model`` with rank 16 on attention and the MLP projections, Unsloth's gradient
