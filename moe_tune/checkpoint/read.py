@@ -17,14 +17,26 @@ def _hint(path: str) -> str:
     found = manifest.complete_checkpoints(path)
     if found:
         return f"; {path} is a run directory: give one of its checkpoints, e.g. {found[0]}"
-    for export in (path, os.path.join(path, "hf")):
-        if any(os.path.isfile(os.path.join(export, name)) for name in ("config.json", "adapter_config.json")):
-            return (
-                f"; {export} is a Hugging Face export, not a checkpoint (a run with checkpoint.every=0 saves none): "
-                "rerun with checkpoint.every=N, or load it with transformers (a LoRA adapter with PEFT, whose "
-                "merge_and_unload() merges it)"
-            )
+    run = os.path.dirname(os.path.normpath(path))
+    of_run = manifest.complete_checkpoints(run) if _is_export(path) else []
+    if of_run:
+        return f"; {path} is the Hugging Face export of the run in {run}: give one of its checkpoints, e.g. {of_run[0]}"
+    load = (
+        "rerun with checkpoint.every=N, or load it with transformers (a LoRA adapter with PEFT, whose "
+        "merge_and_unload() merges it)"
+    )
+    if _is_export(path):
+        return f"; {path} is a Hugging Face export, not a checkpoint: {load}"
+    if _is_export(os.path.join(path, "hf")):
+        return (
+            f"; {path} is a run directory without checkpoints (a run with checkpoint.every=0 saves none) and "
+            f"{os.path.join(path, 'hf')} its Hugging Face export: {load}"
+        )
     return ""
+
+
+def _is_export(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, name)) for name in ("config.json", "adapter_config.json"))
 
 
 def read_meta(path: str):

@@ -1,7 +1,7 @@
 """What a run's start makes of its output_dir and ``checkpoint.resume``, before anything is written there.
 
 A finished run is no fresh start (``checkpoint.resume=auto`` over one without a checkpoint would restart at step 1
-over its outputs); a run that stopped before its first checkpoint (killed, out of memory, a failed node) starts
+over its outputs, over one that finished after its newest checkpoint would train its last steps again); a run that stopped before its first checkpoint (killed, out of memory, a failed node) starts
 again from step 1, as a requeued job must, its metrics rows replaced as a resume replaces those past its
 checkpoint; and a checkpoint past ``train.steps`` leaves nothing to train (a
 shorter run given by mistake, which would otherwise exit 0 having trained nothing). A checkpoint at
@@ -11,6 +11,7 @@ exit 0, which a requeued or retried job relies on; the trainer says so (``note_f
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -26,6 +27,7 @@ RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "hf")
 def check_start(run_dir: str, resume: str, steps: int, rank: int = 0) -> None:
     """CheckpointError (one line) for a start that would overwrite a run or train nothing."""
     check_fresh_start(run_dir, resume, rank)
+    check_finished_past_checkpoint(run_dir, resume)
     check_steps_left(run_dir, resume, steps)
 
 
@@ -49,6 +51,33 @@ def check_fresh_start(run_dir: str, resume: str, rank: int = 0) -> None:
         raise CheckpointError(
             f"output_dir {run_dir} already holds a run ({', '.join(found)}) but no checkpoint to resume from; give "
             "another output_dir, or checkpoint.resume=none to start afresh and overwrite it"
+        )
+
+
+def check_finished_past_checkpoint(run_dir: str, resume: str) -> None:
+    """``checkpoint.resume=auto`` where the run finished after its newest checkpoint (summary.json written after that
+    checkpoint's ``COMPLETE``, at the run's train.steps beyond it: a run stopped on a signal, then resumed to its end
+    without saving again) would train the steps after that checkpoint again over the finished run's outputs:
+    refused. A summary older than the checkpoint is an earlier run's, started afresh over (``resume=none``)."""
+    summary = os.path.join(run_dir, "summary.json")
+    if resume != "auto" or not os.path.isfile(summary):
+        return
+    path = next(iter(manifest.complete_checkpoints(run_dir)), None)
+    step = manifest.saved_step(path) if path is not None else None
+    if step is None or os.path.getmtime(summary) < os.path.getmtime(os.path.join(path, manifest.COMPLETE)):
+        return
+    try:
+        with open(summary) as f:
+            finished = int(json.load(f)["config"]["train"]["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # not a summary this code wrote: the other checks decide
+    if step < finished:
+        name = os.path.basename(os.path.normpath(path))
+        again = f"step {finished}" if step + 1 == finished else f"steps {step + 1}-{finished}"
+        raise CheckpointError(
+            f"output_dir {run_dir} holds a run finished at step {finished} (summary.json), after its newest "
+            f"checkpoint {name}: resuming would train {again} again over its outputs; give "
+            f"another output_dir, or checkpoint.resume={path} to train from it again on purpose"
         )
 
 

@@ -71,10 +71,13 @@ def test_export_refuses_a_directory_it_would_wipe(tmp_path):
     _export(step, link)  # through a symlink: the target is replaced, the link stays a link
     assert link.is_symlink() and not (tmp_path / ".link.old").exists()
     assert_hf_logits_equal(str(earlier))
+    shutil.copytree(run / "hf", tmp_path / "no_checkpoints" / "hf")  # what a run with checkpoint.every=0 leaves
     for source, extra, said in [
         (step, ["--base", str(run / "base_model")], "--base applies to LoRA runs;"),
         (run, [], f"is a run directory: give one of its checkpoints, e.g. {step}"),
-        (run / "hf", [], "is a Hugging Face export, not a checkpoint (a run with checkpoint.every=0 saves none)"),
+        (run / "hf", [], f"is the Hugging Face export of the run in {run}: give one of its checkpoints, e.g. {step}"),
+        (earlier, [], f"{earlier} is a Hugging Face export, not a checkpoint: rerun with checkpoint.every=N"),
+        (tmp_path / "no_checkpoints", [], "is a run directory without checkpoints (a run with checkpoint.every=0"),
     ]:
         out = tmp_path / "new_out"
         r = _moe_tune_export([source, out, *extra])

@@ -54,3 +54,24 @@ def test_a_run_that_stopped_before_its_first_checkpoint_starts_again(tmp_path):
     assert f"output_dir {run} holds a run that stopped before its first checkpoint" in r.stderr, r.stderr[-2000:]
     assert _steps(run) == [1, 2]  # replaced, not appended to
     assert (run / "summary.json").is_file()
+
+
+def test_a_run_finished_after_its_newest_checkpoint_is_not_trained_again(tmp_path):
+    """A run whose newest checkpoint is before the step it finished at (saved every 2 steps, finished at 3; or
+    stopped on a signal and resumed to its end): the same command again would resume from that checkpoint and train
+    step 3 again over the finished run's outputs. Refused, one line, exit 2, nothing changed; resuming from that
+    checkpoint by name still trains on purpose."""
+    run = tmp_path / "run"
+    args = [f"output_dir={run}", "checkpoint.export_hf=false", *FAST_RUN, "train.steps=3", "checkpoint.every=2"]
+    _ok(args)
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_2"] and _steps(run) == [1, 2, 3]
+    summary = (run / "summary.json").read_bytes()
+    r = run_main(args)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert r.stderr.startswith(
+        f"moe-tune: error: output_dir {run} holds a run finished at step 3 (summary.json), after its newest "
+        "checkpoint step_2: resuming would train step 3 again"
+    ), r.stderr
+    assert _steps(run) == [1, 2, 3] and (run / "summary.json").read_bytes() == summary
+    _ok([*args, f"checkpoint.resume={run / 'checkpoints' / 'step_2'}"])
+    assert _steps(run) == [1, 2, 3]
