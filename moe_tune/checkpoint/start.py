@@ -55,10 +55,10 @@ def check_fresh_start(run_dir: str, resume: str, rank: int = 0) -> None:
 
 
 def check_finished_past_checkpoint(run_dir: str, resume: str) -> None:
-    """``checkpoint.resume=auto`` where the run finished after its newest checkpoint (summary.json written after that
-    checkpoint's ``COMPLETE``, at the run's train.steps beyond it: a run stopped on a signal, then resumed to its end
-    without saving again) would train the steps after that checkpoint again over the finished run's outputs:
-    refused. A summary older than the checkpoint is an earlier run's, started afresh over (``resume=none``)."""
+    """``checkpoint.resume=auto`` where the run trained past its newest checkpoint and then ended (summary.json's
+    ``final_step`` beyond that checkpoint: saved every N steps and finished between two, or stopped on a signal and
+    resumed to its end) would train those steps again over the run's outputs: refused. A summary older than the
+    checkpoint is an earlier run's, started afresh over (``resume=none``)."""
     summary = os.path.join(run_dir, "summary.json")
     if resume != "auto" or not os.path.isfile(summary):
         return
@@ -68,16 +68,16 @@ def check_finished_past_checkpoint(run_dir: str, resume: str) -> None:
         return
     try:
         with open(summary) as f:
-            finished = int(json.load(f)["config"]["train"]["steps"])
+            ended = int(json.load(f)["final_step"])
     except (OSError, ValueError, KeyError, TypeError):
-        return  # not a summary this code wrote: the other checks decide
-    if step < finished:
+        return  # a summary without final_step (an older moe_tune's): the other checks decide
+    if step < ended:
         name = os.path.basename(os.path.normpath(path))
-        again = f"step {finished}" if step + 1 == finished else f"steps {step + 1}-{finished}"
+        again = f"step {ended}" if step + 1 == ended else f"steps {step + 1}-{ended}"
         raise CheckpointError(
-            f"output_dir {run_dir} holds a run finished at step {finished} (summary.json), after its newest "
-            f"checkpoint {name}: resuming would train {again} again over its outputs; give "
-            f"another output_dir, or checkpoint.resume={path} to train from it again on purpose"
+            f"output_dir {run_dir} holds a run that ended at step {ended} (summary.json), after its newest "
+            f"checkpoint {name}: resuming would train {again} again over its outputs; give another output_dir, or "
+            f"checkpoint.resume={path} to train from it again on purpose"
         )
 
 

@@ -381,6 +381,7 @@ class Trainer:
             self.flops_per_token,
             self.metrics,
             data_stats={"train": self.data.stats, "val": val_stats},
+            final_step=self.step,
             **self.built.describe,
         )
 

@@ -69,7 +69,7 @@ def test_a_run_finished_after_its_newest_checkpoint_is_not_trained_again(tmp_pat
     r = run_main(args)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
     assert r.stderr.startswith(
-        f"moe-tune: error: output_dir {run} holds a run finished at step 3 (summary.json), after its newest "
+        f"moe-tune: error: output_dir {run} holds a run that ended at step 3 (summary.json), after its newest "
         "checkpoint step_2: resuming would train step 3 again"
     ), r.stderr
     assert _steps(run) == [1, 2, 3] and (run / "summary.json").read_bytes() == summary

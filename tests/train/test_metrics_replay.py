@@ -12,8 +12,10 @@ from tests.harness import read_metrics
 def test_resume_after_a_crash_logs_each_step_once_in_order(tmp_path, make_trainer):
     make_trainer("train.steps=6", "checkpoint.every=2").fit()
     reference = read_metrics(tmp_path)
-    # As if the run was killed after logging steps 5-6 but before its step_6 checkpoint was complete.
+    # As if the run was killed after logging steps 5-6 but before its step_6 checkpoint was complete (so before
+    # its summary, which comes after the last save).
     shutil.rmtree(tmp_path / "checkpoints" / "step_6")
+    (tmp_path / "summary.json").unlink()
     resumed = make_trainer("train.steps=6", "checkpoint.every=2")
     assert resumed.step == 4
     resumed.fit()
@@ -27,7 +29,8 @@ def test_a_resumed_or_rerun_run_summarises_every_step(tmp_path, make_trainer):
     running a finished run again keeps its summary instead of writing one of no steps."""
     make_trainer("train.steps=4", "checkpoint.every=2").fit()
     first = json.load(open(tmp_path / "summary.json"))
-    shutil.rmtree(tmp_path / "checkpoints" / "step_4")
+    shutil.rmtree(tmp_path / "checkpoints" / "step_4")  # killed during its last save, before the summary
+    (tmp_path / "summary.json").unlink()
     make_trainer("train.steps=4", "checkpoint.every=2").fit()  # resumes at step 2
     rows = read_metrics(tmp_path)
     resumed = json.load(open(tmp_path / "summary.json"))
