@@ -90,10 +90,15 @@ def normalize(record, fmt: str, cfg: DataConfig) -> Chat | Completion | Text:
     try:
         return _normalize(record, fmt, cfg)
     except BadRecord as bad:
-        given = cfg.format != "auto"  # auto read the format off the file's first record: this one is the odd one
-        other = detect_format(record, cfg) if given and bad.reason == "missing_field" else None
+        other = detect_format(record, cfg) if bad.reason == "missing_field" else None
         if other is None or other == fmt:
             raise
+        if cfg.format == "auto":  # read off the file's first record: this one is the odd one, skippable
+            raise BadRecord(
+                "missing_field",
+                f"{bad.detail}: the file's first record made it data.format={fmt}, and this record is "
+                f"data.format={other}'s; one format per file (split it, or fix the record)",
+            ) from None
         raise BadRecord(
             "format_mismatch",
             f"{bad.detail}: data.format={fmt} was given, and this record is data.format={other}'s; set "
@@ -114,6 +119,8 @@ def _normalize(record: dict, fmt: str, cfg: DataConfig) -> Chat | Completion | T
 
 
 def _missing(record: dict, key: str) -> BadRecord:
+    if key in record:  # JSON null (or an empty table cell)
+        return BadRecord("missing_field", f"{key!r} is null")
     return BadRecord("missing_field", f"no {key!r} field (keys: {sorted(record)})")
 
 

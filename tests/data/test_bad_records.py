@@ -40,7 +40,7 @@ CASES = {
     ),
     "missing_field": (
         json.dumps({"messages": None}).encode(),
-        "no 'messages' field (keys: ['messages']); fix the record or set data.on_bad_record=skip",
+        "'messages' is null; fix the record or set data.on_bad_record=skip",
     ),
 }
 

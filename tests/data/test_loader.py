@@ -57,6 +57,18 @@ def test_a_format_given_that_the_records_are_not_names_theirs(tmp_path, on_bad_r
     with pytest.raises(BadRecord) as bad:  # auto took chat from the file's first record
         normalize({"conversations": [{"from": "human", "value": "x"}]}, "chat", DataConfig())
     assert bad.value.reason == "missing_field"
+    assert bad.value.detail == (
+        "no 'messages' field (keys: ['conversations']): the file's first record made it data.format=chat, and this "
+        "record is data.format=sharegpt's; one format per file (split it, or fix the record)"
+    )
+
+
+def test_a_null_field_is_named_null():
+    from moe_tune.data.records import BadRecord, normalize
+
+    with pytest.raises(BadRecord) as bad:
+        normalize({"prompt": "p", "completion": None}, "prompt_completion", DataConfig())
+    assert (bad.value.reason, bad.value.detail) == ("missing_field", "'completion' is null")
 
 
 def test_records_longer_than_seq_len_are_cut_counted_and_warned_about(tmp_path, caplog):
