@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -157,8 +158,10 @@ def check_flags(args) -> None:
     """The flags' values, before anything is composed (one line, exit 2)."""
     if args.gpus is not None and args.gpus < 1:
         raise UserError(f"--gpus {args.gpus}: give a number of GPUs >= 1")
-    if args.gpu_mem_gib is not None and args.gpu_mem_gib <= 0:
-        raise UserError(f"--gpu-mem-gib {args.gpu_mem_gib:g}: give each GPU's memory in GiB, > 0 (an H200: 140.4)")
+    if args.gpu_mem_gib is not None and not 0 < args.gpu_mem_gib < math.inf:  # nan fails both comparisons
+        raise UserError(
+            f"--gpu-mem-gib {args.gpu_mem_gib:g}: give each GPU's memory in GiB, a number > 0 (an H200: 140.4)"
+        )
     if args.headroom is not None and not 0 <= args.headroom < 1:
         raise UserError(f"--headroom {args.headroom:g}: give the share of each GPU left free, 0 <= headroom < 1")
     if args.max_micro_batch < 1:

@@ -178,6 +178,24 @@ def test_a_waiting_rank_that_is_not_stopped_prints_its_line(monkeypatch, capsys)
     assert capsys.readouterr().err == "moe-tune: error: data.jsonl:2: not valid JSON\n"
 
 
+def test_a_waiting_rank_stopped_by_torchrun_says_nothing(cli_env):
+    """A rank that leaves the error's line to its node's first rank, then gets torchrun's SIGTERM while it waits:
+    it ends by the signal without a line, so the user reads the error's line alone."""
+    import signal
+
+    script = (
+        "from moe_tune.cli import train\n"
+        "train.honour_sigint()\n"
+        "print('waiting', flush=True)\n"
+        "train.fail('parallel.ep (3) must divide the world size (2)', quiet=True)\n"
+    )
+    p = subprocess.Popen([PY, "-c", script], env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "waiting\n"
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert (p.returncode, err) == (-signal.SIGTERM, ""), err[-2000:]
+
+
 LEAVE_MIDWAY = """
 import logging, sys, threading, time
 from moe_tune.cli import train

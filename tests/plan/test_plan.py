@@ -203,6 +203,8 @@ def test_cli_refuses_bad_input_with_one_line(capsys):
     assert "parallel.ep" in capsys.readouterr().err
     for flags, named in (
         (["--gpu-mem-gib", "0"], "--gpu-mem-gib"),
+        (["--gpu-mem-gib", "nan"], "--gpu-mem-gib nan"),
+        (["--gpu-mem-gib", "inf"], "--gpu-mem-gib inf"),
         (["--headroom", "1.5"], "--headroom"),
         (["--search", "--max-micro-batch", "0"], "--max-micro-batch"),
         (["model=hf", "model.path=/nonexistent/ckpt"], "/nonexistent/ckpt"),
