@@ -75,10 +75,12 @@ def leave(code: int) -> None:
 def fail(message: str, quiet: bool = False) -> None:
     """Print the one line and exit 2. ``quiet``: the node's first rank found the same error and prints it; this
     rank waits, so that rank exits first and torchrun stops this one before it prints (an earlier exit here could
-    cut the printing rank short). A rank still running after the wait found the error alone: it prints it. While it
-    waits, torchrun's SIGTERM ends it without a word (no "stopped by signal" line beside the error's)."""
+    cut the printing rank short). A rank still running after the wait found the error alone: it prints it. Under
+    torchrun, whose SIGTERM stops the other ranks once one fails, the wait ends by that signal without a word (no
+    "stopped by signal" line beside the error's); under Slurm or submitit the signal keeps its handler."""
     if quiet:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun's agent for its ranks
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(QUIET_EXIT_DELAY_S)
     print(f"moe-tune: error: {message}", file=sys.stderr)
     raise SystemExit(2)

@@ -189,7 +189,8 @@ def test_a_waiting_rank_stopped_by_torchrun_says_nothing(cli_env):
         "print('waiting', flush=True)\n"
         "train.fail('parallel.ep (3) must divide the world size (2)', quiet=True)\n"
     )
-    p = subprocess.Popen([PY, "-c", script], env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {**cli_env, "TORCHELASTIC_RUN_ID": "none"}  # as torchrun's agent starts its ranks
+    p = subprocess.Popen([PY, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert p.stdout.readline() == "waiting\n"
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=60)
