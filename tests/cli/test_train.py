@@ -183,10 +183,12 @@ def test_a_waiting_rank_stopped_by_torchrun_says_nothing(cli_env):
     it ends by the signal without a line, so the user reads the error's line alone."""
     import signal
 
-    script = (
+    script = (  # says "waiting" once fail() waits, so the signal lands in the wait
+        "import time\n"
         "from moe_tune.cli import train\n"
+        "wait = time.sleep\n"
+        "time.sleep = lambda s: (print('waiting', flush=True), wait(s))\n"
         "train.honour_sigint()\n"
-        "print('waiting', flush=True)\n"
         "train.fail('parallel.ep (3) must divide the world size (2)', quiet=True)\n"
     )
     env = {**cli_env, "TORCHELASTIC_RUN_ID": "none"}  # as torchrun's agent starts its ranks
