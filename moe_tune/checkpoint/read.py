@@ -17,15 +17,18 @@ def _hint(path: str) -> str:
     found = manifest.complete_checkpoints(path)
     if found:
         return f"; {path} is a run directory: give one of its checkpoints, e.g. {found[0]}"
-    run = os.path.dirname(os.path.normpath(path))
-    of_run = manifest.complete_checkpoints(run) if _is_export(path) else []
-    if of_run:
-        return f"; {path} is the Hugging Face export of the run in {run}: give one of its checkpoints, e.g. {of_run[0]}"
     load = (
         "rerun with checkpoint.every=N, or load it with transformers (a LoRA adapter with PEFT, whose "
         "merge_and_unload() merges it)"
     )
     if _is_export(path):
+        run = os.path.dirname(os.path.normpath(path))
+        of_run = manifest.complete_checkpoints(run)
+        if of_run:
+            return (
+                f"; {path} is the Hugging Face export of the run in {run}: give one of its checkpoints, e.g. "
+                f"{of_run[0]}"
+            )
         return f"; {path} is a Hugging Face export, not a checkpoint: {load}"
     if _is_export(os.path.join(path, "hf")):
         return (

@@ -1,10 +1,11 @@
 """What a run's start makes of its output_dir and ``checkpoint.resume``, before anything is written there.
 
 A finished run is no fresh start (``checkpoint.resume=auto`` over one without a checkpoint would restart at step 1
-over its outputs, over one that finished after its newest checkpoint would train its last steps again); a run that stopped before its first checkpoint (killed, out of memory, a failed node) starts
-again from step 1, as a requeued job must, its metrics rows replaced as a resume replaces those past its
-checkpoint; and a checkpoint past ``train.steps`` leaves nothing to train (a
-shorter run given by mistake, which would otherwise exit 0 having trained nothing). A checkpoint at
+over its outputs, over one that finished after its newest checkpoint would train its last steps again); a run that
+stopped before its first checkpoint (killed, out of memory, a failed node) starts again from step 1, as a requeued
+job must, its metrics rows replaced as a resume replaces those past its checkpoint; and a checkpoint past
+``train.steps`` leaves nothing to train (a shorter run given by mistake, which would otherwise exit 0 having
+trained nothing). A checkpoint at
 ``train.steps`` is a finished run run again: as in torchtitan and Lightning it trains nothing and ends with
 exit 0, which a requeued or retried job relies on; the trainer says so (``note_finished``).
 """
@@ -62,8 +63,7 @@ def check_finished_past_checkpoint(run_dir: str, resume: str) -> None:
     summary = os.path.join(run_dir, "summary.json")
     if resume != "auto" or not os.path.isfile(summary):
         return
-    path = next(iter(manifest.complete_checkpoints(run_dir)), None)
-    step = manifest.saved_step(path) if path is not None else None
+    path, step = _newest(run_dir)
     if step is None or os.path.getmtime(summary) < os.path.getmtime(os.path.join(path, manifest.COMPLETE)):
         return
     try:
@@ -87,8 +87,7 @@ def check_steps_left(run_dir: str, resume: str, steps: int) -> None:
     an older one when it is damaged)."""
     if resume == "none":
         return
-    path = next(iter(manifest.complete_checkpoints(run_dir)), None) if resume == "auto" else resume
-    step = manifest.saved_step(path) if path is not None else None
+    path, step = _newest(run_dir) if resume == "auto" else (resume, manifest.saved_step(resume))
     if step is None or step <= steps:
         return
     if resume == "auto":
@@ -108,6 +107,12 @@ def note_finished(path: str, step: int, steps: int) -> None:
             path,
             steps,
         )
+
+
+def _newest(run_dir: str) -> tuple[str | None, int | None]:
+    """The newest complete checkpoint of ``run_dir`` and its step (None, None: there is none)."""
+    path = next(iter(manifest.complete_checkpoints(run_dir)), None)
+    return path, manifest.saved_step(path) if path is not None else None
 
 
 def _not_empty(path: str) -> bool:
