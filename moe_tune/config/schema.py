@@ -211,10 +211,6 @@ class OptimConfig:
     # storage instead of several (benchmarks/README.md, "Stochastic rounding's update").
     # false: torch's fused AdamW (and stochastic rounding eagerly, with torch.randint's bits).
     compiled: bool = True
-    # The update on a side CUDA stream beside the next step's forward, each decoder layer's weights waited for as the
-    # forward reaches that layer (moe_tune/optim/overlap.py): the same updates, the step shorter by what overlaps.
-    # One rank without FSDP2 sharding (train.precision=bf16, or LoRA); off a GPU it changes nothing.
-    overlap_forward: bool = False
 
 
 # train.profile's schedule from the run's first step: untraced, warming the profiler up, then traced.

@@ -10,11 +10,6 @@ def unused_settings(cfg: Config, device_type: str = "cuda") -> list[str]:
     """``device_type``: the run's device ("cpu" or "cuda"; some kernels exist on CUDA only)."""
     t, d, default = cfg.train, cfg.data, TrainConfig()
     lines = _emulated_fp8_base(cfg, device_type) + _quantized_gemm(cfg, device_type)
-    if cfg.optim.overlap_forward and device_type != "cuda":
-        lines.append(
-            f"optim.overlap_forward=true runs the update on a side CUDA stream; on the {device_type} it runs after "
-            "the backward as usual"
-        )
     if t.eval_every > 0 and d.val_path is None and d.val_fraction == 0:
         lines.append(
             f"train.eval_every={t.eval_every} has no validation set to evaluate, so no val_loss is logged; add "

@@ -48,31 +48,12 @@ def validate(
     BatchLayout.from_config(cfg.train, dims.dp)  # the global batch: a whole number of micro-batches
     if cfg.comm.name != "all_to_all" and dims.ep == 1:
         raise ConfigError(f"comm={cfg.comm.name} needs expert parallelism; set parallel.ep>1 or comm=all_to_all")
-    _check_one_rank_plain(cfg, world_size)
     if cfg.comm.overlap and dims.ep == 1:
         raise ConfigError(
             "comm.overlap=true hides expert-parallel communication and parallel.ep=1 has none; "
             "set parallel.ep>1 or comm.overlap=false"
         )
     return dims
-
-
-def _check_one_rank_plain(cfg: Config, world_size: int) -> None:
-    """optim.overlap_forward needs one rank's parameters as plain tensors at fixed addresses: FSDP2 gathers them
-    anew each step (several ranks; fp32 master weights cast through it on one)."""
-    if not cfg.optim.overlap_forward:
-        return
-    why = "optim.overlap_forward=true waits for each layer's update before its forward"
-    if world_size > 1:
-        raise ConfigError(
-            f"{why} on one rank; with {world_size} ranks FSDP2 gathers the parameters anew each step on its own "
-            "stream; drop optim.overlap_forward"
-        )
-    if cfg.train.precision == "bf16_fp32_master" and cfg.peft.name != "lora":
-        raise ConfigError(
-            f"{why}, and train.precision=bf16_fp32_master casts the parameters through FSDP2 anew each step; use "
-            "train.precision=bf16 or drop optim.overlap_forward"
-        )
 
 
 # FP8 rows start on 16-byte boundaries (the FP8 grouped GEMM's alignment).

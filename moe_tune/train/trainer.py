@@ -33,7 +33,6 @@ from moe_tune.env import require_backends
 from moe_tune.loggers import build_logger, require_logger
 from moe_tune.metrics import MetricsWriter, StepTimer
 from moe_tune.moe.stats import MoEStats
-from moe_tune.optim.overlap import build_update
 from moe_tune.run_record import setup_logging, trained_what, write_config, write_run_summary
 from moe_tune.train.cadence import Cadence
 from moe_tune.train.evaluate import evaluate
@@ -78,7 +77,6 @@ class Trainer:
         # Every rank is a data-parallel rank (EP borrows its ranks from dp_shard).
         self.layout = BatchLayout.from_config(t, dp_size=self.world)
         self.optimizer, self.scheduler = self.build_optimizer()
-        self.update = build_update(self.optimizer, self.model, cfg.optim.overlap_forward, self.device)
         vocab_size = self.model.config.vocab_size
         self.data, self.val_data = build_datasets(cfg.data, self.tokenizer, t.seq_len, t.seed, vocab_size=vocab_size)
         self.metrics = MetricsWriter(cfg.output_dir, self.rank == 0 and write_run_files, t.warmup_steps_excluded)
@@ -171,7 +169,7 @@ class Trainer:
         # optimizer then skips the update on the device; the guard counts skipped steps, also on the device.
         self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
         lr = self.scheduler.get_last_lr()[0]  # this update's; the scheduler then moves on to the next step's
-        self.update.step()  # the optimizer's step (optim.overlap_forward: beside the next forward)
+        self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if load_LE is not None:
@@ -281,7 +279,6 @@ class Trainer:
     def _sync_step(self, pending: list, timer: StepTimer, progress: Progress, stop: StopSignal) -> bool:
         """Checks, metrics rows and checkpoint of a sync step (the same steps on every rank); True to stop early
         on a signal that any rank got."""
-        self.update.settle()  # every update done before anything below reads a parameter
         for dispatcher in self._dispatchers:
             dispatcher.check()  # after the sync: every rank sees the same device-side verdicts
         diverged = self.guard.check(self.step)

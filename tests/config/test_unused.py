@@ -58,13 +58,3 @@ def test_an_fp8_base_on_the_cpu_says_it_is_emulated():
         "peft.quantize_base=fp8 on the cpu emulates the FP8 GEMMs (the same E4M3 values, multiplied in fp32): the "
         "numbers and the memory of FP8, far slower; its kernel needs an sm90 GPU (H100, H200)"
     ]
-
-
-def test_side_streams_on_the_cpu_are_named():
-    """CUDA streams exist on CUDA only: on the CPU the run goes on without them, and the log says so."""
-    cfg = to_config(compose(["train.steps=20", "optim.overlap_forward=true"]))
-    assert unused_settings(cfg) == []
-    assert unused_settings(cfg, device_type="cpu") == [
-        "optim.overlap_forward=true runs the update on a side CUDA stream; on the cpu it runs after the backward as "
-        "usual",
-    ]

@@ -78,16 +78,6 @@ def test_overlap_validates_for_all_to_all():
         (["kernels.fp8=current"], 1, "kernels.fp8=current needs kernels=te"),
         (["kernels=te", "kernels.experts=te"], 1, "kernels.experts=te is not offered"),
         (["kernels=te", "kernels.compile=true"], 1, "kernels=te with kernels.compile=true is not supported"),
-        (
-            ["optim.overlap_forward=true", "train.precision=bf16"],
-            2,
-            "optim.overlap_forward=true waits for each layer's update before its forward on one rank; with 2 ranks",
-        ),
-        (
-            ["optim.overlap_forward=true"],
-            1,
-            "optim.overlap_forward=true waits for each layer's update before its forward, and train.precision=bf16_fp32",
-        ),
         (["train.profile=true", "train.steps=8"], 1, "train.profile=true traces steps 7-9"),
         (["kernels.fp8_amax_compute_algo=mean"], 1, "kernels.fp8_amax_compute_algo='mean' is not one of max"),
         (["kernels.fp8_amax_history_len=0"], 1, "kernels.fp8_amax_history_len=0 is out of range: it must be >= 1"),
