@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from moe_tune.config.constraints import field
 
-DATA_FORMATS = ("auto", "chat", "sharegpt", "prompt_completion", "text")
+DATA_FORMATS = ("auto", "chat", "sharegpt", "alpaca", "prompt_completion", "text")
 TRAIN_ON = ("assistant", "all", "last_assistant")
 BAD_RECORD_POLICIES = ("error", "skip")
 PACKING_STRATEGIES = ("best_fit", "next_fit")

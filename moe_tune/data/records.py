@@ -5,6 +5,7 @@ three kinds of sample: ``Chat`` (rendered with the chat template), ``Completion`
 |-------------------|---------------------------------------------------------------------------|
 | chat              | ``{"messages": [{"role", "content"}, ...], "system"?: str, "tools"?: [...]}`` |
 | sharegpt          | ``{"conversations": [{"from", "value"}, ...], "system"?: str, "tools"?: [...]}`` |
+| alpaca            | ``{"instruction": str, "input"?: str, "output": str, "system"?: str}``: a user and an assistant turn |
 | prompt_completion | ``{"prompt": str, "response" or "completion": str}``; TRL's conversational form: lists of messages |
 | text              | ``{"text": str}``                                                          |
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 
 from moe_tune.config import DataConfig
 
-FORMATS = ("chat", "sharegpt", "prompt_completion", "text")
+FORMATS = ("chat", "sharegpt", "alpaca", "prompt_completion", "text")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # ShareGPT speakers -> chat roles (the names used by FastChat, LLaMA-Factory and Axolotl).
 SHAREGPT_ROLES = {
@@ -76,6 +77,8 @@ def detect_format(record: dict, cfg: DataConfig) -> str | None:
         return "chat"
     if "conversations" in record:
         return "sharegpt"
+    if "instruction" in record and "output" in record and cfg.prompt_key not in record:
+        return "alpaca"
     if cfg.prompt_key in record and (cfg.response_key in record or "completion" in record):
         return "prompt_completion"
     if cfg.text_key in record:
@@ -113,6 +116,8 @@ def _normalize(record: dict, fmt: str, cfg: DataConfig) -> Chat | Completion | T
     if fmt == "sharegpt":
         messages = [_sharegpt_message(m, i) for i, m in enumerate(_list_field(record, "conversations"))]
         return _chat(_with_system(messages, record), _tools(record), cfg.train_on)
+    if fmt == "alpaca":
+        return _alpaca(record, cfg)
     if fmt == "prompt_completion":
         return _prompt_completion(record, cfg)
     return Text(_str_field(record, cfg.text_key))
@@ -227,7 +232,26 @@ def _chat(messages: list[dict], tools, train_on: str, first: int = 0) -> Chat:
     return Chat(messages, tools, trainable)
 
 
+def _alpaca(record: dict, cfg: DataConfig) -> Chat:
+    """Alpaca's record as a chat: the instruction, then its input (if any) after a blank line, as the user's turn
+    (LLaMA-Factory's reading), the output as the assistant's; rendered with the chat template like any chat."""
+    instruction, output, extra = _str_field(record, "instruction"), _str_field(record, "output"), record.get("input")
+    if extra is not None and not isinstance(extra, str):
+        raise BadRecord("wrong_type", f"input must be a string, got {_show(extra)}")
+    _check_not_empty("output", output)
+    user = f"{instruction}\n\n{extra}" if extra else instruction
+    messages = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+    return _chat(_with_system(messages, record), None, cfg.train_on)
+
+
 def _prompt_completion(record: dict, cfg: DataConfig) -> Chat | Completion:
+    if cfg.prompt_key == "instruction" and isinstance(record.get("input"), str) and record["input"]:
+        raise BadRecord(  # Alpaca's fields mapped by hand would train without the record's input
+            "format_mismatch",
+            "this record's 'input' field would be left out of the prompt by data.prompt_key=instruction; drop "
+            "data.prompt_key and data.response_key: Alpaca records are read as data.format=alpaca (the instruction "
+            "and its input as the user's turn)",
+        )
     key = cfg.response_key if cfg.response_key in record else "completion"
     prompt, completion = record.get(cfg.prompt_key), record.get(key)
     if prompt is None or completion is None:
@@ -238,4 +262,13 @@ def _prompt_completion(record: dict, cfg: DataConfig) -> Chat | Completion:
     for name, value in ((cfg.prompt_key, prompt), (key, completion)):
         if not isinstance(value, str):
             raise BadRecord("wrong_type", f"{name} must be a string, got {_show(value)}")
+    _check_not_empty(key, completion)
     return Completion(prompt, completion)
+
+
+def _check_not_empty(key: str, completion: str) -> None:
+    """An empty answer (often an empty table cell) would train the end-of-sequence token alone."""
+    if not completion.strip():
+        raise BadRecord(
+            "empty_completion", f"{key} is {json.dumps(completion)}: only the end of the turn would carry loss"
+        )

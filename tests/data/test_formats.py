@@ -1,6 +1,6 @@
 """Each record format to token ids and loss labels, checked exactly against ids built by hand for the built-in
 tokenizer (one id per character, ChatML's <|im_start|>/<|im_end|>): chat (system, multi-turn, tools), ShareGPT,
-prompt/completion (response and completion keys, TRL's conversational form), text; every data.train_on; a
+Alpaca, prompt/completion (response and completion keys, TRL's conversational form), text; every data.train_on; a
 template without generation blocks gives the same masks by diffing renders; one that breaks the prefix rule is
 refused; auto-detection per file."""
 
@@ -125,6 +125,44 @@ def test_prompt_completion(tmp_path, key, train_on):
 def test_prompt_completion_conversational(tmp_path):
     record = {"prompt": CHAT[:4], "completion": CHAT[4:]}  # TRL: loss on the completion's messages only
     assert samples(tmp_path, [record]) == [chat_expectation("last_assistant")]
+
+
+def test_alpaca_is_a_user_and_an_assistant_turn(tmp_path):
+    """Alpaca's instruction, then its input after a blank line, is the user's turn; an empty input adds nothing."""
+    records = [
+        {"system": "Be brief.", "instruction": "Add.", "input": "2+2", "output": "4"},
+        {"instruction": "Say hi.", "input": "", "output": "hi"},
+    ]
+    assert samples(tmp_path, records) == [
+        expect((f"{S}system\nBe brief.{E}\n{S}user\nAdd.\n\n2+2{E}\n{S}assistant\n", False), (f"4{E}\n", True)),
+        expect((f"{S}user\nSay hi.{E}\n{S}assistant\n", False), (f"hi{E}\n", True)),
+    ]
+
+
+def test_alpaca_mapped_by_hand_never_drops_an_input(tmp_path):
+    """data.prompt_key=instruction would read the instruction alone: a record with an input stops the run (skipping
+    it would drop every such record), one without trains as a string prompt/completion."""
+    keys = {"prompt_key": "instruction", "response_key": "output"}
+    ids = [1] + hand_ids("Say hi.") + hand_ids("hi") + [2]
+    assert samples(tmp_path, [{"instruction": "Say hi.", "input": "", "output": "hi"}], **keys) == [
+        (ids, [IGNORE] * 8 + ids[8:])
+    ]
+    for policy in ("error", "skip"):
+        with pytest.raises(DataError, match=r"data\.jsonl:1: this record's 'input' field would be left out"):
+            samples(tmp_path, [{"instruction": "Add.", "input": "2+2", "output": "4"}], on_bad_record=policy, **keys)
+
+
+@pytest.mark.parametrize(
+    "record",
+    [{"prompt": "7*6=", "completion": ""}, {"prompt": "7*6=", "response": "  "}, {"instruction": "Add.", "output": ""}],
+)
+def test_an_empty_answer_is_a_bad_record(tmp_path, record):
+    """It would train the end of the turn alone: named under error, counted under skip (the next record trains)."""
+    key = next(k for k in ("completion", "response", "output") if k in record)
+    with pytest.raises(DataError, match=rf"data\.jsonl:1: {key} is \"\s*\": only the end of the turn would carry"):
+        samples(tmp_path, [record])
+    fine = {**record, key: "42"}
+    assert len(samples(tmp_path, [record, fine], on_bad_record="skip")) == 1
 
 
 def test_text(tmp_path):
