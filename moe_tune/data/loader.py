@@ -46,6 +46,13 @@ def build_datasets(
 
         sources = record_sources(cfg, cfg.path, seed, streaming=True)
         train = StreamingDataset(sources, cfg, Encoder(tokenizer, cfg, seq_len), pad, seed)
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            log.info(  # the in-memory sets' counts line comes at the end instead (summary.json's data_stats)
+                "data (train, streamed): %d file(s) of %s read as the steps need them; records are counted as read, "
+                "in summary.json's data_stats at the end",
+                len(sources),
+                cfg.path,
+            )
         val = _cached(cfg, tokenizer, seq_len, seed, with_train=False)
         val_set = ValDataset(*val["val"][:3], pad, val["val_stats"]) if val["val"] is not None else None
     else:

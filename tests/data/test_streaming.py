@@ -43,6 +43,13 @@ def test_same_seed_same_rows_other_seed_other_rows(tmp_path, data_file):
     assert not all(torch.equal(x, batch(c, s)) for s, x in enumerate(first))
 
 
+def test_the_log_says_at_the_start_that_the_set_streams(tmp_path, data_file, caplog):
+    """Nothing is counted before the steps read it: the first line says so (an in-memory set's is its counts)."""
+    with caplog.at_level("INFO", logger="moe_tune"):
+        stream(tmp_path, data_file)
+    assert f"data (train, streamed): 1 file(s) of {data_file} read as the steps need them" in caplog.text
+
+
 def test_ranks_split_one_global_sequence(tmp_path, data_file):
     single = stream(tmp_path, data_file)[0]
     ranks = [stream(tmp_path, data_file)[0] for _ in range(2)]
