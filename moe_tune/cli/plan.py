@@ -81,7 +81,7 @@ def _print_plan(d: dict) -> None:
     if lay["quantize_base"] != "none":
         print(
             f"  the speed counts the {lay['quantize_base']} base's GEMMs as bf16's: measured (one H100, Qwen3-30B-A3B "
-            "LoRA, full checkpointing) fp8 0.75-0.90x and nf4 0.76-0.79x the bf16 base's tokens/s "
+            "LoRA, full checkpointing, bf16 adapters) fp8 0.94-0.98x and nf4 0.65-0.71x the bf16 base's tokens/s "
             "(benchmarks/README.md)"
         )
 
