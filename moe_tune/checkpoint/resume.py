@@ -80,12 +80,13 @@ def this_runs_hyperparameters(
 ) -> tuple[list[str], list[str]]:
     """Write this run's hyperparameters into the checkpoint's param ``groups`` and ``scheduler_state`` (matched to
     the current groups, not loaded yet), so that they take effect from the resumed step: ``train.lr`` rescales the
-    schedule's peak and the current rate; ``optim.betas`` and ``eps`` replace the groups', and each group's weight
-    decay is ``decays``' (this run's rule, ``weight_decays``). Returns (the changes warned about, the changes of
-    the schedule's shape), each ``"section.key old -> new"``; ``saved`` is the checkpoint's config.
+    schedule's peak, and the resumed step's rate is this run's schedule at that step (``_this_runs_rate``);
+    ``optim.betas`` and ``eps`` replace the groups', and each group's weight decay is ``decays``' (this run's rule,
+    ``weight_decays``). Returns (the changes warned about, the changes of the schedule's shape), each
+    ``"section.key old -> new"``; ``saved`` is the checkpoint's config.
 
     The schedule's shape (``optim.warmup_steps``, ``schedule``, ``min_lr_ratio``, ``train.steps``) is always this
-    run's config; a change is reported as information, as the rate follows the new shape from the next step. So
+    run's config; a change is reported as information, as the rate follows the new shape from the resumed step. So
     are ``train.precision`` and ``optim.stochastic_rounding`` (the weights and moments load into this run's dtypes;
     forgetting them on a resume would otherwise change memory and rounding silently) and ``optim.compiled`` (the
     same maths); so is other data or other rows of it (``DATA_KEYS``, ``train.seq_len``, ``train.seed``: the remaining
@@ -93,12 +94,8 @@ def this_runs_hyperparameters(
     t, o = cfg.train, cfg.optim
     changes = []
     if saved["train"]["lr"] != t.lr:
-        ratio = t.lr / saved["train"]["lr"]
-        scheduler_state["base_lrs"] = [lr * ratio for lr in scheduler_state["base_lrs"]]
-        for group in groups:
-            group["initial_lr"], group["lr"] = group["initial_lr"] * ratio, group["lr"] * ratio
-        scheduler_state["_last_lr"] = [group["lr"] for group in groups]  # LambdaLR's get_last_lr() after the load
         changes.append(f"train.lr {saved['train']['lr']} -> {t.lr}")
+    _this_runs_rate(cfg, saved["train"]["lr"], groups, scheduler_state)
     for key in ("betas", "eps", "weight_decay"):
         new = getattr(o, key)
         old = saved["optim"].get(key, new)
@@ -127,6 +124,24 @@ def this_runs_hyperparameters(
     # A longer run (train.steps) is the usual reason for a new shape: information, not a warning.
     keys = [("optim", k) for k in ("warmup_steps", "schedule", "min_lr_ratio", "compiled")] + [("train", "steps")]
     return changes, _changed(cfg, saved, keys)
+
+
+def _this_runs_rate(cfg: Config, saved_lr: float, groups: list[dict], scheduler_state: dict) -> None:
+    """The resumed step's learning rate as a fresh run with this run's ``train.lr`` and schedule would apply it,
+    written into the param ``groups`` and the scheduler state about to be loaded: the checkpoint's rate is its own
+    schedule's for that step (another ``train.steps`` or warm-up would otherwise apply for one step). The peak
+    (``base_lrs``, ``initial_lr``) is rescaled when ``train.lr`` differs from ``saved_lr``, divided first so that a
+    group at the checkpoint's ``train.lr`` gets this run's exactly; the rate is LambdaLR's own product,
+    base x lambda(step), so an unchanged resume keeps the checkpoint's bits."""
+    from moe_tune.optim import lr_lambda
+
+    lr = cfg.train.lr
+    if saved_lr != lr:
+        scheduler_state["base_lrs"] = [base / saved_lr * lr for base in scheduler_state["base_lrs"]]
+    rate = lr_lambda(cfg.optim, cfg.train.steps)(scheduler_state["last_epoch"])  # last_epoch: the resumed step, s
+    scheduler_state["_last_lr"] = [base * rate for base in scheduler_state["base_lrs"]]  # get_last_lr() after load
+    for group, base, step_lr in zip(groups, scheduler_state["base_lrs"], scheduler_state["_last_lr"]):
+        group["initial_lr"], group["lr"] = base, step_lr
 
 
 def weight_decays(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: Config) -> list[float]:

@@ -216,7 +216,8 @@ def test_param_groups_and_optimizer_state_are_matched_by_name(tmp_path, stochast
 
 def test_hyperparameters_given_anew_on_resume_take_effect(tmp_path, caplog):
     """train.lr, optim.weight_decay and train.steps changed for the resume: the peak and current rates scale by the
-    lr ratio, the decay is the new one, the next step follows the new schedule; each change logged."""
+    lr ratio (still in warm-up, where train.steps does not change the rate), the decay is the new one; each change
+    logged. tests/train/test_resume_schedule.py: the resumed step's rate is the new schedule's."""
 
     saved = _plain_trainer(steps=2, num_hidden_layers=1)
     saved.save(str(tmp_path / "step_2"))
@@ -282,6 +283,11 @@ def test_a_resume_with_other_data_or_another_model_path_says_so(tmp_path, caplog
     assert warned[1] == "resuming with this run's data.path train.jsonl -> other.jsonl (the checkpoint had the former)"
 
 
+def _no_groups() -> dict:
+    """A scheduler state with no param groups, at step 0 (what ``this_runs_hyperparameters`` reads of one)."""
+    return {"base_lrs": [], "last_epoch": 0}
+
+
 def test_a_resume_that_makes_other_rows_of_the_data_says_so():
     """The same records packed at another length, shuffled by another seed, unpacked or masked otherwise: the
     remaining steps read other rows than the run would have, so the resume names each change."""
@@ -290,7 +296,7 @@ def test_a_resume_that_makes_other_rows_of_the_data_says_so():
 
     saved = asdict(to_config(compose([])))
     overrides = ["train.seq_len=128", "train.seed=1", "data.packing=false", "data.train_on=all"]
-    changes, _ = this_runs_hyperparameters(to_config(compose(overrides)), saved, [], {"base_lrs": []}, [])
+    changes, _ = this_runs_hyperparameters(to_config(compose(overrides)), saved, [], _no_groups(), [])
     assert changes == [
         "data.train_on assistant -> all",
         "data.packing True -> False",
@@ -298,7 +304,7 @@ def test_a_resume_that_makes_other_rows_of_the_data_says_so():
         "train.seed 0 -> 1",
     ]
     unchanged = to_config(compose(["data.num_proc=2", "data.cache_dir=/tmp/elsewhere"]))
-    assert this_runs_hyperparameters(unchanged, saved, [], {"base_lrs": []}, [])[0] == []
+    assert this_runs_hyperparameters(unchanged, saved, [], _no_groups(), [])[0] == []
 
 
 def test_a_lora_resume_warns_of_another_alpha_dropout_or_quantized_base():
@@ -311,9 +317,9 @@ def test_a_lora_resume_warns_of_another_alpha_dropout_or_quantized_base():
         return to_config(compose(["peft=lora", *overrides]))
 
     saved = asdict(config("peft.quantize_base=nf4"))
-    changes, _ = this_runs_hyperparameters(config("peft.alpha=64"), saved, [], {"base_lrs": []}, [])
+    changes, _ = this_runs_hyperparameters(config("peft.alpha=64"), saved, [], _no_groups(), [])
     assert changes == ["peft.alpha 32.0 -> 64.0", "peft.quantize_base nf4 -> none"]
-    assert this_runs_hyperparameters(config("peft.quantize_base=nf4"), saved, [], {"base_lrs": []}, [])[0] == []
+    assert this_runs_hyperparameters(config("peft.quantize_base=nf4"), saved, [], _no_groups(), [])[0] == []
 
 
 def test_a_lora_resume_from_a_moved_base_says_the_adapters_continue_on_it():
