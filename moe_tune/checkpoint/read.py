@@ -17,10 +17,15 @@ def _hint(path: str) -> str:
     found = manifest.complete_checkpoints(path)
     if found:
         return f"; {path} is a run directory: give one of its checkpoints, e.g. {found[0]}"
-    load = (
-        "rerun with checkpoint.every=N, or load it with transformers (a LoRA adapter with PEFT, whose "
-        "merge_and_unload() merges it)"
-    )
+    load = "load it with transformers (a LoRA adapter with PEFT, whose merge_and_unload() merges it)"
+    if _is_run_dir(path):  # before _is_export: a run directory's config.json is the run's config, not a model's
+        hf = os.path.join(path, "hf")
+        what = (
+            f"{path} is a run directory without checkpoints (checkpoint.every=0, or the run stopped before its first)"
+        )
+        if _is_export(hf):
+            return f"; {what}: its Hugging Face export is {hf}; {load}"
+        return f"; {what} and without a Hugging Face export: rerun with checkpoint.every=N"
     if _is_export(path):
         run = os.path.dirname(os.path.normpath(path))
         of_run = manifest.complete_checkpoints(run)
@@ -29,17 +34,19 @@ def _hint(path: str) -> str:
                 f"; {path} is the Hugging Face export of the run in {run}: give one of its checkpoints, e.g. "
                 f"{of_run[0]}"
             )
-        return f"; {path} is a Hugging Face export, not a checkpoint: {load}"
-    if _is_export(os.path.join(path, "hf")):
-        return (
-            f"; {path} is a run directory without checkpoints (a run with checkpoint.every=0 saves none) and "
-            f"{os.path.join(path, 'hf')} its Hugging Face export: {load}"
-        )
+        return f"; {path} is a Hugging Face export, not a checkpoint: rerun with checkpoint.every=N, or {load}"
     return ""
 
 
 def _is_export(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, name)) for name in ("config.json", "adapter_config.json"))
+
+
+def _is_run_dir(path: str) -> bool:
+    """A moe-tune run's output_dir: its export in hf/, or the files a run writes as it trains."""
+    return _is_export(os.path.join(path, "hf")) or any(
+        os.path.isfile(os.path.join(path, name)) for name in ("metrics.jsonl", "summary.json")
+    )
 
 
 def read_meta(path: str):

@@ -77,7 +77,11 @@ def test_export_refuses_a_directory_it_would_wipe(tmp_path):
         (run, [], f"is a run directory: give one of its checkpoints, e.g. {step}"),
         (run / "hf", [], f"is the Hugging Face export of the run in {run}: give one of its checkpoints, e.g. {step}"),
         (earlier, [], f"{earlier} is a Hugging Face export, not a checkpoint: rerun with checkpoint.every=N"),
-        (tmp_path / "no_checkpoints", [], "is a run directory without checkpoints (a run with checkpoint.every=0"),
+        (
+            tmp_path / "no_checkpoints",
+            [],
+            "is a run directory without checkpoints (checkpoint.every=0, or the run stopped",
+        ),
     ]:
         out = tmp_path / "new_out"
         r = _moe_tune_export([source, out, *extra])
@@ -173,3 +177,26 @@ def test_export_refuses_a_model_it_did_not_write_or_a_checkpoints_base(tmp_path,
     with pytest.raises(CheckpointError) as error:
         check_base(meta, {}, 0, str(base), step)
     assert str(error.value).count(str(base)) == 1 and "have changed since the adapters were trained" in str(error.value)
+
+
+def test_a_run_directory_without_checkpoints_points_to_its_export(tmp_path):
+    """A finished run with checkpoint.every=0 holds its run files (config.json of the run, metrics.jsonl,
+    summary.json) and hf/: it is named a run directory without checkpoints with its export in hf/, not an export
+    (with --merge too); without hf/ (checkpoint.export_hf=false), a run directory without either."""
+    import shutil
+
+    run = tmp_path / "run"
+    train_run([f"output_dir={run}", "train.steps=1", "checkpoint.every=0", *FAST_RUN])
+    assert {"config.json", "metrics.jsonl", "summary.json", "hf"} <= {p.name for p in run.iterdir()}
+    start = f"moe-tune-export: error: {run} is not a complete moe-tune checkpoint (needs meta.json and COMPLETE); "
+    what = f"{run} is a run directory without checkpoints (checkpoint.every=0, or the run stopped before its first)"
+    load = "load it with transformers (a LoRA adapter with PEFT, whose merge_and_unload() merges it)"
+    for merge in ([], ["--merge"]):
+        r = _moe_tune_export([run, tmp_path / "out", *merge])
+        assert r.returncode == 2 and not (tmp_path / "out").exists(), r.stderr[-3000:]
+        assert r.stderr.strip().splitlines() == [f"{start}{what}: its Hugging Face export is {run}/hf; {load}"]
+    shutil.rmtree(run / "hf")
+    r = _moe_tune_export([run, tmp_path / "out"])
+    assert r.returncode == 2 and not (tmp_path / "out").exists(), r.stderr[-3000:]
+    want = f"{start}{what} and without a Hugging Face export: rerun with checkpoint.every=N"
+    assert r.stderr.strip().splitlines() == [want]
