@@ -27,7 +27,7 @@ from moe_tune.distributed.fsdp import experts_options
 from moe_tune.distributed.mesh import ParallelMesh, build_mesh
 from moe_tune.distributed.parallelize import parallelize
 from moe_tune.distributed.process_group import rank_world
-from moe_tune.lora import LoRASpec
+from moe_tune.lora import LoRASpec, frozen_base_dtype
 from moe_tune.metrics import flops_per_token
 from moe_tune.models.families import expert_dims, num_experts
 from moe_tune.models.fp8_checkpoint import checkpoint_block_size
@@ -206,8 +206,7 @@ def lora_spec(cfg: Config) -> LoRASpec | None:
     p = cfg.peft
     if p.name != "lora":
         return None
-    base = torch.float32 if cfg.train.precision == "fp32" else torch.bfloat16
-    return LoRASpec(p.rank, p.alpha, p.dropout, tuple(p.target), p.train_router, base)
+    return LoRASpec(p.rank, p.alpha, p.dropout, tuple(p.target), p.train_router, frozen_base_dtype(cfg.train.precision))
 
 
 def model_options(cfg: Config, dims: ParallelDims) -> ModelOptions:

@@ -13,6 +13,7 @@ from dataclasses import asdict
 import torch
 
 from moe_tune.config import Config
+from moe_tune.lora import frozen_base_dtype
 
 
 def setup_logging(rank: int) -> None:
@@ -85,11 +86,14 @@ def write_run_summary(cfg: Config, rank: int, world: int, device, flops_per_toke
 
 def trained_what(cfg: Config) -> str:
     """What the optimizer updates, for the run's log: every weight, or LoRA's adapters over a frozen base and how
-    that base is held."""
+    that base is held (``frozen_base_dtype``, or quantized)."""
     p = cfg.peft
     if p.name != "lora":
         return "every weight (a full fine-tune)"
-    base = "bf16" if p.quantize_base == "none" else f"{p.quantize_base} (peft.quantize_base)"
+    if p.quantize_base != "none":
+        base = f"{p.quantize_base} (peft.quantize_base)"
+    else:
+        base = {torch.float32: "fp32", torch.bfloat16: "bf16"}[frozen_base_dtype(cfg.train.precision)]
     router = " and the routers" if p.train_router else ""
     return (
         f"LoRA adapters of rank {p.rank} (alpha {p.alpha:g}) on {', '.join(p.target)}{router}; the frozen routed "

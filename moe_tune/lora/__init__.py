@@ -8,7 +8,7 @@ same grouped GEMMs. Adapter parameters are the only ones named ``*.lora.*`` (``A
 
 from moe_tune.lora.experts import ExpertsAdapter
 from moe_tune.lora.linear import LinearAdapter, apply_linear_adapters
-from moe_tune.lora.spec import ADAPTER, LINEAR_GROUPS, TARGET_GROUPS, LoRASpec, is_adapter
+from moe_tune.lora.spec import ADAPTER, LINEAR_GROUPS, TARGET_GROUPS, LoRASpec, frozen_base_dtype, is_adapter
 
 __all__ = [
     "ADAPTER",
@@ -18,5 +18,6 @@ __all__ = [
     "LinearAdapter",
     "LoRASpec",
     "apply_linear_adapters",
+    "frozen_base_dtype",
     "is_adapter",
 ]

@@ -20,6 +20,12 @@ def is_adapter(name: str) -> bool:
     return ADAPTER.search(name) is not None
 
 
+def frozen_base_dtype(precision: str) -> torch.dtype:
+    """The storage dtype of LoRA's frozen base, unquantized, under ``train.precision``: fp32 where every weight is
+    fp32 (``fp32``), bf16 otherwise (a weight that does not train needs no fp32 master copy)."""
+    return torch.float32 if precision == "fp32" else torch.bfloat16
+
+
 @dataclass(frozen=True)
 class LoRASpec:
     """``delta_W = alpha / rank * B @ A`` per adapted matrix (``A``: rank x in, ``B``: out x rank), as PEFT.

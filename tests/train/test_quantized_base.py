@@ -37,6 +37,12 @@ def test_the_log_says_what_trains_and_how_the_base_is_held():
         "(peft.quantize_base)"
     )
     assert trained_what(to_config(compose([]))) == "every weight (a full fine-tune)"
+    # Unquantized, the base is held in the precision's frozen dtype: fp32 under train.precision=fp32, else bf16.
+    for precision, held in [("fp32", "fp32"), ("bf16_fp32_master", "bf16"), ("bf16", "bf16"), ("amp_bf16", "bf16")]:
+        said = trained_what(to_config(compose(["peft=lora", f"train.precision={precision}"])))
+        assert said.endswith(f"; the frozen routed experts held in {held}"), (precision, said)
+    fp8_on_fp32 = trained_what(to_config(compose(["peft=lora", "peft.quantize_base=fp8", "train.precision=fp32"])))
+    assert fp8_on_fp32.endswith("; the frozen routed experts held in fp8 (peft.quantize_base)")
 
 
 @pytest.mark.parametrize("mode", list(MODES))
