@@ -69,7 +69,9 @@ def quantize_weight(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lower nibble first; scales ``[e, out, in / block]``)."""
     e, N, K = w_eNK.shape
     block = block_size(K)
-    blocks = w_eNK.float().reshape(e, N, K // block, block)
+    # Contiguous in fp32 (one copy at most): an [e, in, out] family's experts (GPT-OSS) arrive as a transposed view,
+    # which would reach bucketize strided; it copies such an input itself, and warns.
+    blocks = w_eNK.to(torch.float32, memory_format=torch.contiguous_format).reshape(e, N, K // block, block)
     scale = blocks.abs().amax(-1).to(SCALE_DTYPE)
     normalized = blocks / scale.float().clamp(min=torch.finfo(SCALE_DTYPE).tiny).unsqueeze(-1)
     table = _table(w_eNK.device)

@@ -18,6 +18,26 @@ E = PER_PASS + 4  # two passes
 COUNTS = [3] * 5 + [0] * (PER_PASS - 5) + [0, 9, 0, 4]  # pass 1 ends empty, pass 2 starts so
 
 
+def test_a_transposed_weight_quantizes_as_its_contiguous_copy_without_a_warning():
+    """A stacked weight stored transposed (``[e, in, out]`` viewed as ``[e, out, in]``, as GPT-OSS's experts): the
+    same codes and scales as its contiguous copy, and no warning of a non-contiguous input (torch's searchsorted warns
+    once per process: made to warn always here)."""
+    import warnings
+
+    w = torch.randn(3, 96, 40, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).transpose(1, 2)
+    assert not w.is_contiguous()
+    was = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            codes, scales = quantize_weight(w)
+    finally:
+        torch.set_warn_always(was)
+    want_codes, want_scales = quantize_weight(w.contiguous())
+    assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+
+
 @pytest.mark.parametrize("K, block", [(128, 64), (96, 32)])
 def test_each_weight_becomes_the_nearest_nf4_value_of_its_block(K, block):
     w = torch.randn(3, 8, K, generator=torch.Generator().manual_seed(0))
