@@ -1,7 +1,7 @@
 """``moe-tune-bench`` = ``python -m moe_tune.bench``: one workload through the plain Transformers baseline,
 moe_tune variants and (when installed) NeMo AutoModel, side by side.
 
-    moe-tune-bench model=qwen3_30b_a3b model.overrides.num_hidden_layers=8 train.seq_len=4096 \\
+    moe-tune-bench model=qwen3_30b_a3b +model.overrides.num_hidden_layers=8 train.seq_len=4096 \\
         train.micro_batch_size=1 train.steps=20 train.warmup_steps_excluded=5 \\
         --variants 'a2a:comm=all_to_all,parallel.ep=2;deepep:comm=deepep,parallel.ep=2' --nproc 2
 

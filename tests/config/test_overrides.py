@@ -72,6 +72,27 @@ def test_every_builtin_model_is_a_config():
     assert set(group_options()["model"]) == set(PRESETS) | {"hf"}
 
 
+def test_the_overrides_config_comments_suggest_compose():
+    """A ``model.overrides.<key>=<value>`` a config file's comment suggests composes with that config (a key the
+    preset's overrides lack takes a +: qwen3_30b_a3b's comment gave it without, which Hydra refuses)."""
+    import glob
+    import re
+
+    import moe_tune
+    from moe_tune.cli.train import compose, to_config
+
+    suggested = []
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(moe_tune.__file__), "conf", "*", "*.yaml"))):
+        group, name = os.path.basename(os.path.dirname(path)), os.path.basename(path)[: -len(".yaml")]
+        comments = "\n".join(line for line in open(path) if line.lstrip().startswith("#"))
+        for override in re.findall(r"\+?model\.overrides\.\w+=\S+?(?=[.,;)]?(?:\s|$))", comments):
+            key, value = override.lstrip("+").split("=")
+            suggested.append(override)
+            cfg = to_config(compose([f"{group}={name}", override]))
+            assert str(cfg.model.overrides[key.split(".")[-1]]) == value, (path, override)
+    assert len(suggested) >= 2, suggested  # qwen3_30b_a3b's and mixtral_8x7b's
+
+
 @pytest.mark.parametrize(
     "args,line",
     [
