@@ -142,10 +142,12 @@ def _check_data(cfg: Config) -> None:
 
 
 def lora_keys_without_lora(given: list[str]) -> None:
-    """``given`` (peft.* overrides) would be silently ignored under peft=none: a forgotten peft=lora."""
+    """``given`` (peft.* overrides) would be silently ignored under peft=none: a forgotten peft=lora. Named by key
+    first, as any value of them (``none`` too) is refused."""
+    keys = list(dict.fromkeys(g.partition("=")[0].lstrip("+~") for g in given))
     raise ConfigError(
-        f"{', '.join(given)} configures LoRA, but peft=none trains every weight; add peft=lora (or drop "
-        f"{'them' if len(given) > 1 else 'it'})"
+        f"{', '.join(keys)} {'apply' if len(keys) > 1 else 'applies'} to LoRA (peft=lora), and peft=none trains every "
+        f"weight: add peft=lora, or drop {', '.join(given)}"
     )
 
 

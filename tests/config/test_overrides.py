@@ -125,7 +125,17 @@ def test_the_overrides_config_comments_suggest_compose():
             ["peft=lora", "peft.target=attention"],
             "peft.target is a list; write it in brackets: 'peft.target=[attention]'",
         ),
-        (["peft.rank=16"], "peft.rank=16 configures LoRA, but peft=none trains every weight; add peft=lora"),
+        (
+            ["peft.rank=16"],
+            "peft.rank applies to LoRA (peft=lora), and peft=none trains every weight: add peft=lora, or drop "
+            "peft.rank=16",
+        ),
+        # Any value is refused, the default too: the line reads right for none.
+        (
+            ["peft=none", "peft.quantize_base=none"],
+            "peft.quantize_base applies to LoRA (peft=lora), and peft=none trains every weight: add peft=lora, or "
+            "drop peft.quantize_base=none",
+        ),
         (
             ["model=mixtral_8x7"],
             "model=mixtral_8x7 is not one of deepseek_v3, glm4_5_air, gpt_oss_20b, hf, mixtral_8x7b",

@@ -97,8 +97,13 @@ def test_overlap_validates_for_all_to_all():
             "optim.stochastic_rounding=true rounds bf16 parameters (got train.precision=bf16_fp32_master",
         ),
         (["train.max_nonfinite_steps=-1"], 1, "train.max_nonfinite_steps=-1 is out of range: it must be >= 0"),
-        (["peft.rank=8"], 1, "peft.rank=8 configures LoRA, but peft=none trains every weight; add peft=lora"),
-        (["peft.quantize_base=fp8"], 1, "peft.quantize_base=fp8 configures LoRA, but peft=none trains every weight"),
+        (
+            ["peft.rank=8"],
+            1,
+            "peft.rank applies to LoRA (peft=lora), and peft=none trains every weight: add peft=lora, or drop "
+            "peft.rank=8",
+        ),
+        (["peft.quantize_base=fp8"], 1, "peft.quantize_base applies to LoRA (peft=lora), and peft=none trains every"),
         (["peft=lora", "peft.quantize_base=int4"], 1, "peft.quantize_base='int4' is not one of none, fp8, nf4; pick"),
         (["peft=lora", "peft.quantize_base=NF4"], 1, "not one of none, fp8, nf4; did you mean peft.quantize_base=nf4?"),
         (["kernels.experts=Grouped-MM"], 1, "did you mean kernels.experts=grouped_mm?"),
@@ -108,7 +113,12 @@ def test_overlap_validates_for_all_to_all():
             "kernels.experts=grouped_mm_fp8 quantizes trained expert weights at every step; with "
             "peft.quantize_base=nf4 the frozen experts are quantized once",
         ),
-        (["peft.target=[attention]", "peft.alpha=8"], 1, "peft.alpha=8.0, peft.target=[attention] configures LoRA"),
+        (
+            ["peft.target=[attention]", "peft.alpha=8"],
+            1,
+            "peft.alpha, peft.target apply to LoRA (peft=lora), and peft=none trains every weight: add peft=lora, or "
+            "drop peft.alpha=8.0, peft.target=[attention]",
+        ),
         (["checkpoint.keep_last=-1"], 1, "checkpoint.keep_last=-1 is out of range"),
         (["kernels.fp8_format=e5m2"], 1, "kernels.fp8_format='e5m2' is not one of hybrid, e4m3"),
         (
