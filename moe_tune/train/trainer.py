@@ -150,6 +150,9 @@ class Trainer:
         tokens and the global gradient norm, as device tensors (nothing here waits for the device), and the
         learning rate the update applied."""
         model, layout = self.model, self.layout
+        # Dropout's masks (LoRA's, a model's own) drawn from (seed, step, rank): a resumed step draws what the
+        # uninterrupted run drew, with no generator state in the checkpoint (stochastic rounding's bits likewise).
+        torch.manual_seed(step_seed(self.cfg.train.seed, step, self.rank))
         tokens = self.data.step_tokens(step, layout)  # all ranks'
         batches = [self._micro_batch(step, m) for m in range(layout.accum)]
         normalizer = self._loss_normalizer(batches)
@@ -384,3 +387,8 @@ class Trainer:
 
 
 __all__ = ["Trainer"]
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The global generator's seed for one rank's training step: another for each step and rank of a run."""
+    return ((seed * 1_000_003 + step) * 65_537 + rank) % (1 << 63)

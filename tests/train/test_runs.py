@@ -31,10 +31,12 @@ def _assert_resumed_bitwise(straight, resumed, step: int) -> None:
     assert sa.keys() == sb.keys() and sa and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_resume_is_bitwise(tmp_path):
-    """6 steps straight == 3 steps, stop, resume from checkpoints/step_3 for 3 more (fp32, CPU, rtol=0)."""
+@pytest.mark.parametrize("extra", [[], ["peft=lora", "peft.dropout=0.1"]], ids=["full", "lora_dropout"])
+def test_resume_is_bitwise(tmp_path, extra):
+    """6 steps straight == 3 steps, stop, resume from checkpoints/step_3 for 3 more (fp32, CPU, rtol=0); with LoRA
+    dropout the resumed steps draw the straight run's masks."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = ["train.steps=6", "checkpoint.every=3", *FAST_RUN]
+    common = ["train.steps=6", "checkpoint.every=3", *FAST_RUN, *extra]
     train_run([f"output_dir={straight}", *common])
     copy_checkpoint(straight, resumed, 3)
     train_run([f"output_dir={resumed}", *common])
