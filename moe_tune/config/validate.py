@@ -22,7 +22,9 @@ from moe_tune.config.schema import (
     PeftConfig,
     profiled_steps,
 )
-from moe_tune.distributed.dims import BatchLayout, ParallelDims
+
+# The module, not its names: moe_tune.distributed.dims imports this package, and may be the first one imported.
+from moe_tune.distributed import dims as layout
 
 
 def world_size_from_env() -> int:
@@ -34,18 +36,18 @@ def validate(
     world_size: int | None = None,
     num_experts: int | None = None,
     expert_dims: tuple[int, int] | None = None,
-) -> ParallelDims:
+) -> layout.ParallelDims:
     """Check ``cfg`` for ``world_size`` ranks (default: from the launcher's environment) and, once the model is
     known, its ``num_experts`` and routed experts' (dim, hidden). Returns the resolved parallel layout. Raises
     ConfigError with one line."""
     world_size = world_size_from_env() if world_size is None else world_size
     check_values(cfg)
-    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    dims = layout.ParallelDims.from_config(cfg.parallel, world_size)
     if num_experts is not None:
         dims.check_experts(num_experts)
     if expert_dims is not None:
         check_expert_dims(cfg, *expert_dims)
-    BatchLayout.from_config(cfg.train, dims.dp)  # the global batch: a whole number of micro-batches
+    layout.BatchLayout.from_config(cfg.train, dims.dp)  # the global batch: a whole number of micro-batches
     if cfg.comm.name != "all_to_all" and dims.ep == 1:
         raise ConfigError(f"comm={cfg.comm.name} needs expert parallelism; set parallel.ep>1 or comm=all_to_all")
     if cfg.comm.overlap and dims.ep == 1:
