@@ -14,7 +14,7 @@ import shutil
 from collections.abc import Container, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from moe_tune.config import CheckpointError
 from moe_tune.lora import is_adapter
@@ -57,6 +57,17 @@ _DTYPES = {
 }
 
 
+def _open(file: str):
+    """``safe_open`` of one file of a model directory: CheckpointError naming it when it cannot be parsed."""
+    try:
+        return safe_open(file, "pt")
+    except SafetensorError as e:
+        raise CheckpointError(
+            f"{file} is not a readable safetensors file ({e}): it is damaged or cut short; restore it from the "
+            "model's source (copy or download it again; a built-in preset's base_model/ is built again once deleted)"
+        ) from None
+
+
 class CheckpointReader:
     """Key -> file index over a checkpoint directory (single file, sharded with an index, or loose files)."""
 
@@ -69,7 +80,7 @@ class CheckpointReader:
                 raise CheckpointError(f"{path} holds no *.safetensors files; give a Hugging Face checkpoint directory")
             weight_map = {}
             for name in files:
-                with safe_open(os.path.join(path, name), "pt") as f:
+                with _open(os.path.join(path, name)) as f:
                     weight_map.update(dict.fromkeys(f.keys(), name))
         self.weight_map: dict[str, str] = weight_map
         self._handles: dict[str, object] = {}
@@ -82,7 +93,7 @@ class CheckpointReader:
     def _slice(self, key: str):
         name = self.weight_map[key]
         if name not in self._handles:
-            self._handles[name] = safe_open(os.path.join(self.path, name), "pt")
+            self._handles[name] = _open(os.path.join(self.path, name))
         self.used.add(key)
         return self._handles[name].get_slice(key)
 

@@ -15,7 +15,7 @@ import torch
 from moe_tune.config import CheckpointError, ConfigError
 from moe_tune.models.hf_io import CheckpointReader
 from moe_tune.models.source_check import check_overrides, check_source_dir
-from tests.harness import run_main
+from tests.harness import FAST_RUN, run_main
 
 
 @pytest.fixture
@@ -139,3 +139,32 @@ def test_an_output_dir_without_write_permission_is_one_line(tmp_path):
         f"moe-tune: error: output_dir={parent}/run (under {parent}) is not writable (a read-only file system or no "
         "permission); give an output_dir you can write to"
     ]
+
+
+def _garble_header(file) -> None:
+    """Overwrite the safetensors header's length (its first 8 bytes) with one far past the file's end."""
+    with open(file, "r+b") as f:
+        f.write(b"\xff" * 8)
+
+
+def test_a_garbled_safetensors_header_is_a_checkpoint_error_naming_the_file(tiny_checkpoint):
+    path = tiny_checkpoint()
+    file = os.path.join(path, "model.safetensors")
+    _garble_header(file)
+    with pytest.raises(CheckpointError, match="is not a readable safetensors file") as e:
+        CheckpointReader(path)
+    assert file in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_run_whose_base_model_was_damaged_resumes_to_one_line_and_exit_2(tmp_path):
+    run = tmp_path / "run"
+    base = [f"output_dir={run}", "checkpoint.export_hf=false", "checkpoint.every=2", *FAST_RUN]
+    r = run_main([*base, "train.steps=2"])
+    assert r.returncode == 0, r.stderr[-4000:]
+    file = run / "base_model" / "model.safetensors"
+    _garble_header(file)
+    r = run_main([*base, "train.steps=4"])
+    assert r.returncode == 2, r.stderr[-4000:]
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"moe-tune: error: {file} is not a readable safetensors file"), r.stderr[-4000:]
+    assert "Traceback" not in r.stderr and "restore it" in lines[-1]
