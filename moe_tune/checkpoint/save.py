@@ -7,6 +7,7 @@ import copy
 import functools
 import logging
 import os
+import shutil
 import time
 
 import torch
@@ -34,8 +35,8 @@ def save(state: RunState, step: int, path: str, saver: CheckpointSaver | None = 
     root = os.path.dirname(os.path.dirname(path))
     previous = next((p for p in manifest.complete_checkpoints(root) if p != path), None)
     with safe.disk_full_exits(path, previous, state.rank):
-        if state.rank == 0 and os.path.isfile(os.path.join(path, manifest.COMPLETE)):
-            os.remove(os.path.join(path, manifest.COMPLETE))
+        if state.rank == 0:
+            _clear_for_save(path)
         if dist.is_initialized():
             dist.barrier()  # no rank writes into the directory while it still claims to be complete
         staged_at = time.perf_counter()
@@ -65,6 +66,16 @@ def save(state: RunState, step: int, path: str, saver: CheckpointSaver | None = 
             how,
         )
     return stall
+
+
+def _clear_for_save(path: str) -> None:
+    """Rank 0, before a save into ``path``: a complete checkpoint there loses ``COMPLETE`` first (the save rewrites
+    it); a directory without one, left by a save cut short or damaged, goes whole, so no file of it stays beside
+    the new save's and DCP finds no ``.metadata`` to warn about overwriting."""
+    if os.path.isfile(os.path.join(path, manifest.COMPLETE)):
+        os.remove(os.path.join(path, manifest.COMPLETE))
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
 
 
 def prepare_save(state: RunState, saver: CheckpointSaver) -> None:

@@ -229,3 +229,23 @@ def test_export_of_a_damaged_checkpoint_is_exit_2_naming_the_file(four_steps, ca
     assert e.value.code == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]  # after the training run's own log lines
     assert line.startswith("moe-tune-export: error: checkpoint") and shard in line and "checksum" in line
+
+
+def test_a_save_into_a_cut_short_save_replaces_it_without_dcps_overwrite_warning(four_steps, make_trainer):  # noqa: F811
+    """A step directory without COMPLETE (a save cut short after DCP's .metadata, or damaged) is removed before a
+    save goes into it: no stray file of it stays, and DCP finds no .metadata to warn about overwriting."""
+    import warnings
+
+    step_4 = _ckpt(four_steps, 4)
+    os.remove(os.path.join(step_4, manifest.COMPLETE))
+    os.remove(os.path.join(four_steps, "summary.json"))  # the run was cut short in that save
+    stray = os.path.join(step_4, "__9_0.distcp")
+    open(stray, "wb").close()
+    trainer = make_trainer("train.steps=4", "checkpoint.every=2", out=str(four_steps))
+    assert trainer.step == 2  # resumed from the complete step_2, past the cut-short step_4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit()
+    assert not [w for w in caught if "existing checkpoint" in str(w.message)], [str(w.message) for w in caught]
+    assert not os.path.exists(stray)
+    assert latest(str(four_steps)) == step_4 and manifest.verify(step_4) is None
