@@ -45,6 +45,17 @@ def honour_sigint() -> None:
         signal.signal(signum, _stop_requested)
 
 
+def restore_default_signals() -> None:
+    """SIGINT, SIGTERM and SIGUSR1 back to the system's default action once the run is over (its outputs written,
+    or its error or stop said), before Hydra's and the interpreter's teardown: a signal then ends the process as
+    it ends any program, by that signal (a shell reads 128 + signal), where ``StopRequested`` raised in an atexit
+    callback would print its traceback and exit 0. Buffered output is flushed first: such an end drops it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def interrupted(e: KeyboardInterrupt) -> int:
     """The line for a stop outside training (Ctrl-C or ``StopRequested``), printed; returns the exit code."""
     signum = getattr(e, "signum", signal.SIGINT)
@@ -218,7 +229,8 @@ def run(dict_cfg) -> None:
     from moe_tune.config import UserError
 
     cfg = to_config(dict_cfg)
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+    sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    if sweep:
         # Each job of a sweep (or of a launcher such as submitit_slurm) gets its own run directory.
         cfg.output_dir = HydraConfig.get().runtime.output_dir
     from moe_tune.distributed.process_group import destroy_distributed, dist_env
@@ -250,6 +262,8 @@ def run(dict_cfg) -> None:
         raise
     release_held()  # the run lock on output_dir
     destroy_distributed()
+    if not sweep:  # a sweep's next job starts as this one did: main restores them after the last
+        restore_default_signals()
 
 
 def register_launcher() -> None:
@@ -276,6 +290,8 @@ def main() -> None:
         hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(run)()
     except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM) before training started, or a second one while it stopped
         leave(interrupted(e))
+    finally:
+        restore_default_signals()
 
 
 if __name__ == "__main__":

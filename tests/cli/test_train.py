@@ -378,3 +378,25 @@ def test_hydra_multirun_gives_each_job_its_own_run_directory(tmp_path):
         assert [row["step"] for row in rows] == [1, 2], r.stdout
     lrs = [json.load(open(tmp_path / "multirun" / j / "config.json"))["train"]["lr"] for j in ("0", "1")]
     assert lrs == [1e-3, 2e-3]
+
+
+SIGTERM_AT_EXIT = """
+import atexit, os, signal, sys
+atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM))  # registered first: runs last, in the teardown
+sys.argv = ["moe-tune", *sys.argv[1:]]
+from moe_tune.cli.train import main
+main()
+"""
+
+
+@pytest.mark.slow
+def test_a_sigterm_after_the_run_ends_the_process_by_the_signal_without_a_traceback(tmp_path, cli_env):
+    """A SIGTERM during the interpreter's teardown, the run finished: the stop handlers are gone by then, so the
+    signal ends the process by its default action (-15 here, a shell's 143), no traceback from an atexit callback."""
+    import signal
+
+    args = [f"output_dir={tmp_path}", "train.steps=1", "checkpoint.export_hf=false", *FAST_RUN]
+    r = subprocess.run([PY, "-c", SIGTERM_AT_EXIT, *args], env=cli_env, capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-3000:]
+    assert r.returncode == -signal.SIGTERM, r.stderr[-3000:]
+    assert (tmp_path / "summary.json").is_file() and f"outputs in {tmp_path}" in r.stderr
