@@ -28,6 +28,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from moe_tune.checkpoint import manifest
 from moe_tune.config import CheckpointError
 
 METADATA = ".metadata"
@@ -251,6 +252,40 @@ def disk_full_exits(path: str, previous: str | None, rank: int):
                 kept,
                 os.path.dirname(path),
             )
+        raise SystemExit(1) from None
+
+
+def export_disk_full(exc: BaseException, out_dir: str, kept: str, fix: str) -> str | None:
+    """The one line for an export to ``out_dir`` that ran out of disk space (its partial directory already removed
+    by ``write_checkpoint_atomic``); None for any other failure. ``kept``: what is intact; ``fix``: what to run
+    once space is freed. Safetensors reports a full disk as a SafetensorError naming ``os error 28``."""
+    if isinstance(exc, (SystemExit, KeyboardInterrupt)) or not (_is_disk_full(exc) or "os error 28" in str(exc)):
+        return None
+    return (
+        f"exporting to {out_dir} failed: no space left on device ({_free_bytes(out_dir) >> 20} MiB free); nothing "
+        f"of it was kept and {kept}. Free space in {os.path.dirname(os.path.abspath(out_dir))}, then {fix}"
+    )
+
+
+@contextlib.contextmanager
+def export_disk_full_exits(out_dir: str, run_dir: str, step: int):
+    """A run's export to ``out_dir`` (after training to ``step``) that runs out of disk space: one error line
+    naming the checkpoints kept and how to export again, exit 1, as for a checkpoint save."""
+    try:
+        yield
+    except BaseException as e:
+        newest = next(iter(manifest.complete_checkpoints(run_dir)), None)
+        if newest is None:
+            kept, fix = "the run saved no checkpoint", "run the same command again (it trains again from step 1)"
+        else:
+            kept = f"the checkpoints are intact (newest: {newest})"
+            fix = "run the same command again (it resumes from that checkpoint and exports)"
+            if manifest.saved_step(newest) == step:
+                fix += f", or moe-tune-export {newest} {out_dir}"
+        line = export_disk_full(e, out_dir, kept, fix)
+        if line is None:
+            raise
+        log.error("%s", line)
         raise SystemExit(1) from None
 
 

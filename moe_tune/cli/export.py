@@ -37,6 +37,15 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as e:
         print(f"moe-tune-export: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except Exception as e:  # a full disk: one line and exit 1, as a run's checkpoint save says it
+        from moe_tune.checkpoint.safe import export_disk_full
+
+        kept, again = f"the checkpoint {args.checkpoint} is intact", "run the same moe-tune-export command again"
+        line = export_disk_full(e, args.out, kept, again)
+        if line is None:
+            raise
+        print(f"moe-tune-export: error: {line}", file=sys.stderr)
+        raise SystemExit(1) from None
     print(f"wrote {args.out}")
 
 

@@ -247,7 +247,7 @@ def write_checkpoint_atomic(model, out_dir: str, writer=None, **options) -> None
     adapter) into a temporary sibling of ``out_dir`` (same filesystem), then swapped in by rank 0
     after every rank has written: the old directory is renamed away, the new one renamed in, the old deleted. A
     reader never sees two exports mixed (stale shards of another layout or sharding cannot remain), and an export
-    that fails leaves the previous one in place. Every rank must call it. ``out_dir`` must be new, empty or an
+    that fails leaves the previous one in place, and no temporary directory. Every rank must call it. ``out_dir`` must be new, empty or an
     earlier export (``check_export_target``)."""
     check_export_target(out_dir)
     out_dir = os.path.realpath(out_dir)  # through a symlink: its target is replaced, the link kept
@@ -260,10 +260,15 @@ def write_checkpoint_atomic(model, out_dir: str, writer=None, **options) -> None
             shutil.rmtree(leftover, ignore_errors=True)
     if world > 1:
         dist.barrier()  # every rank writes into the fresh temporary directory
-    (writer or write_checkpoint)(model, tmp, **options)  # ends with a barrier over all ranks when world > 1
+    try:
+        (writer or write_checkpoint)(model, tmp, **options)  # ends with a barrier over all ranks when world > 1
+        if rank == 0:
+            with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
+                json.dump({"written_by": "moe_tune"}, f)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed export (a full disk) leaves no partial directory
+        raise
     if rank == 0:
-        with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
-            json.dump({"written_by": "moe_tune"}, f)
         target = os.path.join(parent, name)
         if os.path.lexists(target):
             os.replace(target, old)

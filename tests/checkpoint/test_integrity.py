@@ -14,7 +14,7 @@ import torch
 
 from moe_tune.checkpoint import latest, manifest, safe
 from moe_tune.config import CheckpointError
-from tests.harness import read_metrics
+from tests.harness import FAST_RUN, read_metrics, run_main
 from tests.train.conftest import make_trainer, trainer_for  # noqa: F401  (the trainer fixture, for this directory too)
 
 
@@ -249,3 +249,53 @@ def test_a_save_into_a_cut_short_save_replaces_it_without_dcps_overwrite_warning
     assert not [w for w in caught if "existing checkpoint" in str(w.message)], [str(w.message) for w in caught]
     assert not os.path.exists(stray)
     assert latest(str(four_steps)) == step_4 and manifest.verify(step_4) is None
+
+
+def _full_disk(how: str):
+    """A ``save_safetensors`` that fails as a full disk does: an OSError, or safetensors' own error naming it."""
+    from safetensors import SafetensorError
+
+    def write(tensors, path):
+        if how == "oserror":
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    return write
+
+
+@pytest.mark.parametrize("how", ["oserror", "safetensors"])
+def test_disk_full_during_the_runs_export_is_one_line_and_a_rerun_exports(tmp_path, monkeypatch, how):
+    from moe_tune.models import export
+
+    run = tmp_path / "run"
+    args = [f"output_dir={run}", "train.steps=2", "checkpoint.every=2", *FAST_RUN]
+    monkeypatch.setattr(export, "save_safetensors", _full_disk(how))
+    r = run_main(args)
+    assert r.returncode == 1, r.stderr[-3000:]
+    lines = [line for line in r.stderr.splitlines() if "exporting to" in line]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    step_2 = _ckpt(run, 2)
+    assert f"exporting to {run / 'hf'} failed: no space left on device (" in lines[0]
+    assert f"checkpoints are intact (newest: {step_2})" in lines[0] and "run the same command again" in lines[0]
+    assert f"moe-tune-export {step_2} {run / 'hf'}" in lines[0]
+    assert not (run / ".hf.partial").exists() and not (run / "hf").exists() and not (run / "summary.json").exists()
+    monkeypatch.undo()  # space freed: the same command resumes at train.steps and exports
+    r = run_main(args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (run / "hf" / "model.safetensors").is_file() and (run / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("how", ["oserror", "safetensors"])
+def test_disk_full_during_moe_tune_export_is_one_line(four_steps, monkeypatch, capsys, how):
+    from moe_tune.cli.export import main
+    from moe_tune.models import export
+
+    monkeypatch.setattr(export, "save_safetensors", _full_disk(how))
+    out = four_steps / "exported"
+    with pytest.raises(SystemExit) as e:
+        main([_ckpt(four_steps, 4), str(out)])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"moe-tune-export: error: exporting to {out} failed: no space left on device (")
+    assert f"the checkpoint {_ckpt(four_steps, 4)} is intact" in err[-1] and "Traceback" not in "\n".join(err)
+    assert not (four_steps / ".exported.partial").exists() and not out.exists()
