@@ -7,7 +7,8 @@ job must, its metrics rows replaced as a resume replaces those past its checkpoi
 ``train.steps`` leaves nothing to train (a shorter run given by mistake, which would otherwise exit 0 having
 trained nothing). A checkpoint at
 ``train.steps`` is a finished run run again: as in torchtitan and Lightning it trains nothing and ends with
-exit 0, which a requeued or retried job relies on; the trainer says so (``note_finished``).
+exit 0, which a requeued or retried job relies on; the trainer says so (``note_finished``). So is a run whose
+summary.json says it finished at ``train.steps`` with no checkpoint there (``RunFinished``: its outputs stand).
 """
 
 from __future__ import annotations
@@ -25,8 +26,14 @@ log = logging.getLogger("moe_tune")
 RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "hf")
 
 
+class RunFinished(Exception):
+    """The run in output_dir finished at this run's ``train.steps``: nothing to train or write (exit 0)."""
+
+
 def check_start(run_dir: str, resume: str, steps: int, rank: int = 0) -> None:
-    """CheckpointError (one line) for a start that would overwrite a run or train nothing."""
+    """CheckpointError (one line) for a start that would overwrite a run or train nothing; RunFinished for the
+    same command again after a finished run that has no checkpoint at its end."""
+    check_finished(run_dir, resume, steps)
     check_fresh_start(run_dir, resume, rank)
     check_finished_past_checkpoint(run_dir, resume)
     check_steps_left(run_dir, resume, steps)
@@ -55,23 +62,43 @@ def check_fresh_start(run_dir: str, resume: str, rank: int = 0) -> None:
         )
 
 
+def check_finished(run_dir: str, resume: str, steps: int) -> None:
+    """``checkpoint.resume=auto`` where summary.json says the run finished at ``steps`` and no checkpoint is at
+    ``steps`` (saved every N steps and finished between two, checkpoint.every=0, or a requeued job whose node
+    failed after the run's end): RunFinished. A checkpoint at ``steps`` takes the finished run's usual path."""
+    path, step = _newest(run_dir)
+    if resume == "auto" and step != steps and _final_step(run_dir, path) == steps:
+        raise RunFinished(
+            f"output_dir {run_dir} holds a run that finished at train.steps={steps} (summary.json): nothing to train; "
+            "its outputs stand (raise train.steps to train on, or give another output_dir)"
+        )
+
+
+def _final_step(run_dir: str, checkpoint: str | None) -> int | None:
+    """summary.json's ``final_step``; None without one, or when the summary is older than ``checkpoint`` (an
+    earlier run's, started afresh over with ``resume=none``) or from an older moe_tune (no ``final_step``)."""
+    summary = os.path.join(run_dir, "summary.json")
+    if not os.path.isfile(summary):
+        return None
+    if checkpoint is not None and os.path.getmtime(summary) < os.path.getmtime(
+        os.path.join(checkpoint, manifest.COMPLETE)
+    ):
+        return None
+    try:
+        with open(summary) as f:
+            return int(json.load(f)["final_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def check_finished_past_checkpoint(run_dir: str, resume: str) -> None:
     """``checkpoint.resume=auto`` where the run trained past its newest checkpoint and then ended (summary.json's
     ``final_step`` beyond that checkpoint: saved every N steps and finished between two, or stopped on a signal and
     resumed to its end) would train those steps again over the run's outputs: refused. A summary older than the
     checkpoint is an earlier run's, started afresh over (``resume=none``)."""
-    summary = os.path.join(run_dir, "summary.json")
-    if resume != "auto" or not os.path.isfile(summary):
-        return
     path, step = _newest(run_dir)
-    if step is None or os.path.getmtime(summary) < os.path.getmtime(os.path.join(path, manifest.COMPLETE)):
-        return
-    try:
-        with open(summary) as f:
-            ended = int(json.load(f)["final_step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # a summary without final_step (an older moe_tune's): the other checks decide
-    if step < ended:
+    ended = _final_step(run_dir, path) if resume == "auto" and step is not None else None
+    if ended is not None and step < ended:
         name = os.path.basename(os.path.normpath(path))
         again = f"step {ended}" if step + 1 == ended else f"steps {step + 1}-{ended}"
         raise CheckpointError(

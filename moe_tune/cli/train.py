@@ -226,6 +226,7 @@ def run(dict_cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from moe_tune.checkpoint import RunFinished
     from moe_tune.config import UserError
 
     cfg = to_config(dict_cfg)
@@ -242,6 +243,12 @@ def run(dict_cfg) -> None:
     # an error on one rank, where NCCL could wait for the others: torchrun ends those jobs.
     try:
         trainer = Trainer(cfg)
+    except RunFinished as e:  # the same command after the run ended: every rank reads the same summary.json
+        if dist_env().rank == 0:
+            logging.getLogger("moe_tune").info("%s", e)
+        release_held()
+        destroy_distributed()
+        return
     except UserError as e:
         if os.path.abspath(cfg.output_dir) in release_held():  # only a run that held output_dir wrote to it
             restore_output_dir(cfg.output_dir)

@@ -58,15 +58,20 @@ def test_a_run_that_stopped_before_its_first_checkpoint_starts_again(tmp_path):
 
 def test_a_run_finished_after_its_newest_checkpoint_is_not_trained_again(tmp_path):
     """A run whose newest checkpoint is before the step it finished at (saved every 2 steps, finished at 3; or
-    stopped on a signal and resumed to its end): the same command again would resume from that checkpoint and train
-    step 3 again over the finished run's outputs. Refused, one line, exit 2, nothing changed; resuming from that
-    checkpoint by name still trains on purpose."""
+    stopped on a signal and resumed to its end): the same command again, as a requeued job gives it, trains nothing
+    and leaves every output as it was, exit 0; a longer train.steps would resume from that checkpoint and train
+    step 3 again over the finished run's outputs: refused, one line, exit 2; resuming from that checkpoint by name
+    still trains on purpose."""
     run = tmp_path / "run"
     args = [f"output_dir={run}", "checkpoint.export_hf=false", *FAST_RUN, "train.steps=3", "checkpoint.every=2"]
     _ok(args)
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_2"] and _steps(run) == [1, 2, 3]
     summary = (run / "summary.json").read_bytes()
-    r = run_main(args)
+    r = _ok(args)
+    said = f"output_dir {run} holds a run that finished at train.steps=3 (summary.json): nothing to train"
+    assert said in r.stderr and "resuming" not in r.stderr, r.stderr[-2000:]
+    assert _steps(run) == [1, 2, 3] and (run / "summary.json").read_bytes() == summary
+    r = run_main([*args[:-2], "train.steps=4", "checkpoint.every=2"])
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
     assert r.stderr.startswith(
         f"moe-tune: error: output_dir {run} holds a run that ended at step 3 (summary.json), after its newest "
@@ -75,3 +80,15 @@ def test_a_run_finished_after_its_newest_checkpoint_is_not_trained_again(tmp_pat
     assert _steps(run) == [1, 2, 3] and (run / "summary.json").read_bytes() == summary
     _ok([*args, f"checkpoint.resume={run / 'checkpoints' / 'step_2'}"])
     assert _steps(run) == [1, 2, 3]
+
+
+def test_a_finished_run_without_checkpoints_run_again_trains_nothing(tmp_path):
+    """checkpoint.every=0 and the same command again (a requeued job whose node failed after the run's end): exit
+    0, nothing trained or written; another train.steps is still refused (no checkpoint to resume from)."""
+    run = tmp_path / "run"
+    args = [f"output_dir={run}", "checkpoint.export_hf=false", *FAST_RUN, "train.steps=2"]
+    _ok(args)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    r = _ok(args)
+    assert "holds a run that finished at train.steps=2 (summary.json): nothing to train" in r.stderr, r.stderr
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
