@@ -67,16 +67,17 @@ def check_finished(run_dir: str, resume: str, steps: int) -> None:
     ``steps`` (saved every N steps and finished between two, checkpoint.every=0, or a requeued job whose node
     failed after the run's end): RunFinished. A checkpoint at ``steps`` takes the finished run's usual path."""
     path, step = _newest(run_dir)
-    if resume == "auto" and step != steps and _final_step(run_dir, path) == steps:
+    summary = _summary(run_dir, path) if resume == "auto" and step != steps else None
+    if summary is not None and summary.get("finished") is True and summary.get("final_step") == steps:
         raise RunFinished(
             f"output_dir {run_dir} holds a run that finished at train.steps={steps} (summary.json): nothing to train; "
             "its outputs stand (raise train.steps to train on, or give another output_dir)"
         )
 
 
-def _final_step(run_dir: str, checkpoint: str | None) -> int | None:
-    """summary.json's ``final_step``; None without one, or when the summary is older than ``checkpoint`` (an
-    earlier run's, started afresh over with ``resume=none``) or from an older moe_tune (no ``final_step``)."""
+def _summary(run_dir: str, checkpoint: str | None) -> dict | None:
+    """summary.json; None without one, unreadable, or older than ``checkpoint`` (an earlier run's, started afresh
+    over with ``resume=none``)."""
     summary = os.path.join(run_dir, "summary.json")
     if not os.path.isfile(summary):
         return None
@@ -86,8 +87,17 @@ def _final_step(run_dir: str, checkpoint: str | None) -> int | None:
         return None
     try:
         with open(summary) as f:
-            return int(json.load(f)["final_step"])
-    except (OSError, ValueError, KeyError, TypeError):
+            found = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def _final_step(run_dir: str, checkpoint: str | None) -> int | None:
+    """summary.json's ``final_step`` (``_summary``); None also from an older moe_tune's (no ``final_step``)."""
+    try:
+        return int(_summary(run_dir, checkpoint)["final_step"])
+    except (KeyError, TypeError, ValueError):
         return None
 
 

@@ -5,7 +5,7 @@ three kinds of sample: ``Chat`` (rendered with the chat template), ``Completion`
 |-------------------|---------------------------------------------------------------------------|
 | chat              | ``{"messages": [{"role", "content"}, ...], "system"?: str, "tools"?: [...]}`` |
 | sharegpt          | ``{"conversations": [{"from", "value"}, ...], "system"?: str, "tools"?: [...]}`` |
-| alpaca            | ``{"instruction": str, "input"?: str, "output": str, "system"?: str}``: a user and an assistant turn |
+| alpaca            | ``{"instruction": str, "input"?: str, "output": str, "system"?: str}``: user and assistant turns |
 | prompt_completion | ``{"prompt": str, "response" or "completion": str}``; TRL's conversational form: lists of messages |
 | text              | ``{"text": str}``                                                          |
 

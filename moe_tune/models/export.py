@@ -247,8 +247,8 @@ def write_checkpoint_atomic(model, out_dir: str, writer=None, **options) -> None
     adapter) into a temporary sibling of ``out_dir`` (same filesystem), then swapped in by rank 0
     after every rank has written: the old directory is renamed away, the new one renamed in, the old deleted. A
     reader never sees two exports mixed (stale shards of another layout or sharding cannot remain), and an export
-    that fails leaves the previous one in place, and no temporary directory. Every rank must call it. ``out_dir`` must be new, empty or an
-    earlier export (``check_export_target``)."""
+    that fails leaves the previous one in place, and no temporary directory. Every rank must call it. ``out_dir``
+    must be new, empty or an earlier export (``check_export_target``)."""
     check_export_target(out_dir)
     out_dir = os.path.realpath(out_dir)  # through a symlink: its target is replaced, the link kept
     rank, world = rank_world()

@@ -250,7 +250,7 @@ class Trainer:
             self._stop_for_signal(stop.signum)
         if cfg.checkpoint.export_hf and self.built.checkpointable:
             self.export(os.path.join(cfg.output_dir, "hf"))
-        summary = self.write_summary()
+        summary = self.write_summary(finished=True)
         if self.metrics.enabled:  # rank 0 of a run that writes its files
             log.info("outputs in %s", os.path.abspath(cfg.output_dir))
         if self.run_lock is not None:  # a finished run frees output_dir (a Python caller may train again into it)
@@ -372,7 +372,8 @@ class Trainer:
         with ckpt.safe.export_disk_full_exits(out_dir, self.cfg.output_dir, self.step):  # one line, exit 1
             export_hf(self.model, out_dir, self.mesh, dtype=dtype, chat_template=self.data.chat_template)
 
-    def write_summary(self) -> dict:
+    def write_summary(self, finished: bool = False) -> dict:
+        """``finished``: the run trained to train.steps and exported (not a stop on a signal or non-finite steps)."""
         val_stats = None if self.val_data is None else self.val_data.stats
         return write_run_summary(
             self.cfg,
@@ -383,6 +384,7 @@ class Trainer:
             self.metrics,
             data_stats={"train": self.data.stats, "val": val_stats},
             final_step=self.step,
+            finished=finished,
             **self.built.describe,
         )
 

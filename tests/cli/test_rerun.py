@@ -2,6 +2,8 @@
 exit 2, nothing changed) unless ``checkpoint.resume=none`` asks to start afresh over it; a resume says where it
 resumes from; every run ends with one line naming its outputs."""
 
+import json
+
 from tests.harness import FAST_RUN, read_metrics, run_main
 
 
@@ -88,6 +90,8 @@ def test_a_finished_run_without_checkpoints_run_again_trains_nothing(tmp_path):
     run = tmp_path / "run"
     args = [f"output_dir={run}", "checkpoint.export_hf=false", *FAST_RUN, "train.steps=2"]
     _ok(args)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["finished"] is True and summary["final_step"] == 2
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
     r = _ok(args)
     assert "holds a run that finished at train.steps=2 (summary.json): nothing to train" in r.stderr, r.stderr

@@ -104,3 +104,4 @@ def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path, make_trainer, 
     assert summary["config"]["train"]["max_nonfinite_steps"] == 2 and summary["config"]["output_dir"] == str(tmp_path)
     assert summary["first_loss"] == rows[0]["loss"] and math.isfinite(summary["first_loss"])
     assert math.isnan(summary["final_loss"]) and math.isnan(rows[-1]["loss"])
+    assert summary["final_step"] == 6 and summary["finished"] is False  # a rerun is no finished run's
