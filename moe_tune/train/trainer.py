@@ -373,7 +373,8 @@ class Trainer:
             export_hf(self.model, out_dir, self.mesh, dtype=dtype, chat_template=self.data.chat_template)
 
     def write_summary(self, finished: bool = False) -> dict:
-        """``finished``: the run trained to train.steps and exported (not a stop on a signal or non-finite steps)."""
+        """``finished``: the run trained to train.steps, its outputs written (not a stop on a signal or on
+        non-finite steps)."""
         val_stats = None if self.val_data is None else self.val_data.stats
         return write_run_summary(
             self.cfg,
