@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+# The module, not its names: moe_tune.distributed.dims imports this package, and may be the first one imported.
+import moe_tune.distributed.dims as layout
 from moe_tune.config.constraints import constrained_values, out_of_range, spelled
 from moe_tune.config.model_dir import model_dir_problem
 from moe_tune.config.schema import (
@@ -22,9 +24,6 @@ from moe_tune.config.schema import (
     PeftConfig,
     profiled_steps,
 )
-
-# The module, not its names: moe_tune.distributed.dims imports this package, and may be the first one imported.
-from moe_tune.distributed import dims as layout
 
 
 def world_size_from_env() -> int:

@@ -287,7 +287,7 @@ def test_cli_plan_of_a_quantized_base_says_its_speed_is_bf16s(capsys):
     """The speed model counts a quantized base's GEMMs as bf16's: the plan says so, with the measured ratios."""
     assert plan_main(["peft=lora", "peft.quantize_base=nf4"]) == 0
     out = capsys.readouterr().out
-    assert "the speed counts the nf4 base's GEMMs as bf16's" in out and "nf4 0.76-0.79x" in out
+    assert "the speed counts the nf4 base's GEMMs as bf16's" in out and "nf4 0.65-0.71x" in out
     assert plan_main(["peft=lora"]) == 0
     assert "the speed counts" not in capsys.readouterr().out
 
