@@ -5,10 +5,10 @@ over its outputs, over one that finished after its newest checkpoint would train
 stopped before its first checkpoint (killed, out of memory, a failed node) starts again from step 1, as a requeued
 job must, its metrics rows replaced as a resume replaces those past its checkpoint; and a checkpoint past
 ``train.steps`` leaves nothing to train (a shorter run given by mistake, which would otherwise exit 0 having
-trained nothing). A checkpoint at
-``train.steps`` is a finished run run again: as in torchtitan and Lightning it trains nothing and ends with
-exit 0, which a requeued or retried job relies on; the trainer says so (``note_finished``). So is a run whose
-summary.json says it finished at ``train.steps`` with no checkpoint there (``RunFinished``: its outputs stand).
+trained nothing). The same command after a run finished (summary.json says so, at ``train.steps``) trains and
+writes nothing and ends with exit 0, as in torchtitan and Lightning, which a requeued or retried job relies on
+(``RunFinished``: its outputs stand). A checkpoint at ``train.steps`` without such a summary (the run stopped while
+writing its outputs) trains nothing and writes the outputs again; the trainer says so (``note_finished``).
 """
 
 from __future__ import annotations
@@ -63,11 +63,11 @@ def check_fresh_start(run_dir: str, resume: str, rank: int = 0) -> None:
 
 
 def check_finished(run_dir: str, resume: str, steps: int) -> None:
-    """``checkpoint.resume=auto`` where summary.json says the run finished at ``steps`` and no checkpoint is at
-    ``steps`` (saved every N steps and finished between two, checkpoint.every=0, or a requeued job whose node
-    failed after the run's end): RunFinished. A checkpoint at ``steps`` takes the finished run's usual path."""
-    path, step = _newest(run_dir)
-    summary = _summary(run_dir, path) if resume == "auto" and step != steps else None
+    """``checkpoint.resume=auto`` where summary.json, newer than the newest checkpoint, says the run finished at
+    ``steps`` (a retried command, a requeued job whose node failed after the run's end; with or without a
+    checkpoint at ``steps``): RunFinished, before anything is read or written."""
+    path, _ = _newest(run_dir)
+    summary = _summary(run_dir, path) if resume == "auto" else None
     if summary is not None and summary.get("finished") is True and summary.get("final_step") == steps:
         raise RunFinished(
             f"output_dir {run_dir} holds a run that finished at train.steps={steps} (summary.json): nothing to train; "

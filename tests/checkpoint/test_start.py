@@ -1,6 +1,7 @@
 """What a run's start makes of its output_dir's checkpoints (new-user trial): a checkpoint past train.steps is
-refused (one line, exit 2, nothing written), a finished run (its checkpoint at train.steps) trains nothing and
-says so, and a save cut short is named when resume=auto passes over it."""
+refused (one line, exit 2, nothing written), a finished run trains and writes nothing and says so (its checkpoint
+at train.steps writes the outputs again when the run stopped before its summary), and a save cut short is named
+when resume=auto passes over it."""
 
 from __future__ import annotations
 
@@ -38,9 +39,13 @@ def test_a_checkpoint_past_train_steps_is_refused_and_one_at_it_is_a_finished_ru
     lock = str(run / ".lock")  # the refused run took the lock (its file's time), nothing else
     assert {k: v for k, v in _files(run).items() if k != lock} == {k: v for k, v in before.items() if k != lock}
 
-    r = _ok([*base, "train.steps=4"])  # the same command again: the run is finished
+    r = _ok([*base, "train.steps=4"])  # the same command again: the run is finished, its outputs stand
+    assert f"output_dir {run} holds a run that finished at train.steps=4 (summary.json): nothing to train" in r.stderr
+    assert {k: v for k, v in _files(run).items() if k != lock} == {k: v for k, v in before.items() if k != lock}
+    (run / "summary.json").unlink()  # as if stopped while writing its outputs: the checkpoint writes them again
+    r = _ok([*base, "train.steps=4"])
     assert f"{run}/checkpoints/step_4 is at train.steps=4: the run is finished, nothing to train" in r.stderr
-    assert [row["step"] for row in read_metrics(run)] == [1, 2, 3, 4]
+    assert [row["step"] for row in read_metrics(run)] == [1, 2, 3, 4] and (run / "summary.json").is_file()
 
 
 def test_auto_resume_names_the_incomplete_checkpoint_it_passes_over(tmp_path):
