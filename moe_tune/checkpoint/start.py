@@ -32,10 +32,9 @@ class RunFinished(Exception):
 
 def check_start(run_dir: str, resume: str, steps: int, rank: int = 0) -> None:
     """CheckpointError (one line) for a start that would overwrite a run or train nothing; RunFinished for the
-    same command again after a finished run that has no checkpoint at its end."""
+    same command again after a finished run."""
     check_finished(run_dir, resume, steps)
     check_fresh_start(run_dir, resume, rank)
-    check_finished_past_checkpoint(run_dir, resume)
     check_steps_left(run_dir, resume, steps)
 
 
@@ -63,15 +62,28 @@ def check_fresh_start(run_dir: str, resume: str, rank: int = 0) -> None:
 
 
 def check_finished(run_dir: str, resume: str, steps: int) -> None:
-    """``checkpoint.resume=auto`` where summary.json, newer than the newest checkpoint, says the run finished at
-    ``steps`` (a retried command, a requeued job whose node failed after the run's end; with or without a
-    checkpoint at ``steps``): RunFinished, before anything is read or written."""
-    path, _ = _newest(run_dir)
-    summary = _summary(run_dir, path) if resume == "auto" else None
-    if summary is not None and summary.get("finished") is True and summary.get("final_step") == steps:
+    """``checkpoint.resume=auto`` over a run whose summary.json (newer than its newest checkpoint) says it ended:
+    finished at ``steps`` (a retried command, a requeued job whose node failed after the run's end; with or without
+    a checkpoint at ``steps``), RunFinished; ended past its newest checkpoint otherwise (saved every N steps and
+    finished between two, or stopped on a signal and resumed to its end), resuming would train those steps again
+    over the run's outputs: refused. Read and decided before anything is written."""
+    if resume != "auto":
+        return
+    path, step = _newest(run_dir)
+    summary = _summary(run_dir, path) or {}
+    ended = summary.get("final_step")
+    if summary.get("finished") is True and ended == steps:
         raise RunFinished(
             f"output_dir {run_dir} holds a run that finished at train.steps={steps} (summary.json): nothing to train; "
             "its outputs stand (raise train.steps to train on, or give another output_dir)"
+        )
+    if step is not None and isinstance(ended, int) and step < ended:
+        name = os.path.basename(os.path.normpath(path))
+        again = f"step {ended}" if step + 1 == ended else f"steps {step + 1}-{ended}"
+        raise CheckpointError(
+            f"output_dir {run_dir} holds a run that ended at step {ended} (summary.json), after its newest "
+            f"checkpoint {name}: resuming would train {again} again over its outputs; give another output_dir, or "
+            f"checkpoint.resume={path} to train from it again on purpose"
         )
 
 
@@ -91,31 +103,6 @@ def _summary(run_dir: str, checkpoint: str | None) -> dict | None:
     except (OSError, ValueError):
         return None
     return found if isinstance(found, dict) else None
-
-
-def _final_step(run_dir: str, checkpoint: str | None) -> int | None:
-    """summary.json's ``final_step`` (``_summary``); None also from an older moe_tune's (no ``final_step``)."""
-    try:
-        return int(_summary(run_dir, checkpoint)["final_step"])
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def check_finished_past_checkpoint(run_dir: str, resume: str) -> None:
-    """``checkpoint.resume=auto`` where the run trained past its newest checkpoint and then ended (summary.json's
-    ``final_step`` beyond that checkpoint: saved every N steps and finished between two, or stopped on a signal and
-    resumed to its end) would train those steps again over the run's outputs: refused. A summary older than the
-    checkpoint is an earlier run's, started afresh over (``resume=none``)."""
-    path, step = _newest(run_dir)
-    ended = _final_step(run_dir, path) if resume == "auto" and step is not None else None
-    if ended is not None and step < ended:
-        name = os.path.basename(os.path.normpath(path))
-        again = f"step {ended}" if step + 1 == ended else f"steps {step + 1}-{ended}"
-        raise CheckpointError(
-            f"output_dir {run_dir} holds a run that ended at step {ended} (summary.json), after its newest "
-            f"checkpoint {name}: resuming would train {again} again over its outputs; give another output_dir, or "
-            f"checkpoint.resume={path} to train from it again on purpose"
-        )
 
 
 def check_steps_left(run_dir: str, resume: str, steps: int) -> None:
