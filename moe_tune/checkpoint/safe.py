@@ -268,9 +268,10 @@ def export_disk_full(exc: BaseException, out_dir: str, kept: str, fix: str) -> s
 
 
 @contextlib.contextmanager
-def export_disk_full_exits(out_dir: str, run_dir: str, step: int):
-    """A run's export to ``out_dir`` (after training to ``step``) that runs out of disk space: one error line
-    naming the checkpoints kept and how to export again, exit 1, as for a checkpoint save."""
+def export_disk_full_exits(out_dir: str, run_dir: str, step: int, rank: int = 0):
+    """A run's export to ``out_dir`` (after training to ``step``) that runs out of disk space on any rank (every
+    rank raises it: ``export.end_together``): one error line from rank 0 naming the checkpoints kept and how to
+    export again, exit 1 on every rank, as for a checkpoint save."""
     try:
         yield
     except BaseException as e:
@@ -285,7 +286,8 @@ def export_disk_full_exits(out_dir: str, run_dir: str, step: int):
         line = export_disk_full(e, out_dir, kept, fix)
         if line is None:
             raise
-        log.error("%s", line)
+        if rank == 0:
+            log.error("%s", line)
         raise SystemExit(1) from None
 
 

@@ -9,6 +9,7 @@ Each writing rank flushes its own ``.safetensors`` files; rank 0 writes the inde
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -98,18 +99,41 @@ def write_checkpoint(
         for key, piece in to_disk_tensors(family, name, full, first, source_keys=dtypes):
             writer.add(key, piece.to(dtype or dtypes.get(key, piece.dtype)).detach().cpu().contiguous())
     writer.flush()
-    gathered = [(writer.files, writer.nbytes)]
+    error, gathered = writer.error, [(writer.files, writer.nbytes, writer.error is not None)]
     if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (writer.files, writer.nbytes))
-    if rank == 0:
-        _write_index(out_dir, gathered, world)
-        _write_config(model, out_dir, dtype)
-        copy_side_files(model.source_dir, out_dir)
-        write_chat_template(out_dir, chat_template)
-        stop_at_end_of_turn(out_dir)
-    if world > 1:
-        dist.barrier()
+        mine, gathered = gathered[0], [None] * world
+        dist.all_gather_object(gathered, mine)
+    if rank == 0 and not any(failed for _, _, failed in gathered):
+        try:
+            _write_index(out_dir, [(files, nbytes) for files, nbytes, _ in gathered], world)
+            _write_config(model, out_dir, dtype)
+            copy_side_files(model.source_dir, out_dir)
+            write_chat_template(out_dir, chat_template)
+            stop_at_end_of_turn(out_dir)
+        except Exception as e:  # raised on every rank by end_together
+            error = e
+    end_together(error)
+
+
+def end_together(error: Exception | None) -> None:
+    """The end of an export's writes on every rank, in place of a barrier: all ranks learn whether each wrote its
+    share, and all raise when one failed (a full disk on one rank), instead of the others waiting in a collective
+    for a rank that has gone. The failed rank raises ``error``; the others an OSError naming that rank and its
+    error (a full disk keeps ENOSPC, so each rank reads it as one). One process: raises ``error`` if any."""
+    rank, world = rank_world()
+    if error is not None and world == 1:
+        raise error
+    if world == 1:
+        return
+    failures = [None] * world
+    mine = None if error is None else (getattr(error, "errno", None), f"{type(error).__name__}: {error}")
+    dist.all_gather_object(failures, mine)
+    if error is not None:
+        raise error
+    for other, failure in enumerate(failures):
+        if failure is not None:
+            code, text = failure
+            raise OSError(code or errno.EIO, f"rank {other} could not write its share of the export ({text})")
 
 
 def write_chat_template(out_dir: str, text: str | None) -> None:
@@ -307,6 +331,9 @@ class _ShardWriter:
         self.pending: dict[str, torch.Tensor] = {}
         self.size = self.nbytes = 0
         self.files: dict[str, str] = {}
+        # The first failed write (a full disk): later shards are dropped, and the ranks' collectives go on to
+        # end_together, which raises it on every rank.
+        self.error: Exception | None = None
 
     def add(self, key: str, t: torch.Tensor) -> None:
         n = t.numel() * t.element_size()
@@ -321,7 +348,11 @@ class _ShardWriter:
             return
         part = len(set(self.files.values()))
         fname = f"model-rank{self.rank:05d}-part{part:03d}.safetensors"
-        save_safetensors(self.pending, os.path.join(self.out_dir, fname))
+        if self.error is None:
+            try:
+                save_safetensors(self.pending, os.path.join(self.out_dir, fname))
+            except Exception as e:
+                self.error = e
         self.files.update(dict.fromkeys(self.pending, fname))
         self.pending, self.size = {}, 0
 

@@ -15,11 +15,11 @@ import json
 import os
 
 import torch
-import torch.distributed as dist
 
 from moe_tune.distributed.process_group import rank_world
 from moe_tune.lora import ADAPTER, is_adapter
 from moe_tune.models.export import (
+    end_together,
     full_tensor,
     gather_experts,
     save_safetensors,
@@ -106,19 +106,27 @@ def write_adapter(model, out_dir: str, ep_group=None, dtype=None, chat_template:
             key, value = PREFIX + name, full
             routers.append(name.rsplit(".", 1)[0])
         tensors[key] = value.contiguous()
+    error = None
     if rank == 0:
-        for name, buf in model.named_buffers():  # a saved module is whole: DeepSeek-V3's correction bias too
-            if name.rsplit(".", 1)[0] in routers:
-                tensors[PREFIX + name] = buf.detach().to(dtype or buf.dtype).cpu().contiguous()
-        os.makedirs(out_dir, exist_ok=True)
-        save_safetensors(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
-        with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-            json.dump(adapter_config(model, names, sorted(set(routers))), f, indent=2, sort_keys=True)
-        # The base's tokenizer and generation config beside the adapters (as a TRL run saves them), the latter
-        # stopping at the chat template's end of turn: GenerationConfig.from_pretrained(out_dir) for generate.
-        copy_side_files(model.source_dir, out_dir)
-        write_chat_template(out_dir, chat_template)
-        if model.source_dir:
-            stop_at_end_of_turn(out_dir, config_dir=model.source_dir)
-    if world > 1:
-        dist.barrier()
+        try:
+            _write_files(model, out_dir, tensors, names, routers, dtype, chat_template)
+        except Exception as e:  # raised on every rank by end_together
+            error = e
+    end_together(error)
+
+
+def _write_files(model, out_dir: str, tensors: dict, names: list[str], routers: list[str], dtype, chat_template):
+    """Rank 0: the adapter directory's files."""
+    for name, buf in model.named_buffers():  # a saved module is whole: DeepSeek-V3's correction bias too
+        if name.rsplit(".", 1)[0] in routers:
+            tensors[PREFIX + name] = buf.detach().to(dtype or buf.dtype).cpu().contiguous()
+    os.makedirs(out_dir, exist_ok=True)
+    save_safetensors(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(adapter_config(model, names, sorted(set(routers))), f, indent=2, sort_keys=True)
+    # The base's tokenizer and generation config beside the adapters (as a TRL run saves them), the latter
+    # stopping at the chat template's end of turn: GenerationConfig.from_pretrained(out_dir) for generate.
+    copy_side_files(model.source_dir, out_dir)
+    write_chat_template(out_dir, chat_template)
+    if model.source_dir:
+        stop_at_end_of_turn(out_dir, config_dir=model.source_dir)

@@ -369,7 +369,7 @@ class Trainer:
         from moe_tune.models.hf_export import export_hf
 
         dtype = None if self.cfg.model.dtype == "source" else self.cfg.model.dtype
-        with ckpt.safe.export_disk_full_exits(out_dir, self.cfg.output_dir, self.step):  # one line, exit 1
+        with ckpt.safe.export_disk_full_exits(out_dir, self.cfg.output_dir, self.step, self.rank):  # exit 1
             export_hf(self.model, out_dir, self.mesh, dtype=dtype, chat_template=self.data.chat_template)
 
     def write_summary(self, finished: bool = False) -> dict:
