@@ -5,7 +5,9 @@ loss is exact whichever the template:
 - a template with ``{% generation %}`` blocks: transformers' assistant mask (``return_assistant_tokens_mask``),
   the k-th marked span being the k-th assistant message;
 - otherwise, the diff of renders: the tokens message i adds are those of ``render(messages[:i + 1])`` past
-  ``render(messages[:i], add_generation_prompt=True)`` (so the assistant header stays prompt). Both renders must be
+  ``render(messages[:i], add_generation_prompt=True)`` (so the assistant header stays prompt; an assistant turn that
+  opens the conversation: past what precedes the part it adds after a probe user turn, so neither the header nor a
+  system prompt the template adds by default carries loss). Both renders must be
   prefixes of the whole conversation's render, token for token. Where only their text is a prefix (a tokenizer
   merging across the boundary), the rule is the one transformers uses for generation blocks: a token is trainable
   if its characters overlap the message's text span. Where not even the text is (a template that renders a turn
@@ -193,8 +195,8 @@ class Encoder:
         for i, trainable in enumerate(sample.trainable):
             if not trainable:
                 continue
-            before = self.render(sample.messages[:i], sample.tools, True) if i else ""
             after = self.render(sample.messages[: i + 1], sample.tools)
+            before = self.render(sample.messages[:i], sample.tools, True) if i else self._opening(sample, after)
             if not (text.startswith(after) and after.startswith(before)):
                 raise BadRecord(
                     "template_rewrites_history",
@@ -209,6 +211,24 @@ class Encoder:
                 start, end = (span[0], span[-1] + 1) if span else (0, 0)
             labels[start:end] = ids[start:end]
         return ids, labels
+
+    def _opening(self, sample: Chat, after: str) -> str:
+        """The text of ``after`` (message 0 rendered alone, an assistant's) before its trainable part: the template's
+        preamble (a default system prompt) and the assistant header, none of which the message wrote. transformers
+        renders no empty conversation to diff against, so the part is what the message adds after a probe user
+        turn's generation prompt; ``after`` must end with it."""
+        probe = [{"role": "user", "content": "?"}]
+        prompt = self.render(probe, sample.tools, True)
+        turn = self.render(probe + sample.messages[:1], sample.tools)
+        part = turn[len(prompt) :] if turn.startswith(prompt) else ""
+        if not part or not after.endswith(part):
+            raise BadRecord(
+                "template_rewrites_history",
+                "the chat template renders an assistant turn that opens the conversation differently from one that "
+                "follows a user turn, so its loss mask cannot be found by diffing renders; use a template with "
+                "{% generation %} blocks (data.chat_template=<file>), or open the conversation with a user turn",
+            )
+        return after[: len(after) - len(part)]
 
     def _token_prefix(self, prefix: str, ids: list[int]) -> int | None:
         """len(tokens(prefix)) if they are the first tokens of ``ids``, else None."""

@@ -186,6 +186,39 @@ def test_auto_detection_is_per_file(tmp_path):
         build_datasets(replace(cfg, format="text"), build_tokenizer(), 128, seed=0)
 
 
+@pytest.mark.parametrize("preamble", ["", f"{S}system\nBe kind.{E}\n"])
+def test_an_opening_assistant_turn_carries_loss_on_its_own_words_only(tmp_path, preamble):
+    """A conversation that opens with the assistant (a greeting) through a template without generation blocks, one
+    that adds a default system prompt too: as any later turn, its words and end of turn carry loss, the assistant
+    header and the template's system prompt none (the diff against an empty render trained both)."""
+    template = tmp_path / "default_system.jinja"
+    template.write_text(
+        "{%- if messages[0]['role'] != 'system' -%}{{- '" + preamble + "' -}}{%- endif -%}" + PLAIN_CHATML
+    )
+    record = {"messages": [{"role": "assistant", "content": "Hi!"}, *CHAT[1:3]]}
+    assert samples(tmp_path, [record], chat_template=str(template)) == [
+        expect(
+            (f"{preamble}{S}assistant\n", False),
+            (f"Hi!{E}\n", True),
+            (f"{S}user\n1+2={E}\n{S}assistant\n", False),
+            (f"3{E}\n", True),
+        )
+    ]
+
+
+def test_an_opening_assistant_turn_rendered_unlike_a_later_one_is_refused(tmp_path):
+    template = tmp_path / "marks_the_opening.jinja"
+    template.write_text(PLAIN_CHATML.replace("m['content']", "m['content'] + (' (first)' if loop.first else '')"))
+    record = {"messages": [{"role": "assistant", "content": "Hi!"}, *CHAT[1:3]]}
+    with pytest.raises(DataError) as e:
+        samples(tmp_path, [record], chat_template=str(template), on_bad_record="skip")
+    assert str(e.value) == (
+        f"{tmp_path / 'data.jsonl'}:1: the chat template renders an assistant turn that opens the conversation "
+        "differently from one that follows a user turn, so its loss mask cannot be found by diffing renders; use a "
+        "template with {% generation %} blocks (data.chat_template=<file>), or open the conversation with a user turn"
+    )
+
+
 def test_template_breaking_the_prefix_rule_is_refused(tmp_path):
     """Earlier assistant turns rendered differently (as Qwen3 drops their reasoning): no mask can be diffed."""
     template = tmp_path / "drops_history.jinja"
