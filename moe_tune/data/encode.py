@@ -19,7 +19,8 @@ training template wherever that gives the original's text (single-turn records),
 data.train_on=assistant, where it keeps every turn's reasoning; its {% generation %} blocks give the masks.
 An end-of-turn token outside a generation block's mask is warned about once: the model would not learn to stop.
 Completion samples are ``bos + prompt + completion + eos`` (loss on completion and eos), text samples
-``bos + text + eos``. The first token of every sample has no label: nothing in the row before it belongs to it.
+``bos + text + eos``; a prompt or text that starts with the bos token, or a completion or text that ends with the eos
+token, already (text exported with its special tokens) does not get it twice. The first token of every sample has no label: nothing in the row before it belongs to it.
 """
 
 from __future__ import annotations
@@ -56,12 +57,12 @@ class Encoder:
         if isinstance(sample, Chat):
             ids, labels = self.chat(sample)
         elif isinstance(sample, Completion):
-            prompt = self.bos + self._tokens(sample.prompt)
-            completion = self._tokens(sample.completion) + self.eos
+            prompt = self._with_bos(self._tokens(sample.prompt))
+            completion = self._with_eos(self._tokens(sample.completion))
             ids = prompt + completion
             labels = ids if self.train_on == "all" else [IGNORE] * len(prompt) + completion
         else:
-            ids = self.bos + self._tokens(sample.text) + self.eos
+            ids = self._with_eos(self._with_bos(self._tokens(sample.text)))
             labels = ids
         labels = [IGNORE] + labels[1:]
         if all(x == IGNORE for x in labels[: self.seq_len]):
@@ -94,6 +95,14 @@ class Encoder:
 
     def _tokens(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        """``ids`` after the bos token, unless they start with it: a second would train the model on two."""
+        return ids if ids[: len(self.bos)] == self.bos else self.bos + ids
+
+    def _with_eos(self, ids: list[int]) -> list[int]:
+        """``ids`` and the eos token, unless they end with it: a second would teach the model to emit it twice."""
+        return ids if not self.eos or ids[-1:] == self.eos else ids + self.eos
 
     def render(self, messages: list[dict], tools, generation_prompt: bool = False, template: str | None = None) -> str:
         if self.template is None:

@@ -170,6 +170,16 @@ def test_text(tmp_path):
     assert samples(tmp_path, [{"text": "hello\nworld"}]) == [(ids, [IGNORE] + ids[1:])]
 
 
+def test_special_tokens_already_in_the_text_are_not_doubled(tmp_path):
+    """Text exported with its special tokens (<bos>, <eos> as text): the same sample as without them, one bos and one
+    eos (a second eos carried loss: the model learnt to emit it twice)."""
+    records = [{"text": "<bos>hello<eos>"}, {"prompt": "<bos>7*6=", "completion": "42<eos>"}]
+    text, completion = samples(tmp_path, records[:1]), samples(tmp_path, records[1:], name="pc.jsonl")
+    assert text == samples(tmp_path, [{"text": "hello"}], name="plain.jsonl")
+    assert completion == samples(tmp_path, [{"prompt": "7*6=", "completion": "42"}], name="plain_pc.jsonl")
+    assert text[0][0] == [1] + hand_ids("hello") + [2] and completion[0][0] == [1] + hand_ids("7*6=42") + [2]
+
+
 def test_auto_detection_is_per_file(tmp_path):
     d = tmp_path / "mixed"
     d.mkdir()
