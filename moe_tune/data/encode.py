@@ -15,8 +15,10 @@ loss is exact whichever the template:
   and the fixes: masks are never guessed.
 Qwen3's, GPT-OSS's, GLM-4-MoE's and DeepSeek-V3's own templates are such templates (moe_tune.data.templates):
 with the tokenizer's template one of these (no data.chat_template), a record is rendered with the family's
-training template wherever that gives the original's text (single-turn records), and for multi-turn records with
-data.train_on=assistant, where it keeps every turn's reasoning; its {% generation %} blocks give the masks.
+training template wherever that gives the original's text (single-turn records), and for records with more than one
+assistant turn carrying loss (data.train_on=assistant), where it keeps every turn's reasoning; its {% generation %}
+blocks give the masks. A conversational prompt/completion record's prompt turns carry no loss: the original renders
+its history, as for data.train_on=last_assistant.
 An end-of-turn token outside a generation block's mask is warned about once: the model would not learn to stop.
 Completion samples are ``bos + prompt + completion + eos`` (loss on completion and eos), text samples
 ``bos + text + eos``; a prompt or text that starts with the bos token, or a completion or text that ends with the eos
@@ -138,13 +140,11 @@ class Encoder:
         return self._diffed(sample, text)
 
     def _with_training_template(self, sample: Chat, text: str) -> tuple[list[int], list[int]] | None:
-        """The sample through the family's training template, if it renders the original's text or the record is
-        multi-turn with data.train_on=assistant; else None (the tokenizer's template)."""
-        multi_turn = sum(m["role"] == "assistant" for m in sample.messages) > 1
-        if (
-            not (self.train_on == "assistant" and multi_turn)
-            and self.render(sample.messages, sample.tools, template=self.training.text) != text
-        ):
+        """The sample through the family's training template, if it renders the original's text or more than one of
+        its assistant turns carries loss; else None (the tokenizer's template). Assistant turns that carry none (a
+        conversational prompt's) are context: rendered as the original renders them, as inference will."""
+        multi_turn = sum(sample.trainable) > 1
+        if not multi_turn and self.render(sample.messages, sample.tools, template=self.training.text) != text:
             return None
         encoded = self._marked(sample, self.training.text)
         if encoded is not None and multi_turn and not self.announced:

@@ -125,6 +125,19 @@ def test_last_assistant_keeps_the_original_history():
     assert labelled_turns(tokenizer, labels) == TURNS["qwen3_moe"][1:]
 
 
+@pytest.mark.parametrize("model_type", sorted(SPECIALS))
+def test_a_conversational_prompt_keeps_the_original_history(model_type):
+    """TRL's prompt/completion form with an assistant turn in the prompt: that turn is context, not trained, so the
+    record is the conversation as the original renders it, as with data.train_on=last_assistant (the training template
+    kept the prompt's reasoning, a context inference never shows)."""
+    tokenizer = family_tokenizer(model_type)
+    messages = conversation(model_type)
+    cfg = DataConfig(name="jsonl", num_samples=0)
+    record = {"prompt": messages[:4], "completion": messages[4:]}
+    got = Encoder(tokenizer, cfg, 4096)(normalize(record, "prompt_completion", cfg))
+    assert got == encode(tokenizer, messages, train_on="last_assistant")[1]
+
+
 def test_end_of_turn_outside_the_mask_is_warned_about(caplog):
     tokenizer = build_tokenizer()
     tokenizer.chat_template = tokenizer.chat_template.replace(
