@@ -20,6 +20,8 @@ assistant turn carrying loss (data.train_on=assistant), where it keeps every tur
 blocks give the masks. A conversational prompt/completion record's prompt turns carry no loss: the original renders
 its history, as for data.train_on=last_assistant.
 An end-of-turn token outside a generation block's mask is warned about once: the model would not learn to stop.
+A template that closes no turn (GLM's) ends one with the next turn's special role token: it carries loss, and one
+is appended after a final trained turn.
 Completion samples are ``bos + prompt + completion + eos`` (loss on completion and eos), text samples
 ``bos + text + eos``; a prompt or text that starts with the bos token, or a completion or text that ends with the eos
 token, already (text exported with its special tokens) does not get it twice. The first token of every sample has no label: nothing in the row before it belongs to it.
@@ -32,7 +34,14 @@ import logging
 from moe_tune.config import DataConfig, DataError
 from moe_tune.data.cut import CUT_MARGIN, cut_sample, longest_token_chars, max_record_chars
 from moe_tune.data.records import BadRecord, Chat, Completion, Text
-from moe_tune.data.templates import GENERATION_BLOCK, end_of_turn_token, render_chat, training_template
+from moe_tune.data.templates import (
+    GENERATION_BLOCK,
+    end_of_turn_token,
+    next_turn_token,
+    render_chat,
+    special_ids,
+    training_template,
+)
 
 log = logging.getLogger("moe_tune")
 IGNORE = -100
@@ -49,6 +58,7 @@ class Encoder:
         self.training = None if cfg.chat_template else training_template(tokenizer, self.template)
         self.announced = False  # the training template's log line, once
         self.end_of_turn: dict[str, str | None] = {}  # template -> its end-of-turn token (warned about once)
+        self.next_turn: dict[str, str | None] = {}  # template -> the token that ends a turn it closes with none
         self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         self.eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self.max_chars = max_record_chars(tokenizer, seq_len)  # what is rendered and tokenized of a record
@@ -129,15 +139,30 @@ class Encoder:
         if self.train_on == "all":
             ids = self._tokens(text)
             return ids, list(ids)
-        if self.training is not None:
-            encoded = self._with_training_template(sample, text)
-            if encoded is not None:
-                return encoded
-        if self.markers:
-            encoded = self._marked(sample, self.template)
-            if encoded is not None:
-                return encoded
-        return self._diffed(sample, text)
+        encoded = self._with_training_template(sample, text) if self.training is not None else None
+        if encoded is not None:
+            return self._stopped(self.training.text, *encoded)
+        encoded = self._marked(sample, self.template) if self.markers else None
+        return self._stopped(self.template, *(encoded or self._diffed(sample, text)))
+
+    def _stopped(self, template: str, ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
+        """A template that closes no assistant turn (GLM's: the next turn's role token ends it, and its generation
+        config stops on <|user|> or <|observation|>): the special token right after each trained turn carries loss,
+        and a trained final turn gets the token the template opens a next user turn with, so the model learns to
+        stop. Other templates: as they are."""
+        if template not in self.next_turn:
+            self.next_turn[template] = next_turn_token(self.tokenizer, template)
+        if self.next_turn[template] is None:
+            return ids, labels
+        ends = [end for _, end in _runs([int(x != IGNORE) for x in labels])]
+        labels, special = list(labels), special_ids(self.tokenizer)
+        for end in ends:
+            if end < len(ids) and ids[end] in special:
+                labels[end] = ids[end]
+        if ends and ends[-1] == len(ids):
+            stop = self.tokenizer.convert_tokens_to_ids(self.next_turn[template])
+            ids, labels = ids + [stop], labels + [stop]
+        return ids, labels
 
     def _with_training_template(self, sample: Chat, text: str) -> tuple[list[int], list[int]] | None:
         """The sample through the family's training template, if it renders the original's text or more than one of

@@ -141,8 +141,27 @@ def end_of_turn_token(tokenizer, template: str | None) -> str | None:
     """The special token ``template`` closes an assistant turn with (<|im_end|>, <|return|>, ...): the first
     token after the assistant's words in a rendered two-message chat, if special; None if there is none (GLM
     closes a turn with the next role's token)."""
+    return _token_after_answer(tokenizer, template, [])
+
+
+def next_turn_token(tokenizer, template: str | None) -> str | None:
+    """For a template that closes no assistant turn (``end_of_turn_token`` None), the special token that opens the
+    turn after it, the one the model writes to stop (GLM's <|user|>, on which its generation config stops); None
+    otherwise, or if no special token follows."""
+    if end_of_turn_token(tokenizer, template) is not None:
+        return None
+    return _token_after_answer(tokenizer, template, [{"role": "user", "content": "?"}])
+
+
+def special_ids(tokenizer) -> set[int]:
+    return set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+
+
+def _token_after_answer(tokenizer, template: str | None, after: list[dict]) -> str | None:
+    """The first token after the assistant's words in a rendered user-assistant chat followed by ``after``, if
+    special."""
     probe = "moe_tune probe"
-    chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": probe}]
+    chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": probe}, *after]
     try:
         text = render_chat(tokenizer, chat, chat_template=template, tokenize=False)
     except Exception:  # jinja's own, or the template's raise_exception
@@ -150,5 +169,4 @@ def end_of_turn_token(tokenizer, template: str | None) -> str | None:
     if not template or probe not in text:
         return None
     ids = tokenizer(text.split(probe, 1)[1], add_special_tokens=False)["input_ids"]
-    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    return tokenizer.convert_ids_to_tokens(ids[0]) if ids and ids[0] in special else None
+    return tokenizer.convert_ids_to_tokens(ids[0]) if ids and ids[0] in special_ids(tokenizer) else None

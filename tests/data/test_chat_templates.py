@@ -40,7 +40,8 @@ def conversation(model_type: str) -> list[dict]:
 
 # The text of each assistant turn the model writes after the generation prompt (what carries loss), by hand from
 # the family's template. Earlier turns keep their reasoning, except DeepSeek-V3's, whose template renders every
-# turn's answer only, the final one included.
+# turn's answer only, the final one included. GLM's closes no turn: the next turn's <|user|> ends it (its generation
+# config stops on it), so it carries loss, and a final turn gets one (STOP).
 TURNS = {
     "qwen3_moe": [
         "<think>\none plus two\n</think>\n\n3<|im_end|>\n",
@@ -50,9 +51,10 @@ TURNS = {
         "<|channel|>analysis<|message|>one plus two<|end|><|start|>assistant<|channel|>final<|message|>3<|end|>",
         "<|channel|>analysis<|message|>two plus two<|end|><|start|>assistant<|channel|>final<|message|>4!<|return|>",
     ],
-    "glm4_moe": ["\n<think>one plus two</think>\n3", "\n<think>two plus two</think>\n4!"],
+    "glm4_moe": ["\n<think>one plus two</think>\n3<|user|>", "\n<think>two plus two</think>\n4!<|user|>"],
     "deepseek_v3": ["3<｜end▁of▁sentence｜>", "4!<｜end▁of▁sentence｜>"],
 }
+STOP = {"glm4_moe": "<|user|>"}  # after a record's final assistant turn: the template writes nothing there
 
 
 def encode(tokenizer, messages: list[dict], **options):
@@ -87,7 +89,7 @@ def test_multi_turn_labels_are_exactly_the_assistant_turns(model_type, caplog):
     assert f"data: chat template: {name} training template (keeps every turn's reasoning)" in caplog.text
     assert labelled_turns(tokenizer, labels) == TURNS[model_type]
     text = render(tokenizer, messages, encoder.training.text)
-    assert ids == tokenizer(text, add_special_tokens=False).input_ids
+    assert ids == tokenizer(text + STOP.get(model_type, ""), add_special_tokens=False).input_ids
     # the final turn as the original renders it: everything after the last user message
     original = render(tokenizer, messages, original_template(model_type))
     assert text.split("2+2=")[-1] == original.split("2+2=")[-1]
@@ -101,7 +103,7 @@ def test_single_turn_renders_as_the_original(model_type):
     encoder, (ids, labels) = encode(tokenizer, messages)
     original = render(tokenizer, messages, original_template(model_type))
     assert render(tokenizer, messages, encoder.training.text) == original
-    assert ids == tokenizer(original, add_special_tokens=False).input_ids
+    assert ids == tokenizer(original + STOP.get(model_type, ""), add_special_tokens=False).input_ids
     final = TURNS[model_type][0].replace("<|end|>", "<|return|>") if model_type == "gpt_oss" else TURNS[model_type][0]
     assert labelled_turns(tokenizer, labels) == [final.replace("<|return|><|start|>", "<|end|><|start|>")]
 
@@ -136,6 +138,23 @@ def test_a_conversational_prompt_keeps_the_original_history(model_type):
     record = {"prompt": messages[:4], "completion": messages[4:]}
     got = Encoder(tokenizer, cfg, 4096)(normalize(record, "prompt_completion", cfg))
     assert got == encode(tokenizer, messages, train_on="last_assistant")[1]
+
+
+def test_a_turn_glm_closes_with_the_next_role_token_trains_that_token():
+    """GLM-4-MoE ends an assistant turn with the next turn's role token, <|observation|> after a tool call, <|user|>
+    after an answer (its stop tokens): they carry loss, and a final answer gets a <|user|>; the model never learnt to
+    stop. So with the original template (data.train_on=last_assistant) too."""
+    tokenizer = family_tokenizer("glm4_moe")
+    call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": {"a": 1}}}]}
+    messages = [{"role": "user", "content": "1+2="}, call, {"role": "tool", "content": "3"}, reasoned("3", "ok", "x")]
+    ids, labels = encode(tokenizer, messages)[1]
+    assert labelled_turns(tokenizer, labels) == [
+        "\n<think></think>\n<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call><|observation|>",
+        "\n<think>ok</think>\n3<|user|>",
+    ]
+    assert ids[-1] == labels[-1] == tokenizer.convert_tokens_to_ids("<|user|>")
+    ids, labels = encode(tokenizer, conversation("glm4_moe"), train_on="last_assistant")[1]
+    assert labelled_turns(tokenizer, labels) == ["\n<think>two plus two</think>\n4!<|user|>"]
 
 
 def test_end_of_turn_outside_the_mask_is_warned_about(caplog):
