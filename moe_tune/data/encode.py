@@ -24,7 +24,8 @@ A template that closes no turn (GLM's) ends one with the next turn's special rol
 is appended after a final trained turn.
 Completion samples are ``bos + prompt + completion + eos`` (loss on completion and eos), text samples
 ``bos + text + eos``; a prompt or text that starts with the bos token, or a completion or text that ends with the eos
-token, already (text exported with its special tokens) does not get it twice. The first token of every sample has no label: nothing in the row before it belongs to it.
+token, already (text exported with its special tokens) does not get it twice. The first token of every sample has
+no label: nothing in the row before it belongs to it.
 """
 
 from __future__ import annotations

@@ -149,7 +149,8 @@ def test_a_turn_glm_closes_with_the_next_role_token_trains_that_token():
     messages = [{"role": "user", "content": "1+2="}, call, {"role": "tool", "content": "3"}, reasoned("3", "ok", "x")]
     ids, labels = encode(tokenizer, messages)[1]
     assert labelled_turns(tokenizer, labels) == [
-        "\n<think></think>\n<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call><|observation|>",
+        "\n<think></think>\n<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>"
+        "<|observation|>",
         "\n<think>ok</think>\n3<|user|>",
     ]
     assert ids[-1] == labels[-1] == tokenizer.convert_tokens_to_ids("<|user|>")
