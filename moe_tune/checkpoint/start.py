@@ -73,9 +73,16 @@ def check_finished(run_dir: str, resume: str, steps: int) -> None:
     summary = _summary(run_dir, path) or {}
     ended = summary.get("final_step")
     if summary.get("finished") is True and ended == steps:
+        if step == steps:  # a longer train.steps resumes from this checkpoint
+            more = "raise train.steps to train on, or give another output_dir"
+        else:  # a longer train.steps would be refused: no checkpoint at the run's end to go on from
+            newest = f", its newest is {os.path.basename(os.path.normpath(path))}" if path else ""
+            more = (
+                f"to train further, give another output_dir: it has no checkpoint at step {steps} to go on from{newest}"
+            )
         raise RunFinished(
             f"output_dir {run_dir} holds a run that finished at train.steps={steps} (summary.json): nothing to train; "
-            "its outputs stand (raise train.steps to train on, or give another output_dir)"
+            f"its outputs stand ({more})"
         )
     if step is not None and isinstance(ended, int) and step < ended:
         name = os.path.basename(os.path.normpath(path))

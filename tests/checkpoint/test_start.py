@@ -5,8 +5,14 @@ when resume=auto passes over it."""
 
 from __future__ import annotations
 
+import json
 import os
 
+import pytest
+
+from moe_tune.checkpoint import RunFinished
+from moe_tune.checkpoint.start import check_start
+from moe_tune.config import CheckpointError
 from tests.harness import FAST_RUN, read_metrics, run_main
 
 
@@ -41,6 +47,8 @@ def test_a_checkpoint_past_train_steps_is_refused_and_one_at_it_is_a_finished_ru
 
     r = _ok([*base, "train.steps=4"])  # the same command again: the run is finished, its outputs stand
     assert f"output_dir {run} holds a run that finished at train.steps=4 (summary.json): nothing to train" in r.stderr
+    # its checkpoint step_4 is at train.steps, so a longer train.steps resumes from it
+    assert "its outputs stand (raise train.steps to train on, or give another output_dir)" in r.stderr
     assert {k: v for k, v in _files(run).items() if k != lock} == {k: v for k, v in before.items() if k != lock}
     (run / "summary.json").unlink()  # as if stopped while writing its outputs: the checkpoint writes them again
     r = _ok([*base, "train.steps=4"])
@@ -61,3 +69,20 @@ def test_auto_resume_names_the_incomplete_checkpoint_it_passes_over(tmp_path):
         f"{run}/checkpoints/step_2"
     ], r.stderr[-3000:]
     assert [row["step"] for row in read_metrics(run)] == [1, 2, 3, 4]
+
+
+def test_a_finished_run_without_a_checkpoint_at_its_end_does_not_say_raise_train_steps(tmp_path):
+    """The default run saves no checkpoint: its rerun's line said 'raise train.steps to train on', and the longer
+    run it advised was refused (exit 2: no checkpoint to resume from). The line gives a fix that runs."""
+    run = tmp_path / "x"
+    (run / "hf").mkdir(parents=True)
+    (run / "hf" / "config.json").write_text("{}")
+    (run / "summary.json").write_text(json.dumps({"finished": True, "final_step": 4}))
+    with pytest.raises(RunFinished) as finished:
+        check_start(str(run), "auto", 4)
+    assert str(finished.value) == (
+        f"output_dir {run} holds a run that finished at train.steps=4 (summary.json): nothing to train; its outputs "
+        "stand (to train further, give another output_dir: it has no checkpoint at step 4 to go on from)"
+    )
+    with pytest.raises(CheckpointError, match="no checkpoint to resume from"):
+        check_start(str(run), "auto", 5)  # what 'raise train.steps' led to
