@@ -225,3 +225,24 @@ def test_the_figure_check_reads_docstrings_and_comments_only(tmp_path, monkeypat
         "m.py:5: 1.37x NeMo.",
         "m.py:6: # 2.3 TB/s",
     ]
+
+
+# -- the routed experts' share of Qwen3-30B-A3B ------------------------------------------------------------------
+
+
+def test_the_experts_share_of_qwen3_30b_a3b_quoted_is_its_parameter_count():
+    """README and docs/lora.md said 97% of the weights are routed experts: Qwen3-30B-A3B's are 95% of its weights
+    (97% of its decoder layers', without the embeddings and lm_head), counted here on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from moe_tune.models.presets import preset_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(preset_config("qwen3_30b_a3b"))
+    sizes = {name: p.numel() for name, p in model.named_parameters()}
+    experts = sum(n for name, n in sizes.items() if ".mlp.experts." in name)
+    layers = sum(n for name, n in sizes.items() if ".layers." in name)
+    share, layer_share = round(100 * experts / sum(sizes.values())), round(100 * experts / layers)
+    assert "The frozen experts, 95% of the weights" in read("README.md") and share == 95
+    assert f"({share}% of Qwen3-30B-A3B's, {layer_share}% of its decoder layers')" in read("docs/lora.md")
