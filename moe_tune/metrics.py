@@ -28,6 +28,7 @@ import math
 import os
 import statistics
 import time
+from array import array
 
 import torch
 
@@ -153,61 +154,88 @@ class StepTimer:
         return done
 
 
-def _row_step(line: str) -> float:
-    """The step of a metrics.jsonl line; a torn last line (a crash mid-write) counts as after every step."""
+def _row(line: str) -> dict | None:
+    """A metrics.jsonl line's row; None for a torn last line (a crash mid-write) or one without a step."""
     try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf
+        row = json.loads(line)
+        return row if isinstance(row.get("step"), (int, float)) else None
+    except (ValueError, AttributeError):
+        return None
+
+
+# What summary.json reads of every row, kept as doubles (8 bytes a value against about a kilobyte for a row's dict:
+# a run of a million steps holds some 80 MB, not a gigabyte); the medians' keys, then the maxima's.
+MEDIANS = ("tokens_per_s_per_gpu", "tokens_per_s", "label_tokens_per_s", "row_fill", "tflops_per_gpu")
+MAXIMA = ("peak_mem_gib", "peak_reserved_gib")
 
 
 class MetricsWriter:
-    """Rank 0 appends one JSON object per step; ``summary`` aggregates the rows after the warm-up steps."""
+    """Rank 0 appends one JSON object per step; ``summary`` aggregates the rows after the warm-up steps. Of each
+    row only what the summary reads stays in memory (``MEDIANS``, ``MAXIMA``, step and loss; an evaluation's
+    validation loss), so a week of steps costs megabytes."""
 
     def __init__(self, output_dir: str, enabled: bool, warmup_steps: int):
         self.enabled, self.warmup = enabled, warmup_steps
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self.rows: list[dict] = []
+        self._clear()
         if enabled:
             os.makedirs(output_dir, exist_ok=True)
+
+    def _clear(self) -> None:
+        self.columns = {k: array("d") for k in ("step", "loss", *MEDIANS, *MAXIMA)}
+        self.evaluated: list[dict] = []  # step, val_loss and val_ppl of each evaluation's row
 
     def drop_after(self, step: int) -> None:
         """Before a run starts (or resumes) at ``step``: remove the rows of later steps, which a run that crashed
         after its last checkpoint logged and this one replays; rewritten atomically (a temporary file renamed), so
         metrics.jsonl never loses the rows it keeps. The kept rows count in ``summary`` (the whole run's first
-        loss and medians, not only the resumed part's). Rank 0 only (``enabled``)."""
+        loss and medians, not only the resumed part's). Read a line at a time. Rank 0 only (``enabled``)."""
         if not self.enabled or not os.path.isfile(self.path):
             return
-        with open(self.path) as f:
-            lines = f.readlines()
-        kept = [line for line in lines if _row_step(line) <= step]
-        self.rows = [json.loads(line) for line in kept]
-        if len(kept) == len(lines):
-            return
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(line if line.endswith("\n") else line + "\n" for line in kept)
-        os.replace(tmp, self.path)
+        self._clear()
+        tmp, dropped = self.path + ".tmp", False
+        with open(self.path) as f, open(tmp, "w") as kept:
+            for line in f:
+                row = _row(line)
+                if row is None or row["step"] > step:
+                    dropped = True
+                    continue
+                self._keep(row)
+                kept.write(line if line.endswith("\n") else line + "\n")
+        if dropped:
+            os.replace(tmp, self.path)
+        else:
+            os.remove(tmp)
 
     def log(self, row: dict) -> None:
-        self.rows.append(row)
+        self._keep(row)
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
+    def _keep(self, row: dict) -> None:
+        for k, values in self.columns.items():
+            v = row.get(k)
+            values.append(float(v) if isinstance(v, (int, float)) else math.nan)
+        if "val_loss" in row:
+            self.evaluated.append({k: row[k] for k in ("step", "val_loss", "val_ppl") if k in row})
+
     def summary(self) -> dict:
-        timed = [r for r in self.rows if r["step"] > self.warmup] or self.rows
-        med = lambda k: statistics.median(r[k] for r in timed) if timed else 0.0  # noqa: E731
+        c, n = self.columns, len(self.columns["step"])
+        timed = [i for i in range(n) if c["step"][i] > self.warmup] or range(n)
+
+        def med(k: str) -> float:
+            values = [c[k][i] for i in timed if not math.isnan(c[k][i])]
+            return statistics.median(values) if values else 0.0
+
+        def top(k: str) -> float:
+            return max((v for v in c[k] if not math.isnan(v)), default=0.0)
+
         return {
-            "final_loss": self.rows[-1]["loss"] if self.rows else None,
-            "first_loss": self.rows[0]["loss"] if self.rows else None,
-            "tokens_per_s_per_gpu": med("tokens_per_s_per_gpu"),
-            "tokens_per_s": med("tokens_per_s"),
-            "label_tokens_per_s": med("label_tokens_per_s"),
-            "row_fill": med("row_fill"),
-            "tflops_per_gpu": med("tflops_per_gpu"),
-            "peak_mem_gib": max((r["peak_mem_gib"] for r in self.rows), default=0.0),
-            "peak_reserved_gib": max((r.get("peak_reserved_gib", 0.0) for r in self.rows), default=0.0),
+            "final_loss": c["loss"][-1] if n else None,
+            "first_loss": c["loss"][0] if n else None,
+            **{k: med(k) for k in MEDIANS},
+            **{k: top(k) for k in MAXIMA},
             "steps_timed": len(timed),
             **self.validation_summary(),
         }
@@ -215,7 +243,7 @@ class MetricsWriter:
     def validation_summary(self) -> dict:
         """``final_val_loss``/``final_val_ppl`` (the last evaluation) and ``best_val_loss``/``best_val_step`` (the
         lowest, the earliest of equals); empty when no row was evaluated."""
-        evaluated = [r for r in self.rows if "val_loss" in r]
+        evaluated = self.evaluated
         if not evaluated:
             return {}
         best = min(evaluated, key=lambda r: (math.isnan(r["val_loss"]), r["val_loss"]))

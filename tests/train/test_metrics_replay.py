@@ -60,3 +60,51 @@ def test_drop_after_on_rank_other_than_0_writes_nothing(tmp_path):
     path.write_text(json.dumps({"step": 7}) + "\n")
     MetricsWriter(str(tmp_path), enabled=False, warmup_steps=0).drop_after(0)
     assert path.read_text() == json.dumps({"step": 7}) + "\n"
+
+
+def _row(step: int) -> dict:
+    """A training row as the loop logs it (``step_row``), with a step's expert loads beside it."""
+    from moe_tune.metrics import step_row
+
+    loads = {f"expert_load/layer_{i}": [0.1 * j for j in range(8)] for i in range(4)}
+    return step_row(step, 2.0 + 1 / step, 1.5, 3e-4, (1000 + step, 300, 1024), 0.5, 1, 1e9, (1.0, 1.5), **loads)
+
+
+def test_a_long_run_keeps_what_its_summary_reads_not_its_rows(tmp_path):
+    """A week of steps must not grow the host's memory by a row's dict per step (about a kilobyte each, a
+    gigabyte a million steps): at most 200 bytes a step. The summary still reads every step."""
+    import tracemalloc
+
+    writer = MetricsWriter(str(tmp_path), enabled=False, warmup_steps=3)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for step in range(1, 20_001):
+            writer.log(_row(step))
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown / 20_000 < 200, f"{grown / 20_000:.0f} bytes a step"
+    summary = writer.summary()
+    assert summary["steps_timed"] == 19_997 and summary["first_loss"] == 3.0
+    assert summary["final_loss"] == 2.0 + 1 / 20_000 and summary["peak_reserved_gib"] == 1.5
+    assert summary["tokens_per_s"] == 2 * (1000 + 10_002)  # the median of steps 4-20000
+
+
+def test_drop_after_reads_a_long_metrics_file_a_line_at_a_time(tmp_path):
+    """Resuming a long run reads its metrics.jsonl without holding it (a million rows: a gigabyte of lines and
+    dicts): the peak stays under 200 bytes a row, and the kept rows are summarised."""
+    import tracemalloc
+
+    path = tmp_path / "metrics.jsonl"
+    with open(path, "w") as f:
+        f.writelines(json.dumps(_row(step)) + "\n" for step in range(1, 20_001))
+    writer = MetricsWriter(str(tmp_path), enabled=True, warmup_steps=0)
+    tracemalloc.start()
+    try:
+        writer.drop_after(10_000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak / 20_000 < 200, f"{peak / 20_000:.0f} bytes a row"
+    assert len(path.read_text().splitlines()) == 10_000 and writer.summary()["final_loss"] == 2.0 + 1 / 10_000
