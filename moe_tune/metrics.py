@@ -243,11 +243,10 @@ class MetricsWriter:
     def validation_summary(self) -> dict:
         """``final_val_loss``/``final_val_ppl`` (the last evaluation) and ``best_val_loss``/``best_val_step`` (the
         lowest, the earliest of equals); empty when no row was evaluated."""
-        evaluated = self.evaluated
-        if not evaluated:
+        if not self.evaluated:
             return {}
-        best = min(evaluated, key=lambda r: (math.isnan(r["val_loss"]), r["val_loss"]))
-        last = evaluated[-1]
+        best = min(self.evaluated, key=lambda r: (math.isnan(r["val_loss"]), r["val_loss"]))
+        last = self.evaluated[-1]
         return {
             "final_val_loss": last["val_loss"],
             "final_val_ppl": last["val_ppl"],

@@ -99,13 +99,13 @@ def write_checkpoint(
         for key, piece in to_disk_tensors(family, name, full, first, source_keys=dtypes):
             writer.add(key, piece.to(dtype or dtypes.get(key, piece.dtype)).detach().cpu().contiguous())
     writer.flush()
-    error, gathered = writer.error, [(writer.files, writer.nbytes, writer.error is not None)]
+    error, gathered = writer.error, [(writer.files, writer.nbytes)]
     if world > 1:
-        mine, gathered = gathered[0], [None] * world
-        dist.all_gather_object(gathered, mine)
-    if rank == 0 and not any(failed for _, _, failed in gathered):
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (writer.files, writer.nbytes))
+    if rank == 0 and error is None:
         try:
-            _write_index(out_dir, [(files, nbytes) for files, nbytes, _ in gathered], world)
+            _write_index(out_dir, gathered, world)
             _write_config(model, out_dir, dtype)
             copy_side_files(model.source_dir, out_dir)
             write_chat_template(out_dir, chat_template)
@@ -120,14 +120,11 @@ def end_together(error: Exception | None) -> None:
     share, and all raise when one failed (a full disk on one rank), instead of the others waiting in a collective
     for a rank that has gone. The failed rank raises ``error``; the others an OSError naming that rank and its
     error (a full disk keeps ENOSPC, so each rank reads it as one). One process: raises ``error`` if any."""
-    rank, world = rank_world()
-    if error is not None and world == 1:
-        raise error
-    if world == 1:
-        return
-    failures = [None] * world
-    mine = None if error is None else (getattr(error, "errno", None), f"{type(error).__name__}: {error}")
-    dist.all_gather_object(failures, mine)
+    failures, world = [error], rank_world()[1]
+    if world > 1:
+        mine = None if error is None else (getattr(error, "errno", None), f"{type(error).__name__}: {error}")
+        failures = [None] * world
+        dist.all_gather_object(failures, mine)
     if error is not None:
         raise error
     for other, failure in enumerate(failures):
