@@ -69,12 +69,13 @@ def save(state: RunState, step: int, path: str, saver: CheckpointSaver | None = 
 
 
 def _clear_for_save(path: str) -> None:
-    """Rank 0, before a save into ``path``: a complete checkpoint there loses ``COMPLETE`` first (the save rewrites
-    it); a directory without one, left by a save cut short or damaged, goes whole, so no file of it stays beside
-    the new save's and DCP finds no ``.metadata`` to warn about overwriting."""
+    """Rank 0, before a save into ``path``: whatever is there goes whole, ``COMPLETE`` first, so a reader never
+    takes it for complete while it is rewritten. A complete checkpoint there is saved over on purpose (a run resumed
+    from an earlier checkpoint); a directory without ``COMPLETE`` was left by a save cut short or damaged. Either
+    way no file of it stays beside the new save's, and DCP finds no ``.metadata`` to warn about overwriting."""
     if os.path.isfile(os.path.join(path, manifest.COMPLETE)):
         os.remove(os.path.join(path, manifest.COMPLETE))
-    elif os.path.isdir(path):
+    if os.path.isdir(path):
         shutil.rmtree(path)
 
 
