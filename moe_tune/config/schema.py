@@ -275,7 +275,7 @@ class PeftConfig:
     # Train the routers' weights fully (frozen otherwise, and then the balancing losses are off: they would only
     # steer the adapters of earlier layers).
     train_router: bool = False
-    # The frozen routed experts (97% of a MoE's weights) held quantized instead of in bf16: "fp8" (E4M3, one
+    # The frozen routed experts (95% of Qwen3-30B-A3B's weights) held quantized instead of in bf16: "fp8" (E4M3, one
     # power-of-two scale per expert and output row; Hopper FP8 GEMMs, emulated on the CPU) or "nf4" (4-bit
     # NormalFloat, a bf16 scale per 64 inputs; dequantized for bf16 GEMMs). Quantized as
     # the checkpoint is read; adapters train as usual and export against the original bf16 base.
