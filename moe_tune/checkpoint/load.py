@@ -84,6 +84,8 @@ def load(state: RunState, path: str) -> Resumed:
     state.scheduler.load_state_dict(scheduler_sd)
     if state.rank == 0:
         resume.report(cfg, meta["config"], changes, shape)
+        if (other := resume.other_rows_message(cfg, meta, path, state.data_rows)) is not None:
+            log.warning(other)
     return Resumed(path, meta["step"], layout, tuple(changes + shape))
 
 

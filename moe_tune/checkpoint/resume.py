@@ -183,6 +183,25 @@ def report(cfg: Config, saved: dict, changes: list[str], shape: list[str]) -> No
             say("resuming with this run's %s (the checkpoint had the former)", "; ".join(items))
 
 
+def other_rows_message(cfg: Config, saved: dict, path: str, rows: dict | None) -> str | None:
+    """The warning for training data that changed in place: the checkpoint's data settings, but the training set's
+    ``identity()`` (records, rows, tokens) is not the checkpoint's (records added, removed or edited in data.path's
+    files). Then the remaining steps read other rows in another order, so this epoch would train some records again
+    and skip others, silently. None when nothing changed, when a data setting changed (said already) or when either
+    side is unknown (a stream; a checkpoint from before ``data_rows``)."""
+    was = saved.get("data_rows")
+    keys = [("data", k) for k in DATA_KEYS] + [("train", "seq_len"), ("train", "seed")]
+    if was is None or rows is None or was == rows or _changed(cfg, saved["config"], keys):
+        return None
+    where = f"data.path {cfg.data.path}" if cfg.data.path else f"data={cfg.data.name}"
+    then, now = (f"{r['records']} records in {r['rows']} rows, {r['tokens']} tokens" for r in (was, rows))
+    return (
+        f"{where} now makes other rows than when {path} was saved (then {then}; now {now}): its files, or the "
+        "tokenizer or chat template that renders them, changed since, and the remaining steps read the new rows, so "
+        "records of this epoch may be trained again or skipped; put them back as they were to keep the run's data order"
+    )
+
+
 def other_source_message(new: str, source: str, lora: bool) -> str:
     """A resume whose model.path is not the checkpoint's: what each of them gives the run."""
     if lora:  # the checkpoint holds adapters only; the base was checked to have the checkpoint's fingerprint

@@ -21,8 +21,9 @@ from moe_tune.distributed.dims import BatchLayout
 class RunState:
     """The stateful components (model, optimizer, scheduler), the data position's layout (step s reads the rows
     after s x ``layout.rows_per_step``), and the run's ``cfg`` (meta.json's ``config``; what a resume checks and
-    applies), ``rank``, ``source`` (the model's checkpoint directory: a LoRA base is fingerprinted) and
-    ``chat_template`` (data.chat_template's text, which moe-tune-export writes)."""
+    applies), ``rank``, ``source`` (the model's checkpoint directory: a LoRA base is fingerprinted),
+    ``chat_template`` (data.chat_template's text, which moe-tune-export writes) and ``data_rows`` (the training
+    set's ``identity()``: a resume compares it, to name data that changed in place)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -32,6 +33,7 @@ class RunState:
     rank: int = 0
     source: str | None = None
     chat_template: str | None = None
+    data_rows: dict | None = None
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,7 @@ def _stage(state: RunState, step: int, path: str, saver: CheckpointSaver) -> tup
             "config": asdict(state.cfg),
             "rows_per_step": state.layout.rows_per_step,  # the global batch, which a resume keeps (the data order)
             "chat_template": state.chat_template,  # data.chat_template's text: moe-tune-export writes it
+            "data_rows": state.data_rows,  # what the training rows were made of: a resume compares it
         }
         if saver.async_save:  # the live scheduler and groups change at the next step
             meta = copy.deepcopy(meta)

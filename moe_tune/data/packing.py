@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator
+from zlib import crc32
 
 import torch
 
@@ -160,6 +161,11 @@ class MicroBatches:
         """``rows`` on ``device`` as (ids, labels, position ids or None); see ``to_device``."""
         return to_device(*self.rows(step, micro, layout, dp_rank), device)
 
+    def identity(self) -> dict | None:
+        """What the rows were made of, for a checkpoint to compare at a resume; None: not known before the rows
+        are read (a stream)."""
+        return None
+
 
 class PackedDataset(MicroBatches):
     """Fixed rows of ``seq_len`` tokens in memory. Row order is shuffled by epoch with a fixed seed, so every
@@ -172,6 +178,7 @@ class PackedDataset(MicroBatches):
         self.ids, self.labels, self.positions, self.seed = ids, labels, positions, seed
         self.stats: dict = dict(stats or {"rows": int(ids.shape[0])})
         self._perm: tuple[int, torch.Tensor] | None = None
+        self._identity: dict | None = None
         real = torch.full((len(ids),), ids.shape[1]) if lengths is None else lengths
         self._tokens = torch.stack([real, (labels[:, 1:] != IGNORE).sum(dim=1)], dim=1).tolist()
 
@@ -186,6 +193,17 @@ class PackedDataset(MicroBatches):
     def row_tokens(self, i: int) -> tuple[int, int]:
         """(real tokens, label tokens) of global row ``i``."""
         return self._tokens[self._row(i)]
+
+    def identity(self) -> dict:
+        """The records and rows this set holds, their real tokens and a CRC-32 of each row's (real, label) token
+        counts: files of data.path changed in place (records added, removed or edited) give other values, and other
+        rows. Computed once (a checkpoint asks at every save)."""
+        if self._identity is None:
+            counts = torch.tensor(self._tokens, dtype=torch.int64).reshape(-1).numpy().tobytes()
+            real = sum(t[0] for t in self._tokens)
+            self._identity = {"records": self.stats.get("records_used"), "rows": len(self), "tokens": real}
+            self._identity["crc32"] = crc32(counts)
+        return self._identity
 
     def _row(self, i: int) -> int:
         epoch, j = divmod(i, len(self))

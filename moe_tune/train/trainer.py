@@ -116,9 +116,9 @@ class Trainer:
     # -- building ----------------------------------------------------------------------------------
     def checkpoint_state(self) -> ckpt.RunState:
         """What a checkpoint saves and loads into: the components, the batch layout and the run's identity."""
-        chat_template = self.data.chat_template
+        template, rows = self.data.chat_template, self.data.identity()
         return ckpt.RunState(
-            self.model, self.optimizer, self.scheduler, self.cfg, self.layout, self.rank, self.source, chat_template
+            self.model, self.optimizer, self.scheduler, self.cfg, self.layout, self.rank, self.source, template, rows
         )
 
     def _resume(self) -> None:
