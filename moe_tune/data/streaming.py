@@ -46,13 +46,24 @@ class StreamingDataset(MicroBatches):
         self._rows = self._row_stream()
         self._next = 0  # index of the row self._rows yields next
         self._window: dict[int, tuple] = {}  # the rows read from the first one asked for since the last prune
+        self._first = 0  # the first row of the rows or step asked for last: rows before it are not kept
 
     def rows(self, step: int, micro: int, layout: BatchLayout, dp_rank: int):
         indices = self.row_indices(step, micro, layout, dp_rank)
-        for i in [i for i in self._window if i < indices[0]]:  # rows are asked for in order: those before are done
-            del self._window[i]
+        self._done_before(indices[0])
         rows = [self._row(i) for i in indices]
         return tuple(torch.tensor([r[k] for r in rows], dtype=torch.long) for k in range(3))
+
+    def step_tokens(self, step: int, layout: BatchLayout) -> tuple[int, int]:
+        self._done_before(step * layout.rows_per_step)
+        return super().step_tokens(step, layout)
+
+    def _done_before(self, first: int) -> None:
+        """Rows are asked for in order: those before ``first`` are done. They leave the window, and rows before it
+        read on the way (a resume re-reading the stream up to its step) are not kept."""
+        self._first = first
+        for i in [i for i in self._window if i < first]:
+            del self._window[i]
 
     def row_tokens(self, i: int) -> tuple[int, int]:
         """As ``PackedDataset.row_tokens``; ``step_tokens`` asked before the step's ``rows`` (as the trainer does)
@@ -61,12 +72,15 @@ class StreamingDataset(MicroBatches):
         return real, sum(x != IGNORE for x in labels[1:])
 
     def _row(self, index: int) -> tuple:
-        """Global row ``index``: read on to it (keeping the rows on the way: the other ranks' rows of a step come
-        between this rank's), or from the start again for one before the window."""
+        """Global row ``index``: read on to it (keeping the rows on the way from the step's first row: the other
+        ranks' rows of a step come between this rank's), or from the start again for one before the window."""
         if index < self._next and index not in self._window:
             self._restart()
+        keep_from = min(self._first, index)
         while self._next <= index:
-            self._window[self._next] = next(self._rows)
+            row = next(self._rows)
+            if self._next >= keep_from:
+                self._window[self._next] = row
             self._next += 1
         return self._window[index]
 

@@ -116,3 +116,18 @@ def test_a_bad_record_read_mid_run_is_one_line_and_exit_2(tmp_path):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert lines[-1].startswith("moe-tune: error: ") and f"{path}:{len(RECORDS) * 5 + 1}: not valid JSON" in lines[-1]
+
+
+def test_a_resume_holds_the_rows_of_its_step_only(tmp_path, data_file):
+    """A resume at step N re-reads the stream up to N's rows as the trainer asks for them (the step's token counts
+    first): the rows before them are read and dropped, not held (a long run's stream would not fit in memory), and
+    the rows are an uninterrupted run's."""
+    layout = BatchLayout(MBS, 2, 2)
+    run = stream(tmp_path, data_file)[0]
+    uninterrupted = {s: [batch(run, s, rank=1, world=2, accum=2, micro=m) for m in range(2)] for s in range(40)}
+    resumed = stream(tmp_path, data_file)[0]
+    for step in (37, 38, 39):
+        resumed.step_tokens(step, layout)  # Trainer.train_step's first read of a step
+        assert sorted(resumed._window) == list(range(step * 8, step * 8 + 8)), (step, sorted(resumed._window)[:3])
+        for m in range(2):
+            assert torch.equal(batch(resumed, step, rank=1, world=2, accum=2, micro=m), uninterrupted[step][m])
