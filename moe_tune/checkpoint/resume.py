@@ -195,6 +195,8 @@ def other_rows_message(cfg: Config, saved: dict, path: str, rows: dict | None) -
         return None
     where = f"data.path {cfg.data.path}" if cfg.data.path else f"data={cfg.data.name}"
     then, now = (f"{r['records']} records in {r['rows']} rows, {r['tokens']} tokens" for r in (was, rows))
+    if then == now:  # as many of each: the rows' own token counts differ (the crc32)
+        now = "as many, in rows of other lengths"
     return (
         f"{where} now makes other rows than when {path} was saved (then {then}; now {now}): its files, or the "
         "tokenizer or chat template that renders them, changed since, and the remaining steps read the new rows, so "
