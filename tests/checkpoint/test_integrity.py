@@ -231,18 +231,29 @@ def test_export_of_a_damaged_checkpoint_is_exit_2_naming_the_file(four_steps, ca
     assert line.startswith("moe-tune-export: error: checkpoint") and shard in line and "checksum" in line
 
 
-def test_a_save_into_a_cut_short_save_replaces_it_without_dcps_overwrite_warning(four_steps, make_trainer):  # noqa: F811
-    """A step directory without COMPLETE (a save cut short after DCP's .metadata, or damaged) is removed before a
-    save goes into it: no stray file of it stays, and DCP finds no .metadata to warn about overwriting."""
+@pytest.mark.parametrize("existing", ["cut_short", "complete"])
+def test_a_save_into_an_existing_step_directory_replaces_it_without_dcps_overwrite_warning(
+    four_steps,
+    make_trainer,  # noqa: F811
+    existing,
+):
+    """A save into a step directory that holds a save already is preceded by removing it whole: no stray file of it
+    stays, and DCP finds no .metadata to warn about overwriting. ``cut_short``: a directory without COMPLETE (a save
+    cut short after DCP's .metadata, or damaged), passed over by the resume. ``complete``: a complete checkpoint,
+    saved over by a run resumed on purpose from an earlier one (checkpoint.resume=<path>)."""
     import warnings
 
-    step_4 = _ckpt(four_steps, 4)
-    os.remove(os.path.join(step_4, manifest.COMPLETE))
-    os.remove(os.path.join(four_steps, "summary.json"))  # the run was cut short in that save
+    step_2, step_4 = _ckpt(four_steps, 2), _ckpt(four_steps, 4)
+    os.remove(os.path.join(four_steps, "summary.json"))  # stopped before its outputs: not a finished run
+    resume = []
+    if existing == "cut_short":
+        os.remove(os.path.join(step_4, manifest.COMPLETE))
+    else:
+        resume = [f"checkpoint.resume={step_2}"]
     stray = os.path.join(step_4, "__9_0.distcp")
     open(stray, "wb").close()
-    trainer = make_trainer("train.steps=4", "checkpoint.every=2", out=str(four_steps))
-    assert trainer.step == 2  # resumed from the complete step_2, past the cut-short step_4
+    trainer = make_trainer("train.steps=4", "checkpoint.every=2", *resume, out=str(four_steps))
+    assert trainer.step == 2
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit()
@@ -299,23 +310,3 @@ def test_disk_full_during_moe_tune_export_is_one_line(four_steps, monkeypatch, c
     assert err[-1].startswith(f"moe-tune-export: error: exporting to {out} failed: no space left on device (")
     assert f"the checkpoint {_ckpt(four_steps, 4)} is intact" in err[-1] and "Traceback" not in "\n".join(err)
     assert not (four_steps / ".exported.partial").exists() and not out.exists()
-
-
-def test_a_save_over_a_complete_checkpoint_replaces_it_without_dcps_overwrite_warning(four_steps, make_trainer):  # noqa: F811
-    """Resumed on purpose from an earlier checkpoint (checkpoint.resume=<path>), a run saves its steps again over
-    complete checkpoints: each is replaced whole (nothing of the old save stays) and DCP finds no .metadata to warn
-    about overwriting."""
-    import warnings
-
-    step_2, step_4 = _ckpt(four_steps, 2), _ckpt(four_steps, 4)
-    os.remove(os.path.join(four_steps, "summary.json"))  # stopped before its outputs: not a finished run
-    stray = os.path.join(step_4, "__9_0.distcp")
-    open(stray, "wb").close()
-    trainer = make_trainer("train.steps=4", "checkpoint.every=2", f"checkpoint.resume={step_2}", out=str(four_steps))
-    assert trainer.step == 2
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit()
-    assert not [w for w in caught if "existing checkpoint" in str(w.message)], [str(w.message) for w in caught]
-    assert not os.path.exists(stray)
-    assert latest(str(four_steps)) == step_4 and manifest.verify(step_4) is None
