@@ -60,6 +60,7 @@ class Encoder:
         self.announced = False  # the training template's log line, once
         self.end_of_turn: dict[str, str | None] = {}  # template -> its end-of-turn token (warned about once)
         self.next_turn: dict[str, str | None] = {}  # template -> the token that ends a turn it closes with none
+        self.special = special_ids(tokenizer)  # ids of the special tokens, read once, not per record
         self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         self.eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self.max_chars = max_record_chars(tokenizer, seq_len)  # what is rendered and tokenized of a record
@@ -156,9 +157,9 @@ class Encoder:
         if self.next_turn[template] is None:
             return ids, labels
         ends = [end for _, end in _runs([int(x != IGNORE) for x in labels])]
-        labels, special = list(labels), special_ids(self.tokenizer)
+        labels = list(labels)
         for end in ends:
-            if end < len(ids) and ids[end] in special:
+            if end < len(ids) and ids[end] in self.special:
                 labels[end] = ids[end]
         if ends and ends[-1] == len(ids):
             stop = self.tokenizer.convert_tokens_to_ids(self.next_turn[template])
