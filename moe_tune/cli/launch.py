@@ -6,7 +6,8 @@ preemption), although every rank saved the agreed step and exited 128 + the sign
 exit 2 (a value to fix). Here the launcher exits 128 + the signal with one line in the first case, and with the
 first failed rank's own exit code (its error line already printed) in the second. torchrun's agent passes SIGTERM,
 SIGINT, SIGHUP and SIGQUIT on to the ranks, and dies of SIGUSR1 (what ``sbatch --signal=USR1@...`` sends before the
-time limit) at once, leaving the ranks running without a word: here SIGUSR1 is passed on as SIGTERM is.
+time limit) at once, leaving the ranks to find their parent gone (``watch_launcher``) and the scheduler no exit code:
+here SIGUSR1 is passed on as SIGTERM is.
 
     python -m moe_tune.launch --standalone --nproc-per-node 8 model=hf model.path=/ckpt parallel.ep=8
 

@@ -18,6 +18,7 @@ import time
 from moe_tune.config.overrides import CONF_DIR, compose, to_config  # noqa: F401
 
 QUIET_EXIT_DELAY_S = 5.0
+LAUNCHER_POLL_S = 1.0
 INTERRUPTED = "moe-tune: interrupted; nothing saved since the last checkpoint"
 
 
@@ -43,6 +44,25 @@ def honour_sigint() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, _stop_requested)
+
+
+def watch_launcher() -> None:
+    """A rank that torchrun's agent started stops as on SIGTERM once that agent is gone (killed with SIGKILL, or by
+    the kernel's out-of-memory killer): the SIGTERM the agent would have sent. It saves at the step the ranks agree
+    on and exits, where an orphan would train on, hold its GPU and write into output_dir beside a run started again
+    there. The agent is the rank's parent: the parent's death reparents the rank, which a thread polls for."""
+    parent = os.getppid()
+    if "TORCHELASTIC_RUN_ID" not in os.environ or parent == 1:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(LAUNCHER_POLL_S)
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"moe-tune: the launcher (pid {parent}) is gone: stopping as on SIGTERM", file=sys.stderr)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="moe-tune-launcher-watch", daemon=True).start()
 
 
 def restore_default_signals() -> None:
@@ -286,6 +306,7 @@ def register_launcher() -> None:
 
 def main() -> None:
     honour_sigint()
+    watch_launcher()
     try:
         import hydra
 

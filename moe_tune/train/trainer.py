@@ -91,6 +91,7 @@ class Trainer:
         self.saver = ckpt.CheckpointSaver(cfg.checkpoint.async_save, self.device)  # one save in flight at most
         self.step = 0
         if built.checkpointable:
+            self.saver.group()  # made while the launcher's store is up: a save on the launcher's death needs none
             self._resume()
         if self.rank == 0 and write_run_files:
             write_config(cfg)  # only once the config, model, data and checkpoint are known to be usable

@@ -125,6 +125,45 @@ def test_ctrl_c_to_the_launcher_before_torchrun_starts_is_one_line(tmp_path, cli
     assert (code, lines) == (130, [INTERRUPTED]) and not out.exists()
 
 
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited: no such process, or a zombie its new parent has not reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.slow
+def test_ranks_whose_torchrun_is_killed_save_and_exit(tmp_path, cli_env):
+    """torchrun's agent killed with SIGKILL (by hand, or by the out-of-memory killer) sends its ranks nothing: they
+    stop as on its SIGTERM, saving the step they agree on, instead of training on as orphans."""
+    import os
+    import time
+
+    run, log = tmp_path / "run", tmp_path / "log"
+    args = [f"output_dir={run}", "train.steps=100000", "checkpoint.export_hf=false", "parallel.ep=2", *FAST_RUN]
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moe_tune", *args]
+    with open(log, "w") as out:  # a file, not a pipe: orphans would hold a pipe open
+        agent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=cli_env)
+    metrics, deadline = run / "metrics.jsonl", time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.2)
+    ranks = [int(p) for p in open(f"/proc/{agent.pid}/task/{agent.pid}/children").read().split()]
+    agent.kill()
+    agent.wait()
+    deadline = time.time() + 120
+    while time.time() < deadline and not all(_gone(pid) for pid in ranks):
+        time.sleep(0.5)
+    left = [pid for pid in ranks if not _gone(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    text = log.read_text()
+    assert len(ranks) == 2 and not left, text[-3000:]
+    assert f"the launcher (pid {agent.pid}) is gone" in text and "stopped by signal 15 after step" in text, text[-3000:]
+    assert [d.name for d in (run / "checkpoints").iterdir() if (d / "COMPLETE").exists()], text[-3000:]
+
+
 @pytest.mark.slow
 def test_a_ranks_exit_2_is_the_launchers(tmp_path, cli_env):
     r = subprocess.run(
