@@ -305,3 +305,18 @@ def test_cli_lora_search_that_fits_nowhere_tries_an_nf4_base(capsys):
     assert "with the frozen experts in NF4 and bf16 adapters (peft.quantize_base=nf4 train.precision=bf16)" in out
     assert plan_main([*args, "peft.quantize_base=fp8", "--search", "--max-micro-batch", "1", "--json"]) in (0, 3)
     assert "quantized_base" not in json.loads(capsys.readouterr().out)  # a quantized base is the user's own choice
+
+
+def test_plannings_auto_example_is_what_auto_says(monkeypatch, capsys):
+    """docs/planning.md's `auto` line for the full Qwen3-30B-A3B on 8 H200s is the one the planner prints."""
+    import re
+    from pathlib import Path
+
+    from moe_tune.plan.auto import resolve
+
+    doc = (Path(__file__).parents[2] / "docs" / "planning.md").read_text()
+    line = re.search(r"^moe-tune: auto: .*$", doc, re.M).group(0)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setattr("moe_tune.plan.auto.gpu_memory_gib", lambda: 139.8)  # an H200's, as torch reports it
+    resolve(["model=qwen3_30b_a3b", "train.seq_len=4096", "parallel.ep=auto", "train.micro_batch_size=auto"])
+    assert capsys.readouterr().err.strip() == line
