@@ -4,7 +4,8 @@ the run's own layer code forward on the CPU, in the compute dtype, and adding up
 The model is the run's (its family, dims, LoRA and quantized base, moe_tune's MoE layer and attention path) with
 two changes that leave bytes per token unchanged: fewer routed experts (only the router's [tokens, experts] tensors grow with
 them: counted at the real number) and a small vocabulary (no layer sees it). A
-family with leading dense layers (DeepSeek-V3, GLM-4-MoE) keeps one, and is measured as dense and MoE layer.
+model with dense layers (DeepSeek-V3's and GLM-4-MoE's leading ones, Qwen-MoE's ``mlp_only_layers`` or
+``decoder_sparse_step``) keeps one, and is measured as dense and MoE layer.
 The weights are zeros (the bytes saved depend on shapes alone, and drawing billions of
 random values would take minutes). Parameters are not activations and are left out (FSDP2's gathered copies and cast experts are counted apart).
 
@@ -50,20 +51,35 @@ def _reduced(hf_config, num_experts: int):
     d = hf_config.to_dict()
     key = next(k for k in EXPERT_KEYS if d.get(k))
     d[key] = num_experts
-    dense = min(int(d.get("first_k_dense_replace") or 0), 1)
+    # Layer 0 dense where the model has dense layers, then one MoE layer, whichever keys made them dense.
+    dense = int(_has_dense_layers(d))
     if "first_k_dense_replace" in d:
         d["first_k_dense_replace"] = dense
+    if "decoder_sparse_step" in d:
+        d["decoder_sparse_step"] = 1
+    if isinstance(d.get("mlp_only_layers"), list):
+        d["mlp_only_layers"] = list(range(dense))
     layers = dense + 1
     d["num_hidden_layers"] = layers
     if isinstance(d.get("layer_types"), list):
         d["layer_types"] = d["layer_types"][:layers]
-    if isinstance(d.get("mlp_only_layers"), list):
-        d["mlp_only_layers"] = []
     d["vocab_size"] = 512
     for token in ("bos_token_id", "eos_token_id", "pad_token_id"):  # ids of the real vocabulary: none here
         d[token] = None
     d.pop("architectures", None)
     return type(hf_config).from_dict(d)
+
+
+def _has_dense_layers(d: dict) -> bool:
+    """Whether some decoder layers hold a dense MLP: DeepSeek-V3's and GLM-4-MoE's leading ones
+    (``first_k_dense_replace``), Qwen-MoE's ``mlp_only_layers`` and, with ``decoder_sparse_step`` above 1, every
+    layer i whose i + 1 it does not divide (as transformers decides)."""
+    layers = int(d.get("num_hidden_layers") or 0)
+    if int(d.get("first_k_dense_replace") or 0) > 0:
+        return True
+    if any(0 <= i < layers for i in d.get("mlp_only_layers") or []):
+        return True
+    return int(d.get("decoder_sparse_step") or 1) > 1
 
 
 def _expert_counts(hf_config) -> tuple[int, int]:

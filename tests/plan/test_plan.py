@@ -223,6 +223,19 @@ def test_cli_says_when_a_layout_does_not_fit_and_exits_3(capsys):
     assert "fastest first:\n  none\nrejected:\n  ep=1 mb=1" in out
 
 
+@pytest.mark.parametrize(
+    "family,dense", [("qwen2_moe", {"decoder_sparse_step": 2}), ("qwen3_moe", {"mlp_only_layers": [1]})]
+)
+def test_a_qwen_moe_dense_layer_keeps_activations(family, dense):
+    """A dense layer between MoE layers (decoder_sparse_step > 1, mlp_only_layers) is measured as one: two layers
+    of which one is dense keep more than the one MoE layer alone (the dense layer counted, not taken as zero)."""
+    cfg = _cfg()
+    both = plan(cfg, 1, hf_config=tiny_config(family, num_hidden_layers=2, **dense))
+    alone = plan(cfg, 1, hf_config=tiny_config(family, num_hidden_layers=1))
+    assert both.census.moe_layers == alone.census.moe_layers == 1
+    assert both.memory.parts["activations"] > alone.memory.parts["activations"]
+
+
 def test_activations_do_not_depend_on_the_measured_length():
     """Per-token bytes come out the same from a model measured at two lengths (flash-like attention)."""
     from moe_tune.build import model_options
