@@ -56,8 +56,9 @@ def is_extra_state(key: str) -> bool:
 
 
 def frozen_names(model: torch.nn.Module) -> set[str]:
-    """Parameters that do not train (LoRA's base): a checkpoint does not hold them, the base model does."""
-    return {n for n, p in model.named_parameters() if not p.requires_grad}
+    """Parameters that do not train (LoRA's base): a checkpoint does not hold them, the base model does. Every name
+    of a shared parameter counts: tied embeddings are in the state dict as ``lm_head.weight`` too."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
 def model_entries(model: torch.nn.Module, model_sd: dict) -> dict:

@@ -73,6 +73,26 @@ def test_lora_trains_adapters_only_resumes_bitwise_and_exports_for_peft(tmp_path
     assert not os.path.exists(merged_dir / "adapter_config.json")
 
 
+def test_a_checkpoint_of_adapters_on_tied_embeddings_holds_no_base_weight(tmp_path):
+    """Tied embeddings are in the state dict twice (``lm_head.weight`` too), and the base is held in bf16 while
+    training (bf16_fp32_master): the checkpoint still holds adapters only, so the merged export of an fp32 base
+    keeps its embedding bit for bit (not the bf16 copy training held)."""
+    from moe_tune.models.presets import build_tokenizer
+    from tests.tiny import save_tiny
+
+    src = save_tiny(tmp_path / "src", "qwen3_moe", tie_word_embeddings=True)
+    build_tokenizer(src)
+    run, step = tmp_path / "run", tmp_path / "run" / "checkpoints" / "step_1"
+    args = ["model=hf", f"model.path={src}", "train.steps=1", "checkpoint.every=1", "checkpoint.export_hf=false"]
+    train_run([f"output_dir={run}", *args, "peft=lora", "peft.rank=8", *FAST_RUN[:3]])
+    model_keys = [k for k in _checkpoint_keys(step) if k.startswith("model.")]
+    assert model_keys and all(".lora." in k for k in model_keys), [k for k in model_keys if ".lora." not in k]
+    r = _export([step, tmp_path / "merged", "--merge"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    key = "model.embed_tokens.weight"
+    assert torch.equal(read_hf_tensors(tmp_path / "merged")[key], read_hf_tensors(src)[key])
+
+
 def test_a_checkpoint_of_adapters_refuses_another_base_and_follows_a_moved_one(tmp_path):
     """Adapters trained on the tiny model drawn with seed 0: resumed onto the one drawn with seed 1, exit 2;
     exported with --base naming that other base, exit 2; with --base naming a moved copy of their own, exported."""
