@@ -30,6 +30,7 @@ from moe_tune.models.hf_io import (
     named_tensors,
     source_dtypes,
     to_disk_tensors,
+    unloaded_source_keys,
 )
 
 log = logging.getLogger("moe_tune")
@@ -98,6 +99,9 @@ def write_checkpoint(
             continue
         for key, piece in to_disk_tensors(family, name, full, first, source_keys=dtypes):
             writer.add(key, piece.to(dtype or dtypes.get(key, piece.dtype)).detach().cpu().contiguous())
+    reader, unloaded = unloaded_source_keys(model)
+    for key in unloaded[rank::world]:  # the source's own tensors, round-robin over the ranks
+        writer.add(key, reader.rows(key).to(dtype or reader.dtype(key)).contiguous())
     writer.flush()
     error, gathered = writer.error, [(writer.files, writer.nbytes)]
     if world > 1:

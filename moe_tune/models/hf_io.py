@@ -233,16 +233,39 @@ def load_state(model: torch.nn.Module, path: str, family: Family, strict: bool =
     if strict:
         used = _union_over_ranks(reader.used)
         unused = set(reader.weight_map) - used - ({"lm_head.weight"} if tied else set())
-        # Keys transformers itself skips: DeepSeek-V3's and GLM-4-MoE's multi-token-prediction layer
-        # (model.layers.61.* / .92.* / .46.*), which the causal LM never runs.
-        patterns = getattr(getattr(model, "_hf_class", None), "_keys_to_ignore_on_load_unexpected", None) or ()
-        ignore = [re.compile(p) for p in patterns]
+        ignore = ignored_on_load(model)
         unused = {k for k in unused if not k.endswith("rotary_emb.inv_freq") and not any(p.search(k) for p in ignore)}
         if unused:
             raise CheckpointError(
                 f"checkpoint {path} has {len(unused)} tensors the model does not use (e.g. {sorted(unused)[0]}); "
                 f"does config.json match the weights?"
             )
+
+
+def ignored_on_load(model) -> list[re.Pattern]:
+    """Keys transformers itself skips: DeepSeek-V3's and GLM-4-MoE's multi-token-prediction layer
+    (model.layers.61.* / .92.* / .46.*), which the causal LM never runs."""
+    patterns = getattr(getattr(model, "_hf_class", None), "_keys_to_ignore_on_load_unexpected", None) or ()
+    return [re.compile(p) for p in patterns]
+
+
+def unloaded_source_keys(model) -> tuple[CheckpointReader | None, list[str]]:
+    """The source's keys of layers past ``num_hidden_layers`` that loading skips (``ignored_on_load``: the
+    multi-token-prediction layer), with a reader of them (block-scaled FP8 is read as bf16, so its scales are left
+    out): an export carries them over unchanged, so the layer that config.json's ``num_nextn_predict_layers``
+    names is still there for speculative decoding."""
+    ignore = ignored_on_load(model)
+    if not model.source_dir or not ignore:
+        return None, []
+    reader, keys = CheckpointReader(model.source_dir), []
+    for key in sorted(reader.weight_map):
+        layer = re.match(r"model\.layers\.(\d+)\.", key)
+        if not layer or int(layer[1]) < model.config.num_hidden_layers or not any(p.search(key) for p in ignore):
+            continue
+        if reader.fp8_block is not None and key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) in reader:
+            continue  # the scales of a weight read dequantized
+        keys.append(key)
+    return reader, keys
 
 
 def _check_shape(name: str, src: torch.Tensor, expected) -> None:

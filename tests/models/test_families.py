@@ -300,6 +300,28 @@ def test_mtp_layer_ignored_extra_tensors_refused(tiny_checkpoint):
         moe_tune.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
 
 
+@pytest.mark.parametrize("family,layer", [("deepseek_v3", 61), ("glm4_moe", 46)])
+def test_mtp_layer_is_exported_as_the_source_holds_it(tiny_checkpoint, tmp_path, family, layer):
+    """The multi-token-prediction layer loading skips is carried into the export unchanged (keys, values, dtypes):
+    config.json still names it (num_nextn_predict_layers), and speculative decoding reads it."""
+    from safetensors.torch import save_file
+
+    from tests.harness import read_hf_tensors
+
+    src = Path(tiny_checkpoint(family))
+    mtp = {
+        f"model.layers.{layer}.eh_proj.weight": torch.randn(48, 96, dtype=torch.bfloat16),
+        f"model.layers.{layer}.mlp.experts.3.down_proj.weight": torch.randn(48, 40),
+    }
+    save_file(mtp, str(src / "model-mtp.safetensors"))
+    out = str(tmp_path / "out")
+    moe_tune.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).save_pretrained(out)
+    exported = read_hf_tensors(out)
+    assert set(exported) == set(read_hf_tensors(src)) | set(mtp)  # read_hf_tensors reads model.safetensors
+    for k, v in mtp.items():
+        assert exported[k].dtype == v.dtype and torch.equal(exported[k], v), k
+
+
 def test_unsupported_architecture(tiny_checkpoint):
     llama = tiny_checkpoint("llama")
     with pytest.raises(ConfigError) as err:
