@@ -6,7 +6,8 @@ mask cannot take the flash kernel. ``varlen_attention_forward`` is registered as
 function (``ATTN_NAME``); ``MoECausalLM`` passes packed rows' boundaries as transformers' ``cu_seq_lens_q/k``
 keywords. Rows of one sequence each (no boundaries) run SDPA's causal flash path. What the varlen kernel cannot
 take (CPU tensors, attention dropout, v head size unlike q's, a torch without it) runs ``packed_sdpa``: the same
-maths with an explicit mask.
+maths with an explicit mask. A family with no SDPA path (GPT-OSS's attention sinks) runs its own eager attention
+with that mask (``packed_eager_forward``).
 """
 
 from __future__ import annotations
@@ -32,17 +33,24 @@ def packed_sdpa(query, key, value, scaling, cu_seqlens=None, window=None, dropou
         return out.transpose(1, 2).contiguous()
     rep = H // key.shape[1]  # kv heads repeated: the masked kernels do not all take enable_gqa
     key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
-    i = torch.arange(S, device=query.device)
+    mask = packed_mask(B, S, cu_seqlens, window, query.device)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return out.transpose(1, 2).contiguous()
+
+
+def packed_mask(B: int, S: int, cu_seqlens=None, window=None, device=None) -> torch.Tensor:
+    """[B, 1, S, S] bool, True where a query may attend: causal, banded when ``window`` (tokens seen, the query's
+    own included), block-diagonal over the packed sequences of ``cu_seqlens`` (offsets in the flattened B*S)."""
+    i = torch.arange(S, device=device)
     mask = (i.unsqueeze(1) >= i.unsqueeze(0)).expand(B, 1, S, S)  # causal
     if window:
         mask = mask & (i.unsqueeze(1) - i.unsqueeze(0) < window)
     if cu_seqlens is not None:
-        seq = torch.zeros(B * S, dtype=torch.int32, device=query.device)
+        seq = torch.zeros(B * S, dtype=torch.int32, device=device)
         seq[cu_seqlens[1:-1].long()] = 1
         seq = seq.cumsum(0).view(B, 1, S)
         mask = mask & (seq.unsqueeze(-1) == seq.unsqueeze(-2))
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
-    return out.transpose(1, 2).contiguous()
+    return mask
 
 
 def _find_varlen_kernel():
@@ -96,3 +104,16 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout=
         if out is not None:
             return out, None
     return packed_sdpa(query, key, value, scaling, cu, window, dropout), None
+
+
+def packed_eager_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, *, eager, **kwargs):
+    """transformers attention function for a family whose attention only its own eager code computes (GPT-OSS's
+    sinks): ``eager``, its modeling module's ``eager_attention_forward``, given the additive mask of ``packed_mask``
+    (causal, the layer's sliding window, one block per packed sequence of ``cu_seq_lens_q``). No mask arrives, as
+    for ``varlen_attention_forward``."""
+    B, _, S, _ = query.shape
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    allowed = packed_mask(B, S, kwargs.get("cu_seq_lens_q"), window, query.device)
+    mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
+    mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)
+    return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)

@@ -47,7 +47,8 @@ class ModelOptions:
     # variable-length kernel (``moe_tune.kernels.attention``; kernels=te: TE's thd layout) instead of a dense
     # block mask; rows of one sequence run SDPA's causal kernel. The model then takes no attention_mask, and
     # transformers builds none (no host sync to look for packed sequences). Applies where the family's attention
-    # is SDPA. Training builds set it whether or not the data is packed.
+    # is SDPA, or eager (GPT-OSS: its own eager attention with a per-sequence mask). Training builds set it whether
+    # or not the data is packed.
     packed_attention: bool = False
     # LoRA adapters (``peft=lora``), the base frozen; None: every weight trains.
     lora: LoRASpec | None = None
@@ -234,8 +235,8 @@ def build_model(
 
             routers = {id(m.router) for m in hf.modules() if isinstance(m, MoE)}
             packed_attention = apply_te(hf, routers, options.fp8, options.fp8_options)
-        elif options.packed_attention and hf.config._attn_implementation == "sdpa":
-            packed_attention = _use_varlen_attention(hf.config)
+        elif options.packed_attention and hf.config._attn_implementation in ("sdpa", "eager"):
+            packed_attention = _use_packed_attention(hf)
         if options.lora is not None:
             from moe_tune.models.lora import apply_lora
 
@@ -243,13 +244,23 @@ def build_model(
     return MoECausalLM(hf, family, options, source_dir, packed_attention, moe_stats)
 
 
-def _use_varlen_attention(config) -> bool:
+def _use_packed_attention(hf: nn.Module) -> bool:
+    """Attention that keeps packed sequences apart: the varlen kernel in place of SDPA; for an eager family
+    (GPT-OSS) its own eager attention with a per-sequence mask (transformers' eager masks ignore the boundaries)."""
+    import sys
+
     from transformers import AttentionInterface
 
-    from moe_tune.kernels.attention import ATTN_NAME, varlen_attention_forward
+    from moe_tune.kernels.attention import ATTN_NAME, packed_eager_forward, varlen_attention_forward
 
-    AttentionInterface.register(ATTN_NAME, varlen_attention_forward)
-    config._attn_implementation = ATTN_NAME
+    config = hf.config
+    name, forward = ATTN_NAME, varlen_attention_forward
+    if config._attn_implementation == "eager":
+        name = f"{ATTN_NAME}_eager_{config.model_type}"
+        eager = sys.modules[type(hf).__module__].eager_attention_forward
+        forward = functools.partial(packed_eager_forward, eager=eager)
+    AttentionInterface.register(name, forward)
+    config._attn_implementation = name
     return True
 
 
