@@ -28,6 +28,7 @@ from moe_tune.models.hf_io import (
     disk_key,
     expert_offsets,
     named_tensors,
+    remote_code_files,
     source_dtypes,
     to_disk_tensors,
     unloaded_source_keys,
@@ -231,10 +232,11 @@ def check_export_target(out_dir: str) -> None:
             f"{out_dir} is the current directory, which an export replaces as a whole (the shell would be left in "
             "a removed directory); give a new directory"
         )
+    code = set(remote_code_files(out_dir))  # copied from the source with its config.json
     foreign = sorted(
         name
         for name in os.listdir(out_dir)
-        if not (_written_by_an_export(name) and os.path.isfile(os.path.join(out_dir, name)))
+        if not ((_written_by_an_export(name) or name in code) and os.path.isfile(os.path.join(out_dir, name)))
     )
     if foreign:
         shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")

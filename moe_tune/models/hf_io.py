@@ -8,6 +8,7 @@ published checkpoints use (see ``moe_tune.moe.experts`` for the two layouts).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -332,10 +333,27 @@ def to_disk_tensors(
         yield disk_key(family, name), t
 
 
+def remote_code_files(model_dir: str) -> list[str]:
+    """The Python files in ``model_dir`` that its config.json's and tokenizer_config.json's ``auto_map`` name
+    (``"AutoConfig": "configuration_deepseek.DeepseekV3Config"``): what ``trust_remote_code=True`` loads from the
+    directory. Code in another repository (``"owner/repo--module.Class"``) is not the directory's."""
+    names = set()
+    for config in ("config.json", "tokenizer_config.json"):
+        try:
+            with open(os.path.join(model_dir, config)) as f:
+                auto_map = json.load(f).get("auto_map") or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        refs = [r for v in auto_map.values() for r in (v if isinstance(v, list) else [v])]
+        names |= {r.rsplit(".", 1)[0] + ".py" for r in refs if isinstance(r, str) and "--" not in r and "." in r}
+    return sorted(n for n in names if os.path.isfile(os.path.join(model_dir, n)))
+
+
 def copy_side_files(src: str | None, out_dir: str) -> None:
+    """SIDE_FILES and the remote code the source's ``auto_map`` names, so the export loads as the source does."""
     if not src:
         return
-    for name in SIDE_FILES:
+    for name in (*SIDE_FILES, *remote_code_files(src)):
         p = os.path.join(src, name)
         if os.path.isfile(p):
             shutil.copy2(p, os.path.join(out_dir, name))

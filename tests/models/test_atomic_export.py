@@ -97,3 +97,31 @@ def test_built_in_base_model_weights_are_readable_like_other_files(tmp_path):
     modes = {p.name: p.stat().st_mode & 0o777 for p in os.scandir(out) if p.is_file()}
     assert any(name.endswith(".safetensors") for name in modes)
     assert set(modes.values()) == {0o644}, modes
+
+
+def test_an_export_carries_the_remote_code_its_config_names(tmp_path):
+    """config.json's auto_map (DeepSeek-V3's release names configuration_deepseek.py and modeling_deepseek.py) is
+    exported as it is, so the files it names come along: trust_remote_code=True loads the export as it loads the
+    source, and a second export replaces the first, those files included."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny import save_tiny
+
+    src = save_tiny(tmp_path / "src", "deepseek_v3")
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config["auto_map"] = {
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+    }
+    with open(os.path.join(src, "config.json"), "w") as f:
+        json.dump(config, f)
+    for name, cls in (("configuration_deepseek", "DeepseekV3Config"), ("modeling_deepseek", "DeepseekV3ForCausalLM")):
+        with open(os.path.join(src, f"{name}.py"), "w") as f:
+            f.write(f"from transformers import {cls}  # noqa: F401\n")
+    model = moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    out = str(tmp_path / "out")
+    for _ in range(2):
+        write_checkpoint_atomic(model, out)
+    assert {"configuration_deepseek.py", "modeling_deepseek.py"} <= set(os.listdir(out))
+    AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
