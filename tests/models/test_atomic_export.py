@@ -116,9 +116,18 @@ def test_an_export_carries_the_remote_code_its_config_names(tmp_path):
     }
     with open(os.path.join(src, "config.json"), "w") as f:
         json.dump(config, f)
-    for name, cls in (("configuration_deepseek", "DeepseekV3Config"), ("modeling_deepseek", "DeepseekV3ForCausalLM")):
+    # Subclasses, as a release's own code defines its classes: loading remote code registers the classes it finds
+    # for the auto classes, which on transformers' own classes would change every later save_pretrained of them.
+    remote = {
+        "configuration_deepseek": "from transformers import DeepseekV3Config as Base\n\n\n"
+        "class DeepseekV3Config(Base):\n    pass\n",
+        "modeling_deepseek": "from transformers import DeepseekV3ForCausalLM as Base\n\n"
+        "from .configuration_deepseek import DeepseekV3Config\n\n\n"
+        "class DeepseekV3ForCausalLM(Base):\n    config_class = DeepseekV3Config\n",
+    }
+    for name, code in remote.items():
         with open(os.path.join(src, f"{name}.py"), "w") as f:
-            f.write(f"from transformers import {cls}  # noqa: F401\n")
+            f.write(code)
     model = moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     out = str(tmp_path / "out")
     for _ in range(2):
