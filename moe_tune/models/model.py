@@ -235,7 +235,8 @@ def build_model(
 
             routers = {id(m.router) for m in hf.modules() if isinstance(m, MoE)}
             packed_attention = apply_te(hf, routers, options.fp8, options.fp8_options)
-        elif options.packed_attention and hf.config._attn_implementation in ("sdpa", "eager"):
+        # TE takes SDPA's attention only: an eager family (GPT-OSS) keeps its own under kernels=te too
+        if not packed_attention and options.packed_attention and hf.config._attn_implementation in ("sdpa", "eager"):
             packed_attention = _use_packed_attention(hf)
         if options.lora is not None:
             from moe_tune.models.lora import apply_lora

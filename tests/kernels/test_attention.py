@@ -101,6 +101,21 @@ def test_packed_sequences_of_an_eager_family_attend_only_to_themselves(tmp_path,
         assert _rel(ours(input_ids=ids).logits, ref(input_ids=ids).logits) < tol
 
 
+def test_an_eager_family_under_kernels_te_keeps_packed_sequences_apart(tmp_path, monkeypatch):
+    """kernels=te takes SDPA's attention only (``apply_te`` returns False for GPT-OSS's eager attention, after
+    swapping its norms and linears; TE cannot run on a CPU, so its swap is left out here): the eager family still
+    gets the per-sequence mask, as under kernels=torch."""
+    import moe_tune.kernels.te as te
+    from tests.tiny import save_tiny
+
+    monkeypatch.setattr(te, "apply_te", lambda model, keep, fp8="none", fp8_options=None: False)
+    path = save_tiny(tmp_path / "gpt_oss", "gpt_oss")
+    model = moe_tune.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, kernels="te", packed_attention=True
+    )
+    assert model.packed_attention and model.config._attn_implementation.startswith(ATTN_NAME)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("kv_heads", [4, 2])
