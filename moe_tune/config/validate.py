@@ -59,12 +59,26 @@ def validate(
 
 # FP8 rows start on 16-byte boundaries (the FP8 grouped GEMM's alignment).
 FP8_ALIGN = 16
+# The experts' dims where their weights are stored in blocks, per storage: the multiple both dims must be, and why.
+BLOCKED_DIMS = {"fp8": (FP8_ALIGN, "the FP8 grouped GEMM's alignment"), "nf4": (32, "NF4's blocks of inputs")}
 
 
-def _nf4_fix(dim: int, hidden: int) -> str:
-    # FP8 only where its own alignment holds: a fix that is refused in turn is no fix.
-    fp8_fits = not (dim % FP8_ALIGN or hidden % FP8_ALIGN)
-    return "peft.quantize_base=fp8 or none" if fp8_fits else "peft.quantize_base=none"
+def blocked_dims_problem(key: str, storage: str, dim: int, hidden: int, fix: str) -> str | None:
+    """The line refusing ``key`` (a setting that stores the experts as ``storage``, a BLOCKED_DIMS key) for a model
+    dim and an expert hidden dim the storage cannot hold; None where it can."""
+    multiple, why = BLOCKED_DIMS[storage]
+    if not (dim % multiple or hidden % multiple):
+        return None
+    return (
+        f"{key} needs the model dim ({dim}) and the expert hidden dim ({hidden}) to be multiples of {multiple} "
+        f"({why}); use {fix} for this model"
+    )
+
+
+def quantized_base_fix(dim: int, hidden: int, fp8: str, none: str) -> str:
+    """The fix for an NF4 base the dims refuse: FP8 only where its own alignment holds (a fix that is refused in
+    turn is no fix)."""
+    return fp8 if blocked_dims_problem("", "fp8", dim, hidden, "") is None else none
 
 
 def check_expert_dims(cfg: Config, dim: int, hidden: int) -> None:
@@ -72,17 +86,16 @@ def check_expert_dims(cfg: Config, dim: int, hidden: int) -> None:
     peft.quantize_base=fp8) need FP8 rows on 16-byte boundaries, NF4 (peft.quantize_base=nf4) whole blocks of 32
     inputs (``kernels.nf4_frozen.BLOCKS``): the model dim and the expert hidden dim must be multiples of them."""
     quantized = cfg.peft.quantize_base if cfg.peft.name == "lora" else "none"
-    for key, multiple, why, fix in (
-        ("kernels.experts=grouped_mm_fp8", FP8_ALIGN, "the FP8 grouped GEMM's alignment", "kernels.experts=grouped_mm"),
-        ("peft.quantize_base=fp8", FP8_ALIGN, "the FP8 grouped GEMM's alignment", "peft.quantize_base=none"),
-        ("peft.quantize_base=nf4", 32, "NF4's blocks of inputs", _nf4_fix(dim, hidden)),
+    nf4_fix = quantized_base_fix(dim, hidden, "peft.quantize_base=fp8 or none", "peft.quantize_base=none")
+    for key, storage, fix in (
+        ("kernels.experts=grouped_mm_fp8", "fp8", "kernels.experts=grouped_mm"),
+        ("peft.quantize_base=fp8", "fp8", "peft.quantize_base=none"),
+        ("peft.quantize_base=nf4", "nf4", nf4_fix),
     ):
         asked = key == f"kernels.experts={cfg.kernels.experts}" or key == f"peft.quantize_base={quantized}"
-        if asked and (dim % multiple or hidden % multiple):
-            raise ConfigError(
-                f"{key} needs the model dim ({dim}) and the expert hidden dim ({hidden}) to be multiples of "
-                f"{multiple} ({why}); use {fix} for this model"
-            )
+        problem = blocked_dims_problem(key, storage, dim, hidden, fix) if asked else None
+        if problem:
+            raise ConfigError(problem)
 
 
 def check_values(cfg: Config) -> None:

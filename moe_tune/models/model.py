@@ -15,12 +15,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from moe_tune.config import ConfigError
+from moe_tune.config.validate import blocked_dims_problem, quantized_base_fix
 from moe_tune.lora import LoRASpec
 from moe_tune.models.export import write_checkpoint
 from moe_tune.models.families import Family, get_family
 from moe_tune.moe.dispatch import Dispatcher
 from moe_tune.moe.experts import ExpertsOptions
 from moe_tune.moe.layer import MoE
+from moe_tune.moe.quantized_base import PROJECTION_CLASSES
 from moe_tune.moe.stats import MoEStats, MoEStatsCollector
 
 
@@ -214,6 +217,7 @@ def build_model(
     options = options or ModelOptions()
     moe_stats = MoEStatsCollector()
     family = get_family(config.model_type, getattr(config, "architectures", None))
+    check_quantized_base(options, family.moe_spec(config).experts)
     attn = options.attn_implementation or family.attn_implementation
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, dtype=options.dtype, attn_implementation=attn)
@@ -243,6 +247,34 @@ def build_model(
 
             apply_lora(hf, family.block_attr, options.lora, options.dtype)
     return MoECausalLM(hf, family, options, source_dir, packed_attention, moe_stats)
+
+
+def check_quantized_base(options: ModelOptions, experts) -> None:
+    """``options.experts.quantized_base`` (the Python API's spelling of ``peft.quantize_base``) before anything is
+    built: a storage there is, under LoRA (the quantized experts are frozen), for the model's routed ``experts``
+    (an ``ExpertsSpec``) dims. One ConfigError line naming the values and the fix."""
+    mode = options.experts.quantized_base
+    if mode is None:
+        return
+    if mode not in PROJECTION_CLASSES:
+        raise ConfigError(
+            f"quantized_base={mode!r} is not one of {', '.join(map(repr, PROJECTION_CLASSES))}; pick one of those, "
+            "or None for experts that are parameters"
+        )
+    if options.lora is None:
+        raise ConfigError(
+            f"quantized_base={mode!r} holds the routed experts frozen, for LoRA, and lora is None (every weight "
+            f"trains): add lora=LoRASpec(...), or drop quantized_base"
+        )
+    dim, hidden = experts.dim, experts.hidden
+    fix = (
+        "quantized_base=None"
+        if mode == "fp8"
+        else quantized_base_fix(dim, hidden, "quantized_base='fp8' or None", "quantized_base=None")
+    )
+    problem = blocked_dims_problem(f"quantized_base={mode!r}", mode, dim, hidden, fix)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _use_packed_attention(hf: nn.Module) -> bool:

@@ -185,3 +185,52 @@ def test_compiled_experts_give_the_eager_outputs_and_adapter_gradients(mode, gem
     (y_eager, g_eager), (y_compiled, g_compiled) = results
     assert rel_err(y_compiled, y_eager) < 1e-2
     assert g_eager.keys() == g_compiled.keys() and all(rel_err(g_compiled[n], g) < 1e-2 for n, g in g_eager.items())
+
+
+@pytest.mark.parametrize(
+    "overrides, options, message",
+    [
+        (
+            {},  # the tiny model: hidden 48, experts of 40
+            {"quantized_base": "nf4"},
+            "quantized_base='nf4' needs the model dim (48) and the expert hidden dim (40) to be multiples of 32 (NF4's "
+            "blocks of inputs); use quantized_base=None for this model",
+        ),
+        (
+            {"hidden_size": 80, "moe_intermediate_size": 80},
+            {"quantized_base": "nf4"},
+            "quantized_base='nf4' needs the model dim (80) and the expert hidden dim (80) to be multiples of 32 (NF4's "
+            "blocks of inputs); use quantized_base='fp8' or None for this model",
+        ),
+        (
+            {"hidden_size": 64, "moe_intermediate_size": 200},
+            {"quantized_base": "fp8"},
+            "quantized_base='fp8' needs the model dim (64) and the expert hidden dim (200) to be multiples of 16 (the "
+            "FP8 grouped GEMM's alignment); use quantized_base=None for this model",
+        ),
+        (
+            {"hidden_size": 64, "moe_intermediate_size": 96},
+            {"quantized_base": "int4"},
+            "quantized_base='int4' is not one of 'fp8', 'nf4'; pick one of those, or None for experts that are "
+            "parameters",
+        ),
+        (
+            {"hidden_size": 64, "moe_intermediate_size": 96},
+            {"quantized_base": "nf4", "lora": None},
+            "quantized_base='nf4' holds the routed experts frozen, for LoRA, and lora is None (every weight trains): "
+            "add lora=LoRASpec(...), or drop quantized_base",
+        ),
+    ],
+)
+def test_the_python_api_refuses_a_quantized_base_it_cannot_build(tiny_checkpoint, overrides, options, message):
+    """``from_pretrained``'s ``experts=ExpertsOptions(quantized_base=...)`` is checked as ``peft.quantize_base`` is:
+    one line naming the values and the fix, before anything is built (dims NF4 cannot block ended in a TypeError, an
+    unknown storage in a KeyError, and a quantized base without LoRA trained with its experts silently frozen)."""
+    import moe_tune
+    from moe_tune.config import ConfigError
+
+    path = tiny_checkpoint("qwen3_moe", **overrides)
+    lora = options.pop("lora", LoRASpec(rank=8))
+    with pytest.raises(ConfigError) as e:
+        moe_tune.AutoModelForCausalLM.from_pretrained(path, experts=ExpertsOptions(**options), lora=lora)
+    assert str(e.value) == message
