@@ -25,11 +25,12 @@ from moe_tune.models.hf_io import (
     EXPERT_PARAM,
     SIDE_FILES,
     copy_side_files,
-    disk_key,
     expert_offsets,
     named_tensors,
+    quantized_source_tensors,
     remote_code_files,
     source_dtypes,
+    stacked_on_disk,
     to_disk_tensors,
     unloaded_source_keys,
 )
@@ -40,12 +41,6 @@ log = logging.getLogger("moe_tune")
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     # FSDP2 shards are DTensors: full_tensor() all-gathers over the tensor's own mesh (dp_shard or efsdp).
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _stacked_on_disk(family, name: str, source_keys) -> bool:
-    """Whether an expert tensor is stored as one stacked key (GPT-OSS, or a v5-format source), not per expert."""
-    parts = family.disk_experts or {}
-    return EXPERT_PARAM.match(name)["name"] not in parts or disk_key(family, name) in source_keys
 
 
 def gather_experts(local: torch.Tensor, ep_group) -> torch.Tensor:
@@ -89,7 +84,7 @@ def write_checkpoint(
         full = full_tensor(t)
         is_expert = EXPERT_PARAM.match(name) is not None
         first = offsets.get(name, 0)
-        if is_expert and ep_sharded and _stacked_on_disk(family, name, dtypes):
+        if is_expert and ep_sharded and stacked_on_disk(family, name, dtypes):
             full, first, is_expert = gather_experts(full, ep_group), 0, False  # then written like a dense tensor
         if is_expert and ep_sharded:
             mine = expert_writer
@@ -100,9 +95,7 @@ def write_checkpoint(
             continue
         for key, piece in to_disk_tensors(family, name, full, first, source_keys=dtypes):
             writer.add(key, piece.to(dtype or dtypes.get(key, piece.dtype)).detach().cpu().contiguous())
-    reader, unloaded = unloaded_source_keys(model)
-    for key in unloaded[rank::world]:  # the source's own tensors, round-robin over the ranks
-        writer.add(key, reader.rows(key).to(dtype or reader.dtype(key)).contiguous())
+    _add_source_tensors(model, writer, dtype, dtypes, expert_writer if ep_sharded else rank == 0)
     writer.flush()
     error, gathered = writer.error, [(writer.files, writer.nbytes)]
     if world > 1:
@@ -118,6 +111,17 @@ def write_checkpoint(
         except Exception as e:  # raised on every rank by end_together
             error = e
     end_together(error)
+
+
+def _add_source_tensors(model, writer, dtype, dtypes: dict, expert_writer: bool) -> None:
+    """What the export takes from the source's files as they are: the experts of a quantized base (held only
+    quantized) and the layers loading skips (round-robin over the ranks)."""
+    rank, world = rank_world()
+    for key, t in quantized_source_tensors(model, expert_writer, rank == 0):
+        writer.add(key, t.to(dtype or dtypes.get(key, t.dtype)).contiguous())
+    reader, unloaded = unloaded_source_keys(model)
+    for key in unloaded[rank::world]:
+        writer.add(key, reader.rows(key).to(dtype or reader.dtype(key)).contiguous())
 
 
 def end_together(error: Exception | None) -> None:

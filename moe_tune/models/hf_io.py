@@ -269,6 +269,39 @@ def unloaded_source_keys(model) -> tuple[CheckpointReader | None, list[str]]:
     return reader, keys
 
 
+def stacked_on_disk(family: Family, name: str, source_keys: Container[str]) -> bool:
+    """Whether an expert tensor is stored as one stacked key (GPT-OSS, or a v5-format source), not per expert."""
+    parts = family.disk_experts or {}
+    return EXPERT_PARAM.match(name)["name"] not in parts or disk_key(family, name) in source_keys
+
+
+def quantized_source_tensors(model, expert_writer: bool, dense_writer: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The routed experts of a quantized base (``peft.quantize_base``) as the source's files hold them, by disk key:
+    the model keeps them only quantized, and an export writes the weights it was built from, never dequantized
+    ones. ``expert_writer``: this rank writes its own experts' per-expert keys; ``dense_writer``: it writes a key
+    that stacks every expert (read whole from the files, no gather)."""
+    reader, source_keys = None, ()
+    for name, module in model.named_modules():
+        if not (isinstance(module, GroupedExperts) and module.quantized):
+            continue
+        if reader is None:
+            if not model.source_dir:
+                raise CheckpointError(
+                    f"the routed experts are held quantized ({module.options.quantized_base}) and the model has no "
+                    "source checkpoint to write them from; build it from a checkpoint directory to save it"
+                )
+            reader = CheckpointReader(model.source_dir)
+            source_keys = reader.weight_map
+        for proj in PROJECTIONS:
+            key = f"{name}.{proj}_proj"
+            stacked = stacked_on_disk(model.family, key, source_keys)
+            first, count = (0, module.spec.num_experts) if stacked else (module.first_expert, module.num_local_experts)
+            if not (dense_writer if stacked else expert_writer):
+                continue
+            t = read_global_rows(reader, model.family, key, first, first + count)
+            yield from to_disk_tensors(model.family, key, t, first, source_keys=source_keys)
+
+
 def _check_shape(name: str, src: torch.Tensor, expected) -> None:
     if tuple(src.shape) != tuple(expected):
         raise CheckpointError(

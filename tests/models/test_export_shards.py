@@ -3,6 +3,7 @@ and transformers loads them with the same logits."""
 
 import json
 
+import pytest
 import torch
 
 import moe_tune
@@ -42,3 +43,27 @@ def test_an_export_in_another_dtype_says_so_in_config_json(tmp_path):
         assert AutoModelForCausalLM.from_pretrained(str(out)).dtype == dtype
     write_checkpoint(model, str(tmp_path / "as_source"))
     assert json.load(open(tmp_path / "as_source" / "config.json")).get("dtype") == source_dtype
+
+
+@pytest.mark.parametrize("mode", ["fp8", "nf4"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_a_quantized_base_saves_the_experts_of_its_source(tiny_checkpoint, tmp_path, model_type, mode):
+    """A model whose routed experts are held quantized (the Python API's ``quantized_base``, ``peft.quantize_base``)
+    saves every tensor of its source, the experts as the source's files hold them (per-expert keys for Qwen3-MoE,
+    stacked ones for GPT-OSS), bit for bit: never dequantized values, never without them (the experts were left out,
+    and transformers drew them at random on loading the directory)."""
+    from safetensors.torch import load_file
+
+    from moe_tune.lora import LoRASpec
+    from moe_tune.moe.experts import ExpertsOptions
+
+    size = "moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"
+    src = tiny_checkpoint(model_type, dtype=torch.bfloat16, hidden_size=64, **{size: 96})
+    model = moe_tune.AutoModelForCausalLM.from_pretrained(
+        src, experts=ExpertsOptions(quantized_base=mode), lora=LoRASpec(rank=8, targets=("attention",))
+    )
+    out = tmp_path / "saved"
+    model.save_pretrained(str(out))
+    source, saved = load_file(f"{src}/model.safetensors"), load_file(out / "model.safetensors")
+    assert sorted(k for k in saved if ".lora." not in k) == sorted(source)
+    assert [k for k in source if not torch.equal(saved[k], source[k])] == []
