@@ -70,8 +70,11 @@ def quantize_weight(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     e, N, K = w_eNK.shape
     block = block_size(K)
     # Contiguous in fp32 (one copy at most): an [e, in, out] family's experts (GPT-OSS) arrive as a transposed view,
-    # which would reach bucketize strided; it copies such an input itself, and warns.
-    blocks = w_eNK.to(torch.float32, memory_format=torch.contiguous_format).reshape(e, N, K // block, block)
+    # which would reach bucketize strided; it copies such an input itself, and warns. ``to`` converts another dtype
+    # into a contiguous copy but returns an fp32 view as it is, whatever the memory format asked: ``contiguous``
+    # copies that one.
+    fp32 = w_eNK.to(torch.float32, memory_format=torch.contiguous_format).contiguous()
+    blocks = fp32.reshape(e, N, K // block, block)
     scale = blocks.abs().amax(-1).to(SCALE_DTYPE)
     normalized = blocks / scale.float().clamp(min=torch.finfo(SCALE_DTYPE).tiny).unsqueeze(-1)
     table = _table(w_eNK.device)

@@ -18,13 +18,14 @@ E = PER_PASS + 4  # two passes
 COUNTS = [3] * 5 + [0] * (PER_PASS - 5) + [0, 9, 0, 4]  # pass 1 ends empty, pass 2 starts so
 
 
-def test_a_transposed_weight_quantizes_as_its_contiguous_copy_without_a_warning():
-    """A stacked weight stored transposed (``[e, in, out]`` viewed as ``[e, out, in]``, as GPT-OSS's experts): the
-    same codes and scales as its contiguous copy, and no warning of a non-contiguous input (torch's searchsorted warns
-    once per process: made to warn always here)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_transposed_weight_quantizes_as_its_contiguous_copy_without_a_warning(dtype):
+    """A stacked weight stored transposed (``[e, in, out]`` viewed as ``[e, out, in]``, as GPT-OSS's experts), from a
+    bf16 or an fp32 checkpoint: the same codes and scales as its contiguous copy, and no warning of a non-contiguous
+    input (torch's searchsorted warns once per process: made to warn always here)."""
     import warnings
 
-    w = torch.randn(3, 96, 40, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).transpose(1, 2)
+    w = torch.randn(3, 96, 40, generator=torch.Generator().manual_seed(0)).to(dtype).transpose(1, 2)
     assert not w.is_contiguous()
     was = torch.is_warn_always_enabled()
     torch.set_warn_always(True)
