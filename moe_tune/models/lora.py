@@ -112,7 +112,17 @@ def init_lora(model: nn.Module, seed: int = 0) -> None:
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> None:
     """Fold every adapter into its base weight and remove it (one process, unsharded tensors): the model is
-    then the plain fine-tuned model, for a full export (``moe-tune-export --merge``)."""
+    then the plain fine-tuned model, for a full export (``moe-tune-export --merge``). Experts held quantized
+    (``quantized_base``) with adapters are refused before anything is merged: they hold no weight to merge into."""
+    held = {n: m for n, m in model.named_modules() if isinstance(m, GroupedExperts) and m.quantized and m.lora}
+    if held:
+        name, experts = next(iter(held.items()))
+        raise ConfigError(
+            f"merge_lora: the experts of {name} (and {len(held) - 1} more) are held quantized "
+            f"(quantized_base={experts.options.quantized_base}) with adapters, so there is no weight to merge "
+            "into: save_pretrained writes the adapters, which PEFT's merge_and_unload merges onto the source's "
+            "weights, or build the model without quantized_base to merge here"
+        )
     for module in list(model.modules()):
         lora = getattr(module, "lora", None)
         if lora is None:

@@ -184,7 +184,17 @@ class MoECausalLM(nn.Module):
 
     # -- Hugging Face I/O (loading: ``moe_tune.build.from_pretrained``) -----------------------------
     def save_pretrained(self, out_dir: str, max_shard_bytes: int = 4 << 30) -> None:
-        """Single-process export (no sharding): Hugging Face keys, shapes and dtypes as in the source checkpoint."""
+        """Single-process export (no sharding): Hugging Face keys, shapes and dtypes as in the source checkpoint.
+        With LoRA adapters, as PEFT's ``save_pretrained``: the adapters alone, a PEFT adapter directory for
+        ``PeftModel.from_pretrained`` onto the source (``moe_tune.models.lora.merge_lora(model)`` first: the merged
+        model instead)."""
+        from moe_tune.models.lora import has_lora
+
+        if has_lora(self):
+            from moe_tune.models.peft_export import write_adapter
+
+            write_adapter(self, out_dir)
+            return
         write_checkpoint(self, out_dir, max_shard_bytes=max_shard_bytes)
 
 

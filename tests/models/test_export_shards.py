@@ -63,7 +63,53 @@ def test_a_quantized_base_saves_the_experts_of_its_source(tiny_checkpoint, tmp_p
         src, experts=ExpertsOptions(quantized_base=mode), lora=LoRASpec(rank=8, targets=("attention",))
     )
     out = tmp_path / "saved"
-    model.save_pretrained(str(out))
+    write_checkpoint(model, str(out))  # as moe-tune-export --merge writes it (save_pretrained writes the adapters)
     source, saved = load_file(f"{src}/model.safetensors"), load_file(out / "model.safetensors")
     assert sorted(k for k in saved if ".lora." not in k) == sorted(source)
     assert [k for k in source if not torch.equal(saved[k], source[k])] == []
+
+
+def test_save_pretrained_of_a_lora_model_writes_the_adapters_peft_loads(tiny_checkpoint, tmp_path):
+    """As PEFT's save_pretrained: a model with LoRA adapters saves them as a PEFT adapter directory, whose
+    PeftModel onto the source gives this model's logits (1e-5), and no base weight beside them (they were written
+    under moe_tune's own adapter keys into model.safetensors, which transformers loaded without the adapters)."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from moe_tune.lora import LoRASpec
+
+    src = tiny_checkpoint("qwen3_moe", dtype=torch.float32)
+    model = moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, lora=LoRASpec(rank=4)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("B"):  # B starts at zero: adapters that change the logits
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    out = tmp_path / "saved"
+    model.save_pretrained(str(out))
+    names = {f.name for f in out.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= names and "config.json" not in names, names
+    assert not [n for n in names if n.startswith("model")], names
+    base = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    ids = torch.randint(4, 90, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(input_ids=ids).logits
+        theirs = peft.PeftModel.from_pretrained(base, str(out)).eval()(input_ids=ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_merging_adapters_into_quantized_experts_is_refused_before_anything_merges(tiny_checkpoint):
+    """Experts held quantized hold no weight to merge into: one ConfigError naming the way (PEFT's merge onto the
+    source, or a model built without quantized_base), raised before any adapter is folded (it stopped with an
+    AttributeError halfway, the attention's adapters already merged and removed)."""
+    from moe_tune.config import ConfigError
+    from moe_tune.lora import LoRASpec
+    from moe_tune.models.lora import has_lora, merge_lora
+    from moe_tune.moe.experts import ExpertsOptions
+
+    src = tiny_checkpoint("qwen3_moe", dtype=torch.bfloat16, hidden_size=64, moe_intermediate_size=96)
+    lora = LoRASpec(rank=4)
+    model = moe_tune.AutoModelForCausalLM.from_pretrained(src, experts=ExpertsOptions(quantized_base="nf4"), lora=lora)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(ConfigError, match=r"quantized_base=nf4\) with adapters.*merge_and_unload"):
+        merge_lora(model)
+    assert has_lora(model) and all(torch.equal(p, before[n]) for n, p in model.named_parameters())
