@@ -9,7 +9,7 @@ from moe_tune.config.schema import Config, TrainConfig
 def unused_settings(cfg: Config, device_type: str = "cuda") -> list[str]:
     """``device_type``: the run's device ("cpu" or "cuda"; some kernels exist on CUDA only)."""
     t, d, default = cfg.train, cfg.data, TrainConfig()
-    lines = _emulated_fp8_base(cfg, device_type) + _quantized_gemm(cfg, device_type)
+    lines = _emulated_fp8_base(cfg, device_type) + _quantized_gemm(cfg, device_type) + _loop_on_quantized(cfg)
     if t.eval_every > 0 and d.val_path is None and d.val_fraction == 0:
         lines.append(
             f"train.eval_every={t.eval_every} has no validation set to evaluate, so no val_loss is logged; add "
@@ -62,4 +62,16 @@ def _emulated_fp8_base(cfg: Config, device_type: str) -> list[str]:
     return [
         f"peft.quantize_base=fp8 on the {device_type} emulates the FP8 GEMMs (the same E4M3 values, multiplied in "
         "fp32): the numbers and the memory of FP8, far slower; its kernel needs an sm90 GPU (H100, H200)"
+    ]
+
+
+def _loop_on_quantized(cfg: Config) -> list[str]:
+    """The reference loop multiplies each expert's weights as fp32 copies: a quantized base's saving is gone there."""
+    quantized = cfg.peft.quantize_base if cfg.peft.name == "lora" else "none"
+    if cfg.kernels.experts != "loop" or quantized == "none":
+        return []
+    return [
+        f"kernels.experts=loop with peft.quantize_base={quantized} runs the reference loop over fp32 copies of the "
+        "quantized experts, made at every forward (more memory than a bf16 base, activations never quantized); "
+        "kernels.experts=grouped_mm multiplies them as they are held"
     ]

@@ -17,6 +17,10 @@ from moe_tune.config.unused import unused_settings
         (["logger.expert_load_image_every=1"], "logger.expert_load_image_every=1 draws images for a tracker"),
         (["kernels.quantized_base=triton"], "kernels.quantized_base=triton chooses the GEMMs of a quantized base"),
         (["peft=lora", "kernels.quantized_base=triton"], "and peft.quantize_base=none keeps them in bf16"),
+        (
+            ["peft=lora", "peft.quantize_base=nf4", "kernels.experts=loop"],
+            "kernels.experts=loop with peft.quantize_base=nf4 runs the reference loop over fp32 copies",
+        ),
     ],
 )
 def test_each_unused_setting_is_named(overrides, expected):
@@ -34,6 +38,7 @@ def test_each_unused_setting_is_named(overrides, expected):
         ["peft=lora"],
         ["logger=tensorboard", "logger.expert_load_image_every=1"],
         ["peft=lora", "peft.quantize_base=nf4", "kernels.quantized_base=triton"],
+        ["kernels.experts=loop"],
     ],
 )
 def test_used_settings_say_nothing(overrides):
