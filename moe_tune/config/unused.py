@@ -6,10 +6,12 @@ from __future__ import annotations
 from moe_tune.config.schema import Config, TrainConfig
 
 
-def unused_settings(cfg: Config, device_type: str = "cuda") -> list[str]:
-    """``device_type``: the run's device ("cpu" or "cuda"; some kernels exist on CUDA only)."""
+def unused_settings(cfg: Config, device_type: str = "cuda", world_size: int = 1) -> list[str]:
+    """``device_type``: the run's device ("cpu" or "cuda"; some kernels exist on CUDA only); ``world_size``: its
+    ranks."""
     t, d, default = cfg.train, cfg.data, TrainConfig()
     lines = _emulated_fp8_base(cfg, device_type) + _quantized_gemm(cfg, device_type) + _loop_on_quantized(cfg)
+    lines += _quantized_copies(cfg, world_size)
     if t.eval_every > 0 and d.val_path is None and d.val_fraction == 0:
         lines.append(
             f"train.eval_every={t.eval_every} has no validation set to evaluate, so no val_loss is logged; add "
@@ -74,4 +76,22 @@ def _loop_on_quantized(cfg: Config) -> list[str]:
         f"kernels.experts=loop with peft.quantize_base={quantized} runs the reference loop over fp32 copies of the "
         "quantized experts, made at every forward (more memory than a bf16 base, activations never quantized); "
         "kernels.experts=grouped_mm multiplies them as they are held"
+    ]
+
+
+# Copies of each quantized expert over the job (ranks / parallel.ep) from which a rank holds more than FSDP2's shard
+# of a bf16 base (16 / copies bits a weight): NF4 is 4 bits and a scale per block, FP8 8 bits and a scale per row.
+MORE_THAN_BF16_FROM = {"nf4": 4, "fp8": 2}
+
+
+def _quantized_copies(cfg: Config, world_size: int) -> list[str]:
+    """Quantized experts are held whole on every rank of an expert shard group, where FSDP2 shards bf16 ones."""
+    quantized = cfg.peft.quantize_base if cfg.peft.name == "lora" else "none"
+    copies = world_size // cfg.parallel.ep
+    if quantized == "none" or copies <= 1:
+        return []
+    than = "more than a bf16 base sharded over them" if copies >= MORE_THAN_BF16_FROM[quantized] else "less saved"
+    return [
+        f"peft.quantize_base={quantized} with parallel.ep={cfg.parallel.ep} of {world_size} ranks holds each rank's "
+        f"experts quantized whole on {copies} ranks ({than}); parallel.ep={world_size} holds the least"
     ]

@@ -136,7 +136,7 @@ class Trainer:
         t, optim = self.cfg.train, self.cfg.optim
         if self.rank == 0:
             report_rounding(t.precision, optim.stochastic_rounding)
-            for line in unused_settings(self.cfg, self.device.type):  # the run goes on as asked: a note, not a warning
+            for line in unused_settings(self.cfg, self.device.type, self.world):  # the run goes on: a note
                 log.info("note: %s", line)
             log.info("trains %s", trained_what(self.cfg))
         # Ranks are (dp_replicate, dp_shard) row-major: replicas of one shard share rank % dp_shard and so draw the

@@ -63,3 +63,19 @@ def test_an_fp8_base_on_the_cpu_says_it_is_emulated():
         "peft.quantize_base=fp8 on the cpu emulates the FP8 GEMMs (the same E4M3 values, multiplied in fp32): the "
         "numbers and the memory of FP8, far slower; its kernel needs an sm90 GPU (H100, H200)"
     ]
+
+
+@pytest.mark.parametrize(
+    "mode, ep, world, said",
+    [
+        ("nf4", 1, 8, "holds each rank's experts quantized whole on 8 ranks (more than a bf16 base sharded over them)"),
+        ("nf4", 4, 8, "holds each rank's experts quantized whole on 2 ranks (less saved)"),
+        ("fp8", 2, 4, "on 2 ranks (more than a bf16 base sharded over them); parallel.ep=4 holds the least"),
+        ("nf4", 8, 8, None),
+    ],
+)
+def test_quantized_experts_held_on_several_ranks_are_named(mode, ep, world, said):
+    """FSDP2 shards bf16 experts over the ranks of an expert shard group; quantized ones are whole on each."""
+    cfg = to_config(compose(["train.steps=20", "peft=lora", f"peft.quantize_base={mode}", f"parallel.ep={ep}"]))
+    lines = unused_settings(cfg, world_size=world)
+    assert lines == ([] if said is None else [lines[0]]) and (said is None or said in lines[0]), lines
