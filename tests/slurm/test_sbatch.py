@@ -5,6 +5,7 @@ saved at the stop; the job's exit code is the ranks' own."""
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,19 @@ def test_scancel_term_is_exit_143_and_a_requeue_resumes(slurm, tmp_path):
     assert (state.state, state.exit_code, state.restarts) == ("COMPLETED", 0, 1), log[-3000:]
     assert f"resuming from {run}/checkpoints/step_{step}" in log, log[-3000:]
     assert [r["step"] for r in read_metrics(run)] == list(range(1, 26))
+
+
+def test_scancel_cancels_without_a_requeue(slurm, tmp_path):
+    """A plain ``scancel <job>`` (TERM to the batch script as well as the steps) cancels the job: the ranks save
+    the step they agree on and the script does not requeue it (the pre-timeout warning alone does)."""
+    run = tmp_path / "run"
+    job = submit(slurm, run, steps=40)
+    wait_rows(run, 2)
+    slurm.run(["scancel", job])
+    state = slurm.wait(job, timeout_s=120)
+    time.sleep(3)  # a requeue by the script would show by now
+    state = slurm.job(job)
+    log = job_log(run, job)
+    assert (state.state, state.restarts) == ("CANCELLED", 0), log[-3000:]
+    assert "requeued; it resumes" not in log and "Invalid job id" not in log, log[-3000:]
+    assert (run / "checkpoints" / f"step_{saved_step(log)}" / "COMPLETE").exists(), log[-3000:]
