@@ -57,6 +57,25 @@ def test_sbatch_runs_one_launcher_per_node_with_overrides(tmp_path):
     assert "job 42 exited with 0" in (run / "logs" / "slurm-42.out").read_text()
 
 
+def test_sbatch_says_why_when_output_dir_cannot_hold_its_log(tmp_path):
+    """Slurm's own output goes to /dev/null: an output_dir the script cannot write (a read-only file system; here a
+    file in its path) is one line in the submit directory's slurm-<job id>.out and exit 2, no rank started."""
+    path = stub_bin(tmp_path, srun=f"touch {tmp_path}/srun_ran", scontrol="echo node001")
+    submit_dir = tmp_path / "submit"
+    submit_dir.mkdir()
+    (tmp_path / "afile").write_text("")
+    env = dict(os.environ, PATH=path, SLURM_JOB_NODELIST="node001", SLURM_JOB_NUM_NODES="1", SLURM_JOB_ID="43")
+    env.update(SLURM_JOB_NAME="moe_tune", SLURM_SUBMIT_DIR=str(submit_dir))
+    run = tmp_path / "afile" / "run"
+    r = subprocess.run(["bash", SBATCH, f"output_dir={run}"], capture_output=True, text=True, env=env, cwd=submit_dir)
+    assert r.returncode == 2 and not (tmp_path / "srun_ran").exists()
+    lines = (submit_dir / "slurm-43.out").read_text().splitlines()
+    assert lines == [
+        f"moe-tune: error: cannot write the job's log {run}/logs/slurm-43.out (a read-only file system, a file in the "
+        "path or no permission); give an output_dir you can write to"
+    ]
+
+
 def test_torchrun_sh_starts_one_rank_per_gpu(tmp_path):
     path = stub_bin(tmp_path, python=f'echo "$@" > {tmp_path}/argv', **{"nvidia-smi": "echo GPU 0; echo GPU 1"})
     r = subprocess.run([TORCHRUN, "parallel.ep=2"], capture_output=True, text=True, env=dict(os.environ, PATH=path))
