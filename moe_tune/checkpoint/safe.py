@@ -22,7 +22,9 @@ import logging
 import os
 import pickle
 import shutil
+import sys
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -252,6 +254,28 @@ def disk_full_exits(path: str, previous: str | None, rank: int):
                 kept,
                 os.path.dirname(path),
             )
+        raise SystemExit(1) from None
+
+
+@contextlib.contextmanager
+def disk_full_ends_run(output_dir: str, settle: Callable[[], object]):
+    """A write of the run outside a checkpoint save (a metrics row, the summary, a tracker's file) that runs out
+    of disk space: one error line naming the file, the free space and the checkpoint resume would use, exit 1, as
+    for a save. ``settle`` first waits for the save in flight (the saver's ``wait``): complete, it is the one
+    named; cut short by the same full disk, the save's own line and exit 1 are said instead."""
+    try:
+        yield
+    except OSError as e:
+        if not _is_disk_full(e):
+            raise
+        settle()
+        newest = next(iter(manifest.complete_checkpoints(output_dir)), None)
+        kept = f"{newest} is intact (checkpoint.resume=auto continues from it)" if newest else "no checkpoint was saved"
+        print(
+            f"moe-tune: error: writing {e.filename or output_dir} failed: no space left on device "
+            f"({_free_bytes(output_dir) >> 20} MiB free); {kept}. Free space in {output_dir}, then resume",
+            file=sys.stderr,
+        )
         raise SystemExit(1) from None
 
 

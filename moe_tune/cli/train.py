@@ -247,6 +247,7 @@ def run(dict_cfg) -> None:
     from hydra.types import RunMode
 
     from moe_tune.checkpoint import RunFinished
+    from moe_tune.checkpoint.safe import disk_full_ends_run
     from moe_tune.config import UserError
 
     cfg = to_config(dict_cfg)
@@ -279,7 +280,8 @@ def run(dict_cfg) -> None:
         env = dist_env()
         fail(str(e), quiet=env.launcher == "torchrun" and env.local_rank > 0)
     try:
-        trainer.fit()
+        with disk_full_ends_run(cfg.output_dir, trainer.saver.wait):  # exit 1, one line
+            trainer.fit()
     except UserError as e:  # found while training (a streamed record): on this rank alone, so no group teardown
         release_held()
         fail(str(e))

@@ -262,6 +262,32 @@ def test_a_save_into_an_existing_step_directory_replaces_it_without_dcps_overwri
     assert latest(str(four_steps)) == step_4 and manifest.verify(step_4) is None
 
 
+def test_disk_full_writing_a_metrics_row_is_one_line_and_a_rerun_resumes(tmp_path, monkeypatch):
+    """The disk fills while training (an async save took the last of it): the metrics row's write is one line naming
+    the intact checkpoint and exit 1, no traceback; with space freed the same command resumes, each step once."""
+    from moe_tune.metrics import MetricsWriter
+
+    run = tmp_path / "run"
+    args = [f"output_dir={run}", "train.steps=6", "checkpoint.every=2", "train.log_every=2", *FAST_RUN]
+    log = MetricsWriter.log
+
+    def full_at_step_4(self, row):
+        if row["step"] == 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        log(self, row)
+
+    monkeypatch.setattr(MetricsWriter, "log", full_at_step_4)
+    r = run_main(args)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = [line for line in r.stderr.splitlines() if "no space left" in line]
+    assert len(lines) == 1 and lines[0].startswith(f"moe-tune: error: writing {run} failed: no space left"), lines
+    assert f"{_ckpt(run, 2)} is intact (checkpoint.resume=auto continues from it)" in lines[0], lines
+    monkeypatch.undo()
+    r = run_main(args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [row["step"] for row in read_metrics(run)] == list(range(1, 7))
+
+
 def _full_disk(how: str):
     """A ``save_safetensors`` that fails as a full disk does: an OSError, or safetensors' own error naming it."""
     from safetensors import SafetensorError
