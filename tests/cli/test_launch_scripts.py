@@ -57,6 +57,26 @@ def test_sbatch_runs_one_launcher_per_node_with_overrides(tmp_path):
     assert "job 42 exited with 0" in (run / "logs" / "slurm-42.out").read_text()
 
 
+@pytest.mark.parametrize("quote", ["'", '"'])
+def test_sbatch_logs_into_a_quoted_output_dir(tmp_path, quote):
+    """An output_dir quoted for Hydra (a comma in the path): the log goes to that directory, not to one named
+    after the quoted text under the submit directory; the override reaches the ranks as given."""
+    path = stub_bin(
+        tmp_path,
+        srun='while [[ $1 == --* ]]; do shift; done; "$@"',
+        scontrol="echo node001",
+        python=f'echo "$@" > {tmp_path}/argv',
+    )
+    env = dict(os.environ, PATH=path, SLURM_JOB_NODELIST="node001", SLURM_JOB_NUM_NODES="1", SLURM_JOB_ID="44")
+    env.update(SLURM_JOB_NAME="moe_tune")
+    run = tmp_path / "a,b"
+    override = f"output_dir={quote}{run}{quote}"
+    r = subprocess.run(["bash", SBATCH, override], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "job 44 exited with 0" in (run / "logs" / "slurm-44.out").read_text()
+    assert not (tmp_path / quote).exists() and (tmp_path / "argv").read_text().split()[-1] == override
+
+
 def test_sbatch_says_why_when_output_dir_cannot_hold_its_log(tmp_path):
     """Slurm's own output goes to /dev/null: an output_dir the script cannot write (a read-only file system; here a
     file in its path) is one line in the submit directory's slurm-<job id>.out and exit 2, no rank started."""
