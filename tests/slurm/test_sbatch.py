@@ -22,11 +22,12 @@ STOP_LINE = "moe-tune: stopped by signal 15"  # the launcher's
 SAVED_LINE = "stopped by signal 15 after step"  # the trainer's, rank 0 only
 
 
-def submit(slurm, run_dir: Path, steps: int) -> str:
-    """The script as a user submits it, two ranks on a CPU node; returns the job id."""
+def submit(slurm, run_dir: Path, steps: int, options: tuple[str, ...] = ()) -> str:
+    """The script as a user submits it, two ranks on a CPU node (``options``: more of sbatch's); returns the job
+    id."""
     overrides = [f"output_dir={run_dir}", f"train.steps={steps}", "parallel.ep=2", "checkpoint.export_hf=false"]
     env = {**cli_env(), "SLURM_CONF": slurm.env["SLURM_CONF"], "NPROC_PER_NODE": "2"}
-    return slurm.sbatch(["--cpus-per-task=2", f"--chdir={ROOT}", SBATCH, *overrides, *FAST_RUN], env=env)
+    return slurm.sbatch(["--cpus-per-task=2", f"--chdir={ROOT}", *options, SBATCH, *overrides, *FAST_RUN], env=env)
 
 
 def job_log(run_dir: Path, job: str) -> str:
@@ -90,3 +91,20 @@ def test_scancel_cancels_without_a_requeue(slurm, tmp_path):
     assert (state.state, state.restarts) == ("CANCELLED", 0), log[-3000:]
     assert "requeued; it resumes" not in log and "Invalid job id" not in log, log[-3000:]
     assert (run / "checkpoints" / f"step_{saved_step(log)}" / "COMPLETE").exists(), log[-3000:]
+
+
+def test_time_limit_signal_requeues_a_task_of_a_job_array(slurm, tmp_path):
+    """A job array chaining one run (``--array=0-2%1``): Slurm refuses a signal to a task's whole job while other
+    tasks are pending (scancel retries it without end), so the script signals the task's step: the ranks save, the
+    task requeues itself and ends with 0, the run's steps each once (the other tasks resume it or find it
+    finished)."""
+    run = tmp_path / "run"
+    array = submit(slurm, run, steps=30, options=("--array=0-2%1",))
+    wait_rows(run, 2)
+    task = slurm.run(["squeue", "-h", "-j", f"{array}_0", "-o", "%A"]).stdout.strip()  # running: its own job id
+    slurm.run(["scancel", "--batch", "--signal=TERM", task])  # its retries may signal the next attempt too
+    state = slurm.wait(task, timeout_s=240, restarts=1)
+    log = job_log(run, task)
+    assert (state.state, state.exit_code) == ("COMPLETED", 0) and state.restarts >= 1, log[-3000:]
+    assert SAVED_LINE in log and f"job {task} exited with 143" in log, log[-3000:]
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 31))
