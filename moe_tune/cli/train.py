@@ -77,12 +77,12 @@ def restore_default_signals() -> None:
 
 
 def interrupted(e: KeyboardInterrupt) -> int:
-    """The line for a stop outside training (Ctrl-C or ``StopRequested``), printed; returns the exit code."""
+    """The line for a stop outside training (Ctrl-C or ``StopRequested``), printed by the node's first rank (the
+    launcher passes the signal to every rank: one line, not one a rank); returns the exit code."""
     signum = getattr(e, "signum", signal.SIGINT)
-    if signum == signal.SIGINT:
-        print(INTERRUPTED, file=sys.stderr)
-    else:
-        print(f"moe-tune: stopped by signal {int(signum)}; nothing saved since the last checkpoint", file=sys.stderr)
+    if first_rank_of_node():
+        stopped = f"moe-tune: stopped by signal {int(signum)}; nothing saved since the last checkpoint"
+        print(INTERRUPTED if signum == signal.SIGINT else stopped, file=sys.stderr)
     return 128 + int(signum)
 
 

@@ -178,6 +178,21 @@ def test_a_waiting_rank_that_is_not_stopped_prints_its_line(monkeypatch, capsys)
     assert capsys.readouterr().err == "moe-tune: error: data.jsonl:2: not valid JSON\n"
 
 
+@pytest.mark.parametrize("local_rank, says", [("0", True), ("1", False)])
+def test_a_stop_while_starting_is_said_by_the_nodes_first_rank(monkeypatch, capsys, local_rank, says):
+    """torchrun passes a signal to every rank: a stop before training is one line from the node's first rank (each
+    rank said it, eight lines on a node of eight), and every rank exits 128 + the signal."""
+    import signal
+
+    from moe_tune.cli import train as cli
+
+    for key, value in {"RANK": local_rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    assert cli.interrupted(cli.StopRequested(signal.SIGTERM)) == 143
+    line = "moe-tune: stopped by signal 15; nothing saved since the last checkpoint\n"
+    assert capsys.readouterr().err == (line if says else "")
+
+
 def test_a_waiting_rank_stopped_by_torchrun_says_nothing(cli_env):
     """A rank that leaves the error's line to its node's first rank, then gets torchrun's SIGTERM while it waits:
     it ends by the signal without a line, so the user reads the error's line alone."""
