@@ -83,7 +83,10 @@ def launch(argv: list[str]) -> int:
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode  # -N: killed by signal N
-        if failure.exitcode != 2:  # 2: the rank printed the one line that says why
+        if failure.exitcode < 0:
+            name = signal.Signals(-failure.exitcode).name
+            print(f"moe-tune: rank {rank} was killed by {name}; the launcher exits {code}", file=sys.stderr)
+        elif failure.exitcode != 2:  # 2: the rank printed the one line that says why
             print(f"moe-tune: rank {rank} exited with code {failure.exitcode}", file=sys.stderr)
         return code
     return 0

@@ -3,6 +3,7 @@ itself exits 1 with its agent's traceback on SIGTERM, and 1 for a rank's exit 2)
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 
@@ -162,6 +163,29 @@ def test_ranks_whose_torchrun_is_killed_save_and_exit(tmp_path, cli_env):
     assert len(ranks) == 2 and not left, text[-3000:]
     assert f"the launcher (pid {agent.pid}) is gone" in text and "stopped by signal 15 after step" in text, text[-3000:]
     assert [d.name for d in (run / "checkpoints").iterdir() if (d / "COMPLETE").exists()], text[-3000:]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_by_a_signal_is_named_with_the_launchers_code(tmp_path, cli_env):
+    """A rank killed outright (SIGKILL: the out-of-memory killer, a node's cleanup): the launcher names the signal
+    and exits 128 + it, as a shell and Slurm report a killed process (it said "exited with code -9", exit 137)."""
+    import time
+
+    run = tmp_path / "run"
+    args = [f"output_dir={run}", "train.steps=100000", "checkpoint.export_hf=false", "parallel.ep=2", *FAST_RUN]
+    launcher = subprocess.Popen(
+        LAUNCH + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=cli_env
+    )
+    metrics, deadline = run / "metrics.jsonl", time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.2)
+    ranks = [int(p) for p in open(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read().split()]
+    import os
+
+    os.kill(ranks[-1], signal.SIGKILL)
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 137, err[-3000:]
+    assert re.search(r"moe-tune: rank \d was killed by SIGKILL; the launcher exits 137\n", err), err[-3000:]
 
 
 @pytest.mark.slow
