@@ -264,7 +264,8 @@ def _check_sweep(o, multirun: bool, cfg) -> None:
             f"{o.input_line} is a sweep to Hydra (a,b: one run per value); {in_brackets(key, value)}{lists}"
         )
     if not multirun:
-        quote = f", or quote a string holding a comma: \"{key}='{value}'\"" if isinstance(current, str) else ""
+        text = current is None or isinstance(current, str)  # None: a path or name not given yet (data.path)
+        quote = f", or quote a string holding a comma: \"{key}='{value}'\"" if text else ""
         raise ConfigError(
             f"{o.input_line} is a sweep (one run per value), which runs with -m; add -m or give one value{quote}"
         )
@@ -366,8 +367,7 @@ def checked_keys() -> list[str]:
 
 
 def help_text(overrides: list[str]) -> str:
-    """``moe-tune --help``: usage, the config groups with their options, the keys' allowed values, Hydra's flags,
-    the composed config."""
+    """``moe-tune --help``: usage, config groups and their options, keys' allowed values, Hydra's flags, config."""
     from omegaconf import OmegaConf
 
     groups = "\n".join(f"  {g}: {', '.join(opts)}" for g, opts in group_options().items())

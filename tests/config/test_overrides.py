@@ -149,6 +149,7 @@ def test_the_overrides_config_comments_suggest_compose():
             "it in brackets: 'peft.target=[q_proj,k_proj]' (quoted for the shell)",
         ),
         (["train.steps=1,2"], "train.steps=1,2 is a sweep (one run per value), which runs with -m; add -m or give"),
+        (["data=jsonl", "data.path=a,b.jsonl"], "or quote a string holding a comma: \"data.path='a,b.jsonl'\""),
         (["-m", "peft=lora", "peft.target=q_proj,k_proj"], "to sweep over lists under -m: 'peft.target=[q_proj],[k_"),
     ],
 )
