@@ -12,12 +12,16 @@ backends.py  TensorBoardLogger (torch.utils.tensorboard), WandbLogger (offline b
 heatmap.py   expert_load_image: the layers x experts load as an image (matplotlib)
 
 A chosen backend whose package is missing fails before the run starts (``require_logger``), as one line naming
-the package and the command that installs just it.
+the package and the command that installs just it; so does ``logger=wandb logger.mode=online`` without W&B
+credentials (wandb.init would stop the run with a traceback once the model is built and output_dir written).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import inspect
+import io
 import os
 
 from moe_tune.config import ConfigError, LoggerConfig
@@ -36,8 +40,20 @@ def _installed(module: str) -> bool:
         return False
 
 
+def _wandb_logged_in() -> bool:
+    """Whether W&B finds credentials here (WANDB_API_KEY, its settings, .netrc) without prompting or a network call.
+    True where the installed wandb cannot say so (an older ``wandb.login`` that takes no ``prompt``)."""
+    import wandb
+
+    if "prompt" not in inspect.signature(wandb.login).parameters:
+        return True
+    with contextlib.redirect_stderr(io.StringIO()):  # its "Loaded credentials" lines
+        return bool(wandb.login(verify=False, prompt=False))
+
+
 def require_logger(cfg: LoggerConfig) -> None:
-    """ConfigError (exit 2, one line) if ``cfg`` asks for a package that is not installed. Cheap: no import."""
+    """ConfigError (exit 2, one line) if ``cfg`` asks for a package that is not installed, or for W&B online
+    without credentials. Cheap: no import, except wandb's for ``logger.mode=online``."""
     package = PACKAGES.get(cfg.name)
     if package is not None and not _installed(package):
         install = f"pip install 'moe_tune[{EXTRAS[cfg.name]}]'"
@@ -46,6 +62,11 @@ def require_logger(cfg: LoggerConfig) -> None:
         raise ConfigError(
             f"logger.expert_load_image_every={cfg.expert_load_image_every} draws with matplotlib, which is not "
             f"installed: pip install matplotlib; or logger.expert_load_image_every=0"
+        )
+    if cfg.name == "wandb" and cfg.mode == "online" and not _wandb_logged_in():
+        raise ConfigError(
+            "logger=wandb logger.mode=online needs W&B credentials and none are configured here: run `wandb login` "
+            "or set WANDB_API_KEY; or logger.mode=offline (then `wandb sync` uploads the run)"
         )
 
 

@@ -68,6 +68,24 @@ def test_a_missing_package_is_one_line_with_the_install_command(monkeypatch, nam
     assert str(e.value) == f"logger={name} needs the {package} package: pip install 'moe_tune[{name}]'; or logger=none"
 
 
+@_needs("wandb")
+def test_wandb_online_without_credentials_is_one_line_before_anything_is_written(monkeypatch, tmp_path):
+    # No key in the environment, no .netrc, no W&B settings: wandb.init would raise UsageError once the run is built.
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    with pytest.raises(ConfigError) as e:
+        require_logger(LoggerConfig(name="wandb", mode="online"))
+    assert str(e.value).startswith("logger=wandb logger.mode=online needs W&B credentials")
+    assert "wandb login" in str(e.value) and "logger.mode=offline" in str(e.value)
+    require_logger(LoggerConfig(name="wandb", mode="offline"))  # offline needs no credentials
+    monkeypatch.setenv("WANDB_API_KEY", "a" * 40)
+    require_logger(LoggerConfig(name="wandb", mode="online"))  # found, not verified: no network call
+    assert not (tmp_path / "netrc").exists()
+
+
 def test_each_loggers_extra_installs_its_package_alone():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         extras = tomllib.load(f)["project"]["optional-dependencies"]
