@@ -65,14 +65,19 @@ def _import_error(module: str) -> str | None:
     return None
 
 
-def _needs_gpu(what: str, key: str, gpu, min_cc: tuple[int, int]) -> str | None:
+def _no_gpu(key: str, fix: str) -> str:
+    return f"{key} needs a CUDA GPU and none is visible here (torch.cuda.is_available() is False); {fix}"
+
+
+def _needs_gpu(what: str, key: str, gpu, min_cc: tuple[int, int], fix: str) -> str | None:
+    """None if ``gpu`` runs ``what``, else the line saying why not, ending with ``fix`` (the value to use instead)."""
     if gpu is None:
-        return f"{key} needs a CUDA GPU and none is visible here (torch.cuda.is_available() is False)"
+        return _no_gpu(key, fix)
     name, cc = gpu
     if cc < min_cc:
         return (
             f"{key} needs compute capability >= {min_cc[0]}.{min_cc[1]} for {what}; "
-            f"this GPU is {name} (sm{cc[0]}{cc[1]})"
+            f"this GPU is {name} (sm{cc[0]}{cc[1]}); {fix}"
         )
     return None
 
@@ -93,7 +98,9 @@ def unusable_reason(name: str) -> str | None:
             from moe_tune.moe.dispatch.deepep import DEEPEP_HOWTO  # lazy: that module imports torch
 
             return f"comm=deepep: {DEEPEP_HOWTO}"
-        reason = _needs_gpu("DeepEP's kernels (built for Hopper)", "comm=deepep", gpu, _MIN_CC["deepep"])
+        reason = _needs_gpu(
+            "DeepEP's kernels (built for Hopper)", "comm=deepep", gpu, _MIN_CC["deepep"], "use comm=all_to_all"
+        )
         if reason:
             return reason
         err = _import_error("deep_ep")
@@ -105,7 +112,7 @@ def unusable_reason(name: str) -> str | None:
     # fp8 modes: the GPU decides first (an mxfp8 request on Hopper is wrong whatever is installed).
     key = f"kernels.fp8={name.removeprefix('fp8_')}"
     if gpu is None:
-        return f"{key} needs a CUDA GPU and none is visible here (torch.cuda.is_available() is False)"
+        return _no_gpu(key, "use kernels.fp8=none")
     gpu_name, cc = gpu
     if name == "fp8_mxfp8" and cc < (10, 0):
         return (
@@ -118,7 +125,10 @@ def unusable_reason(name: str) -> str | None:
             f"{gpu_name} (sm{cc[0]}{cc[1]}): use kernels.fp8=current"
         )
     if cc < (8, 9):
-        return f"{key} needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell); this GPU is {gpu_name} (sm{cc[0]}{cc[1]})"
+        return (
+            f"{key} needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell); this GPU is "
+            f"{gpu_name} (sm{cc[0]}{cc[1]}): use kernels.fp8=none"
+        )
     return _te_reason(key, gpu)
 
 
@@ -130,7 +140,8 @@ def _grouped_mm_reason() -> str | None:
         return f"kernels.experts=grouped_mm needs torch >= 2.10 (torch.nn.functional.grouped_mm); this is torch {torch.__version__}"
     gpu = _cuda()
     if gpu is not None and gpu[1] < _MIN_CC["grouped_mm"]:
-        return _needs_gpu("grouped_mm's CUDA kernel", "kernels.experts=grouped_mm", gpu, _MIN_CC["grouped_mm"])
+        key = "kernels.experts=grouped_mm"
+        return _needs_gpu("grouped_mm's CUDA kernel", key, gpu, _MIN_CC["grouped_mm"], "use kernels.experts=loop")
     return None
 
 
@@ -138,11 +149,10 @@ def _grouped_mm_fp8_reason(gpu) -> str | None:
     import torch
 
     key = "kernels.experts=grouped_mm_fp8"
-    reason = _needs_gpu(
-        "row-wise scaled FP8 grouped GEMMs (torch._scaled_grouped_mm)", key, gpu, _MIN_CC["grouped_mm_fp8"]
-    )
+    what = "row-wise scaled FP8 grouped GEMMs (torch._scaled_grouped_mm)"
+    reason = _needs_gpu(what, key, gpu, _MIN_CC["grouped_mm_fp8"], "use kernels.experts=grouped_mm")
     if reason:
-        return f"{reason}; use kernels.experts=grouped_mm"
+        return reason
     if not hasattr(torch, "_scaled_grouped_mm"):
         return f"{key} needs torch._scaled_grouped_mm (torch >= 2.9); this is torch {torch.__version__}"
     return None
@@ -156,9 +166,10 @@ def _frozen_fp8_reason(gpu) -> str | None:
     key = "peft.quantize_base=fp8"
     if gpu is None:
         return None
-    reason = _needs_gpu("FP8 grouped GEMMs (torch._scaled_grouped_mm)", key, gpu, _MIN_CC["frozen_fp8"])
+    what = "FP8 grouped GEMMs (torch._scaled_grouped_mm)"
+    reason = _needs_gpu(what, key, gpu, _MIN_CC["frozen_fp8"], "use peft.quantize_base=none")
     if reason:
-        return f"{reason}; use peft.quantize_base=none"
+        return reason
     if not hasattr(torch, "_scaled_grouped_mm"):
         return f"{key} needs torch._scaled_grouped_mm (torch >= 2.9); this is torch {torch.__version__}"
     if not _installed("triton"):
@@ -169,7 +180,7 @@ def _frozen_fp8_reason(gpu) -> str | None:
 def _te_reason(key: str, gpu) -> str | None:
     if not _installed("transformer_engine"):
         return f"{key}: {TE_HOWTO}"
-    reason = _needs_gpu("TransformerEngine", key, gpu, _MIN_CC["transformer_engine"])
+    reason = _needs_gpu("TransformerEngine", key, gpu, _MIN_CC["transformer_engine"], "use kernels=torch")
     if reason:
         return reason
     err = _import_error("transformer_engine.pytorch")
@@ -181,7 +192,7 @@ def _te_reason(key: str, gpu) -> str | None:
 
 
 def _symm_mem_reason(gpu) -> str | None:
-    reason = _needs_gpu("symmetric memory", "comm=symm_mem", gpu, _MIN_CC["symm_mem"])
+    reason = _needs_gpu("symmetric memory", "comm=symm_mem", gpu, _MIN_CC["symm_mem"], "use comm=all_to_all")
     if reason:
         return reason
     import torch

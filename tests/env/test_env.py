@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 
@@ -131,3 +132,16 @@ def test_package_exports_the_report_and_the_checks():
 
     assert pkg.versions is env.versions and pkg.collect is env.collect
     assert pkg.require_backends is backends.require_backends
+
+
+@pytest.mark.parametrize("gpu", [None, ("Tesla V100-SXM2-32GB", (7, 0))], ids=["no_gpu", "volta"])
+def test_every_refusal_for_the_hardware_names_the_value_to_use_instead(monkeypatch, gpu):
+    """Installed everywhere, but no GPU or too old a GPU: each backend's line ends with the fix, as a config error's."""
+    monkeypatch.setattr(backends, "_cuda", lambda: gpu)
+    monkeypatch.setattr(backends, "_installed", lambda module: True)
+    monkeypatch.setattr(backends, "_import_error", lambda module: None)
+    refused = {name: backends.unusable_reason(name) for name in backends.BACKENDS}
+    refused = {name: reason for name, reason in refused.items() if reason is not None}
+    assert {"deepep", "symm_mem", "transformer_engine", "fp8_current", "grouped_mm_fp8"} <= set(refused)
+    for name, reason in refused.items():
+        assert re.search(r"\b(use|pick) [\w.]+=\w+", reason), (name, reason)
