@@ -83,6 +83,13 @@ def _kernels(c: dict) -> str:
     return name
 
 
+def _medians(steps: int, excluded: int) -> str:
+    """Which steps the medians hold: the summary's (moe_tune.metrics) take every step when none is past the excluded."""
+    if steps > excluded:
+        return f"medians after the first {excluded}"
+    return f"medians of all {steps} (none past train.warmup_steps_excluded={excluded}, so none left out)"
+
+
 def markdown(result: dict) -> str:
     w = result["workload"]
     layers = f"{w['num_layers']} layers" + (
@@ -100,7 +107,7 @@ def markdown(result: dict) -> str:
         f"- Workload: micro-batch {w['micro_batch_size']} x {w['seq_len']} tokens per rank, global batch "
         f"{w['global_batch_size']} sequences ({tokens_per_gpu_step:,} tokens per GPU per step), precision "
         f"`{w['precision']}`, activation checkpointing `{w['activation_checkpointing']}`, routing `{w['routing']}`, "
-        f"{w['steps']} steps, medians after the first {w['warmup_steps_excluded']}.",
+        f"{w['steps']} steps, {_medians(w['steps'], w['warmup_steps_excluded'])}.",
         f"- TFLOP/s per GPU = tokens/s per GPU x FLOPs/token, FLOPs/token = {4 if w.get('peft') else 6} x active "
         "matmul parameters + 6 x layers x seq x (heads x head_dim) (causal attention) = "
         f"{_num(result.get('flops_per_token'), '.3g') or 'not counted (no row ran)'}"

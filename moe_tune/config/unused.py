@@ -23,6 +23,11 @@ def unused_settings(cfg: Config, device_type: str = "cuda", world_size: int = 1)
             f"never reaches train.lr={t.lr} (it ends at {t.steps}/{cfg.optim.warmup_steps} of it); lower "
             "optim.warmup_steps"
         )
+    if t.warmup_steps_excluded >= t.steps > 0:
+        lines.append(
+            f"train.warmup_steps_excluded={t.warmup_steps_excluded} leaves no step of train.steps={t.steps} to time: "
+            "summary.json's medians take every step, the first ones' start-up cost included; raise train.steps"
+        )
     if cfg.peft.name == "lora" and not cfg.peft.train_router:
         for key in ("aux_loss_coef", "z_loss_coef"):
             if getattr(t, key) != getattr(default, key):

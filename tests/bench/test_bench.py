@@ -224,6 +224,10 @@ def test_markdown_states_failures_and_skips():
     assert "(causal attention) = 5.4e+09." in text
     # No row ran, so nothing counted the FLOPs: the line says so instead of ending in "= ."
     assert "= not counted (no row ran)." in markdown({**result, "flops_per_token": None})
+    assert "20 steps, medians after the first 5." in text
+    # As summary.json's medians: every step when none is past train.warmup_steps_excluded, which the line says.
+    short = markdown({**result, "workload": {**result["workload"], "steps": 3, "warmup_steps_excluded": 3}})
+    assert "3 steps, medians of all 3 (none past train.warmup_steps_excluded=3, so none left out)." in short
 
 
 @pytest.mark.slow

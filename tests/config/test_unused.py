@@ -12,6 +12,10 @@ from moe_tune.config.unused import unused_settings
     [
         (["train.eval_every=1"], "train.eval_every=1 has no validation set to evaluate"),
         (["train.steps=8"], "optim.warmup_steps=10 is more than train.steps=8: the learning rate never reaches"),
+        (
+            ["train.steps=3", "optim.warmup_steps=0"],
+            "train.warmup_steps_excluded=3 leaves no step of train.steps=3 to time: summary.json's medians take every",
+        ),
         (["peft=lora", "train.aux_loss_coef=0.5"], "train.aux_loss_coef=0.5 changes nothing with peft=lora"),
         (["peft=lora", "train.z_loss_coef=0.1"], "train.z_loss_coef=0.1 changes nothing with peft=lora"),
         (["logger.expert_load_image_every=1"], "logger.expert_load_image_every=1 draws images for a tracker"),
