@@ -309,8 +309,9 @@ def build_training_model(cfg: Config, env) -> Built:
 
 
 def from_pretrained(path: str, dtype=torch.float32, kernels: str = "torch", device=None, **options) -> MoECausalLM:
-    """One process, no parallelism: a Hugging Face MoE checkpoint as moe_tune's model (the Python API).
-    ``options``: further ``ModelOptions`` fields (e.g. ``aux_loss_coef``, ``loss_chunk_size``)."""
+    """One process, no parallelism: a Hugging Face MoE checkpoint as moe_tune's model (the Python API), in eval
+    mode as transformers returns it (``model.train()`` to train). ``options``: further ``ModelOptions`` fields
+    (e.g. ``aux_loss_coef``, ``loss_chunk_size``)."""
     from transformers import AutoConfig
 
     problem = model_dir_problem(path, key="path")
@@ -318,7 +319,8 @@ def from_pretrained(path: str, dtype=torch.float32, kernels: str = "torch", devi
         raise CheckpointError(problem)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     model_options = ModelOptions(dtype=dtype, kernels=kernels, **options)
-    return assemble(AutoConfig.from_pretrained(path), model_options, source_loader(path, 0), device or "cpu", path)
+    model = assemble(AutoConfig.from_pretrained(path), model_options, source_loader(path, 0), device or "cpu", path)
+    return model.eval()
 
 
 def _stored_dtype(source: str | None) -> torch.dtype | None:

@@ -27,6 +27,21 @@ def test_logits_with_labels_outside_training_none_in_training(tiny_checkpoint):
     assert model(input_ids=ids, labels=ids, return_logits=False).logits is None
 
 
+def test_the_contracts_snippet_gives_the_loss_and_transformers_logits(tiny_checkpoint):
+    """CONTRACT.md's three lines as written: from_pretrained returns the model in eval mode, as transformers does,
+    so ``model(input_ids=ids, labels=ids)`` gives ``out.loss`` and ``out.logits``, transformers' own (1e-5)."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint()
+    model = moe_tune.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, kernels="torch")
+    assert not model.training
+    ids = torch.randint(4, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids, labels=ids)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_readme_from_checkpoint_runs_as_written_after_import_moe_tune(tmp_path, cli_env):
     """docs/lora.md's ``moe_tune.build.from_checkpoint(...)`` after a plain ``import moe_tune`` (new-user trial: an
