@@ -58,8 +58,11 @@ def watch_launcher() -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(LAUNCHER_POLL_S)
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"moe-tune: the launcher (pid {parent}) is gone: stopping as on SIGTERM", file=sys.stderr)
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # the run is over, its outputs written
+            return
+        # Said by each rank that sees it: another may stop by the ranks' agreement before its own poll.
+        rank = os.environ.get("RANK", "0")
+        print(f"moe-tune: rank {rank}: the launcher (pid {parent}) is gone: stopping as on SIGTERM", file=sys.stderr)
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="moe-tune-launcher-watch", daemon=True).start()

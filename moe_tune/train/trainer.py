@@ -247,8 +247,8 @@ class Trainer:
                 progress.close()
                 profiler.stop()
                 self.logger.close()
-        if stopped:
-            self._stop_for_signal(stop.signum)
+            if stopped:  # saved under the stop's handlers: a second SIGTERM (Slurm's and a script's) cannot cut it
+                self._stop_for_signal(stop.signum)
         if cfg.checkpoint.export_hf and self.built.checkpointable:
             self.export(os.path.join(cfg.output_dir, "hf"))
         summary = self.write_summary(finished=True)

@@ -85,3 +85,44 @@ def test_ctrl_c_stops_at_an_agreed_step_and_again_at_once():
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) == before
+
+
+def test_a_second_sigterm_during_the_stops_save_does_not_cut_it_short(tmp_path, monkeypatch):
+    """Preemption under Slurm can deliver SIGTERM twice (Slurm's own and the batch script's, or torchrun's and a
+    rank's watch of its launcher): the second lands while the stop's checkpoint is written. That save runs under
+    the stop's handlers, which only count a signal: the checkpoint completes and the run exits 143. (It ran under
+    the command's handlers, whose StopRequested ended the save halfway, and the other ranks' with it.)"""
+    import moe_tune.checkpoint as ckpt
+    from moe_tune.cli.train import StopRequested, honour_sigint, restore_default_signals
+    from tests.harness import FAST_TRAINER, train_run
+
+    real_save, signalled = ckpt.save, []
+
+    def save_signalled_again(state, step, path, saver=None):
+        if not signalled:  # the second SIGTERM, once, as the stop's save starts
+            signalled.append(step)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(state, step, path, saver)
+
+    monkeypatch.setattr(ckpt, "save", save_signalled_again)
+    first = {"sent": False}
+    original_agreed = StopSignal.agreed
+
+    def agreed_after_a_sigterm(self, device):
+        if not first["sent"]:
+            first["sent"] = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original_agreed(self, device)
+
+    monkeypatch.setattr(StopSignal, "agreed", agreed_after_a_sigterm)
+    honour_sigint()  # the command's handlers around training, as moe-tune's main installs them
+    try:
+        with pytest.raises(SystemExit) as e:
+            train_run([f"output_dir={tmp_path}", "train.steps=50", "checkpoint.every=1000", *FAST_TRAINER])
+    except StopRequested:
+        pytest.fail("the second SIGTERM cut the stop's save short")
+    finally:
+        restore_default_signals()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert e.value.code == 143 and signalled
+    assert (tmp_path / "checkpoints" / f"step_{signalled[0]}" / "COMPLETE").exists()
