@@ -45,6 +45,19 @@ def _in_passes(fn, budget: int):
     return run
 
 
+def _split_stores(fn):
+    """``fn`` run with the NF4 dequantization storing its two nibbles' values apart (``DEQUANT_JOINED=False``)."""
+
+    def run():
+        kept, nf4_frozen.DEQUANT_JOINED = nf4_frozen.DEQUANT_JOINED, False
+        try:
+            return fn()
+        finally:
+            nf4_frozen.DEQUANT_JOINED = kept
+
+    return run
+
+
 def cases(N: int, K: int, offs: torch.Tensor) -> dict:
     """name -> (zero-argument call, FLOPs or 0 for a piece that is no GEMM)."""
     w = torch.randn(E, N, K, device="cuda") / K**0.5
@@ -83,6 +96,10 @@ def cases(N: int, K: int, offs: torch.Tensor) -> dict:
     rows["piece: fp8 weight transposed copy (triton)"] = (lambda: fp8_frozen.transpose_experts(q, True), 0)
     rows["piece: nf4 dequantize all experts"] = (
         lambda: nf4_frozen.dequantize_weight(codes, scales, torch.bfloat16),
+        0,
+    )
+    rows["piece: nf4 dequantize all experts (two strided stores)"] = (
+        _split_stores(lambda: nf4_frozen.dequantize_weight(codes, scales, torch.bfloat16)),
         0,
     )
     return rows

@@ -51,6 +51,7 @@ SCALE_DTYPE = torch.bfloat16
 # stalls the queue the host keeps ahead of the GPU.
 DEQUANT_BUDGET_BYTES = 1 << 30
 DEQUANT_BYTES = 512  # code bytes per program of the Triton dequantization
+DEQUANT_JOINED = True  # its two nibbles' values stored as one contiguous run (triton_nf4.dequantize_kernel)
 
 
 def block_size(in_features: int) -> int | None:
@@ -99,7 +100,9 @@ def dequantize_weight(
         if out.numel():
             grid = (e * N, -(-half // DEQUANT_BYTES))
             block = 2 * half // scales.shape[-1]
-            dequantize_kernel[grid](codes, scales, table, out, half, block, BLOCK_BYTES=DEQUANT_BYTES)
+            dequantize_kernel[grid](
+                codes, scales, table, out, half, block, BLOCK_BYTES=DEQUANT_BYTES, JOINED=DEQUANT_JOINED
+            )
         return out
     values = torch.stack([table[(codes & 0xF).long()], table[(codes >> 4).long()]], dim=-1).reshape(e, N, 2 * half)
     blocks = values.reshape(e, N, scales.shape[-1], -1) * scales.float().unsqueeze(-1)
