@@ -32,28 +32,18 @@ def offsets() -> torch.Tensor:
     return counts_for("real").cumsum(0).to(torch.int32).cuda()
 
 
-def _in_passes(fn, budget: int):
-    """``fn`` run with nf4's dequantization budget set to ``budget`` bytes."""
+def _with_nf4(fn, **settings):
+    """``fn`` run with ``nf4_frozen``'s module settings (``DEQUANT_BUDGET_BYTES``, ``DEQUANT_JOINED``) set as given."""
 
     def run():
-        kept, nf4_frozen.DEQUANT_BUDGET_BYTES = nf4_frozen.DEQUANT_BUDGET_BYTES, budget
+        kept = {name: getattr(nf4_frozen, name) for name in settings}
+        for name, value in settings.items():
+            setattr(nf4_frozen, name, value)
         try:
             return fn()
         finally:
-            nf4_frozen.DEQUANT_BUDGET_BYTES = kept
-
-    return run
-
-
-def _split_stores(fn):
-    """``fn`` run with the NF4 dequantization storing its two nibbles' values apart (``DEQUANT_JOINED=False``)."""
-
-    def run():
-        kept, nf4_frozen.DEQUANT_JOINED = nf4_frozen.DEQUANT_JOINED, False
-        try:
-            return fn()
-        finally:
-            nf4_frozen.DEQUANT_JOINED = kept
+            for name, value in kept.items():
+                setattr(nf4_frozen, name, value)
 
     return run
 
@@ -88,7 +78,9 @@ def cases(N: int, K: int, offs: torch.Tensor) -> dict:
         )
     # The torch path as the H200/H100 rows ran it: passes of 32 experts, the group offsets read on the host per GEMM.
     rows["nf4 forward (torch, passes of 32 experts)"] = (
-        _in_passes(lambda: nf4_frozen.frozen_nf4_grouped_mm(x, codes, scales, offs), 32 * N * K * 2),
+        _with_nf4(
+            lambda: nf4_frozen.frozen_nf4_grouped_mm(x, codes, scales, offs), DEQUANT_BUDGET_BYTES=32 * N * K * 2
+        ),
         flop,
     )
     rows["piece: fp8 quantize x per row"] = (lambda: fp8_frozen.quantize_activation_rows(x), 0)
@@ -99,7 +91,7 @@ def cases(N: int, K: int, offs: torch.Tensor) -> dict:
         0,
     )
     rows["piece: nf4 dequantize all experts (two strided stores)"] = (
-        _split_stores(lambda: nf4_frozen.dequantize_weight(codes, scales, torch.bfloat16)),
+        _with_nf4(lambda: nf4_frozen.dequantize_weight(codes, scales, torch.bfloat16), DEQUANT_JOINED=False),
         0,
     )
     return rows
