@@ -81,7 +81,7 @@ def launch(argv: list[str]) -> int:
         print(f"moe-tune: stopped by signal {e.sigval}; checkpoint.resume=auto continues", file=sys.stderr)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = first_failure(e.failures)
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode  # -N: killed by signal N
         if failure.exitcode < 0:
             name = signal.Signals(-failure.exitcode).name
@@ -90,3 +90,18 @@ def launch(argv: list[str]) -> int:
             print(f"moe-tune: rank {rank} exited with code {failure.exitcode}", file=sys.stderr)
         return code
     return 0
+
+
+def first_failure(failures: dict) -> tuple:
+    """(rank, failure) of torchrun's failures that the launcher reports: the earliest; of those failing in the same
+    second (torchrun's timestamps are whole seconds), a rank killed by a signal other than SIGTERM, then one that
+    exited, then the lowest rank. A killed rank's peers fail on its closed connection, exit 1, within that second,
+    and the ranks torchrun stops once one failed die of its SIGTERM: neither is the cause."""
+    first = min(f.timestamp for f in failures.values())
+
+    def cause(rank: int) -> tuple:
+        code = failures[rank].exitcode
+        return code == -signal.SIGTERM, code >= 0, rank
+
+    rank = min((r for r, f in failures.items() if f.timestamp == first), key=cause)
+    return rank, failures[rank]

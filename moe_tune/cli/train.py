@@ -312,6 +312,7 @@ def register_launcher() -> None:
 def main() -> None:
     honour_sigint()
     watch_launcher()
+    code = 0
     try:
         import hydra
 
@@ -323,8 +324,45 @@ def main() -> None:
         hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(run)()
     except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM) before training started, or a second one while it stopped
         leave(interrupted(e))
+    except SystemExit as e:  # an error's exit (its line said), a stop's, --help's
+        code = e.code
     finally:
         restore_default_signals()
+    end_rank(code)
+
+
+def end_rank(code) -> None:
+    """Exit with ``code``; a rank of a launched run (world size above 1) leaves without the interpreter's
+    teardown. Its process groups' gloo worker threads outlive ``destroy_process_group`` while the trainer's mesh
+    still references the groups, and a worker that drops a finished collective's tensors (the last reference,
+    the caller having returned) or runs a work's callback once the teardown began needs the GIL it can no longer
+    take: Python ends the thread inside a noexcept C++ destructor and the process aborts ("terminate called
+    without an active exception", exit 134 in place of the run's 0, 1 or 2). A loaded machine, which delays the
+    worker, makes that likely. What the interpreter's exit does before its teardown still happens here: the
+    non-daemon threads (a checkpoint writer) finish and the atexit callbacks run, logging's flush among them."""
+    if code is None:
+        code = 0
+    if not isinstance(code, int) or not launched_ranks():  # one process (or a test calling main): Python's exit
+        raise SystemExit(code)
+    import atexit
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def launched_ranks() -> bool:
+    """Whether this process is one of several ranks that torch.distributed joined (it cannot have a process group
+    without having imported it)."""
+    if "torch.distributed" not in sys.modules:
+        return False
+    from moe_tune.distributed.process_group import dist_env
+
+    return dist_env().world_size > 1
 
 
 if __name__ == "__main__":
