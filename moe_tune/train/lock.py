@@ -123,18 +123,38 @@ def check_output_dir(output_dir: str) -> None:
     path = os.path.abspath(output_dir)
     while not os.path.lexists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
+    where = "" if path == os.path.abspath(output_dir) else f" (under {path})"
     if os.path.isdir(path):
         if not os.access(path, os.W_OK | os.X_OK):  # read-only file system or no permission
-            where = "" if path == os.path.abspath(output_dir) else f" (under {path})"
             raise ConfigError(
                 f"output_dir={output_dir}{where} is not writable (a read-only file system or no permission); give an "
                 "output_dir you can write to"
+            )
+        refused = _create_fails(path)
+        if refused is not None:
+            raise ConfigError(
+                f"output_dir={output_dir}{where} is not writable (creating an entry there fails: {refused}); give "
+                "an output_dir you can write to"
             )
         return
     where = "is a file" if path == os.path.abspath(output_dir) else f"is under {path}, which is a file"
     raise ConfigError(
         f"output_dir={output_dir} {where}, not a directory; give a directory (an existing one or one to create)"
     )
+
+
+def _create_fails(directory: str) -> str | None:
+    """Why an entry cannot be created in ``directory`` (the OS's words), or None once one was created and removed.
+    os.access answers from the permission bits alone, which /proc, /sys and some network or FUSE file systems
+    allow (to root) while refusing the mkdir. The probe's name is this process's own: ranks that check the same
+    directory at once do not meet."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".moe-tune-probe-", dir=directory))
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 __all__ = ["RunLock", "RunLockError", "check_output_dir", "init_run_lock", "release_held"]

@@ -141,6 +141,36 @@ def test_an_output_dir_without_write_permission_is_one_line(tmp_path):
     ]
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/1"), reason="needs Linux's /proc")
+def test_an_output_dir_where_nothing_can_be_created_is_one_line(monkeypatch):
+    """/proc/x: os.access tells root that /proc is writable (its permission bits), yet no mkdir succeeds there (as
+    under /sys, or a read-only FUSE mount). os.access says so here for any user, as it does to root."""
+    from moe_tune.train import lock
+
+    monkeypatch.setattr(lock.os, "access", lambda path, mode: True)
+    with pytest.raises(ConfigError) as e:
+        lock.check_output_dir("/proc/x")
+    assert str(e.value).startswith("output_dir=/proc/x (under /proc) is not writable (creating an entry there fails: ")
+    assert str(e.value).endswith("; give an output_dir you can write to")
+
+
+def test_the_output_dir_probe_leaves_nothing(tmp_path):
+    from moe_tune.train.lock import check_output_dir
+
+    check_output_dir(str(tmp_path / "new" / "run"))
+    check_output_dir(str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.isdir("/proc/1"), reason="needs root and Linux's /proc")
+def test_output_dir_under_proc_as_root_is_one_line_and_exit_2():
+    r = _cli(["output_dir=/proc/x", "train.steps=1", *FAST_RUN])
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moe-tune: error: output_dir=/proc/x (under /proc) is not "), lines
+    assert not os.path.exists("/proc/x")
+
+
 def _garble_header(file) -> None:
     """Overwrite the safetensors header's length (its first 8 bytes) with one far past the file's end."""
     with open(file, "r+b") as f:
