@@ -10,6 +10,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import struct
 
 from moe_tune.config import CheckpointError, ConfigError
@@ -147,6 +148,69 @@ def check_source_dir(path: str) -> dict:
     return cfg
 
 
+LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\..*\.experts\.(\d+)\.")  # one tensor per expert
+STACKED_EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\..*\.experts\.[^.]+$")  # [experts, ...] (GPT-OSS)
+WEIGHT_SIZE_SOURCES = {
+    "hidden_size": "model.embed_tokens.weight's width",
+    "num_hidden_layers": "layers model.layers.N",
+    "num_experts": "routed experts per MoE layer",
+}
+
+
+def weight_sizes(path: str) -> dict[str, int]:
+    """The sizes a local checkpoint's weights have, read from its safetensors headers alone (no tensor data):
+    ``hidden_size`` (the embedding's width), ``num_hidden_layers`` (layer indices present) and ``num_experts``
+    (routed experts of the largest MoE layer); a size the keys do not show is left out."""
+    shapes: dict[str, list[int]] = {}
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        header = check_safetensors_header(file)
+        shapes.update({k: e.get("shape") for k, e in header.items() if k != "__metadata__" and isinstance(e, dict)})
+    sizes: dict[str, int] = {}
+    embed = shapes.get("model.embed_tokens.weight")
+    if isinstance(embed, list) and len(embed) == 2:
+        sizes["hidden_size"] = embed[1]
+    layers = {int(m[1]) for k in shapes if (m := LAYER_KEY.match(k))}
+    if layers:
+        sizes["num_hidden_layers"] = len(layers)
+    experts: dict[int, int] = {}
+    for key, shape in shapes.items():
+        if m := EXPERT_KEY.match(key):
+            experts[int(m[1])] = max(experts.get(int(m[1]), 0), int(m[2]) + 1)
+        elif (m := STACKED_EXPERT_KEY.match(key)) and isinstance(shape, list) and len(shape) >= 2:
+            experts[int(m[1])] = max(experts.get(int(m[1]), 0), shape[0])
+    if experts:
+        sizes["num_experts"] = max(experts.values())
+    return sizes
+
+
+def check_weights_match_config(path: str) -> None:
+    """config.json's expert count, hidden size and layer count are those of the weights beside it (their
+    safetensors headers): whatever counts the model from config.json alone (moe-tune-plan) would otherwise count
+    another model. Layers past ``num_hidden_layers`` that ``num_nextn_predict_layers`` names (DeepSeek-V3's and
+    GLM-4-MoE's multi-token-prediction layer, which loading skips) are allowed."""
+    file = os.path.join(path, "config.json")
+    cfg = read_config_json(path)
+    weights = weight_sizes(path)
+    experts_key = next((k for k in EXPERT_COUNTS if k in cfg), None)
+    said = {"hidden_size": cfg.get("hidden_size"), "num_hidden_layers": cfg.get("num_hidden_layers")}
+    if experts_key is not None:
+        said["num_experts"] = cfg[experts_key]
+    extra_layers = cfg.get("num_nextn_predict_layers") or 0
+    for what, value in said.items():
+        held = weights.get(what)
+        if held is None or not isinstance(value, int) or held == value:
+            continue
+        if what == "num_hidden_layers" and isinstance(extra_layers, int) and value < held <= value + extra_layers:
+            continue
+        key = experts_key if what == "num_experts" else what
+        raise CheckpointError(
+            f"{file}: {key}={value} but the safetensors weights beside it hold {held} ({WEIGHT_SIZE_SOURCES[what]}); "
+            f"config.json was edited or belongs to another checkpoint: set {key}={held} there, or give the checkpoint "
+            "it describes"
+        )
+
+
 def _same_type(value, default) -> bool:
     if isinstance(default, bool):
         return isinstance(value, bool)
@@ -198,6 +262,8 @@ __all__ = [
     "check_safetensors_header",
     "check_sizes",
     "check_source_dir",
+    "check_weights_match_config",
     "config_differences",
     "read_config_json",
+    "weight_sizes",
 ]

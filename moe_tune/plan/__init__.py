@@ -37,6 +37,9 @@ def hf_config_of(cfg: Config):
     if cfg.model.path is not None:
         from transformers import AutoConfig
 
+        from moe_tune.models.source_check import check_weights_match_config
+
+        check_weights_match_config(cfg.model.path)  # the plan counts config.json's sizes: they must be the weights'
         return AutoConfig.from_pretrained(cfg.model.path)
     return trained_config(cfg.model.name, cfg.model.overrides)
 

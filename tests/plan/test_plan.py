@@ -333,3 +333,43 @@ def test_plannings_auto_example_is_what_auto_says(monkeypatch, capsys):
     monkeypatch.setattr("moe_tune.plan.auto.gpu_memory_gib", lambda: 139.8)  # an H200's, as torch reports it
     resolve(["model=qwen3_30b_a3b", "train.seq_len=4096", "parallel.ep=auto", "train.micro_batch_size=auto"])
     assert capsys.readouterr().err.strip() == line
+
+
+@pytest.mark.parametrize(
+    "family, edit, said",
+    [
+        ("qwen3_moe", {"num_experts": 16}, "num_experts=16 but the safetensors weights beside it hold 8"),
+        ("gpt_oss", {"num_local_experts": 4}, "num_local_experts=4 but the safetensors weights beside it hold 8"),
+        ("qwen3_moe", {"hidden_size": 64}, "hidden_size=64 but the safetensors weights beside it hold 48"),
+        ("mixtral", {"num_hidden_layers": 3}, "num_hidden_layers=3 but the safetensors weights beside it hold 2"),
+    ],
+    ids=["experts", "stacked-experts", "hidden", "layers"],
+)
+def test_cli_refuses_a_config_json_that_its_weights_contradict(tiny_checkpoint, capsys, family, edit, said):
+    """The plan counts the model from config.json: one edited away from its weights (read from the safetensors
+    headers) is one line naming both values, exit 2, where the plan would have been of another model."""
+    path = tiny_checkpoint(family)
+    assert plan_main(["model=hf", f"model.path={path}", "--gpus", "1"]) == 0
+    capsys.readouterr()
+    config = json.loads(open(f"{path}/config.json").read())
+    open(f"{path}/config.json", "w").write(json.dumps({**config, **edit}))
+    assert plan_main(["model=hf", f"model.path={path}", "--gpus", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"moe-tune-plan: error: {path}/config.json: {said} "), err
+    assert f"set {next(iter(edit))}=" in err[0], err
+
+
+def test_a_multi_token_prediction_layer_past_num_hidden_layers_is_no_contradiction(tiny_checkpoint, monkeypatch):
+    """DeepSeek-V3's checkpoints hold one layer more than num_hidden_layers (num_nextn_predict_layers names it)."""
+    from moe_tune.models.source_check import check_weights_match_config
+    from moe_tune.models.source_check import weight_sizes as read_sizes
+
+    path = tiny_checkpoint("deepseek_v3")
+    held = read_sizes(path)
+    config = json.loads(open(f"{path}/config.json").read())
+    open(f"{path}/config.json", "w").write(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    monkeypatch.setattr(
+        "moe_tune.models.source_check.weight_sizes",
+        lambda p: {**held, "num_hidden_layers": held["num_hidden_layers"] + 1},
+    )
+    check_weights_match_config(path)
