@@ -183,13 +183,26 @@ def prune(run_dir: str, keep: int) -> list[str]:
     """Delete the complete checkpoints beyond the newest ``keep`` (0: none). Each loses its ``COMPLETE`` file
     first, so one that is only partly deleted (a crash meanwhile) is never resumed from. Returns the deleted
     paths. Incomplete directories (a save cut short) are left as they are."""
-    import shutil
-
     old = complete_checkpoints(run_dir)[keep:] if keep > 0 else []
     for path in old:
-        os.remove(os.path.join(path, COMPLETE))
-        shutil.rmtree(path)
+        _delete(path)
     return old
+
+
+def drop_after(run_dir: str, step: int) -> list[str]:
+    """Delete the complete checkpoints of ``run_dir`` past ``step``, as ``prune`` deletes; returns their paths."""
+    later = [p for n, p, complete in _step_dirs(run_dir) if complete and n > step]
+    for path in later:
+        _delete(path)
+    return later
+
+
+def _delete(path: str) -> None:
+    """``COMPLETE`` first: a checkpoint only partly deleted (a crash meanwhile) is never resumed from."""
+    import shutil
+
+    os.remove(os.path.join(path, COMPLETE))
+    shutil.rmtree(path)
 
 
 def pick(run_dir: str, resume: str, checksums: bool = True) -> str | None:

@@ -124,11 +124,12 @@ class Trainer:
 
     def _resume(self) -> None:
         """``checkpoint.resume``'s checkpoint loads into the model, optimizer and scheduler; the step and batch
-        layout it gives are the trainer's to apply, and metrics rows of the steps about to be replayed go."""
+        layout it gives are the trainer's to apply; metrics rows and checkpoints of later steps (replaced) go."""
         resumed = ckpt.maybe_resume(self.checkpoint_state(), self.cfg.checkpoint.resume)
         if resumed is not None:
             self.step, self.layout = resumed.step, resumed.layout
         self.metrics.drop_after(self.step)
+        ckpt.drop_later_checkpoints(self.cfg.output_dir, self.step, self.cfg.checkpoint.resume, self.metrics.enabled)
 
     def build_optimizer(self):
         from moe_tune.optim import build_optimizer, build_scheduler, report_rounding
