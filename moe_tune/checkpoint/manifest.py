@@ -179,11 +179,14 @@ def _say_passed_over(run_dir: str, path: str | None) -> None:
         log.warning("passing over incomplete checkpoint %s (a save cut short); %s", ", ".join(skipped), then)
 
 
-def prune(run_dir: str, keep: int) -> list[str]:
-    """Delete the complete checkpoints beyond the newest ``keep`` (0: none). Each loses its ``COMPLETE`` file
-    first, so one that is only partly deleted (a crash meanwhile) is never resumed from. Returns the deleted
-    paths. Incomplete directories (a save cut short) are left as they are."""
-    old = complete_checkpoints(run_dir)[keep:] if keep > 0 else []
+def prune(run_dir: str, keep: int, saved: int) -> list[str]:
+    """Once step ``saved`` is saved: delete the complete checkpoints up to it beyond the newest ``keep`` (0: none).
+    Each loses its ``COMPLETE`` file first, so one that is only partly deleted (a crash meanwhile) is never resumed
+    from. Returns the deleted paths. Incomplete directories (a save cut short) are left as they are, and so are
+    complete ones past ``saved`` (damaged, passed over by the resume): counted, they would push out the save just
+    written and the one resumed from, leaving a resume nothing intact."""
+    upto = [p for n, p, complete in _step_dirs(run_dir) if complete and n <= saved]
+    old = upto[keep:] if keep > 0 else []
     for path in old:
         _delete(path)
     return old

@@ -143,7 +143,7 @@ def _write(tensors: dict, meta: dict | None, path: str, step: int, rank: int, gr
     done = time.perf_counter()
     root = os.path.dirname(os.path.dirname(path))
     if rank == 0 and keep:  # after the last barrier: every rank is done with the older ones
-        for old in manifest.prune(root, keep):
+        for old in manifest.prune(root, keep, step):
             log.info("deleted %s (checkpoint.keep_last=%d)", old, keep)
     if rank == 0:
         total = sum(entry["size"] for entry in files.values())

@@ -36,3 +36,19 @@ def test_a_run_started_before_the_newest_checkpoint_deletes_the_later_ones(tmp_p
     assert manifest.pick(str(tmp_path), "auto") == str(step_2)
     make_trainer("train.steps=4", "checkpoint.resume=none")
     assert _steps(tmp_path) == []
+
+
+def test_keep_last_counts_no_damaged_checkpoint_past_the_save(tmp_path, make_trainer):
+    """step_3 and step_4 damaged (bit rot): the resume falls back to step_2 and saves step_3 anew. keep_last=1
+    counted the damaged step_4 as the newest: it deleted the new step_3 (and step_2), and the next resume found
+    nothing intact (exit 2)."""
+    make_trainer("train.steps=4", "checkpoint.every=1").fit()
+    for step in (3, 4):
+        os.truncate(tmp_path / "checkpoints" / f"step_{step}" / "__0_0.distcp", 10)
+    t = make_trainer("train.steps=5", "checkpoint.every=1", "checkpoint.keep_last=1")
+    assert t.step == 2
+    t.train_step(t.step)
+    t.step += 1
+    t.save()
+    assert _steps(tmp_path) == ["step_3", "step_4"]
+    assert manifest.pick(str(tmp_path), "auto") == str(tmp_path / "checkpoints" / "step_3")
