@@ -140,18 +140,20 @@ def note_finished(path: str, step: int, steps: int) -> None:
         )
 
 
-def drop_later_checkpoints(run_dir: str, step: int, resume: str, enabled: bool = True) -> None:
+def set_aside_later(run_dir: str, step: int, resume: str, enabled: bool = True) -> None:
     """Once a run started before the newest checkpoint has resumed at ``step`` (``checkpoint.resume=<path>``, a
-    rollback; ``none``, a restart: 0), rank 0 of a run writing its files (``enabled``) deletes ``run_dir``'s complete
-    checkpoints past it, with a warning: they hold the history this run replaces. Left there, ``auto`` would resume
-    from them after a crash, mixing the two histories, and ``checkpoint.keep_last`` would keep them and delete this
-    run's own saves. (``auto`` resumed from the newest: past it are damaged ones only, passed over and kept.)"""
-    later = manifest.drop_after(run_dir, step) if enabled and resume != "auto" else []
+    rollback; ``none``, a restart: 0), rank 0 of a run writing its files (``enabled``) moves ``run_dir``'s complete
+    checkpoints past it aside (``manifest.set_aside_after``), with a warning: they hold the history this run
+    replaces. Left in place, ``auto`` would resume from them after a crash, mixing the two histories, and
+    ``checkpoint.keep_last`` would keep them and delete this run's own saves. (``auto`` resumed from the newest:
+    past it are damaged ones only, passed over and kept.)"""
+    aside, later = manifest.set_aside_after(run_dir, step) if enabled and resume != "auto" else ("", [])
     if later:
         log.warning(
-            "deleted %s: past step %d, where this run starts (checkpoint.resume=%s); checkpoint.resume=auto would "
-            "resume from them after a crash",
-            ", ".join(later),
+            "moved %s into %s: past step %d, where this run starts (checkpoint.resume=%s), they hold the history it "
+            "replaces; move one back to resume from it, or delete the folder",
+            ", ".join(os.path.basename(p) for p in later),
+            aside,
             step,
             resume,
         )

@@ -129,7 +129,7 @@ class Trainer:
         if resumed is not None:
             self.step, self.layout = resumed.step, resumed.layout
         self.metrics.drop_after(self.step)
-        ckpt.drop_later_checkpoints(self.cfg.output_dir, self.step, self.cfg.checkpoint.resume, self.metrics.enabled)
+        ckpt.set_aside_later(self.cfg.output_dir, self.step, self.cfg.checkpoint.resume, self.metrics.enabled)
 
     def build_optimizer(self):
         from moe_tune.optim import build_optimizer, build_scheduler, report_rounding
