@@ -192,21 +192,9 @@ def prune(run_dir: str, keep: int, saved: int) -> list[str]:
     return old
 
 
-def set_aside_after(run_dir: str, step: int) -> tuple[str, list[str]]:
-    """Move the complete checkpoints of ``run_dir`` past ``step`` into ``checkpoints/replaced-<time>/``, where
-    neither ``pick`` nor ``prune`` looks and the user can take them back or delete them. Returns (that folder,
-    the moved checkpoints' former paths)."""
-    import tempfile
-    import time
-
-    later = [p for n, p, complete in _step_dirs(run_dir) if complete and n > step]
-    if not later:
-        return "", []
-    stamp = time.strftime("replaced-%Y%m%d-%H%M%S-")
-    aside = tempfile.mkdtemp(prefix=stamp, dir=os.path.join(run_dir, "checkpoints"))  # a name no other run took
-    for path in later:
-        os.rename(path, os.path.join(aside, os.path.basename(path)))
-    return aside, later
+def later_checkpoints(run_dir: str, step: int) -> list[str]:
+    """The complete checkpoints of ``run_dir`` past ``step``, newest first."""
+    return [p for n, p, complete in _step_dirs(run_dir) if complete and n > step]
 
 
 def _delete(path: str) -> None:

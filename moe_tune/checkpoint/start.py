@@ -62,7 +62,7 @@ def check_fresh_start(run_dir: str, resume: str, rank: int = 0) -> None:
 
 
 def check_finished(run_dir: str, resume: str, steps: int) -> None:
-    """``checkpoint.resume=auto`` over a run whose summary.json (newer than its newest checkpoint) says it ended:
+    """``checkpoint.resume=auto`` over a run whose summary.json says it ended:
     finished at ``steps`` (a retried command, a requeued job whose node failed after the run's end; with or without
     a checkpoint at ``steps``), RunFinished; ended past its newest checkpoint otherwise (saved every N steps and
     finished between two, or stopped on a signal and resumed to its end), resuming would train those steps again
@@ -70,7 +70,7 @@ def check_finished(run_dir: str, resume: str, steps: int) -> None:
     if resume != "auto":
         return
     path, step = _newest(run_dir)
-    summary = _summary(run_dir, path) or {}
+    summary = _summary(run_dir) or {}
     ended = summary.get("final_step")
     if summary.get("finished") is True and ended == steps:
         if step == steps:  # a longer train.steps resumes from this checkpoint
@@ -94,15 +94,11 @@ def check_finished(run_dir: str, resume: str, steps: int) -> None:
         )
 
 
-def _summary(run_dir: str, checkpoint: str | None) -> dict | None:
-    """summary.json; None without one, unreadable, or older than ``checkpoint`` (an earlier run's, started afresh
-    over with ``resume=none``)."""
+def _summary(run_dir: str) -> dict | None:
+    """summary.json (this history's: a rollback or restart sets an earlier run's aside, ``set_aside_later``); None
+    without one or unreadable."""
     summary = os.path.join(run_dir, "summary.json")
     if not os.path.isfile(summary):
-        return None
-    if checkpoint is not None and os.path.getmtime(summary) < os.path.getmtime(
-        os.path.join(checkpoint, manifest.COMPLETE)
-    ):
         return None
     try:
         with open(summary) as f:
@@ -142,21 +138,34 @@ def note_finished(path: str, step: int, steps: int) -> None:
 
 def set_aside_later(run_dir: str, step: int, resume: str, enabled: bool = True) -> None:
     """Once a run started before the newest checkpoint has resumed at ``step`` (``checkpoint.resume=<path>``, a
-    rollback; ``none``, a restart: 0), rank 0 of a run writing its files (``enabled``) moves ``run_dir``'s complete
-    checkpoints past it aside (``manifest.set_aside_after``), with a warning: they hold the history this run
-    replaces. Left in place, ``auto`` would resume from them after a crash, mixing the two histories, and
-    ``checkpoint.keep_last`` would keep them and delete this run's own saves. (``auto`` resumed from the newest:
-    past it are damaged ones only, passed over and kept.)"""
-    aside, later = manifest.set_aside_after(run_dir, step) if enabled and resume != "auto" else ("", [])
-    if later:
-        log.warning(
-            "moved %s into %s: past step %d, where this run starts (checkpoint.resume=%s), they hold the history it "
-            "replaces; move one back to resume from it, or delete the folder",
-            ", ".join(os.path.basename(p) for p in later),
-            aside,
-            step,
-            resume,
-        )
+    rollback; ``none``, a restart: 0), rank 0 of a run writing its files (``enabled``) moves what holds the history
+    it replaces into ``checkpoints/replaced-<time>-<id>/``, with a warning: the complete checkpoints past ``step``
+    and the old run's summary.json. Left in place, ``auto`` would resume from those checkpoints after a crash (the
+    two histories mixed), ``checkpoint.keep_last`` would keep them over this run's own saves, and the summary would
+    say the run had finished. Moved, not deleted: a mistaken ``resume=none`` loses nothing. (``auto`` resumed from
+    the newest: past it are damaged ones only, passed over and kept.)"""
+    if not enabled or resume == "auto":
+        return
+    summary = os.path.join(run_dir, "summary.json")
+    old = manifest.later_checkpoints(run_dir, step) + ([summary] if os.path.isfile(summary) else [])
+    if not old:
+        return
+    import tempfile
+    import time
+
+    os.makedirs(os.path.join(run_dir, "checkpoints"), exist_ok=True)
+    prefix = time.strftime("replaced-%Y%m%d-%H%M%S-")
+    aside = tempfile.mkdtemp(prefix=prefix, dir=os.path.join(run_dir, "checkpoints"))  # a name no other run took
+    for path in old:
+        os.rename(path, os.path.join(aside, os.path.basename(path)))
+    log.warning(
+        "moved %s into %s: they hold the history this run replaces (it starts at step %d, checkpoint.resume=%s); "
+        "move a checkpoint back to resume from it, or delete the folder",
+        ", ".join(os.path.basename(p) for p in old),
+        aside,
+        step,
+        resume,
+    )
 
 
 def _newest(run_dir: str) -> tuple[str | None, int | None]:

@@ -84,6 +84,25 @@ def test_a_run_finished_after_its_newest_checkpoint_is_not_trained_again(tmp_pat
     assert _steps(run) == [1, 2, 3]
 
 
+def test_a_copied_finished_run_is_still_finished(tmp_path):
+    """``cp -r`` gives every file a new modification time, in the order it copies them: the checkpoint's COMPLETE
+    newer than summary.json, which the start took for an earlier run's summary, so a longer train.steps resumed
+    from step_2 and trained step 3 again over the copy's outputs."""
+    import os
+    import shutil
+    import time
+
+    run, copy = tmp_path / "run", tmp_path / "copy"
+    args = ["checkpoint.export_hf=false", *FAST_RUN, "checkpoint.every=2"]
+    _ok([f"output_dir={run}", *args, "train.steps=3"])
+    shutil.copytree(run, copy)
+    later = time.time() + 60
+    os.utime(copy / "checkpoints" / "step_2" / "COMPLETE", (later, later))
+    r = run_main([f"output_dir={copy}", *args, "train.steps=4"])
+    assert r.returncode == 2 and "holds a run that ended at step 3 (summary.json)" in r.stderr, r.stderr[-2000:]
+    assert _steps(copy) == [1, 2, 3]
+
+
 def test_a_finished_run_without_checkpoints_run_again_trains_nothing(tmp_path):
     """checkpoint.every=0 and the same command again (a requeued job whose node failed after the run's end): exit
     0, nothing trained or written; another train.steps is still refused (no checkpoint to resume from)."""

@@ -28,15 +28,16 @@ def test_only_the_newest_complete_checkpoints_stay_and_a_resume_uses_them(tmp_pa
 def test_a_run_started_before_the_newest_checkpoint_sets_the_later_ones_aside(tmp_path, make_trainer):
     """Rolled back with checkpoint.resume=<step_2> (or restarted with none): step_3 and step_4 are of the replaced
     history. Left in place, a crash before the run saved past them made checkpoint.resume=auto resume from step_4,
-    and keep_last=1 deleted the run's own new step_3 (keeping the old step_4). They move, whole, into
-    checkpoints/replaced-<time>/, where no resume or keep_last looks."""
+    and keep_last=1 deleted the run's own new step_3 (keeping the old step_4); the old summary.json made a rerun
+    call the run finished. They move, whole, into checkpoints/replaced-<time>-<id>/, where no resume or keep_last
+    looks."""
     make_trainer("train.steps=4", "checkpoint.every=1").fit()
     step_2 = tmp_path / "checkpoints" / "step_2"
     rolled_back = make_trainer("train.steps=4", "checkpoint.every=1", f"checkpoint.resume={step_2}")
     assert rolled_back.step == 2 and [s for s in _steps(tmp_path) if s.startswith("step_")] == ["step_1", "step_2"]
     assert manifest.pick(str(tmp_path), "auto") == str(step_2)
     (aside,) = [tmp_path / "checkpoints" / s for s in _steps(tmp_path) if s.startswith("replaced-")]
-    assert sorted(os.listdir(aside)) == ["step_3", "step_4"]
+    assert sorted(os.listdir(aside)) == ["step_3", "step_4", "summary.json"]  # the old run's "finished at 4" too
     assert manifest.saved_step(str(aside / "step_4")) == 4  # intact: moving it back resumes from it
     make_trainer("train.steps=4", "checkpoint.resume=none")
     assert not [s for s in _steps(tmp_path) if s.startswith("step_")]
