@@ -151,6 +151,11 @@ def _check_data(cfg: Config) -> None:
         raise ConfigError(
             f"data.val_path ({d.val_path}) and data.val_fraction ({d.val_fraction}) both set; keep one of them"
         )
+    if d.streaming and d.val_fraction > 0:
+        raise ConfigError(
+            f"data.val_fraction ({d.val_fraction}) splits records held in memory; with data.streaming=true "
+            "give the held-out records as data.val_path"
+        )
     if d.chat_template is not None and not os.path.isfile(d.chat_template):
         raise ConfigError(f"data.chat_template={d.chat_template!r} is not a file; give a Jinja chat template file")
 

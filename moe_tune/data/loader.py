@@ -35,11 +35,6 @@ def build_datasets(
     Tokenization is cached in data.cache_dir (see moe_tune.data.cache): a restart, or another rank, reads it."""
     if cfg.name == "random" and cfg.path is None:
         return random_dataset(max(cfg.num_samples, 1), seq_len, vocab_size or len(tokenizer), seed), None
-    if cfg.streaming and cfg.val_fraction > 0:
-        raise DataError(
-            f"data.val_fraction ({cfg.val_fraction}) splits records held in memory; with data.streaming=true "
-            "give the held-out records as data.val_path"
-        )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if cfg.streaming:
         from moe_tune.data.streaming import StreamingDataset

@@ -158,6 +158,12 @@ def test_overlap_validates_for_all_to_all():
             "data=jsonl data.path=/x.jsonl (or data.path alone)",
         ),
         (["checkpoint.resume=/nonexistent/step_5"], 1, "checkpoint.resume=/nonexistent/step_5 does not exist"),
+        # Refused before the model is built (the loader found it after).
+        (
+            ["data=jsonl", "data.path=/x.jsonl", "data.streaming=true", "data.val_fraction=0.1"],
+            1,
+            "data.val_fraction (0.1) splits records held in memory; with data.streaming=true give the held-out",
+        ),
     ],
 )
 def test_validation_errors(overrides, world, message):
