@@ -11,6 +11,19 @@ import torch.distributed as dist
 
 log = logging.getLogger("moe_tune")
 
+# What gloo says when a peer rank's process is gone (NCCL's equivalent raises torch.distributed.DistError).
+PEER_GONE = "Connection closed by peer"
+
+
+class PeerStopped(KeyboardInterrupt):
+    """This rank's signal stop where a peer rank, signalled too, left before the ranks agreed (it was still
+    starting): the collective that lost it failed. Handled as the command's stops outside training are
+    (``cli.train.interrupted`` reads ``signum``): one line from the node's first rank, exit 128 + the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
 
 class StopSignal:
     """SIGTERM, SIGUSR1 and SIGINT set a flag instead of killing the process; ``agreed`` tells every rank whether
@@ -69,8 +82,17 @@ class StopSignal:
     def __enter__(self) -> StopSignal:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """The previous handlers back. A collective that failed because a peer rank is gone, on a rank that got a
+        signal, is that signal's stop (``PeerStopped``), not a crash: a rank signalled while it was still
+        starting leaves at once, and the others, already training, lose it in their next collective."""
         self.restore()
+        if self._received and exc is not None and _peer_gone(exc):
+            raise PeerStopped(self._received) from None
 
 
-__all__ = ["StopSignal"]
+def _peer_gone(exc: BaseException) -> bool:
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and PEER_GONE in str(exc))
+
+
+__all__ = ["PeerStopped", "StopSignal"]

@@ -126,3 +126,25 @@ def test_a_second_sigterm_during_the_stops_save_does_not_cut_it_short(tmp_path, 
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     assert e.value.code == 143 and signalled
     assert (tmp_path / "checkpoints" / f"step_{signalled[0]}" / "COMPLETE").exists()
+
+
+def test_a_collective_lost_to_a_peer_that_left_on_the_signal_is_the_stop():
+    """Two ranks, SIGTERM to both while rank 0 still starts: rank 0 leaves at once (one line), rank 1, training
+    already, loses it in its next collective. On a rank that got a signal that failure is the stop (exit 143,
+    the node's one line), not a traceback; without a signal, or another error, it stays what it is."""
+    from moe_tune.cli.train import interrupted
+    from moe_tune.train.signals import PEER_GONE, PeerStopped
+
+    lost = RuntimeError(f"[third_party/gloo/gloo/transport/tcp/pair.cc:553] {PEER_GONE} [127.0.0.1]:60556")
+    with pytest.raises(PeerStopped) as stopped:
+        with StopSignal(enabled=True):
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise lost
+    assert stopped.value.signum == signal.SIGTERM and interrupted(stopped.value) == 143
+    with pytest.raises(RuntimeError, match=PEER_GONE):
+        with StopSignal(enabled=True):  # no signal: a peer that crashed
+            raise lost
+    with pytest.raises(ValueError):
+        with StopSignal(enabled=True):
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise ValueError("not a collective")
