@@ -105,4 +105,12 @@ def linear_cross_entropy(
     the Triton kernel on GPU tensors and PyTorch's ops on CPU ones."""
     if triton is None:
         triton = h_ND.is_cuda
+    device = h_ND.device.type
+    if torch.is_autocast_enabled(device):
+        # Under autocast (train.precision=amp_bf16) the GEMMs run in its dtype, as an autocast lm_head's would; the
+        # casts carry the gradients back to the fp32 parameters, and autocast is off inside, where each GEMM's
+        # operands and output buffer must share one dtype.
+        dtype = torch.get_autocast_dtype(device)
+        with torch.autocast(device, enabled=False):
+            return _LinearCrossEntropy.apply(h_ND.to(dtype), w_VD.to(dtype), labels_N, ignore_index, chunk_size, triton)
     return _LinearCrossEntropy.apply(h_ND, w_VD, labels_N, ignore_index, chunk_size, triton)

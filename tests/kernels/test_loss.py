@@ -54,6 +54,25 @@ def test_bf16_chunks_match_one_chunk_and_no_rows_is_zero():
     assert loss.item() == 0.0 and torch.all(empty_w.grad == 0)
 
 
+def test_under_autocast_matches_bf16_inputs_and_grads_reach_fp32_leaves():
+    """train.precision=amp_bf16: fp32 hidden states and weight under bf16 autocast give the loss and gradients of
+    the same inputs cast to bf16, and the gradients land on the fp32 leaves."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(24, 16, generator=g).requires_grad_()
+    w = torch.randn(37, 16, generator=g).requires_grad_()
+    labels = torch.randint(0, 37, (24,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = linear_cross_entropy(h, w, labels, chunk_size=8)
+    ours.backward()
+    hb, wb = h.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_()
+    ref = linear_cross_entropy(hb, wb, labels, chunk_size=8)
+    ref.backward()
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+    assert h.grad.dtype == w.grad.dtype == torch.float32
+    torch.testing.assert_close(h.grad, hb.grad.float(), rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, wb.grad.float(), rtol=0, atol=0)
+
+
 def test_all_ignored_is_zero_with_zero_grads():
     h = torch.randn(4, 8, requires_grad=True)
     w = torch.randn(11, 8, requires_grad=True)

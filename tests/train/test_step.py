@@ -122,6 +122,15 @@ def test_bf16_parameters_round_stochastically_unless_told_not_to(make_trainer, m
     assert trainer.cfg.optim.stochastic_rounding is stochastic  # decided, so config.json and checkpoints say so
 
 
+@pytest.mark.parametrize("precision", ["fp32", "amp_bf16", "bf16_fp32_master", "bf16"])
+def test_every_precision_trains_a_step(make_trainer, precision):
+    """Each train.precision runs a training step (amp_bf16: under autocast, through the chunked loss) to a finite
+    loss and gradient norm."""
+    trainer = make_trainer("train.steps=1", f"train.precision={precision}")
+    out = trainer.train_step(0)
+    assert torch.isfinite(out["loss"]) and torch.isfinite(out["grad_norm"]), precision
+
+
 def test_balancing_losses_take_their_own_coefficients(tmp_path):
     """The step's gradient is that of ce + (train.aux_loss_coef x mean aux loss + train.z_loss_coef x mean z-loss)
     per micro-batch, averaged over the step's two micro-batches (summed, the update is another): the two
