@@ -63,6 +63,13 @@ def grouped_mm(x_RK: torch.Tensor, w_eKN: torch.Tensor, offs_e: torch.Tensor) ->
     return F.grouped_mm(x_RK, w_eKN, offs=offs_e)
 
 
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """Under torch.autocast (train.precision=amp_bf16) the experts' GEMMs run in its dtype, as a linear's do:
+    autocast casts no grouped GEMM itself (eager would run them in fp32, and compile's grouped_mm takes bf16 only)."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
 def _with_zero_row(bias_eN: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([bias_eN.to(dtype), bias_eN.new_zeros(1, bias_eN.shape[1], dtype=dtype)])
 
@@ -169,8 +176,9 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
         o = self.options
-        if o.compute_dtype is not None:
-            x_RD = x_RD.to(o.compute_dtype)
+        dtype = o.compute_dtype or _autocast_dtype(x_RD)
+        if dtype is not None:
+            x_RD = x_RD.to(dtype)
         if o.grad_divide != 1.0:
             # Divide only the weight gradients: scale the output's gradient down and the input's back up.
             x_RD = _ScaleGrad.apply(x_RD, o.grad_divide)

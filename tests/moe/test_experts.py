@@ -110,3 +110,23 @@ def test_clamped_swiglu_gradient_beyond_the_limit():
     (_reference(ref, x_RD, counts_e)[0] * g_RD).sum().backward()
     for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-3, msg=name)
+
+
+def test_under_autocast_the_experts_compute_in_its_dtype():
+    """train.precision=amp_bf16: fp32 weights and tokens under bf16 autocast give the bf16 experts' output (a
+    grouped GEMM is no op autocast casts itself), and the gradients reach the fp32 weights."""
+    spec = ExpertsSpec(num_experts=4, dim=32, hidden=48, layout="in_out", bias=True, activation="swiglu")
+    ours = GroupedExperts(spec, ExpertsOptions())
+    with torch.no_grad():  # bf16 grouped GEMMs want 16-byte rows: dims that are multiples of 8
+        for p in ours.parameters():
+            p.copy_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    ref = GroupedExperts(spec, ExpertsOptions()).to(torch.bfloat16)
+    ref.load_state_dict(ours.state_dict())
+    x_RD = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    counts_e = torch.tensor([5, 0, 7, 4])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_RD = ours(x_RD, counts_e)
+    assert y_RD.dtype == torch.bfloat16
+    torch.testing.assert_close(y_RD, ref(x_RD.bfloat16(), counts_e), rtol=0, atol=0)
+    y_RD.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in ours.parameters())
