@@ -83,6 +83,8 @@ def interrupted(e: KeyboardInterrupt) -> int:
     """The line for a stop outside training (Ctrl-C or ``StopRequested``), printed by the node's first rank (the
     launcher passes the signal to every rank: one line, not one a rank); returns the exit code."""
     signum = getattr(e, "signum", signal.SIGINT)
+    for again in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):  # the stop is said once: a repeat (scancel
+        signal.signal(again, signal.SIG_IGN)  # retries its signal) would raise again in the middle of the line
     if first_rank_of_node():
         stopped = f"moe-tune: stopped by signal {int(signum)}; nothing saved since the last checkpoint"
         print(INTERRUPTED if signum == signal.SIGINT else stopped, file=sys.stderr)
@@ -164,7 +166,7 @@ def first_rank_of_node() -> bool:
     without importing moe_tune.distributed (and torch): a bad value is said at once."""
     if "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
         return True
-    from moe_tune.distributed.process_group import dist_env
+    from moe_tune.distributed.env import dist_env
 
     return dist_env().local_rank == 0
 

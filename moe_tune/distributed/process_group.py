@@ -14,38 +14,14 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from moe_tune.distributed.env import DistEnv, dist_env
+
 DEFAULT_PORT = 29500
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    rank: int
-    local_rank: int
-    world_size: int
-    launcher: str  # "torchrun", "slurm" or "single"
-
-    @property
-    def device(self) -> torch.device:
-        """This rank's device: its local GPU, or the CPU when there is none."""
-        if not torch.cuda.is_available():
-            return torch.device("cpu")
-        return torch.device("cuda", self.local_rank % torch.cuda.device_count())
-
-
-def dist_env(environ: dict[str, str] | None = None) -> DistEnv:
-    """Where this process sits, read from the environment only (no process group needed)."""
-    env = os.environ if environ is None else environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return DistEnv(int(env["RANK"]), int(env.get("LOCAL_RANK", "0")), int(env["WORLD_SIZE"]), "torchrun")
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return DistEnv(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", "0")), int(env["SLURM_NTASKS"]), "slurm")
-    return DistEnv(0, 0, 1, "single")
 
 
 def device_type() -> str:

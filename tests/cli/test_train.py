@@ -178,8 +178,20 @@ def test_a_waiting_rank_that_is_not_stopped_prints_its_line(monkeypatch, capsys)
     assert capsys.readouterr().err == "moe-tune: error: data.jsonl:2: not valid JSON\n"
 
 
+@pytest.fixture
+def kept_signals():
+    """The stop signals' handlers as they were, after a test that lets the command's code change them."""
+    import signal
+
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+    before = {signum: signal.getsignal(signum) for signum in stops}
+    yield
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
+
+
 @pytest.mark.parametrize("local_rank, says", [("0", True), ("1", False)])
-def test_a_stop_while_starting_is_said_by_the_nodes_first_rank(monkeypatch, capsys, local_rank, says):
+def test_a_stop_while_starting_is_said_by_the_nodes_first_rank(monkeypatch, capsys, kept_signals, local_rank, says):
     """torchrun passes a signal to every rank: a stop before training is one line from the node's first rank (each
     rank said it, eight lines on a node of eight), and every rank exits 128 + the signal."""
     import signal
@@ -191,6 +203,23 @@ def test_a_stop_while_starting_is_said_by_the_nodes_first_rank(monkeypatch, caps
     assert cli.interrupted(cli.StopRequested(signal.SIGTERM)) == 143
     line = "moe-tune: stopped by signal 15; nothing saved since the last checkpoint\n"
     assert capsys.readouterr().err == (line if says else "")
+
+
+def test_a_repeated_stop_signal_does_not_cut_the_stops_line(kept_signals, capsys):
+    """scancel retries its signal: a second SIGTERM while the first stop's line was said (the launcher importing
+    what it needs for it) raised StopRequested inside the handling, a traceback and exit 1 in place of 143."""
+    import os
+    import signal
+
+    from moe_tune.cli import train as cli
+
+    cli.honour_sigint()
+    assert cli.interrupted(cli.StopRequested(signal.SIGTERM)) == 143
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # the repeat: ignored, not raised
+    except KeyboardInterrupt as e:
+        pytest.fail(f"the repeated SIGTERM raised {e!r}")
+    assert capsys.readouterr().err == "moe-tune: stopped by signal 15; nothing saved since the last checkpoint\n"
 
 
 def test_a_waiting_rank_stopped_by_torchrun_says_nothing(cli_env):
