@@ -90,8 +90,8 @@ def cases(N: int, K: int, offs: torch.Tensor) -> dict:
         lambda: nf4_frozen.dequantize_weight(codes, scales, torch.bfloat16),
         0,
     )
-    rows["piece: nf4 dequantize all experts (two strided stores)"] = (
-        _with_nf4(lambda: nf4_frozen.dequantize_weight(codes, scales, torch.bfloat16), DEQUANT_JOINED=False),
+    rows["piece: nf4 dequantize all experts (one joined store)"] = (
+        _with_nf4(lambda: nf4_frozen.dequantize_weight(codes, scales, torch.bfloat16), DEQUANT_JOINED=True),
         0,
     )
     return rows

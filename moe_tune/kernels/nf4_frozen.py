@@ -51,7 +51,10 @@ SCALE_DTYPE = torch.bfloat16
 # stalls the queue the host keeps ahead of the GPU.
 DEQUANT_BUDGET_BYTES = 1 << 30
 DEQUANT_BYTES = 512  # code bytes per program of the Triton dequantization
-DEQUANT_JOINED = True  # its two nibbles' values stored as one contiguous run (triton_nf4.dequantize_kernel)
+# The Triton dequantization's store (triton_nf4.dequantize_kernel): False, two stores each to every other element
+# (the kernel of the measured rows); True, the two nibbles' values interleaved in registers and stored as one
+# contiguous run. benchmarks/quantized_base_gemms.py times both; the default moves when a GPU says which wins.
+DEQUANT_JOINED = False
 
 
 def block_size(in_features: int) -> int | None:

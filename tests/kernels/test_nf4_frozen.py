@@ -84,10 +84,11 @@ def _triton_matches_pytorch() -> None:
     """Rows whose byte count is no multiple of a program's (masked lanes), blocks of 64 and of 32; in fp32 (Triton
     3.9's interpreter converts fp32 to bf16 by truncation, where a GPU rounds to nearest: the GPU test checks bf16)."""
     g = torch.Generator().manual_seed(2)
-    for K in (640, 96):
+    for K, joined in ((640, False), (96, False), (640, True), (96, True)):  # both of the kernel's stores
+        nf4_frozen.DEQUANT_JOINED = joined
         codes, scales = quantize_weight(torch.randn(3, 5, K, generator=g))
         got = dequantize_weight(codes, scales, torch.float32, triton_kernel=True)
-        assert torch.equal(got, dequantize_weight(codes, scales, torch.float32, triton_kernel=False)), K
+        assert torch.equal(got, dequantize_weight(codes, scales, torch.float32, triton_kernel=False)), (K, joined)
 
 
 def test_triton_dequantization_equals_pytorch_bit_for_bit():
@@ -97,8 +98,10 @@ def test_triton_dequantization_equals_pytorch_bit_for_bit():
 
 
 @pytest.mark.gpu
-def test_dequantization_on_the_gpu_equals_pytorch():
+def test_dequantization_on_the_gpu_equals_pytorch(monkeypatch):
     g = torch.Generator().manual_seed(3)
     codes, scales = quantize_weight(torch.randn(4, 1536, 2048, generator=g).cuda())
-    got = dequantize_weight(codes, scales, torch.bfloat16, triton_kernel=True)
-    assert torch.equal(got, dequantize_weight(codes, scales, torch.bfloat16, triton_kernel=False))
+    want = dequantize_weight(codes, scales, torch.bfloat16, triton_kernel=False)
+    for joined in (False, True):
+        monkeypatch.setattr(nf4_frozen, "DEQUANT_JOINED", joined)
+        assert torch.equal(dequantize_weight(codes, scales, torch.bfloat16, triton_kernel=True), want), joined
