@@ -185,24 +185,19 @@ def prune(run_dir: str, keep: int, saved: int) -> list[str]:
     from. Returns the deleted paths. Incomplete directories (a save cut short) are left as they are, and so are
     complete ones past ``saved`` (damaged, passed over by the resume): counted, they would push out the save just
     written and the one resumed from, leaving a resume nothing intact."""
+    import shutil
+
     upto = [p for n, p, complete in _step_dirs(run_dir) if complete and n <= saved]
     old = upto[keep:] if keep > 0 else []
     for path in old:
-        _delete(path)
+        os.remove(os.path.join(path, COMPLETE))
+        shutil.rmtree(path)
     return old
 
 
 def later_checkpoints(run_dir: str, step: int) -> list[str]:
     """The complete checkpoints of ``run_dir`` past ``step``, newest first."""
     return [p for n, p, complete in _step_dirs(run_dir) if complete and n > step]
-
-
-def _delete(path: str) -> None:
-    """``COMPLETE`` first: a checkpoint only partly deleted (a crash meanwhile) is never resumed from."""
-    import shutil
-
-    os.remove(os.path.join(path, COMPLETE))
-    shutil.rmtree(path)
 
 
 def pick(run_dir: str, resume: str, checksums: bool = True) -> str | None:

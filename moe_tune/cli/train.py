@@ -184,7 +184,7 @@ def restore_output_dir(output_dir: str) -> None:
     import shutil
 
     from moe_tune.build import BASE_MODEL, restore_base_model
-    from moe_tune.distributed.process_group import dist_env
+    from moe_tune.distributed.env import dist_env
     from moe_tune.train.lock import LOCK_NAME
 
     path = os.path.abspath(output_dir)
@@ -362,7 +362,7 @@ def launched_ranks() -> bool:
     without having imported it)."""
     if "torch.distributed" not in sys.modules:
         return False
-    from moe_tune.distributed.process_group import dist_env
+    from moe_tune.distributed.env import dist_env
 
     return dist_env().world_size > 1
 
