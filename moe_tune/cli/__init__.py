@@ -11,6 +11,37 @@ The overrides' check and composition, shared by ``moe-tune``, the torchrun launc
 (``moe_tune.config.overrides``).
 """
 
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+
+# A reader that closes the pipe early (``moe-tune-env | head``) ends a printing command as SIGPIPE would: quietly,
+# with the shell's code for it (128 + 13).
+EXIT_CLOSED_PIPE = 141
+
+
+def quiet_on_closed_pipe(main: Callable[..., int]) -> Callable[..., int]:
+    """``main`` that stops quietly when its reader has gone, instead of printing a BrokenPipeError traceback.
+
+    stdout is pointed at /dev/null before returning, so that the interpreter's last flush of what was still buffered
+    does not raise again at exit.
+    """
+
+    @functools.wraps(main)
+    def wrapped(*args, **kwargs) -> int:
+        try:
+            return main(*args, **kwargs)
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            return EXIT_CLOSED_PIPE
+
+    return wrapped
+
 
 def described(doc: str) -> str:
     """A module docstring as ``--help`` shows it: no reStructuredText literal quotes."""

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from moe_tune.cli import described
+from moe_tune.cli import described, quiet_on_closed_pipe
 from moe_tune.env.backends import BACKENDS, probe
 from moe_tune.env.report import LABELS, collect, gpus, versions
 
@@ -43,6 +43,7 @@ def _print_backend(row: dict) -> None:
     print(f"  {LABELS.get(row['backend'], row['backend']):<20} {status:<12} {row['detail']}", flush=True)
 
 
+@quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moe-tune-env", description=described(__doc__.splitlines()[0]))
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")

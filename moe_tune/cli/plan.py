@@ -17,7 +17,7 @@ import math
 import os
 import sys
 
-from moe_tune.cli import described
+from moe_tune.cli import described, quiet_on_closed_pipe
 from moe_tune.config import UserError
 from moe_tune.config.overrides import AUTO_KEYS
 
@@ -181,6 +181,7 @@ def searched_keys(overrides: list[str], search: bool) -> tuple[tuple[str, ...] |
     return (tuple(auto) if auto else None), given
 
 
+@quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)  # flags and overrides in any order
     try:

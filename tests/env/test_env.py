@@ -127,6 +127,16 @@ def test_module_runs_and_imports_nothing_heavy():
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
 
 
+@pytest.mark.slow
+def test_a_reader_that_stops_early_ends_it_quietly():
+    """``moe-tune-env | head -1``: exit 141 as on SIGPIPE, no BrokenPipeError traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "moe_tune.env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.readline().strip() == b"versions"  # the header arrives before the backends' probes run
+    p.stdout.close()
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 141 and b"Traceback" not in err, err.decode()
+
+
 def test_package_exports_the_report_and_the_checks():
     import moe_tune.env as pkg
 
