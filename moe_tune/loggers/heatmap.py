@@ -49,4 +49,11 @@ def expert_load_image(counts_LE: np.ndarray, step: int, layer_ids: list[int] | N
     return figure_to_array(fig)
 
 
-__all__ = ["expert_load_image", "figure_to_array", "layer_ticks", "normalised_load"]
+def log_expert_load(logger, step: int, moe_stats) -> None:
+    """``moe_stats``' rows per expert (a ``MoEStats``) drawn and given to ``logger`` at ``step``. A host sync: the
+    trainer calls it on image steps only, which are sync steps (the device is idle)."""
+    image = expert_load_image(moe_stats.counts_LE().cpu().numpy(), step, list(moe_stats.layer_idx))
+    logger.log_image(step, "expert_load", image)
+
+
+__all__ = ["expert_load_image", "figure_to_array", "layer_ticks", "log_expert_load", "normalised_load"]

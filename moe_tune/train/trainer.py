@@ -31,6 +31,7 @@ from moe_tune.config.unused import unused_settings
 from moe_tune.distributed.dims import BatchLayout
 from moe_tune.env import require_backends
 from moe_tune.loggers import build_logger, require_logger
+from moe_tune.loggers.heatmap import log_expert_load
 from moe_tune.metrics import MetricsWriter, StepTimer
 from moe_tune.moe.stats import MoEStats
 from moe_tune.run_record import setup_logging, trained_what, write_config, write_run_summary
@@ -289,9 +290,11 @@ class Trainer:
         diverged = self.guard.check(self.step)
         # The last training step's routing statistics (its last micro-batch's): an evaluation's forwards have their own.
         moe_stats = pending[-1][2]["moe_stats"] if self.moe_layers else None
-        if self.cadence.draws(self.step):
-            self._draw_expert_load(moe_stats)
-        val_loss = self._evaluate() if self.cadence.evals(self.step) else None
+        if self.cadence.draws(self.step) and self.rank == 0 and moe_stats is not None:
+            log_expert_load(self.logger, self.step, moe_stats)
+        # a stop agreed here skips this step's validation: a grace period covers steps and the save, not a val pass
+        stopping = stop.agreed(self.device) and self.step < self.cfg.train.steps
+        val_loss = self._evaluate() if self.cadence.evals(self.step) and not stopping else None
         rows, layers = metrics_rows(
             pending,
             timer.take(),
@@ -314,7 +317,7 @@ class Trainer:
             ckpt.prepare_save(self.checkpoint_state(), self.saver)
         if self.cadence.saves(self.step):
             self.save(wait=False)
-        return stop.agreed(self.device) and self.step < self.cfg.train.steps
+        return stopping
 
     @functools.cached_property
     def _dispatchers(self) -> list:
@@ -325,15 +328,6 @@ class Trainer:
         """The held-out loss over the whole validation set of every rank (a device tensor: no host sync)."""
         batches = self.val_data.batches(self.layout, self.rank, self.device)
         return evaluate(self.model, batches, self.device, self._autocast)
-
-    def _draw_expert_load(self, moe_stats: MoEStats | None) -> None:
-        if self.rank != 0 or moe_stats is None:
-            return
-        from moe_tune.loggers.heatmap import expert_load_image
-
-        # host sync: the counts for the image, on image steps only (a sync step: the device is idle)
-        image = expert_load_image(moe_stats.counts_LE().cpu().numpy(), self.step, list(moe_stats.layer_idx))
-        self.logger.log_image(self.step, "expert_load", image)
 
     def _stop_diverged(self, diverged: Diverged) -> None:
         if self.rank == 0:

@@ -133,6 +133,26 @@ def test_one_process_stops_after_the_step_a_signal_landed_in_with_a_checkpoint(t
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # the handler is restored
 
 
+def test_a_stop_skips_the_validation_of_the_step_it_is_agreed_on(tmp_path, make_trainer, monkeypatch):
+    """A pass over the whole validation set can outlast a scheduler's grace period: the signal's step saves without
+    it (step 4 evaluates otherwise); validation resumes with the run."""
+    trainer = make_trainer("train.steps=10", "train.log_every=4", "train.eval_every=2", "data.val_fraction=0.1")
+    original, evaluate, evaluated = trainer.train_step, trainer._evaluate, []
+    monkeypatch.setattr(trainer, "_evaluate", lambda: (evaluated.append(trainer.step), evaluate())[1])
+
+    def step(i):
+        if i == 3:  # during step 4, an evaluation step
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return original(i)
+
+    trainer.train_step = step
+    with pytest.raises(SystemExit) as e:
+        trainer.fit()
+    assert e.value.code == 128 + signal.SIGUSR1
+    assert evaluated == [2] and _saved(tmp_path) == ["step_4"]
+    assert [r["step"] for r in _rows(tmp_path) if "val_loss" in r] == [2]
+
+
 def test_metrics_report_the_lr_each_step_applied(tmp_path, make_trainer):
     """metrics.jsonl's lr of step n (counted from 1) is what optimizer step n applied: the closed form at s = n - 1."""
     from tests.optim.test_schedule import MIN_RATIO, PEAK, closed_form
