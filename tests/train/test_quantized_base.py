@@ -19,9 +19,12 @@ peft = pytest.importorskip("peft", reason="the LoRA exports are checked with PEF
 
 LORA = ["peft=lora", "peft.rank=8", "peft.target=[attention,experts]", "train.lr=3e-2", *FAST_RUN]
 FP8 = [*LORA, "peft.quantize_base=fp8"]
-# The stored dtype of each mode's weights, and how far the losses of 6 steps may move from the bf16 base's (here
-# about 1e-4 of their value for FP8, 4e-4 for NF4: the tiny model's small random weights).
-MODES = {"fp8": (torch.float8_e4m3fn, 3e-3), "nf4": (torch.uint8, 1e-2)}
+# The stored dtype of each mode's weights, and how far the first step's loss may move from the bf16 base's: the same
+# weights and tokens, so the format's error alone (here about 1.5e-4 of the value for FP8, 3e-4 for NF4).
+MODES = {"fp8": (torch.float8_e4m3fn, 1e-3), "nf4": (torch.uint8, 2e-3)}
+# Later steps train on what the quantized base computed, at lr 3e-2, and a routing decision that flips moves the loss
+# further (about 0.45% at step 5 for both formats).
+TRAJECTORY_TOL = 1e-2
 
 
 def _losses(run) -> list[float]:
@@ -63,8 +66,8 @@ def test_a_quantized_base_trains_as_the_bf16_base_resumes_bitwise_and_exports_ag
     quantized = [*common, f"peft.quantize_base={mode}"]
     train_run([f"output_dir={straight}", *quantized])
     train_run([f"output_dir={bf16}", *common])
-    for a, b in zip(_losses(straight), _losses(bf16), strict=True):
-        assert abs(a - b) < MODES[mode][1] * abs(b) and a != b, (a, b)
+    for step, (a, b) in enumerate(zip(_losses(straight), _losses(bf16), strict=True)):
+        assert abs(a - b) < (TRAJECTORY_TOL if step else MODES[mode][1]) * abs(b) and a != b, (step, a, b)
 
     copy_checkpoint(straight, resumed, 3)
     train_run([f"output_dir={resumed}", *quantized])
