@@ -111,6 +111,7 @@ def check_values(cfg: Config) -> None:
     _check_train(cfg)
     _check_kernels(cfg)
     _check_peft(cfg)
+    _check_compiled_fp32(cfg)
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not os.path.isdir(resume):
         raise ConfigError(
@@ -194,6 +195,27 @@ def _check_peft(cfg: Config) -> None:
             f"peft.rank={p.rank} with peft.target including experts: the grouped GEMMs need the rank to be a "
             "multiple of 8 (16-byte rows in bf16); try peft.rank=8 or peft.rank=16"
         )
+
+
+def _check_compiled_fp32(cfg: Config) -> None:
+    """torch.compile traces grouped_mm through its fake kernel, which takes bf16 operands only (torch 2.11-2.13):
+    fp32 expert GEMMs under ``kernels.compile=true`` would fail at the first step, on any device. They run where
+    the experts' weights are fp32 grouped GEMMs and wherever the experts carry LoRA adapters (their deltas are
+    grouped GEMMs too); a quantized base's own GEMMs are custom ops that the compiler does not trace."""
+    k, p = cfg.kernels, cfg.peft
+    if not k.compile or cfg.train.precision != "fp32" or k.experts != "grouped_mm":
+        return
+    lora = p.name == "lora"
+    quantized = lora and p.quantize_base != "none"
+    adapted = lora and "experts" in p.target
+    if quantized and not adapted:
+        return
+    which = "the LoRA adapters of the experts" if quantized else "the experts"
+    raise ConfigError(
+        f"kernels.compile=true with train.precision=fp32 runs grouped GEMMs in fp32 (in {which}), which "
+        "torch.compile cannot trace (its grouped_mm takes bf16 only): use "
+        "train.precision=bf16_fp32_master (fp32 master weights, bf16 compute) or amp_bf16, or kernels.compile=false"
+    )
 
 
 def _check_train(cfg: Config) -> None:

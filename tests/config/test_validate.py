@@ -57,6 +57,19 @@ def test_overlap_validates_for_all_to_all():
 
 
 @pytest.mark.parametrize(
+    "overrides",
+    [
+        ["train.precision=amp_bf16"],  # autocast runs the grouped GEMMs in bf16
+        ["train.precision=fp32", "kernels.experts=loop"],
+        # The frozen experts' GEMMs are opaque custom ops, and no adapter of theirs calls grouped_mm.
+        ["train.precision=fp32", "peft=lora", "peft.quantize_base=fp8", "peft.target=[attention]"],
+    ],
+)
+def test_compiled_runs_without_fp32_grouped_gemms_validate(overrides):
+    validate(to_config(compose(["kernels.compile=true", *overrides])), world_size=1)
+
+
+@pytest.mark.parametrize(
     "overrides,world,message",
     [
         (["parallel.ep=3"], 4, "parallel.ep (3) must divide parallel.dp_shard (4"),
@@ -78,6 +91,18 @@ def test_overlap_validates_for_all_to_all():
         (["kernels.fp8=current"], 1, "kernels.fp8=current needs kernels=te"),
         (["kernels=te", "kernels.experts=te"], 1, "kernels.experts=te is not offered"),
         (["kernels=te", "kernels.compile=true"], 1, "kernels=te with kernels.compile=true is not supported"),
+        # torch's fake kernel of grouped_mm takes bf16 only: compiled, fp32 expert GEMMs fail at the first step.
+        (
+            ["train.precision=fp32", "kernels.compile=true"],
+            1,
+            "kernels.compile=true with train.precision=fp32 runs grouped GEMMs in fp32 (in the experts), which "
+            "torch.compile cannot trace",
+        ),
+        (
+            ["train.precision=fp32", "kernels.compile=true", "peft=lora", "peft.quantize_base=nf4"],
+            1,
+            "(in the LoRA adapters of the experts)",
+        ),
         (["train.profile=true", "train.steps=8"], 1, "train.profile=true traces steps 7-9"),
         (["kernels.fp8_amax_compute_algo=mean"], 1, "kernels.fp8_amax_compute_algo='mean' is not one of max"),
         (["kernels.fp8_amax_history_len=0"], 1, "kernels.fp8_amax_history_len=0 is out of range: it must be >= 1"),
