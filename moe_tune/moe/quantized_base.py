@@ -30,7 +30,10 @@ class FrozenFP8Projection(nn.Module):
         self.register_buffer("scale", torch.empty(shape[:2], dtype=torch.float32), persistent=False)
 
     def forward(self, x_RK: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
-        return fp8_frozen.frozen_fp8_grouped_mm(x_RK, self.weight, self.scale, offs_e, self.triton)
+        # Off CUDA the Triton GEMM does not exist: the run computes torch's path (the op's own CPU branch for
+        # ``triton`` is that kernel's reference, unquantized dy, which would change the numbers there).
+        triton = self.triton and x_RK.is_cuda
+        return fp8_frozen.frozen_fp8_grouped_mm(x_RK, self.weight, self.scale, offs_e, triton)
 
     @torch.no_grad()
     def fill_(self, first: int, w_bNK: torch.Tensor) -> None:
