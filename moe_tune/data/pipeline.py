@@ -178,7 +178,7 @@ def _encode_in_workers(items: list, cfg: DataConfig, encoder: Encoder) -> Iterat
     )
 
     def encode_batch(batch: dict) -> dict:
-        out: dict = {"ids": [], "labels": [], "reason": [], "detail": []}
+        out: dict = {"ids": [], "labels": [], "reason": [], "detail": [], "fix": []}
         for text, fmt in zip(batch["record"], batch["fmt"]):
             result = encode_one(json.loads(text), fmt, cfg, encoder)
             bad = isinstance(result, BadRecord)
@@ -186,6 +186,7 @@ def _encode_in_workers(items: list, cfg: DataConfig, encoder: Encoder) -> Iterat
             out["labels"].append([] if bad else result[1])
             out["reason"].append(result.reason if bad else "")
             out["detail"].append(result.detail if bad else "")
+            out["fix"].append(result.fix if bad else None)
         return out
 
     with _workers_forked_from_a_fresh_process():
@@ -193,4 +194,4 @@ def _encode_in_workers(items: list, cfg: DataConfig, encoder: Encoder) -> Iterat
             encode_batch, batched=True, num_proc=min(cfg.num_proc, len(items)), remove_columns=["record", "fmt"]
         )
     for row in mapped:
-        yield BadRecord(row["reason"], row["detail"]) if row["reason"] else (row["ids"], row["labels"])
+        yield BadRecord(row["reason"], row["detail"], row["fix"]) if row["reason"] else (row["ids"], row["labels"])

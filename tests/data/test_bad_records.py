@@ -124,6 +124,18 @@ def test_truncation_past_every_label_is_no_trainable_token(tmp_path):
     assert train.stats["records_skipped"] == {"no_trainable_token": 1}
 
 
+def test_num_proc_workers_keep_the_fix_in_the_line(tmp_path):
+    """Records tokenized in data.num_proc workers: the line is the one a single process gives, the train.seq_len
+    that holds the record included."""
+    short, long = (json.dumps({"prompt": p, "response": "y"}).encode() for p in ("x", "x" * 40))
+    with pytest.raises(DataError) as one:
+        build(tmp_path, [short, long])
+    with pytest.raises(DataError) as two:
+        build(tmp_path, [short, long], num_proc=2, cache_dir=str(tmp_path / "other"))
+    assert "raise train.seq_len to at least 43" in str(one.value)
+    assert str(two.value) == str(one.value)
+
+
 def test_builtin_records_that_do_not_fit_are_skipped(tmp_path):
     cfg = DataConfig(num_samples=64, cache_dir=str(tmp_path))
     train, _ = build_datasets(cfg, build_tokenizer(), 32, seed=0)  # additions fit; the other questions do not
