@@ -110,11 +110,9 @@ def normalize(record, fmt: str, cfg: DataConfig) -> Chat | Completion | Text:
 
 
 def _normalize(record: dict, fmt: str, cfg: DataConfig) -> Chat | Completion | Text:
-    if fmt == "chat":
-        messages = [_chat_message(m, i) for i, m in enumerate(_list_field(record, "messages"))]
-        return _chat(_with_system(messages, record), _tools(record), cfg.train_on)
-    if fmt == "sharegpt":
-        messages = [_sharegpt_message(m, i) for i, m in enumerate(_list_field(record, "conversations"))]
+    if fmt in ("chat", "sharegpt"):
+        key = "messages" if fmt == "chat" else "conversations"
+        messages = [_turn(m, i, key) for i, m in enumerate(_list_field(record, key))]
         return _chat(_with_system(messages, record), _tools(record), cfg.train_on)
     if fmt == "alpaca":
         return _alpaca(record, cfg)
@@ -151,24 +149,34 @@ def _show(value) -> str:
     return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
 
 
-def _chat_message(message, i: int) -> dict:
+def _turn(turn, i: int, key: str) -> dict:
+    """A turn of ``key`` (messages or conversations) by its own keys: ShareGPT's from/value or role/content (Unsloth's
+    standardize_sharegpt keeps the conversations list with role/content turns; LLaMA-Factory and Axolotl map
+    from/value turns under messages)."""
+    sharegpt = key == "conversations"
+    if isinstance(turn, dict) and (turn.get("role") is None) != (turn.get("from") is None):  # one of the two
+        sharegpt = turn.get("from") is not None
+    return _sharegpt_message(turn, i, key) if sharegpt else _chat_message(turn, i, key)
+
+
+def _chat_message(message, i: int, key: str = "messages") -> dict:
     if not isinstance(message, dict):
-        raise BadRecord("wrong_type", f"messages[{i}] must be an object, got {_show(message)}")
+        raise BadRecord("wrong_type", f"{key}[{i}] must be an object, got {_show(message)}")
     message = {k: v for k, v in message.items() if v is not None}  # Arrow fills absent struct fields with None
     role = message.get("role")
     if not isinstance(role, str):
-        raise BadRecord("wrong_type", f"messages[{i}].role must be a string, got {_show(role)}")
+        raise BadRecord("wrong_type", f"{key}[{i}].role must be a string, got {_show(role)}")
     if role not in ROLES:
-        raise BadRecord("unknown_role", f"messages[{i}].role {role!r} is not one of {', '.join(ROLES)}")
+        raise BadRecord("unknown_role", f"{key}[{i}].role {role!r} is not one of {', '.join(ROLES)}")
     content = message.get("content")
     if isinstance(content, list):  # OpenAI's content parts: the text ones, in order
-        content = message["content"] = _text_parts(content, i)
+        content = message["content"] = _text_parts(content, f"{key}[{i}]")
     if not isinstance(content, str) and not (content is None and role == "assistant" and message.get("tool_calls")):
-        raise BadRecord("wrong_type", f"messages[{i}].content must be a string, got {_show(content)}")
+        raise BadRecord("wrong_type", f"{key}[{i}].content must be a string, got {_show(content)}")
     return message
 
 
-def _text_parts(parts: list, i: int) -> str:
+def _text_parts(parts: list, where: str) -> str:
     """``[{"type": "text", "text": ...}, ...]`` (OpenAI's chat format) as one string, the parts joined as they are;
     a part of another type (an image) has no place in a text model's record."""
     texts = []
@@ -177,25 +185,23 @@ def _text_parts(parts: list, i: int) -> str:
             kind = part.get("type") if isinstance(part, dict) else None
             raise BadRecord(
                 "wrong_type",
-                f"messages[{i}].content[{j}] is {_show(part) if kind is None else repr(kind) + ' content'}; "
+                f"{where}.content[{j}] is {_show(part) if kind is None else repr(kind) + ' content'}; "
                 'content parts must be text ({"type": "text", "text": ...}): moe_tune trains text models',
             )
         texts.append(part["text"])
     return "".join(texts)
 
 
-def _sharegpt_message(turn, i: int) -> dict:
+def _sharegpt_message(turn, i: int, key: str = "conversations") -> dict:
     if not isinstance(turn, dict):
-        raise BadRecord("wrong_type", f"conversations[{i}] must be an object, got {_show(turn)}")
+        raise BadRecord("wrong_type", f"{key}[{i}] must be an object, got {_show(turn)}")
     speaker, value = turn.get("from"), turn.get("value")
     if not isinstance(speaker, str):
-        raise BadRecord("wrong_type", f"conversations[{i}].from must be a string, got {_show(speaker)}")
+        raise BadRecord("wrong_type", f"{key}[{i}].from must be a string, got {_show(speaker)}")
     if speaker not in SHAREGPT_ROLES:
-        raise BadRecord(
-            "unknown_role", f"conversations[{i}].from {speaker!r} is not one of {', '.join(SHAREGPT_ROLES)}"
-        )
+        raise BadRecord("unknown_role", f"{key}[{i}].from {speaker!r} is not one of {', '.join(SHAREGPT_ROLES)}")
     if not isinstance(value, str):
-        raise BadRecord("wrong_type", f"conversations[{i}].value must be a string, got {_show(value)}")
+        raise BadRecord("wrong_type", f"{key}[{i}].value must be a string, got {_show(value)}")
     return {"role": SHAREGPT_ROLES[speaker], "content": value}
 
 

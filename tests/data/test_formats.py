@@ -106,6 +106,15 @@ def test_sharegpt_is_the_same_conversation(tmp_path):
     assert samples(tmp_path, [record]) == [chat_expectation("assistant")]
 
 
+def test_turn_keys_are_read_whichever_list_holds_them(tmp_path):
+    """Unsloth's standardize_sharegpt keeps the conversations list with role/content turns, and LLaMA-Factory or
+    Axolotl datasets map from/value turns under messages: each turn is read by its own keys."""
+    speakers = {"system": "system", "user": "human", "assistant": "gpt"}
+    sharegpt_turns = [{"from": speakers[m["role"]], "value": m["content"]} for m in CHAT]
+    records = [{"conversations": CHAT}, {"messages": sharegpt_turns}]
+    assert samples(tmp_path, records[:1]) == samples(tmp_path, records[1:]) == [chat_expectation("assistant")]
+
+
 def test_openai_text_parts_are_the_same_conversation(tmp_path):
     """content as OpenAI's list of text parts: the parts joined, the conversation as with plain strings."""
     parts = [{**m, "content": [{"type": "text", "text": m["content"][:1]}, {"type": "text", "text": m["content"][1:]}]}
