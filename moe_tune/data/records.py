@@ -112,8 +112,10 @@ def normalize(record, fmt: str, cfg: DataConfig) -> Chat | Completion | Text:
 def _normalize(record: dict, fmt: str, cfg: DataConfig) -> Chat | Completion | Text:
     if fmt in ("chat", "sharegpt"):
         key = "messages" if fmt == "chat" else "conversations"
-        messages = [_turn(m, i, key) for i, m in enumerate(_list_field(record, key))]
-        return _chat(_with_system(messages, record), _tools(record), cfg.train_on)
+        turns = [_turn(m, i, key) for i, m in enumerate(_list_field(record, key))]
+        messages = _with_system(turns, record)
+        names = [None] * (len(messages) - len(turns)) + [f"{key}[{i}]" for i in range(len(turns))]
+        return _chat(messages, _tools(record), cfg.train_on, names=names)
     if fmt == "alpaca":
         return _alpaca(record, cfg)
     if fmt == "prompt_completion":
@@ -229,13 +231,23 @@ def _tools(record: dict) -> list | None:
     return tools or None
 
 
-def _chat(messages: list[dict], tools, train_on: str, first: int = 0) -> Chat:
-    """``first``: messages before it are prompt (conversational prompt/completion records)."""
+def _chat(messages: list[dict], tools, train_on: str, first: int = 0, names: list | None = None) -> Chat:
+    """``first``: messages before it are prompt (conversational prompt/completion records); ``names``: each
+    message's place in the record (None: a message the record does not hold as one), for the empty-answer check."""
     trainable = [i >= first and m["role"] == "assistant" for i, m in enumerate(messages)]
     if train_on == "last_assistant" and any(trainable):
         last = max(i for i, t in enumerate(trainable) if t)
         trainable = [i == last for i in range(len(messages))]
+    for m, t, name in zip(messages, trainable, names or []):
+        if t and name is not None and _says_nothing(m):
+            _check_not_empty(f"{name}.content", m.get("content") or "")
     return Chat(messages, tools, trainable)
+
+
+def _says_nothing(message: dict) -> bool:
+    """A message with blank content and no other field the template may render (tool calls, reasoning)."""
+    others = [v for k, v in message.items() if k not in ("role", "content", "name") and v not in (None, "", [], {})]
+    return not others and not (message.get("content") or "").strip()
 
 
 def _alpaca(record: dict, cfg: DataConfig) -> Chat:
@@ -263,8 +275,10 @@ def _prompt_completion(record: dict, cfg: DataConfig) -> Chat | Completion:
     if prompt is None or completion is None:
         raise _missing(record, cfg.prompt_key if prompt is None else key)
     if isinstance(prompt, list) and isinstance(completion, list):  # TRL's conversational prompt/completion
-        messages = [_chat_message(m, i) for i, m in enumerate(prompt + completion)]
-        return _chat(messages, _tools(record), cfg.train_on, first=len(prompt))
+        parts = [(cfg.prompt_key, i, m) for i, m in enumerate(prompt)] + [(key, i, m) for i, m in enumerate(completion)]
+        messages = [_chat_message(m, i, name) for name, i, m in parts]
+        names = [f"{name}[{i}]" for name, i, _ in parts]
+        return _chat(messages, _tools(record), cfg.train_on, first=len(prompt), names=names)
     for name, value in ((cfg.prompt_key, prompt), (key, completion)):
         if not isinstance(value, str):
             raise BadRecord("wrong_type", f"{name} must be a string, got {_show(value)}")

@@ -7,6 +7,7 @@ refused; auto-detection per file."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -172,6 +173,33 @@ def test_an_empty_answer_is_a_bad_record(tmp_path, record):
         samples(tmp_path, [record])
     fine = {**record, key: "42"}
     assert len(samples(tmp_path, [record, fine], on_bad_record="skip")) == 1
+
+
+@pytest.mark.parametrize(
+    ("record", "name"),
+    [
+        ({"messages": [*CHAT[:2], {"role": "assistant", "content": ""}]}, "messages[2]"),
+        ({"system": "Be brief.", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": " "}]},
+         "conversations[1]"),
+        ({"prompt": CHAT[:2], "completion": [{"role": "assistant", "content": "\n"}]}, "completion[0]"),
+    ],
+)  # fmt: skip
+def test_an_empty_assistant_turn_is_a_bad_record(tmp_path, record, name):
+    """A trained assistant turn with no words, no tool call and no reasoning would train the end of the turn alone,
+    as an empty completion would; a turn that is not trained (last_assistant's earlier ones) is context."""
+    with pytest.raises(DataError, match=rf"data\.jsonl:1: {re.escape(name)}\.content is \"[^\"]*\": only the end of"):
+        samples(tmp_path, [record])
+    with pytest.raises(DataError, match=r"no usable records \(1 read, skipped empty_completion: 1\)"):
+        samples(tmp_path, [record], on_bad_record="skip")
+    calls = [{"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]
+    fine = [CHAT[1], {"role": "assistant", "content": "", "tool_calls": calls}, {"role": "tool", "content": "3"}]
+    fine += [{"role": "assistant", "content": "", "reasoning_content": "1+2 is 3."}, *CHAT[3:]]
+    earlier = [*CHAT[1:2], {"role": "assistant", "content": ""}, *CHAT[3:]]
+    assert (
+        len(samples(tmp_path, [{"messages": fine}]))
+        == len(samples(tmp_path, [{"messages": earlier}], train_on="last_assistant"))
+        == 1
+    )
 
 
 def test_text(tmp_path):
