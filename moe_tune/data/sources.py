@@ -110,9 +110,21 @@ def iter_records(source: Source, streaming: bool = True) -> Iterator[tuple[str, 
     prefix = f"{source.path}:" if source.kind == "csv" else f"{source.path}:row "
     try:
         for i, row in enumerate(dataset):
-            yield f"{prefix}{i + first}", row
+            yield f"{prefix}{i + first}", {k: _without_nulls(v) for k, v in row.items()}
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise DataError(f"{source.path}: cannot be read ({_one_line(e)})") from None
+
+
+def _without_nulls(value):
+    """``value`` with the null fields of its objects dropped, at every depth. Arrow holds one struct type per column:
+    an object of a record (a tool call's arguments, a tool's schema, a message) gets the fields the other records'
+    objects have, as nulls, which a chat template would render (a call with arguments it never had). A record's own
+    top-level fields keep their nulls (a null field is named as such)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def _iter_json(path: str) -> Iterator[tuple[str, object]]:

@@ -25,9 +25,9 @@ CHATS = [
 ]
 
 
-def rows(tmp_path, path, **options) -> torch.Tensor:
+def rows(tmp_path, path, seq_len: int = 64, **options) -> torch.Tensor:
     cfg = DataConfig(name="jsonl", path=str(path), num_samples=0, cache_dir=str(tmp_path / "cache"), **options)
-    train, _ = build_datasets(cfg, build_tokenizer(), 64, seed=0)
+    train, _ = build_datasets(cfg, build_tokenizer(), seq_len, seed=0)
     return torch.stack([train.ids, train.labels, train.positions])
 
 
@@ -58,6 +58,35 @@ def test_files_and_saved_datasets_match_jsonl(tmp_path, records):
         sources.append("t.csv")
     for name in sources:
         assert torch.equal(rows(tmp_path, tmp_path / name), reference), name
+
+
+def tool_chat(name: str, arguments: dict, schema: dict) -> dict:
+    call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    return {
+        "messages": [
+            {"role": "user", "content": "?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "ok"},
+            {"role": "assistant", "content": "done"},
+        ],
+        "tools": [{"type": "function", "function": {"name": name, "parameters": schema}}],
+    }
+
+
+def test_tool_calls_in_columnar_files_match_jsonl(tmp_path):
+    """Arrow holds one struct type per column: records whose tool calls or tool schemas have other keys get each
+    other's keys as nulls there, which must not reach the rendered text (a call with arguments it never had)."""
+    records = [
+        tool_chat("add", {"a": 1, "b": 2}, {"type": "object", "properties": {"a": {"type": "integer"}}}),
+        tool_chat("say", {"text": "hi"}, {"type": "object", "required": ["text"]}),
+    ]
+    write_jsonl(tmp_path / "ref.jsonl", records)
+    reference = rows(tmp_path, tmp_path / "ref.jsonl", seq_len=512)
+    table = datasets.Dataset.from_list(records)
+    table.to_parquet(str(tmp_path / "t.parquet"))
+    table.save_to_disk(str(tmp_path / "saved"))
+    for name in ("t.parquet", "saved"):
+        assert torch.equal(rows(tmp_path, tmp_path / name, seq_len=512), reference), name
 
 
 def test_directory_of_mixed_files(tmp_path):
