@@ -133,9 +133,17 @@ def _iter_json(path: str) -> Iterator[tuple[str, object]]:
         f.seek(start)
         head = f.read(4096).lstrip()
         f.seek(start)
-        if path.lower().endswith(".json") and head.startswith(b"["):  # one JSON array of records
+        first = _first_line(f)
+        f.seek(start)
+        # One JSON array of records: a .json file, or a JSON Lines file whose first line is no record on its own.
+        if head.startswith(b"[") and (path.lower().endswith(".json") or not _parses(first[1])):
             yield from _iter_json_array(path, f.read())
             return
+        if first[1].strip() == b"{" and head.strip() != b"{":  # json.dump(..., indent=2): no line is JSON alone
+            raise DataError(
+                f"{path}:{first[0]}: a record spread over several lines (indented JSON); write one record per line "
+                "(JSON Lines: json.dumps without indent), or a JSON array of records"
+            )
         for n, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
@@ -153,6 +161,22 @@ def _iter_json(path: str) -> Iterator[tuple[str, object]]:
                 yield f"{path}:{n}", BadRecord("invalid_json", f"not valid JSON ({_json_fault(e)})")
             except RecursionError:  # json's C parser recurses once per nesting level, within Python's limit
                 yield f"{path}:{n}", BadRecord("invalid_json", _too_deep())
+
+
+def _first_line(f) -> tuple[int, bytes]:
+    """(number, bytes) of the first line of ``f`` that is not blank; (0, b"") if there is none."""
+    for n, raw in enumerate(f, start=1):
+        if raw.strip():
+            return n, raw
+    return 0, b""
+
+
+def _parses(raw: bytes) -> bool:
+    try:
+        json.loads(raw)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return False
+    return True
 
 
 def _iter_json_array(path: str, raw: bytes) -> Iterator[tuple[str, object]]:

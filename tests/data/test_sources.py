@@ -60,6 +60,24 @@ def test_files_and_saved_datasets_match_jsonl(tmp_path, records):
         assert torch.equal(rows(tmp_path, tmp_path / name), reference), name
 
 
+def test_json_spread_over_lines_in_a_jsonl_file(tmp_path):
+    """A JSON array written to a .jsonl file (an indented json.dump) is read as the array it is; records that are
+    indented objects, one over several lines, stop at line 1 naming the layout and the fix (each line read alone
+    would be invalid JSON, skipped one by one)."""
+    write_jsonl(tmp_path / "ref.jsonl", PAIRS)
+    (tmp_path / "array.jsonl").write_text(json.dumps(PAIRS, indent=2))
+    assert torch.equal(rows(tmp_path, tmp_path / "array.jsonl"), rows(tmp_path, tmp_path / "ref.jsonl"))
+    pretty = tmp_path / "pretty.jsonl"
+    pretty.write_text("\n".join(json.dumps(r, indent=2) for r in PAIRS))
+    for policy in ("error", "skip"):
+        with pytest.raises(DataError) as e:
+            rows(tmp_path, pretty, on_bad_record=policy)
+        assert str(e.value) == (
+            f"{pretty}:1: a record spread over several lines (indented JSON); write one record per line (JSON "
+            "Lines: json.dumps without indent), or a JSON array of records"
+        )
+
+
 def tool_chat(name: str, arguments: dict, schema: dict) -> dict:
     call = {"type": "function", "function": {"name": name, "arguments": arguments}}
     return {
