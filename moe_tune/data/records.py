@@ -208,13 +208,14 @@ def _sharegpt_message(turn, i: int, key: str = "conversations") -> dict:
 
 
 def _with_system(messages: list[dict], record: dict) -> list[dict]:
-    """A record's top-level ``system`` field becomes the first message (unless it already has one)."""
+    """A record's top-level ``system`` field becomes the first message (unless it already has one). A blank one
+    (a table's system column of a record that has none) adds nothing: inference renders no empty system turn."""
     system = record.get("system")
     if system is None or (messages and messages[0]["role"] == "system"):
         return messages
     if not isinstance(system, str):
         raise BadRecord("wrong_type", f"system must be a string, got {_show(system)}")
-    return [{"role": "system", "content": system}] + messages
+    return [{"role": "system", "content": system}] + messages if system.strip() else messages
 
 
 def _tools(record: dict) -> list | None:

@@ -101,6 +101,15 @@ def test_system_field_and_tools(tmp_path):
     assert (ids, labels) == expect((f"{tools_turn}{S}user\n1+2={E}\n{S}assistant\n", False), (f"3{E}\n", True))
 
 
+def test_an_empty_system_field_adds_no_system_turn(tmp_path):
+    """A table's system column holds "" for records without one (a column cannot be absent from a row): such a record
+    renders as one without the field, as inference renders it, not with an empty system turn."""
+    for n, record in enumerate([{"messages": CHAT[1:]}, {"instruction": "1+2=", "output": "3"}]):
+        got = samples(tmp_path, [{"system": " " * n, **record}], name=f"with{n}.jsonl")
+        assert got == samples(tmp_path, [record], name=f"without{n}.jsonl")
+        assert got[0][0][:7] != hand_ids(f"{S}system")
+
+
 def test_sharegpt_is_the_same_conversation(tmp_path):
     speakers = {"system": "system", "user": "human", "assistant": "gpt"}
     record = {"conversations": [{"from": speakers[m["role"]], "value": m["content"]} for m in CHAT]}
