@@ -156,11 +156,23 @@ def _iter_json(path: str) -> Iterator[tuple[str, object]]:
                 )
                 continue
             try:  # without its newline: an error at the line's end is in it, not on json's "line 2"
-                yield f"{path}:{n}", json.loads(text.rstrip("\r\n"))
+                record = json.loads(text.rstrip("\r\n"))
+                surrogate = _lone_surrogate(record) if "\\u" in text else None
+                yield f"{path}:{n}", BadRecord("invalid_utf8", surrogate) if surrogate else record
             except json.JSONDecodeError as e:
                 yield f"{path}:{n}", BadRecord("invalid_json", f"not valid JSON ({_json_fault(e)})")
             except RecursionError:  # json's C parser recurses once per nesting level, within Python's limit
                 yield f"{path}:{n}", BadRecord("invalid_json", _too_deep())
+
+
+def _lone_surrogate(record) -> str | None:
+    """The fault of a parsed JSON record whose ``\\uXXXX`` escapes left half of a UTF-16 surrogate pair (a cut
+    emoji): a string that is no Unicode text, which a tokenizer refuses with a TypeError. None if there is none."""
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"not valid UTF-8 (\\u{ord(e.object[e.start]):04x}: half of a UTF-16 surrogate pair, no character)"
+    return None
 
 
 def _first_line(f) -> tuple[int, bytes]:
@@ -192,8 +204,10 @@ def _iter_json_array(path: str, raw: bytes) -> Iterator[tuple[str, object]]:
     except RecursionError:
         yield path, BadRecord("invalid_json", _too_deep("; the whole JSON array is dropped"))
         return
+    escapes = b"\\u" in raw
     for i, record in enumerate(records):
-        yield f"{path}:record {i + 1}", record
+        surrogate = _lone_surrogate(record) if escapes else None
+        yield f"{path}:record {i + 1}", BadRecord("invalid_utf8", surrogate) if surrogate else record
 
 
 def _too_deep(more: str = "") -> str:

@@ -174,6 +174,21 @@ def test_no_trainable_token_anywhere_names_train_seq_len(tmp_path):
         build(tmp_path, [record, record], on_bad_record="skip")
 
 
+def test_a_lone_surrogate_escape_is_a_bad_line(tmp_path):
+    """JSON's \\ud800 alone (half of a UTF-16 pair, left by a cut emoji) parses to no Unicode text: named like bad
+    UTF-8, not a tokenizer's TypeError; a whole pair (an emoji written with ensure_ascii) is a character."""
+    lone = b'{"messages": [{"role": "user", "content": "cut \\ud83d here"}, {"role": "assistant", "content": "a"}]}'
+    with pytest.raises(DataError) as e:
+        build(tmp_path, [GOOD, lone])
+    assert str(e.value) == (
+        f"{tmp_path / 'data.jsonl'}:2: not valid UTF-8 (\\ud83d: half of a UTF-16 surrogate pair, no character); "
+        "fix the line or set data.on_bad_record=skip"
+    )
+    assert build(tmp_path, [GOOD, lone], on_bad_record="skip").stats["records_skipped"] == {"invalid_utf8": 1}
+    pair = json.dumps({"messages": [USER, {"role": "assistant", "content": "\U0001f600"}]}).encode()
+    assert b"\\ud83d\\ude00" in pair and build(tmp_path, [GOOD, pair]).stats["records_used"] == 2
+
+
 def test_json_nested_past_the_parsers_depth_is_a_bad_line(tmp_path):
     """A line nested 100,000 deep made json's C parser raise RecursionError, which no data.on_bad_record caught: it
     is invalid JSON like any other, named by file:line, and skipped under skip (a JSON array file: dropped whole)."""
