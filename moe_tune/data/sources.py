@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from moe_tune.config import DataError
 from moe_tune.data.records import BadRecord
 
-EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+EXTENSIONS = {
+    ".jsonl": "json",
+    ".ndjson": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".arrow": "arrow",
+}
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4")
 # The byte-order mark some Windows editors write at the start of a UTF-8 file: not part of the first record.
 BOM = b"\xef\xbb\xbf"
 
@@ -38,7 +46,10 @@ def resolve(path: str, key: str = "data.path") -> list[Source]:
     if os.path.isdir(path):
         if _is_saved(path):
             return [Source("saved", path, key)]
-        names = sorted(n for n in os.listdir(path) if not n.startswith(".") and _kind(n))
+        entries = sorted(n for n in os.listdir(path) if not n.startswith("."))
+        for n in entries:
+            _refuse_compressed(os.path.join(path, n), f"{key}={path}: its entry {n}", "or move it out of the directory")
+        names = [n for n in entries if _kind(n)]
         if not names:
             raise DataError(f"{key}={path} has no {'/'.join(EXTENSIONS)} files and is not a save_to_disk directory")
         for n in names:  # read as records, a directory, FIFO or device would fail (or never end) mid-read
@@ -50,6 +61,7 @@ def resolve(path: str, key: str = "data.path") -> list[Source]:
                 )
         return [Source(_kind(n), os.path.join(path, n), key) for n in names]
     if os.path.isfile(path):
+        _refuse_compressed(path, f"{key}={path}", "and give the file it holds")
         if not _kind(path):
             raise DataError(f"{key}={path}: unknown file type; give a {'/'.join(EXTENSIONS)} file or a directory")
         return [Source(_kind(path), path, key)]
@@ -58,6 +70,16 @@ def resolve(path: str, key: str = "data.path") -> list[Source]:
     if path.startswith((".", "/", "~")) or _kind(path) or path.count("/") > 1:  # a path, not a hub name
         raise DataError(f"{key}={path} does not exist; give a file, a directory or a hub dataset name (owner/name)")
     return [Source("hub", path, key)]
+
+
+def _refuse_compressed(path: str, what: str, fix: str) -> None:
+    """DataError if ``path`` is a compressed data file (x.jsonl.gz): read as records it is not, and left out of a
+    directory's records it would be lost without a word."""
+    stem, ext = os.path.splitext(path)
+    if ext.lower() in COMPRESSED and _kind(stem):
+        raise DataError(
+            f"{what} is a compressed data file, which is not read; decompress it (gunzip, zstd -d, ...) {fix}"
+        )
 
 
 def _kind(name: str) -> str | None:

@@ -119,6 +119,27 @@ def test_directory_of_mixed_files(tmp_path):
     assert torch.equal(rows(tmp_path, d), reference)  # files in name order, records in file order
 
 
+def test_a_directory_reads_ndjson_and_names_compressed_files(tmp_path):
+    """.ndjson is JSON Lines; a compressed data file (.jsonl.gz, .parquet.zst) in the directory stops the run naming
+    it and the fix, rather than being left out of the records without a word (other files, notes.txt, still are)."""
+    write_jsonl(tmp_path / "ref.jsonl", PAIRS)
+    d = tmp_path / "d"
+    d.mkdir()
+    write_jsonl(d / "a.jsonl", PAIRS[:2])
+    write_jsonl(d / "b.ndjson", PAIRS[2:])
+    (d / "notes.txt").write_text("not data")
+    assert torch.equal(rows(tmp_path, d), rows(tmp_path, tmp_path / "ref.jsonl"))
+    (d / "c.jsonl.gz").write_bytes(b"")
+    with pytest.raises(DataError) as e:
+        rows(tmp_path, d)
+    assert str(e.value) == (
+        f"data.path={d}: its entry c.jsonl.gz is a compressed data file, which is not read; decompress it (gunzip, "
+        "zstd -d, ...) or move it out of the directory"
+    )
+    with pytest.raises(DataError, match=r"c\.jsonl\.gz is a compressed data file, which is not read; decompress it"):
+        rows(tmp_path, d / "c.jsonl.gz")
+
+
 @pytest.fixture
 def no_network(monkeypatch):
     """This process as on a machine without network: no host name resolves, no proxy is set."""
@@ -273,7 +294,7 @@ def test_an_entry_that_is_not_a_regular_file_is_named(tmp_path, make, what):
     what = what.format(gone=data / "gone.jsonl")
     assert str(e.value) == (
         f"data.path={data}: its entry x.jsonl is {what}, not a regular file; move it out of the directory or rename "
-        "it (every .jsonl/.json/.parquet/.csv/.arrow entry is read as records)"
+        "it (every .jsonl/.ndjson/.json/.parquet/.csv/.arrow entry is read as records)"
     )
 
 
