@@ -14,6 +14,7 @@ A record that cannot be used raises ``BadRecord(reason, detail)``; the loader co
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 
@@ -204,7 +205,36 @@ def _sharegpt_message(turn, i: int, key: str = "conversations") -> dict:
         raise BadRecord("unknown_role", f"{key}[{i}].from {speaker!r} is not one of {', '.join(SHAREGPT_ROLES)}")
     if not isinstance(value, str):
         raise BadRecord("wrong_type", f"{key}[{i}].value must be a string, got {_show(value)}")
+    if speaker == "function_call":
+        return {"role": "assistant", "content": "", "tool_calls": _function_calls(value, f"{key}[{i}]")}
     return {"role": SHAREGPT_ROLES[speaker], "content": value}
+
+
+def _function_calls(value: str, where: str) -> list[dict]:
+    """A ShareGPT function_call turn's value (LLaMA-Factory's: the JSON of one call, or a list of them, each with a
+    name and arguments) as chat tool_calls, rendered as the template renders a call."""
+    try:
+        calls = json.loads(value)
+    except (ValueError, RecursionError):
+        calls = None
+    calls = [calls] if isinstance(calls, dict) else calls
+    if not isinstance(calls, list) or not calls or not all(isinstance(c, dict) and "name" in c for c in calls):
+        raise BadRecord(
+            "wrong_type",
+            f'{where}.value of a function_call turn must be the JSON of a call ({{"name": ..., "arguments": ...}}) or '
+            f"a list of them, got {_show(value)}",
+        )
+    return [{"type": "function", "function": {"name": c["name"], "arguments": _arguments(c)}} for c in calls]
+
+
+def _arguments(call: dict):
+    """A call's arguments as an object where they are its JSON text (chat templates write them with tojson)."""
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError, RecursionError):
+            parsed = json.loads(arguments)
+            return parsed if isinstance(parsed, dict) else arguments
+    return arguments
 
 
 def _with_system(messages: list[dict], record: dict) -> list[dict]:

@@ -125,6 +125,31 @@ def test_turn_keys_are_read_whichever_list_holds_them(tmp_path):
     assert samples(tmp_path, records[:1]) == samples(tmp_path, records[1:]) == [chat_expectation("assistant")]
 
 
+def test_a_sharegpt_function_call_is_a_tool_call(tmp_path):
+    """LLaMA-Factory's function_call turn holds the call as JSON text: it renders as the template renders a tool call
+    (here <tool_call>...), as the chat record with tool_calls does, not as the JSON text of an answer."""
+    call = {"name": "add", "arguments": {"a": 1, "b": 2}}
+    tools = [{"name": "add"}]
+    chat = [
+        CHAT[1],
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
+        {"role": "tool", "content": "3"},
+        {"role": "assistant", "content": "3"},
+    ]
+    turns = [
+        {"from": "human", "value": "1+2="},
+        {"from": "function_call", "value": json.dumps(call)},
+        {"from": "observation", "value": "3"},
+        {"from": "gpt", "value": "3"},
+    ]
+    want = samples(tmp_path, [{"messages": chat, "tools": tools}], name="chat.jsonl")
+    got = samples(tmp_path, [{"conversations": turns, "tools": json.dumps(tools)}], name="sharegpt.jsonl")
+    assert got == want and "<tool_call>" in "".join(chr(i + 28) for i in got[0][0] if 4 <= i < 99)
+    turns[1]["value"] = "add(1, 2)"
+    with pytest.raises(DataError, match=r"sharegpt\.jsonl:1: conversations\[1\]\.value of a function_call turn"):
+        samples(tmp_path, [{"conversations": turns}], name="sharegpt.jsonl")
+
+
 def test_openai_text_parts_are_the_same_conversation(tmp_path):
     """content as OpenAI's list of text parts: the parts joined, the conversation as with plain strings."""
     parts = [{**m, "content": [{"type": "text", "text": m["content"][:1]}, {"type": "text", "text": m["content"][1:]}]}
