@@ -9,6 +9,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import socket
 import stat
 import sys
@@ -52,6 +53,8 @@ def resolve(path: str, key: str = "data.path") -> list[Source]:
         names = [n for n in entries if _kind(n)]
         if not names:
             raise DataError(f"{key}={path} has no {'/'.join(EXTENSIONS)} files and is not a save_to_disk directory")
+        if key == "data.path":
+            _refuse_held_out(path, names)
         for n in names:  # read as records, a directory, FIFO or device would fail (or never end) mid-read
             what = _not_regular(os.path.join(path, n))
             if what:
@@ -70,6 +73,24 @@ def resolve(path: str, key: str = "data.path") -> list[Source]:
     if path.startswith((".", "/", "~")) or _kind(path) or path.count("/") > 1:  # a path, not a hub name
         raise DataError(f"{key}={path} does not exist; give a file, a directory or a hub dataset name (owner/name)")
     return [Source("hub", path, key)]
+
+
+# Words that name a held-out split in a file's name (Hugging Face datasets reads a directory's splits by them).
+HELD_OUT = frozenset({"test", "testing", "eval", "evaluation", "val", "valid", "validation", "dev", "heldout"})
+
+
+def _refuse_held_out(path: str, names: list[str]) -> None:
+    """DataError if a training directory holds files named as a held-out split (test.jsonl, valid-00000.parquet):
+    every file of ``data.path`` is trained on, so a test split there would be trained on without a word."""
+    held = [n for n in names if HELD_OUT & set(re.split(r"[^a-z]+", os.path.splitext(n)[0].lower()))]
+    if not held:
+        return
+    train = [n for n in names if n not in held]
+    use = os.path.join(path, train[0]) if len(train) == 1 else f"{path}/<the training files>"
+    raise DataError(
+        f"data.path={path} holds {', '.join(held)}, named as a held-out split, and every file there is trained on; "
+        f"give data.path={use} and data.val_path={os.path.join(path, held[0])}, or move or rename the held-out files"
+    )
 
 
 def _refuse_compressed(path: str, what: str, fix: str) -> None:

@@ -119,6 +119,30 @@ def test_directory_of_mixed_files(tmp_path):
     assert torch.equal(rows(tmp_path, d), reference)  # files in name order, records in file order
 
 
+def test_a_training_directory_holding_a_held_out_split_is_refused(tmp_path):
+    """Every file of data.path's directory is trained on: a test or validation split there (named as Hugging Face
+    datasets names splits) would be trained on without a word. Words that only contain a split's name are no split."""
+    from moe_tune.data import resolve
+
+    d = tmp_path / "d"
+    d.mkdir()
+    write_jsonl(d / "train.jsonl", PAIRS[:2])
+    write_jsonl(d / "devops_validated.jsonl", PAIRS[2:])
+    assert [os.path.basename(s.path) for s in resolve(str(d))] == ["devops_validated.jsonl", "train.jsonl"]
+    write_jsonl(d / "test.jsonl", PAIRS[2:])
+    with pytest.raises(DataError) as e:
+        resolve(str(d))
+    assert str(e.value) == (
+        f"data.path={d} holds test.jsonl, named as a held-out split, and every file there is trained on; give "
+        f"data.path={d}/<the training files> and data.val_path={d}/test.jsonl, or move or rename the held-out files"
+    )
+    (d / "devops_validated.jsonl").unlink()
+    (d / "test.jsonl").rename(d / "validation-00000-of-00001.parquet")
+    with pytest.raises(DataError, match=f"give data.path={d}/train.jsonl and data.val_path={d}/validation-00000"):
+        resolve(str(d))
+    assert len(resolve(str(d), "data.val_path")) == 2  # a validation directory may hold any split's files
+
+
 def test_a_directory_reads_ndjson_and_names_compressed_files(tmp_path):
     """.ndjson is JSON Lines; a compressed data file (.jsonl.gz, .parquet.zst) in the directory stops the run naming
     it and the fix, rather than being left out of the records without a word (other files, notes.txt, still are)."""
