@@ -134,7 +134,8 @@ class Encoder:
                 tokenize=False,
             )
         except Exception as e:  # jinja's own and the template's raise_exception (e.g. roles must alternate)
-            raise BadRecord("template_error", f"the chat template refused it: {e}") from None
+            fix = "give data.chat_template=<jinja file> that renders such records"  # the record may well be right
+            raise BadRecord("template_error", f"the chat template refused it: {e}", fix) from None
 
     def chat(self, sample: Chat) -> tuple[list[int], list[int]]:
         text = self.render(sample.messages, sample.tools)

@@ -136,6 +136,23 @@ def test_num_proc_workers_keep_the_fix_in_the_line(tmp_path):
     assert str(two.value) == str(one.value)
 
 
+def test_a_template_that_refuses_a_record_names_data_chat_template(tmp_path):
+    """Templates refuse records they cannot render (Mixtral's: roles must alternate, no system turn): the record is
+    often right and the template the thing to change."""
+    template = tmp_path / "no_system.jinja"
+    template.write_text(
+        "{%- for m in messages %}{%- if m.role == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{%- endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+    )
+    system = json.dumps({"messages": [{"role": "system", "content": "s"}, USER, {"role": "assistant", "content": "a"}]})
+    with pytest.raises(DataError) as e:
+        build(tmp_path, [GOOD, system.encode()], chat_template=str(template))
+    assert str(e.value) == (
+        f"{tmp_path / 'data.jsonl'}:2: the chat template refused it: System role not supported; give "
+        "data.chat_template=<jinja file> that renders such records, fix the record or set data.on_bad_record=skip"
+    )
+
+
 def test_builtin_records_that_do_not_fit_are_skipped(tmp_path):
     cfg = DataConfig(num_samples=64, cache_dir=str(tmp_path))
     train, _ = build_datasets(cfg, build_tokenizer(), 32, seed=0)  # additions fit; the other questions do not
