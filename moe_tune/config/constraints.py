@@ -89,7 +89,9 @@ class Constraint:
         if self.allows(value):
             return None
         if self.choices is not None:
-            return f"{key}={value!r} is not one of {', '.join(self.choices)}; {self._pick(key, value)}"
+            # true/false as typed: Hydra parses them to booleans, which reach a text field as 'True'/'False'
+            shown = str(value).lower() if str(value) in ("True", "False") else repr(value)
+            return f"{key}={shown} is not one of {', '.join(self.choices)}; {self._pick(key, value)}"
         return out_of_range(key, value, self.text(), self.example)
 
 

@@ -105,6 +105,7 @@ def test_compiled_runs_without_fp32_grouped_gemms_validate(overrides):
         ),
         (["train.profile=true", "train.steps=8"], 1, "train.profile=true traces steps 7-9"),
         (["kernels.fp8_amax_compute_algo=mean"], 1, "kernels.fp8_amax_compute_algo='mean' is not one of max"),
+        (["kernels.fp8=true"], 1, "kernels.fp8=true is not one of none, current, delayed, blockwise, mxfp8; pick"),
         (["kernels.fp8_amax_history_len=0"], 1, "kernels.fp8_amax_history_len=0 is out of range: it must be >= 1"),
         (
             ["kernels=te", "kernels.fp8=current", "kernels.fp8_amax_history_len=16"],
