@@ -55,15 +55,16 @@ def test_host_syncs_only_on_logging_checkpoint_and_last_steps(tmp_path, make_tra
 
 
 def test_every_row_times_its_own_step(tmp_path, make_trainer):
-    """Step 3 of an interval of four takes 1 s longer: its row says so, the rows of steps 2 and 4 (past the first
-    step's one-time costs) do not, and the rows add up to the interval."""
+    """Step 3 of an interval of four takes 2 s longer: its row says so, the rows of steps 2 and 4 (past the first
+    step's one-time costs) do not, and the rows add up to the interval. Compared with its neighbours, not with a fixed
+    bound: on a loaded machine a step of the tiny model alone can take seconds."""
     trainer = make_trainer("train.steps=4", "train.log_every=4")
     original = trainer.train_step
 
     def step(i):
         out = original(i)
         if i == 2:
-            time.sleep(1.0)
+            time.sleep(2.0)
         return out
 
     trainer.train_step = step
@@ -71,7 +72,7 @@ def test_every_row_times_its_own_step(tmp_path, make_trainer):
     trainer.fit()
     wall = time.perf_counter() - start
     seconds = [r["step_time_s"] for r in _rows(tmp_path)]
-    assert seconds[2] >= 1.0 and seconds[1] < 1.0 and seconds[3] < 1.0
+    assert seconds[2] >= 2.0 and seconds[2] - seconds[1] > 1.0 and seconds[2] - seconds[3] > 1.0, seconds
     assert sum(seconds) < wall
 
 
@@ -113,21 +114,26 @@ def test_a_divergence_is_found_at_the_next_sync_step_and_never_saved(tmp_path, m
     assert json.load(open(tmp_path / "summary.json"))
 
 
+def _fit_signalled_during(trainer, step: int) -> int:
+    """``trainer.fit()`` with SIGUSR1 sent during training step ``step`` (counted from 1): the exit code."""
+    original = trainer.train_step
+
+    def signalled(i):
+        if i == step - 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return original(i)
+
+    trainer.train_step = signalled
+    with pytest.raises(SystemExit) as e:
+        trainer.fit()
+    return e.value.code
+
+
 def test_one_process_stops_after_the_step_a_signal_landed_in_with_a_checkpoint(tmp_path, make_trainer):
     """Not at the next logging step (step 8 here): one process has no rank to agree with, and on a large model the
     steps up to it could outlast the scheduler's grace period."""
     trainer = make_trainer("train.steps=20", "train.log_every=4")
-    original = trainer.train_step
-
-    def step(i):
-        if i == 5:  # during step 6
-            os.kill(os.getpid(), signal.SIGUSR1)
-        return original(i)
-
-    trainer.train_step = step
-    with pytest.raises(SystemExit) as e:
-        trainer.fit()
-    assert e.value.code == 128 + signal.SIGUSR1
+    assert _fit_signalled_during(trainer, 6) == 128 + signal.SIGUSR1
     assert [r["step"] for r in _rows(tmp_path)] == list(range(1, 7))
     assert _saved(tmp_path) == ["step_6"]
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # the handler is restored
@@ -137,18 +143,9 @@ def test_a_stop_skips_the_validation_of_the_step_it_is_agreed_on(tmp_path, make_
     """A pass over the whole validation set can outlast a scheduler's grace period: the signal's step saves without
     it (step 4 evaluates otherwise); validation resumes with the run."""
     trainer = make_trainer("train.steps=10", "train.log_every=4", "train.eval_every=2", "data.val_fraction=0.1")
-    original, evaluate, evaluated = trainer.train_step, trainer._evaluate, []
+    evaluate, evaluated = trainer._evaluate, []
     monkeypatch.setattr(trainer, "_evaluate", lambda: (evaluated.append(trainer.step), evaluate())[1])
-
-    def step(i):
-        if i == 3:  # during step 4, an evaluation step
-            os.kill(os.getpid(), signal.SIGUSR1)
-        return original(i)
-
-    trainer.train_step = step
-    with pytest.raises(SystemExit) as e:
-        trainer.fit()
-    assert e.value.code == 128 + signal.SIGUSR1
+    assert _fit_signalled_during(trainer, 4) == 128 + signal.SIGUSR1  # step 4 evaluates
     assert evaluated == [2] and _saved(tmp_path) == ["step_4"]
     assert [r["step"] for r in _rows(tmp_path) if "val_loss" in r] == [2]
 
