@@ -127,6 +127,7 @@ def precheck(argv: list[str]) -> list[str]:
     anything is written. Returns the arguments Hydra gets (``--help`` is answered here)."""
     from moe_tune.config import UserError
     from moe_tune.config import overrides as cli_args
+    from moe_tune.config.sweep import check_sweep
 
     try:
         args, argv = cli_args.parse(argv)
@@ -141,6 +142,8 @@ def precheck(argv: list[str]) -> list[str]:
         cfg = cli_args.check(args.overrides, multirun=args.multirun)
         if cli_args.runs_job(args):
             check_inputs(cfg, world_known=not args.multirun)
+        if args.multirun and cli_args.runs_job(args):
+            check_sweep(args.overrides, lambda job: check_inputs(cli_args.check(job), world_known=False))
     except UserError as e:
         # Before any process group: every rank reads the same command line and files and finds the same error,
         # so the first rank of each node says it (2 ranks on one node: one line, not two).

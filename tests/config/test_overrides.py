@@ -257,3 +257,24 @@ def test_local_data_paths_are_recorded_absolute_and_hub_names_as_given(tmp_path,
     cfg = to_config(compose(["data.path=train.jsonl", "data.val_path=./val.jsonl"]))
     assert (cfg.data.path, cfg.data.val_path) == (str(tmp_path / "train.jsonl"), str(tmp_path / "val.jsonl"))
     assert to_config(compose(["data.path=org/some_dataset"])).data.path == "org/some_dataset"
+
+
+@pytest.mark.parametrize(
+    "sweep,line",
+    [
+        (["train.steps=2,-1"], "train.steps=-1 is out of range: it must be >= 1"),
+        (["train.precision=fp32,bf17"], "train.precision='bf17' is not one of fp32"),
+        (["model=tiny_qwen3_moe,tiny_qwen3_mo"], "model=tiny_qwen3_mo is not one of"),
+        (["train.lr=1e-3,2e-3", "train.steps=3,0"], "train.steps=0 is out of range"),
+    ],
+)
+def test_a_bad_value_of_a_sweep_stops_it_before_its_first_run(sweep, line, tmp_path, capsys):
+    """Each run of a -m sweep is checked before the first starts: a bad later value stopped the sweep only once
+    the runs before it had trained, leaving its own directory behind."""
+    with pytest.raises(SystemExit) as e:
+        precheck(["-m", f"output_dir={tmp_path / 'sweep'}", *sweep])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("moe-tune: error: "), err
+    assert line in err
+    assert not os.path.exists(tmp_path / "sweep")
