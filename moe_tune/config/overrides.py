@@ -19,6 +19,7 @@ import typing
 
 from moe_tune.config import COMM_CONFIGS, Config, ConfigError
 from moe_tune.config.constraints import not_null, spelled_alike
+from moe_tune.config.override_forms import refuse_add_or_delete
 
 # The configs ship inside the package, so an installed wheel finds them wherever it runs.
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
@@ -243,8 +244,7 @@ def _check_key(o, keys: set[str], free_dicts: set[str], cfg) -> None:
             raise ConfigError(f"{key}: {free} has no key {leaf} yet; add it with +{key}={o.value()}")
         return
     if key in keys:
-        if o.type == OverrideType.ADD:
-            raise ConfigError(f"+{key}: {key} is already a key; write {key}=<value> without the +")
+        refuse_add_or_delete(o, key, cfg)
         return
     raise ConfigError(unknown_key_message(key, plus, keys, cfg))
 

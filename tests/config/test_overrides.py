@@ -110,6 +110,10 @@ def test_the_overrides_config_comments_suggest_compose():
         (["train.train.seed=1"], "did you mean train.seed"),
         (["comm.num_sms=8"], "comm.num_sms is an option of comm=deepep, not of comm=all_to_all; add comm=deepep"),
         (["+train.steps=5"], "+train.steps: train.steps is already a key; write train.steps=<value> without the +"),
+        # ~ removes a key, which the schema's keys never are: Hydra's line named OmegaConf's classes.
+        (["~train.steps"], "~train.steps: the config's keys are fixed by its schema, so ~ removes none; leave out"),
+        (["~train.steps=60"], "leave out ~train.steps=60 for train.steps's default (60), or give train.steps=<value>"),
+        (["~model.overrides"], "~model.overrides: the config's keys are fixed by its schema, so ~ removes none"),
         (["model.overrides.num_hidden_layers=1"], "add it with +model.overrides.num_hidden_layers=1"),
         (["train.steps=abc"], "train.steps='abc' is not an integer; give train.steps a value of that type"),
         (["train.lr=fast"], "train.lr='fast' is not a number"),
