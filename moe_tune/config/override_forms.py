@@ -23,3 +23,17 @@ def refuse_add_or_delete(o, key: str, cfg) -> None:
             f"~{key}: the config's keys are fixed by its schema, so ~ removes none; leave out {o.input_line} for "
             f"{key}'s default ({spelled(default)}), or give {key}=<value>"
         )
+
+
+def user_overrides(parsed: list, options: dict[str, list[str]]) -> list:
+    """The overrides of the app's config (``hydra.*`` and ``hydra/...`` are Hydra's), once a launcher chosen by
+    name (``hydra/launcher=submitit_slurm``, a group ``moe-tune --help`` lists) is found among its options."""
+    from moe_tune.config.constraints import spelled_alike
+
+    for o in parsed:
+        launchers = options.get(o.key_or_group) if o.key_or_group == "hydra/launcher" else None
+        if launchers and not o.is_sweep_override() and o.value() not in launchers:
+            alike = spelled_alike(o.value(), launchers)
+            extra = f"; did you mean hydra/launcher={alike[0]}?" if len(alike) == 1 else ""
+            raise ConfigError(f"hydra/launcher={o.value()} is not one of {', '.join(launchers)}{extra}")
+    return [o for o in parsed if not o.key_or_group.startswith("hydra")]

@@ -19,7 +19,7 @@ import typing
 
 from moe_tune.config import COMM_CONFIGS, Config, ConfigError
 from moe_tune.config.constraints import not_null, spelled_alike
-from moe_tune.config.override_forms import refuse_add_or_delete
+from moe_tune.config.override_forms import refuse_add_or_delete, user_overrides
 
 # The configs ship inside the package, so an installed wheel finds them wherever it runs.
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
@@ -148,8 +148,8 @@ def check(overrides: list[str], multirun: bool = False):
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception as e:  # noqa: BLE001  (Hydra's grammar errors come in several types)
         raise ConfigError(_grammar_error(e, overrides)) from None
-    parsed = [o for o in parsed if not o.key_or_group.startswith("hydra")]
     options = group_options()
+    parsed = user_overrides(parsed, options)
     choices = [o for o in parsed if o.key_or_group in options or "/" in o.key_or_group]
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
     base = _compose([o.input_line for o in choices if not o.is_sweep_override()], options)

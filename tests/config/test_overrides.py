@@ -146,6 +146,9 @@ def test_the_overrides_config_comments_suggest_compose():
         ),
         (["model=hf"], "model=hf needs model.path=<local Hugging Face checkpoint directory>"),
         (["-m", "--cfg", "job"], "-m and --cfg together"),
+        # --help lists hydra/launcher's options as a group's: a misspelt one was Hydra's lines and exit 1.
+        (["hydra/launcher=submitit_slurn"], "hydra/launcher=submitit_slurn is not one of basic, submitit_local, "),
+        (["-m", "hydra/launcher=Basic", "train.lr=1e-3,2e-3"], "did you mean hydra/launcher=basic?"),
         # a,b is a sweep to Hydra: its "Ambiguous value" lines and exit 1 without -m.
         (
             ["peft=lora", "peft.target=q_proj,k_proj"],
