@@ -57,12 +57,32 @@ def parse_variants(spec: str | None) -> list[tuple[str, list[str]]]:
     return unique
 
 
+def baseline_names(spec: str) -> list[str]:
+    return [] if spec.strip() == "none" else [b.strip() for b in spec.split(",") if b.strip()]
+
+
+def args_problem(args) -> str | None:
+    """The line for a flag no row can run with (checked before anything runs), or None."""
+    unknown = [b for b in baseline_names(args.baselines) if b not in BASELINES]
+    if unknown:
+        return f"--baselines {unknown[0]!r} is not one of {', '.join(BASELINES)}, none"
+    bounds = [
+        ("--nproc", args.nproc, 1, "give the ranks per row, >= 1"),
+        ("--timeout-s", args.timeout_s, 1e-9, "give each row's time limit in seconds, > 0"),
+        ("--peer-ep", args.peer_ep, 1, "give NeMo AutoModel's EP size, >= 1"),
+        ("--peak-tflops", args.peak_tflops, 1e-9, "give the per-GPU peak TFLOP/s, > 0"),
+    ]
+    return next(
+        (f"{flag} {value:g}: {fix}" for flag, value, low, fix in bounds if value is not None and value < low), None
+    )
+
+
 def build_plans(args, common: list[str]) -> tuple[list[Plan], list[dict]]:
     plans, skipped = [], []
-    baselines = [] if args.baselines.strip() == "none" else [b.strip() for b in args.baselines.split(",") if b.strip()]
+    baselines = baseline_names(args.baselines)
     for b in baselines:
         if b not in BASELINES:
-            raise SystemExit(f"moe-tune-bench: error: --baselines {b!r} is not one of {', '.join(BASELINES)}, none")
+            raise SystemExit(f"moe-tune-bench: error: {args_problem(args)}")
         if b == "trl":
             if importlib.util.find_spec("trl") is None:
                 reason = f"trl is not installed: {TRL_INSTALL}"

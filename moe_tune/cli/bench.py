@@ -26,6 +26,7 @@ from moe_tune.bench.plans import (
     BASELINES,
     TRL_ATTENTION,
     Plan,
+    args_problem,
     build_plans,
     experts_arg,
     parse_variants,
@@ -100,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if problem := args_problem(args):
+        print(f"moe-tune-bench: error: {problem}", file=sys.stderr)
+        return 2
     nproc = args.nproc or _default_nproc()
     common = with_defaults(list(args.overrides))
     if args.routing is not None:

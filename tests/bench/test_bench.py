@@ -281,13 +281,21 @@ def importlib_missing(name: str) -> bool:
         (["--baselines", "grouped_mm_nofsdp", "--nproc", "1"], "got bf16_fp32_master"),  # the default precision
         # A bf16 base would run under the quantized row's name.
         (["peft=lora", "peft.quantize_base=nf4", "--baselines", "grouped_mm"], "has no Transformers + PEFT baseline"),
+        # A misspelt baseline exited 1; --nproc 0 ran on the default count, --nproc -2 gave torchrun -2 ranks.
+        (["--baselines", "grouped_mn"], "--baselines 'grouped_mn' is not one of grouped_mm, eager"),
+        (["--nproc", "0"], "--nproc 0: give the ranks per row, >= 1"),
+        (["--nproc", "-2"], "--nproc -2: give the ranks per row, >= 1"),
+        (["--timeout-s", "0"], "--timeout-s 0: give each row's time limit in seconds, > 0"),
+        (["--peer", "automodel", "--peer-ep", "0"], "--peer-ep 0: give NeMo AutoModel's EP size, >= 1"),
+        (["--peak-tflops", "-1"], "--peak-tflops -1: give the per-GPU peak TFLOP/s, > 0"),
     ],
 )
 def test_unrunnable_row_sets_stop_before_any_row(argv, words, tmp_path, capsys):
     from moe_tune.cli.bench import main
 
     assert main([*argv, "--out", str(tmp_path / "out")]) == 2
-    assert words in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
 
 
