@@ -317,8 +317,9 @@ def from_pretrained(path: str, dtype=torch.float32, kernels: str = "torch", devi
     problem = model_dir_problem(path, key="path")
     if problem:
         raise CheckpointError(problem)
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    model_options = ModelOptions(dtype=dtype, kernels=kernels, **options)
+    from moe_tune.models.api_args import model_options as api_model_options
+
+    model_options = api_model_options(dtype, kernels, options)
     model = assemble(AutoConfig.from_pretrained(path), model_options, source_loader(path, 0), device or "cpu", path)
     return model.eval()
 

@@ -60,3 +60,23 @@ def test_readme_from_checkpoint_runs_as_written_after_import_moe_tune(tmp_path, 
     )
     r = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=cli_env, cwd=tmp_path, timeout=300)
     assert r.returncode == 0 and r.stdout.split() == ["MoECausalLM", "1"], r.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [
+        # A misspelt kernels built the plain torch model without a word.
+        ({"kernels": "tritonn"}, "kernels='tritonn' is not one of torch, te"),
+        ({"dtype": "bf16"}, "dtype='bf16' is not a floating-point torch dtype; give torch.bfloat16 or 'bfloat16'"),
+        ({"dtype": "int8"}, "dtype='int8' is not a floating-point torch dtype"),
+        # transformers' older name: a TypeError from an internal dataclass.
+        ({"torch_dtype": torch.bfloat16}, "torch_dtype is transformers' older name of dtype: give dtype="),
+        ({"aux_loss_coeff": 0.01}, "aux_loss_coeff is not an option of the model; did you mean aux_loss_coef?"),
+    ],
+)
+def test_from_pretrained_names_a_bad_argument_and_its_fix(kwargs, words, tiny_checkpoint):
+    from moe_tune.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        moe_tune.AutoModelForCausalLM.from_pretrained(tiny_checkpoint(), **kwargs)
+    assert words in str(e.value)
