@@ -127,6 +127,7 @@ def precheck(argv: list[str]) -> list[str]:
     anything is written. Returns the arguments Hydra gets (``--help`` is answered here)."""
     from moe_tune.config import UserError
     from moe_tune.config import overrides as cli_args
+    from moe_tune.config.override_forms import expand_home
     from moe_tune.config.sweep import check_sweep
 
     try:
@@ -138,6 +139,8 @@ def precheck(argv: list[str]) -> list[str]:
         if args.help:
             print(cli_args.help_text(args.overrides))
             raise SystemExit(0)
+        argv = argv[: len(argv) - len(args.overrides)] + [expand_home(o) for o in args.overrides]
+        args.overrides = argv[len(argv) - len(args.overrides) :]
         argv = plan_auto(args, argv)
         cfg = cli_args.check(args.overrides, multirun=args.multirun)
         if cli_args.runs_job(args):

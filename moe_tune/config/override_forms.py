@@ -3,6 +3,9 @@ write instead."""
 
 from __future__ import annotations
 
+import os
+import re
+
 from moe_tune.config import ConfigError
 from moe_tune.config.constraints import spelled
 
@@ -37,3 +40,18 @@ def user_overrides(parsed: list, options: dict[str, list[str]]) -> list:
             extra = f"; did you mean hydra/launcher={alike[0]}?" if len(alike) == 1 else ""
             raise ConfigError(f"hydra/launcher={o.value()} is not one of {', '.join(launchers)}{extra}")
     return [o for o in parsed if not o.key_or_group.startswith("hydra")]
+
+
+# A value naming a home directory as a shell would expand it: ~/x, ~user/x, ~ (quoted or not; no sweep a,b).
+HOME_VALUE = re.compile(r"""^(['"]?)(~[\w.-]*(?:/[^,]*)?)\1$""")
+
+
+def expand_home(override: str) -> str:
+    """``key=~/x`` with the home directory expanded, as bash expands it and zsh or quotes do not: Hydra's grammar
+    refuses ``~`` in an unquoted value, and a quoted one would name a directory called ``~``."""
+    key, sep, value = override.partition("=")
+    match = HOME_VALUE.match(value)
+    if not sep or match is None:
+        return override
+    path = os.path.expanduser(match.group(2))
+    return override if re.search(r"['\"\\]", path) else f"{key}='{path}'"

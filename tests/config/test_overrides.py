@@ -285,3 +285,25 @@ def test_a_bad_value_of_a_sweep_stops_it_before_its_first_run(sweep, line, tmp_p
     assert err.count("\n") == 1 and err.startswith("moe-tune: error: "), err
     assert line in err
     assert not os.path.exists(tmp_path / "sweep")
+
+
+@pytest.mark.parametrize("given", ["output_dir=~/runs/a", "output_dir='~/runs/a'", 'output_dir="~/runs/a"'])
+def test_a_home_path_is_expanded_as_a_shell_would(given, tmp_path, monkeypatch):
+    """``output_dir=~/runs/a`` as zsh passes it (or quoted): Hydra's grammar refused the unquoted ~ ('token
+    recognition error'), and the quoted one made a directory named ~ in the working directory."""
+    from moe_tune.config.overrides import compose
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    argv = precheck([given, "train.steps=1"])
+    expanded = str(tmp_path / "home" / "runs" / "a")
+    assert compose(argv).output_dir == expanded
+    assert not (tmp_path / "~").exists()
+
+
+def test_a_home_data_path_is_expanded_before_it_is_checked(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        precheck([f"output_dir={tmp_path / 'run'}", "data.path=~/none.jsonl"])
+    assert e.value.code == 2
+    assert f"data.path={tmp_path / 'none.jsonl'} does not exist" in capsys.readouterr().err
