@@ -80,3 +80,27 @@ def test_from_pretrained_names_a_bad_argument_and_its_fix(kwargs, words, tiny_ch
     with pytest.raises(ConfigError) as e:
         moe_tune.AutoModelForCausalLM.from_pretrained(tiny_checkpoint(), **kwargs)
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [
+        # rank 0 was a ZeroDivisionError, a negative one torch's "negative dimension" while building the model.
+        ({"rank": 0}, "LoRASpec(rank=0): rank must be an integer >= 1 (peft.rank); try rank=16"),
+        ({"rank": -4}, "LoRASpec(rank=-4): rank must be an integer >= 1"),
+        ({"alpha": 0}, "LoRASpec(alpha=0): alpha must be > 0 (peft.alpha)"),
+        ({"dropout": 1.5}, "LoRASpec(dropout=1.5): dropout must be in [0, 1) (peft.dropout)"),
+        # A bare string was read letter by letter: "peft.target names 'a', which is no linear of this model".
+        (
+            {"targets": "attention"},
+            "LoRASpec(targets='attention'): targets is a tuple of names; write targets=('attention',)",
+        ),
+    ],
+)
+def test_lora_spec_names_a_bad_value_and_its_fix(kwargs, words):
+    from moe_tune.config import ConfigError
+    from moe_tune.lora import LoRASpec
+
+    with pytest.raises(ConfigError) as e:
+        LoRASpec(**kwargs)
+    assert words in str(e.value)

@@ -42,6 +42,13 @@ class LoRASpec:
     train_router: bool = False
     base_dtype: torch.dtype | None = None
 
+    def __post_init__(self) -> None:
+        problem = spec_problem(self)
+        if problem:
+            from moe_tune.config.schema import ConfigError
+
+            raise ConfigError(problem)
+
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
@@ -49,3 +56,16 @@ class LoRASpec:
     @property
     def experts(self) -> bool:
         return "experts" in self.targets
+
+
+def spec_problem(spec: LoRASpec) -> str | None:
+    """The line for a value ``peft.*`` would refuse (its range, or a bare string for the targets), or None."""
+    if isinstance(spec.targets, str):
+        return f"LoRASpec(targets={spec.targets!r}): targets is a tuple of names; write targets=({spec.targets!r},)"
+    if isinstance(spec.rank, bool) or not isinstance(spec.rank, int) or spec.rank < 1:
+        return f"LoRASpec(rank={spec.rank!r}): rank must be an integer >= 1 (peft.rank); try rank=16"
+    if not spec.alpha > 0:
+        return f"LoRASpec(alpha={spec.alpha!r}): alpha must be > 0 (peft.alpha); try alpha=32.0"
+    if not 0 <= spec.dropout < 1:
+        return f"LoRASpec(dropout={spec.dropout!r}): dropout must be in [0, 1) (peft.dropout); try dropout=0.0"
+    return None
