@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         common.append(f"train.force_balanced_routing={str(args.routing == 'forced_balanced').lower()}")
     cfg, error = compose_config(common)
     if cfg is None:
-        print(f"moe-tune-bench: error: {error} (overrides: {' '.join(common)})", file=sys.stderr)
+        print(f"moe-tune-bench: error: {error}", file=sys.stderr)
         return 2
     now = datetime.datetime.now()
     num_gpus = nproc if _cuda() else 0
