@@ -128,7 +128,7 @@ def precheck(argv: list[str]) -> list[str]:
     from moe_tune.config import UserError
     from moe_tune.config import overrides as cli_args
     from moe_tune.config.override_forms import expand_home
-    from moe_tune.config.sweep import check_sweep
+    from moe_tune.config.sweep import sweep_jobs
 
     try:
         args, argv = cli_args.parse(argv)
@@ -143,10 +143,10 @@ def precheck(argv: list[str]) -> list[str]:
         args.overrides = argv[len(argv) - len(args.overrides) :]
         argv = plan_auto(args, argv)
         cfg = cli_args.check(args.overrides, multirun=args.multirun)
-        if cli_args.runs_job(args):
-            check_inputs(cfg, world_known=not args.multirun)
-        if args.multirun and cli_args.runs_job(args):
-            check_sweep(args.overrides, lambda job: check_inputs(cli_args.check(job), world_known=False))
+        if cli_args.runs_job(args):  # a sweep's runs each, with their swept values (data.path=a.jsonl,b.jsonl)
+            jobs = sweep_jobs(args.overrides) if args.multirun else []
+            for job_cfg in [cli_args.check(job) for job in jobs] or [cfg]:
+                check_inputs(job_cfg, world_known=not args.multirun)
     except UserError as e:
         # Before any process group: every rank reads the same command line and files and finds the same error,
         # so the first rank of each node says it (2 ranks on one node: one line, not two).

@@ -1,8 +1,9 @@
-"""The runs of a ``-m`` sweep, each checked before the first starts.
+"""The runs of a ``-m`` sweep, each checked with its own values before the first starts.
 
 Hydra's basic sweeper runs one job per combination of the swept values (``train.lr=1e-3,2e-3 train.steps=3,5``:
 four); a bad value among them would otherwise stop the sweep only when its job came up, after the jobs before
-it had trained.
+it had trained, and a check of the values the jobs share alone misses what the swept keys complete
+(``data.path=a.jsonl,b.jsonl`` chooses ``data=jsonl``, which needs a path).
 """
 
 from __future__ import annotations
@@ -22,9 +23,3 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]]:
     if any(o.is_sweep_override() and not o.is_discrete_sweep() for o in parsed):
         return []  # interval(...): the basic sweeper refuses it in its own words
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
-
-
-def check_sweep(overrides: list[str], check_job) -> None:
-    """``check_job(job_overrides)`` for each job of the sweep (ConfigError with one line for the first bad one)."""
-    for job in sweep_jobs(overrides):
-        check_job(job)

@@ -307,3 +307,17 @@ def test_a_home_data_path_is_expanded_before_it_is_checked(tmp_path, monkeypatch
         precheck([f"output_dir={tmp_path / 'run'}", "data.path=~/none.jsonl"])
     assert e.value.code == 2
     assert f"data.path={tmp_path / 'none.jsonl'} does not exist" in capsys.readouterr().err
+
+
+def test_a_sweep_over_data_paths_checks_each_path(tmp_path, capsys):
+    """``-m data.path=a.jsonl,b.jsonl`` was refused as if no data.path were given (the check ran on the config
+    without the swept values: 'data=jsonl reads your records from data.path, which is not set')."""
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.jsonl").write_text('{"prompt": "1+1=", "completion": "2"}\n')
+    out = f"output_dir={tmp_path / 'sweep'}"
+    paths = f"data.path={tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}"
+    assert paths in precheck(["-m", out, paths])
+    with pytest.raises(SystemExit) as e:
+        precheck(["-m", out, f"data.path={tmp_path / 'a.jsonl'},{tmp_path / 'c.jsonl'}"])
+    assert e.value.code == 2
+    assert f"data.path={tmp_path / 'c.jsonl'} does not exist" in capsys.readouterr().err
