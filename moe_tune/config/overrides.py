@@ -312,8 +312,8 @@ def unknown_key_message(key: str, plus: bool, keys: set[str], cfg) -> str:
             return f"{shown} is an option of {choice}, not of comm={cfg.comm.name}; add {choice}"
     peer = PEER_NAMES.get(leaf)
     close = [peer] if peer in keys else []
-    close += [k for k in difflib.get_close_matches(key, sorted(keys), n=3, cutoff=0.6) if k not in close]
     close += [k for k in sorted(keys) if k.rpartition(".")[2] == leaf and k not in close]
+    close += [k for k in difflib.get_close_matches(key, sorted(keys), n=3, cutoff=0.6) if k not in close]
     hint = f"did you mean {' or '.join(close[:3])}? " if close else ""
     return f"{shown} is not a config key{fixed}; {hint}moe-tune --help lists every key"
 

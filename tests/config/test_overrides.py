@@ -102,6 +102,9 @@ def test_the_overrides_config_comments_suggest_compose():
         # A name from Transformers' TrainingArguments, TRL or PEFT: its moe_tune key first.
         (["train.learning_rate=1e-4"], "train.learning_rate is not a config key; did you mean train.lr?"),
         (["peft.lora_alpha=16"], "peft.lora_alpha is not a config key; did you mean peft.alpha"),
+        # The key of the same name in another group first (torchtitan's optimizer.lr), before spellings alike.
+        (["optim.lr=1e-4"], "optim.lr is not a config key; did you mean train.lr or "),
+        (["optimizer.lr=1e-4"], "optimizer.lr is not a config key; did you mean train.lr"),
         (["peft=qlora"], "peft=qlora is not one of lora, none; QLoRA is peft=lora peft.quantize_base=nf4"),
         (["peft=LoRA"], "peft=LoRA is not one of lora, none; did you mean peft=lora?"),
         (["peft=lora", "peft.quantize_base=null"], "peft.quantize_base=null: peft.quantize_base takes none, fp8, nf4"),
