@@ -19,6 +19,7 @@ import sys
 
 from moe_tune.cli import described, quiet_on_closed_pipe
 from moe_tune.config import UserError
+from moe_tune.config.override_forms import expand_home
 from moe_tune.config.overrides import AUTO_KEYS
 
 
@@ -184,6 +185,7 @@ def searched_keys(overrides: list[str], search: bool) -> tuple[tuple[str, ...] |
 @quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)  # flags and overrides in any order
+    args.overrides = [expand_home(o) for o in args.overrides]  # model.path=~/ckpt as moe-tune reads it
     try:
         from moe_tune.build import check_model_source
         from moe_tune.config import overrides as cli_args

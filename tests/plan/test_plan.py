@@ -373,3 +373,11 @@ def test_a_multi_token_prediction_layer_past_num_hidden_layers_is_no_contradicti
         lambda p: {**held, "num_hidden_layers": held["num_hidden_layers"] + 1},
     )
     check_weights_match_config(path)
+
+
+def test_cli_expands_a_home_model_path_as_moe_tune_does(tmp_path, monkeypatch, capsys):
+    """``model.path=~/ckpt`` as zsh passes it was Hydra's 'token recognition error at: ~' here, where moe-tune
+    reads it as the home directory's ckpt."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert plan_main(["model.path=~/ckpt"]) == 2
+    assert f"model.path={tmp_path / 'ckpt'} does not exist" in capsys.readouterr().err
