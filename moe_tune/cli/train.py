@@ -139,8 +139,9 @@ def precheck(argv: list[str]) -> list[str]:
         if args.help:
             print(cli_args.help_text(args.overrides))
             raise SystemExit(0)
-        argv = argv[: len(argv) - len(args.overrides)] + [expand_home(o) for o in args.overrides]
-        args.overrides = argv[len(argv) - len(args.overrides) :]
+        flags = argv[: len(argv) - len(args.overrides)]
+        args.overrides = [expand_home(o) for o in args.overrides]
+        argv = flags + args.overrides
         argv = plan_auto(args, argv)
         cfg = cli_args.check(args.overrides, multirun=args.multirun)
         if cli_args.runs_job(args):  # a sweep's runs each, with their swept values (data.path=a.jsonl,b.jsonl)

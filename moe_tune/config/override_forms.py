@@ -1,5 +1,6 @@
-"""Hydra's ``+key=`` and ``~key`` forms on a key of the schema, whose keys are fixed: one line naming the form to
-write instead."""
+"""Override forms read before composing: ``+key=`` and ``~key`` on a key of the schema, whose keys are fixed (one
+line naming the form to write instead), a misspelt ``hydra/launcher``, and a value naming a home directory (``~/x``,
+expanded as bash would)."""
 
 from __future__ import annotations
 
