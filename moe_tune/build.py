@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,13 +28,15 @@ from moe_tune.distributed.parallelize import parallelize
 from moe_tune.distributed.process_group import rank_world
 from moe_tune.lora import LoRASpec, frozen_base_dtype
 from moe_tune.metrics import flops_per_token
+from moe_tune.models.base_model import BASE_MODEL, drop_stale_base_model
 from moe_tune.models.families import expert_dims, num_experts
 from moe_tune.models.fp8_checkpoint import checkpoint_block_size
 from moe_tune.models.hf_io import load_state
+from moe_tune.models.host_memory import check_fits_host
 from moe_tune.models.init import init_random
 from moe_tune.models.lora import init_lora
 from moe_tune.models.model import ModelOptions, MoECausalLM, build_model, materialize
-from moe_tune.models.source_check import check_overrides, check_source_dir, config_differences
+from moe_tune.models.source_check import check_overrides, check_source_dir
 
 log = logging.getLogger("moe_tune")
 
@@ -61,12 +62,6 @@ class Built:
     checkpointable: bool = True
     clip_grad_norm: Callable[[], torch.Tensor] | None = None
     describe: dict = field(default_factory=dict)
-
-
-BASE_MODEL = "base_model"  # a tiny preset's starting checkpoint, built by rank 0 inside output_dir
-# An earlier base_model/ built for other settings, kept until the run that replaced it starts (a refused run puts it
-# back: restore_base_model).
-SET_ASIDE_BASE_MODEL = ".base_model.set_aside"
 
 
 def build_source(cfg: Config, rank: int) -> tuple[str | None, object]:
@@ -119,44 +114,6 @@ def check_family(model: ModelConfig, model_type: str, architectures: list[str] |
         f"model.family={model.family} but the checkpoint's model_type is {model_type}; "
         f"set model.family={model_type} or model.family=auto"
     )
-
-
-def drop_stale_base_model(path: str, name: str, overrides: dict) -> None:
-    """A ``base_model/`` built earlier for another preset or other ``model.overrides`` is set aside (and rebuilt by
-    the caller): it would otherwise silently win over the config asked for. It is the base of that earlier run's
-    checkpoints, so it is only moved (to ``SET_ASIDE_BASE_MODEL`` beside it): a run refused while it starts puts it
-    back (``restore_base_model``), one that starts deletes it (``discard_set_aside_base_model``)."""
-    from transformers import AutoConfig
-
-    from moe_tune.models.presets import PRESETS
-
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        return
-    try:
-        saved = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError):  # unreadable: rebuilt like a stale one
-        saved = None
-    requested = {**PRESETS.get(name, {}), **overrides}
-    diffs = ["config.json unreadable"] if saved is None else config_differences(saved, requested)
-    if diffs:
-        log.warning("%s was built for other model settings (%s); rebuilding it", path, "; ".join(diffs))
-        aside = os.path.join(os.path.dirname(path), SET_ASIDE_BASE_MODEL)
-        shutil.rmtree(aside, ignore_errors=True)  # left by a run that neither started nor was refused (killed)
-        os.replace(path, aside)
-
-
-def restore_base_model(output_dir: str) -> None:
-    """A run refused while it started: the ``base_model/`` it set aside comes back in place of the one it built."""
-    aside = os.path.join(output_dir, SET_ASIDE_BASE_MODEL)
-    if os.path.isdir(aside):
-        path = os.path.join(output_dir, BASE_MODEL)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(aside, path)
-
-
-def discard_set_aside_base_model(output_dir: str) -> None:
-    """A run that started (rank 0): the earlier ``base_model/`` it replaced goes."""
-    shutil.rmtree(os.path.join(output_dir, SET_ASIDE_BASE_MODEL), ignore_errors=True)
 
 
 # Any of these makes a directory's tokenizer loadable by AutoTokenizer (fast, sentencepiece or BPE vocabularies).
@@ -243,16 +200,20 @@ def assemble(
     device: torch.device | str = "cpu",
     source: str | None = None,
     parallel: tuple[ParallelMesh, Config] | None = None,
+    training: bool = False,
 ) -> MoECausalLM:
     """The recipe every entry point uses: build on the meta device (each rank's experts only, under expert
-    parallelism) -> parallelize on the mesh -> materialize on ``device`` -> ``load`` (each rank reads its own
-    shards). ``parallel``: (mesh, run config) for a process group; None for one process without parallelism."""
+    parallelism) -> parallelize on the mesh -> materialize on ``device`` (on the CPU, once it is known to fit,
+    with gradients and AdamW moments when ``training``) -> ``load`` (each rank reads its own shards).
+    ``parallel``: (mesh, run config) for a process group; None for one process without parallelism."""
     mesh, cfg = parallel if parallel is not None else (None, None)
     # The trainer runs every dispatcher's check() on all ranks after a step (symm_mem's capacity overflow).
     make_dispatcher = ep_dispatchers(mesh, cfg.comm, checked_after_step=True) if mesh is not None else None
     model = build_model(hf_config, options, make_dispatcher, source)
     if mesh is not None:
         parallelize(model, mesh, cfg)
+    if torch.device(device).type == "cpu":
+        check_fits_host(model, training)
     materialize(model, device)
     load(model)
     return model
@@ -285,7 +246,7 @@ def build_training_model(cfg: Config, env) -> Built:
     )
     mesh = build_mesh(dims, env.device.type)
     load = source_loader(source, cfg.train.seed)
-    model = assemble(hf_config, model_options(cfg, dims), load, env.device, source, (mesh, cfg))
+    model = assemble(hf_config, model_options(cfg, dims), load, env.device, source, (mesh, cfg), training=True)
     model.train()
     if source is not None and not has_tokenizer(source) and env.rank == 0:  # built-in data (check_tokenizer)
         log.warning("%s has no tokenizer files: moe_tune's character tokenizer reads the built-in data", source)

@@ -190,8 +190,8 @@ def restore_output_dir(output_dir: str) -> None:
     on an error path."""
     import shutil
 
-    from moe_tune.build import BASE_MODEL, restore_base_model
     from moe_tune.distributed.env import dist_env
+    from moe_tune.models.base_model import BASE_MODEL, restore_base_model
     from moe_tune.train.lock import LOCK_NAME
 
     path = os.path.abspath(output_dir)

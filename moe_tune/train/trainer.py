@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from moe_tune import checkpoint as ckpt
-from moe_tune.build import Built, build_training_model, check_model_source, discard_set_aside_base_model
+from moe_tune.build import Built, build_training_model, check_model_source
 from moe_tune.config import Config, resolved, validate
 from moe_tune.config.unused import unused_settings
 from moe_tune.distributed.dims import BatchLayout
@@ -33,6 +33,7 @@ from moe_tune.env import require_backends
 from moe_tune.loggers import build_logger, require_logger
 from moe_tune.loggers.heatmap import log_expert_load
 from moe_tune.metrics import MetricsWriter, StepTimer
+from moe_tune.models.base_model import discard_set_aside_base_model
 from moe_tune.moe.stats import MoEStats
 from moe_tune.run_record import setup_logging, trained_what, write_config, write_run_summary
 from moe_tune.train.cadence import Cadence
