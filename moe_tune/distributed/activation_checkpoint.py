@@ -3,7 +3,9 @@
 Modes (``parallel.activation_checkpointing``):
   ``none``: keep every activation.
   ``full``: recompute each whole decoder layer in backward. Only the layer's input is kept. The recompute
-      repeats the layer's token dispatch (its all-to-alls and their one host sync) and the expert GEMMs.
+      repeats the layer's token dispatch (its all-to-alls and their one host sync) and the expert GEMMs. An NF4
+      base's projections there keep the recompute's dequantized experts for the input gradient (one layer's at a
+      time) rather than dequantize them a third time.
   ``selective``: recompute only each layer's attention (q/k/v/o projections, rotary, the attention kernel's
       saved state). The MoE half keeps its activations: routed rows, expert GEMM outputs and the gathered
       results, so backward runs no extra all-to-all, host sync or expert GEMM. Attention is the cheap part to
@@ -22,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moe_tune.config import AC_MODES, ConfigError
+from moe_tune.moe.quantized_base import FrozenNF4Projection
 
 
 def checkpoint_forward_(module: nn.Module, inner=None) -> None:
@@ -55,3 +58,7 @@ def apply_ac(model, mode: str) -> None:
         return
     for layer in model.layers:
         checkpoint_forward_(layer if mode == "full" else _attention(layer))
+        if mode == "full":  # NF4 base projections: the recompute's dequantized experts serve the input gradient
+            for module in layer.modules():
+                if isinstance(module, FrozenNF4Projection):
+                    module.recomputed = True

@@ -177,3 +177,33 @@ def _(dy_RN, codes, scales, offs_e, triton=False):
 
 
 register_input_grad(frozen_nf4_grouped_mm, frozen_nf4_input_grad)
+
+
+@torch.library.custom_op("moe_tune::nf4_dequantize", mutates_args=())
+def dequantize_op(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize_weight`` as an op torch.compile calls as it is (the frozen codes take no gradient)."""
+    return dequantize_weight(codes, scales, dtype)
+
+
+@dequantize_op.register_fake
+def _(codes, scales, dtype):
+    return codes.new_empty(*codes.shape[:-1], 2 * codes.shape[-1], dtype=dtype)
+
+
+def fits_one_pass(codes: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a projection's local experts dequantized in ``dtype`` fit ``DEQUANT_BUDGET_BYTES``."""
+    e, N, half = codes.shape
+    return e * N * 2 * half * torch.empty(0, dtype=dtype).element_size() <= DEQUANT_BUDGET_BYTES
+
+
+def grouped_mm_keeping_dequantized(x_RK: torch.Tensor, codes, scales, offs_e: torch.Tensor) -> torch.Tensor:
+    """``frozen_nf4_grouped_mm`` for a layer recomputed in backward (full activation checkpointing): every expert
+    dequantized at once, then a differentiable bf16 grouped GEMM whose autograd saves the dequantized experts for
+    the input gradient. Under checkpointing the first forward's saved tensors are dropped and the recompute's live
+    until the layer's backward, so a projection is dequantized twice per step (forward, recompute), not three
+    times, for one layer's dequantized experts held from its recompute to its backward. Without checkpointing every
+    layer would keep them: ``frozen_nf4_grouped_mm`` there. The caller checks ``fits_one_pass``."""
+    w = dequantize_op(codes, scales, x_RK.dtype)
+    out = F.grouped_mm(x_RK, w.transpose(-2, -1), offs=offs_e)
+    routed = torch.arange(x_RK.shape[0], device=x_RK.device) < offs_e[-1]
+    return torch.where(routed.unsqueeze(-1), out, 0)

@@ -55,6 +55,9 @@ class FrozenNF4Projection(nn.Module):
     def __init__(self, num_experts: int, out_features: int, in_features: int, triton: bool = False):
         super().__init__()
         self.triton = triton  # both directions through the Triton grouped GEMM (kernels.quantized_base=triton)
+        # Set for a layer recomputed in backward (activation_checkpoint.apply_ac, mode full): the recompute's
+        # dequantized experts serve the input gradient (nf4_frozen.grouped_mm_keeping_dequantized).
+        self.recomputed = False
         block = nf4_frozen.block_size(in_features)
         codes = torch.empty(num_experts, out_features, in_features // 2, dtype=torch.uint8)
         scales = torch.empty(num_experts, out_features, in_features // block, dtype=nf4_frozen.SCALE_DTYPE)
@@ -62,6 +65,8 @@ class FrozenNF4Projection(nn.Module):
         self.register_buffer("scales", scales, persistent=False)
 
     def forward(self, x_RK: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
+        if self.recomputed and not self.triton and nf4_frozen.fits_one_pass(self.codes, x_RK.dtype):
+            return nf4_frozen.grouped_mm_keeping_dequantized(x_RK, self.codes, self.scales, offs_e)
         return nf4_frozen.frozen_nf4_grouped_mm(x_RK, self.codes, self.scales, offs_e, self.triton)
 
     @torch.no_grad()
