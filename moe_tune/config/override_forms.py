@@ -1,6 +1,6 @@
 """Override forms read before composing: ``+key=`` and ``~key`` on a key of the schema, whose keys are fixed (one
-line naming the form to write instead), a misspelt ``hydra/launcher``, and a value naming a home directory (``~/x``,
-expanded as bash would)."""
+line naming the form to write instead), a misspelt ``hydra/launcher``, a value naming a home directory (``~/x``,
+expanded as bash would), and a value Hydra's grammar reads only in quotes (one line naming the quoted form)."""
 
 from __future__ import annotations
 
@@ -56,3 +56,33 @@ def expand_home(override: str) -> str:
         return override
     path = os.path.expanduser(match.group(2))
     return override if re.search(r"['\"\\]", path) else f"{key}='{path}'"
+
+
+# A character Hydra's grammar takes in a value only inside quotes (a file named 'chat (1).jsonl', données.jsonl): not a
+# letter or digit of ASCII, none of _-/\+.$%*@?|: and no space; a comma makes a sweep (checked apart).
+QUOTED_ONLY = re.compile(r"[^A-Za-z0-9_/\\+.$%*@?|:, \t-]")
+
+
+def grammar_error(msg: str, overrides: list[str]) -> str:
+    """One line for overrides Hydra's grammar refuses (``msg``, its error): a ``key=value`` whose value the grammar
+    reads only in quotes is told to be quoted, the one form it takes it in; anything else to be written as
+    key=value."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    def parses(override: str) -> bool:
+        try:
+            OverridesParser.create().parse_overrides([override])
+        except Exception:  # noqa: BLE001  (Hydra's grammar errors come in several types)
+            return False
+        return True
+
+    given = next((o for o in overrides if not parses(o)), "")
+    key, sep, value = given.partition("=")
+    char = QUOTED_ONLY.search(value)
+    quoted = f"{key}='{value}'" if "'" not in value else f'{key}="{value}"'
+    if not sep or char is None or '"' in value and "'" in value or not parses(quoted):
+        return f"{msg}; write overrides as key=value"
+    shell = f' ("{quoted}" in a shell, so that the quotes reach moe-tune)' if "'" not in value else ""
+    letter = char.group(0)
+    what = f"with letters outside ASCII ({letter!r})" if ord(letter) > 0x7F else f"holding {letter!r}"
+    return f"{given}: Hydra reads a value {what} only in quotes; write {quoted}{shell}"

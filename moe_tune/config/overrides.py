@@ -19,7 +19,7 @@ import typing
 
 from moe_tune.config import COMM_CONFIGS, Config, ConfigError
 from moe_tune.config.constraints import not_null, spelled_alike
-from moe_tune.config.override_forms import refuse_add_or_delete, user_overrides
+from moe_tune.config.override_forms import grammar_error, refuse_add_or_delete, user_overrides
 
 # The configs ship inside the package, so an installed wheel finds them wherever it runs.
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
@@ -31,8 +31,6 @@ TYPE_ERROR = re.compile(r"Value '(.*?)' of type '\w+' could not be converted to 
 EXPECTED = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
 # OmegaConf's error for a bool key: "Value 'maybe' is not a valid bool (type str) full_key: data.packing"
 BOOL_ERROR = re.compile(r"Value '(.*?)' is not a valid bool \(type \w+\) full_key: (\S+)")
-# Hydra's lexer takes letters outside ASCII only inside quotes: "token recognition error at: 'é'"
-NOT_ASCII = re.compile(r"token recognition error at: '([^\x00-\x7f])")
 # Flags after which Hydra prints something and runs no job.
 SHOW_FLAGS = ("help", "hydra_help", "cfg", "info", "shell_completion")
 # Flags that point Hydra at other configs or a saved job: composed by Hydra alone.
@@ -147,7 +145,7 @@ def check(overrides: list[str], multirun: bool = False):
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception as e:  # noqa: BLE001  (Hydra's grammar errors come in several types)
-        raise ConfigError(_grammar_error(e, overrides)) from None
+        raise ConfigError(grammar_error(_one_line(e), overrides)) from None
     options = group_options()
     parsed = user_overrides(parsed, options)
     choices = [o for o in parsed if o.key_or_group in options or "/" in o.key_or_group]
@@ -171,21 +169,6 @@ def check(overrides: list[str], multirun: bool = False):
 
         lora_keys_without_lora(lora_keys)
     return cfg
-
-
-def _grammar_error(e: Exception, overrides: list[str]) -> str:
-    """One line for an override Hydra's grammar refuses: a value with letters outside ASCII (données.jsonl) is
-    told to be quoted, the one form the grammar takes it in; anything else to be written as key=value."""
-    msg = _one_line(e)
-    char = NOT_ASCII.search(msg)
-    given = next((o for o in overrides if char and char.group(1) in o.partition("=")[2]), None)
-    if given is None:
-        return f"{msg}; write overrides as key=value"
-    key, _, value = given.partition("=")
-    quoted = f"{key}='{value}'" if "'" not in value else f'{key}="{value}"'
-    shell = f' ("{quoted}" in a shell, so that the quotes reach moe-tune)' if "'" not in value else ""
-    letter = char.group(1)
-    return f"{given}: Hydra reads a value with letters outside ASCII ({letter!r}) only in quotes; write {quoted}{shell}"
 
 
 def _compose(overrides: list[str], options: dict[str, list[str]]):
