@@ -302,10 +302,9 @@ def _checkpoint_base(checkpoint: str, meta: dict, cfg: Config, base: str | None)
     source = base or meta.get("source")
     if source and not os.path.isfile(os.path.join(source, "config.json")):
         if cfg.peft.name == "lora":  # adapters alone are no model
-            raise CheckpointError(
-                f"checkpoint {checkpoint} holds LoRA adapters of the base model {source}, which is not there; put "
-                "the base model back at that path, or give its new place with --base <dir>"
-            )
+            from moe_tune.checkpoint.state import missing_base
+
+            raise CheckpointError(missing_base(checkpoint, source, given=base is not None))
         return None
     if cfg.peft.name == "lora" and source and meta.get("base_fingerprint"):
         from moe_tune.checkpoint.state import check_base

@@ -72,6 +72,20 @@ def model_entries(model: torch.nn.Module, model_sd: dict) -> dict:
 RESUME_BASE_FIX = "resume with that base (model.path=<its directory>), or start afresh with checkpoint.resume=none"
 
 
+def missing_base(checkpoint: str, source: str, given: bool) -> str:
+    """The line for a LoRA checkpoint's base that is no model directory: not there, or there without config.json
+    (e.g. an adapter directory, a run's hf/); ``given``: ``source`` is what --base named."""
+    there = "holds no config.json" if os.path.isdir(source) else "does not exist"
+    if os.path.isfile(os.path.join(source, "adapter_config.json")):
+        there += " (a PEFT adapter directory, not its base model)"
+    if given:
+        return f"--base {source} {there}; give --base the directory of the base model {checkpoint} was trained from"
+    return (
+        f"checkpoint {checkpoint} holds LoRA adapters of the base model {source}, which {there}; put the base model "
+        "back at that path, or give its new place with --base <dir>"
+    )
+
+
 def check_base(
     meta: dict, model_cfg: dict, seed: int, source: str | None, path: str, fix: str = RESUME_BASE_FIX
 ) -> None:

@@ -200,3 +200,28 @@ def test_a_run_directory_without_checkpoints_points_to_its_export(tmp_path):
     assert r.returncode == 2 and not (tmp_path / "out").exists(), r.stderr[-3000:]
     want = f"{start}{what} and without a Hugging Face export: rerun with checkpoint.every=N"
     assert r.stderr.strip().splitlines() == [want]
+
+
+def test_a_base_that_is_no_model_directory_is_named_as_found(tmp_path):
+    """A LoRA checkpoint's base without config.json: --base naming a run's hf/ (a PEFT adapter directory) or a
+    directory that does not exist is named as --base, with what it is; the run's own base, moved or emptied, is
+    named as the checkpoint's. A directory that was there was called 'not there', of the checkpoint's base."""
+    from types import SimpleNamespace
+
+    from moe_tune.build import _checkpoint_base
+    from moe_tune.config import CheckpointError
+
+    adapters, gone, emptied = tmp_path / "hf", tmp_path / "gone", tmp_path / "base"
+    adapters.mkdir()
+    (adapters / "adapter_config.json").write_text("{}")
+    emptied.mkdir()
+    cfg = SimpleNamespace(peft=SimpleNamespace(name="lora"))
+    for base, source, said in [
+        (adapters, emptied, f"--base {adapters} holds no config.json (a PEFT adapter directory, not its base model)"),
+        (gone, emptied, f"--base {gone} does not exist; give --base the directory of the base model ckpt was"),
+        (None, emptied, f"base model {emptied}, which holds no config.json; put the base model back at that path"),
+        (None, gone, f"base model {gone}, which does not exist; put the base model back at that path"),
+    ]:
+        with pytest.raises(CheckpointError) as e:
+            _checkpoint_base("ckpt", {"source": str(source)}, cfg, base and str(base))
+        assert said in str(e.value)
