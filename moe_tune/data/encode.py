@@ -65,6 +65,7 @@ class Encoder:
         self.eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self.max_chars = max_record_chars(tokenizer, seq_len)  # what is rendered and tokenized of a record
         self.noted_cut = False  # the cut's log line, once
+        self.notes: list[tuple[int, str]] = []  # (level, line) of what the template's checks logged, kept with the data
 
     def __call__(self, sample: Chat | Completion | Text) -> tuple[list[int], list[int]]:
         sample, cut = self._cut(sample)
@@ -177,10 +178,10 @@ class Encoder:
         encoded = self._marked(sample, self.training.text)
         if encoded is not None and multi_turn and not self.announced:
             self.announced = True
-            log.info(
-                "data: chat template: %s training template (keeps every turn's reasoning); set data.chat_template "
-                "to use your own",
-                self.training.name,
+            self._note(
+                logging.INFO,
+                f"data: chat template: {self.training.name} training template (keeps every turn's reasoning); set "
+                "data.chat_template to use your own",
             )
         return encoded
 
@@ -206,6 +207,12 @@ class Encoder:
         self._check_end_of_turn(template, ids, [span for span, t in zip(spans, assistants) if t])
         return ids, labels
 
+    def _note(self, level: int, line: str) -> None:
+        """Logs ``line`` and keeps it: the data cache stores it with the records, and a run that reads them from
+        there (tokenized by the command's quiet record check, or an earlier run) logs it again."""
+        log.log(level, "%s", line)
+        self.notes.append((level, line))
+
     def _check_end_of_turn(self, template: str, ids: list[int], turns: list[tuple[int, int]]) -> None:
         """Warns once per template if its end-of-turn token follows an assistant turn's mask, outside it, before
         the next turn's (GPT-OSS ends earlier turns with <|end|>, the last with <|return|>: the absent token alone
@@ -218,10 +225,10 @@ class Encoder:
         eot = self.tokenizer.convert_tokens_to_ids(token)
         ends = [s for s, _ in turns[1:]] + [len(ids)]
         if any(eot not in ids[s:e] and eot in ids[e:after] for (s, e), after in zip(turns, ends)):
-            log.warning(
-                "data: the chat template's end-of-turn token %s falls outside the assistant mask: the model will not "
-                "learn to end its turns; close the {%% generation %%} block after it",
-                token,
+            self._note(
+                logging.WARNING,
+                f"data: the chat template's end-of-turn token {token} falls outside the assistant mask: the model will "
+                "not learn to end its turns; close the {% generation %} block after it",
             )
             self.end_of_turn[template] = None  # once
 

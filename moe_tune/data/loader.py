@@ -125,10 +125,15 @@ def _cached(cfg: DataConfig, tokenizer, seq_len: int, seed: int, with_train: boo
     if not with_train and cfg.val_path is None:
         return {"val": None}
     key = cache.cache_key(parts)
+    built: list[bool] = []
     entry = cache.cached(
-        cfg.cache_dir or cache.default_cache_dir(), key, lambda: _build(cfg, encoder, seed, with_train)
+        cfg.cache_dir or cache.default_cache_dir(),
+        key,
+        lambda: built.append(True) or _build(cfg, encoder, seed, with_train),
     )
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    for level, line in entry.get("notes", []) if rank0 and not built else []:  # said when they were tokenized
+        log.log(level, "%s", line)
     user_data = {"train": cfg.path is not None, "val": (cfg.val_path or cfg.path) is not None}
     labels = {name: f"data ({name})" for name in ("train", "val")}
     if cfg.val_path is None and cfg.val_fraction > 0 and entry.get("train_stats"):  # records read once, then split
@@ -153,7 +158,7 @@ def _build(cfg: DataConfig, encoder: Encoder, seed: int, with_train: bool) -> di
         items, val_items = split_val(items, cfg.val_fraction, seed)
         train_tally.stats["records_read"] -= len(val_items)
         val_tally.stats["records_read"] = len(val_items)
-    entry: dict = {"train": None, "train_stats": None, "val": None, "val_stats": None}
+    entry: dict = {"train": None, "train_stats": None, "val": None, "val_stats": None, "notes": encoder.notes}
     if with_train:
         entry["train"] = _rows(items, cfg, encoder, train_tally, cfg.path or f"data={cfg.name}")
         entry["train_stats"] = train_tally.stats

@@ -39,6 +39,28 @@ def build(cfg, tokenizer=None):
     return torch.stack([train.ids, train.labels, train.positions])
 
 
+def test_what_the_template_checks_said_is_said_again_from_the_cache(cfg, caplog):
+    """The CLI tokenizes while checking the records, its log quiet, and the run reads that entry: a warning about
+    the chat template (its end-of-turn token outside the assistant mask) was said by neither. It is kept with the
+    entry and said again by a build that reads it."""
+    import logging
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "{{- '<|im_end|>\\n' -}}{%- endgeneration -%}", "{%- endgeneration -%}{{- '<|im_end|>\\n' -}}"
+    )
+    assert "{%- endgeneration -%}{{- '<|im_end|>" in tokenizer.chat_template
+    said = []
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="moe_tune"):
+            build(cfg, tokenizer)
+        said.append([r.getMessage() for r in caplog.records if r.levelno == logging.WARNING])
+    assert len(entries(cfg)) == 1
+    for warnings in said:
+        assert len(warnings) == 1 and "end-of-turn token <|im_end|> falls outside the assistant mask" in warnings[0]
+
+
 @pytest.fixture
 def count_encodes(monkeypatch):
     calls = []
