@@ -19,7 +19,8 @@ training template wherever that gives the original's text (single-turn records),
 assistant turn carrying loss (data.train_on=assistant), where it keeps every turn's reasoning; its {% generation %}
 blocks give the masks. A conversational prompt/completion record's prompt turns carry no loss: the original renders
 its history, as for data.train_on=last_assistant.
-An end-of-turn token outside a generation block's mask is warned about once: the model would not learn to stop.
+An end-of-turn token outside a generation block's mask is warned about once: the model would not learn to stop; so
+is a template that renders no special token between an answer and the next turn (one written for another tokenizer).
 A template that closes no turn (GLM's) ends one with the next turn's special role token: it carries loss, and one
 is appended after a final trained turn.
 Completion samples are ``bos + prompt + completion + eos`` (loss on completion and eos), text samples
@@ -42,6 +43,7 @@ from moe_tune.data.templates import (
     render_chat,
     special_ids,
     training_template,
+    turn_end_text,
 )
 
 log = logging.getLogger("moe_tune")
@@ -156,6 +158,7 @@ class Encoder:
         stop. Other templates: as they are."""
         if template not in self.next_turn:
             self.next_turn[template] = next_turn_token(self.tokenizer, template)
+            self._check_stop(template)
         if self.next_turn[template] is None:
             return ids, labels
         ends = [end for _, end in _runs([int(x != IGNORE) for x in labels])]
@@ -212,6 +215,22 @@ class Encoder:
         there (tokenized by the command's quiet record check, or an earlier run) logs it again."""
         log.log(level, "%s", line)
         self.notes.append((level, line))
+
+    def _check_stop(self, template: str) -> None:
+        """Warns if no special token ends an assistant turn (a template written for another tokenizer, whose
+        <|eot_id|> this one reads as plain characters): the model has no token to learn to stop on, and
+        generation_config.json none to stop at."""
+        between = turn_end_text(self.tokenizer, template)
+        if between is None or self.special & set(self._tokens(between)):
+            return
+        names = sorted(self.tokenizer.convert_ids_to_tokens(sorted(self.special)))
+        specials = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        self._note(
+            logging.WARNING,
+            f"data: the chat template ends an assistant turn with {between!r}, which holds none of the tokenizer's "
+            f"special tokens ({specials}): the model will learn no token to end its turns on, and generation will "
+            "not stop there; give data.chat_template a template written for this tokenizer",
+        )
 
     def _check_end_of_turn(self, template: str, ids: list[int], turns: list[tuple[int, int]]) -> None:
         """Warns once per template if its end-of-turn token follows an assistant turn's mask, outside it, before

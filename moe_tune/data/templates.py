@@ -170,3 +170,21 @@ def _token_after_answer(tokenizer, template: str | None, after: list[dict]) -> s
         return None
     ids = tokenizer(text.split(probe, 1)[1], add_special_tokens=False)["input_ids"]
     return tokenizer.convert_ids_to_tokens(ids[0]) if ids and ids[0] in special_ids(tokenizer) else None
+
+
+def turn_end_text(tokenizer, template: str | None) -> str | None:
+    """What ``template`` renders between an assistant's answer and the words of the user turn after it (None: it
+    renders no such chat)."""
+    probe, later = "moe_tune probe", "moe_tune later"
+    chat = [
+        {"role": "user", "content": "?"},
+        {"role": "assistant", "content": probe},
+        {"role": "user", "content": later},
+    ]
+    try:
+        text = render_chat(tokenizer, chat, chat_template=template, tokenize=False)
+    except Exception:  # jinja's own, or the template's raise_exception
+        return None
+    if not template or probe not in text or later not in text.split(probe, 1)[1]:
+        return None
+    return text.split(probe, 1)[1].split(later, 1)[0]

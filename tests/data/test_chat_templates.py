@@ -173,6 +173,37 @@ def test_end_of_turn_outside_the_mask_is_warned_about(caplog):
     assert warnings[0].startswith("data: the chat template's end-of-turn token <|im_end|> falls outside the assistant")
 
 
+LLAMA3 = (  # Llama 3's markers, which the tiny ChatML tokenizer has no tokens for: it reads them as characters
+    "{%- for m in messages %}{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] + "
+    "'<|eot_id|>' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>"
+    "\\n\\n' }}{%- endif %}"
+)
+
+
+def test_a_template_that_ends_no_turn_with_a_special_token_is_warned_about(tmp_path, caplog):
+    """A template written for another tokenizer (Llama 3's <|eot_id|>, plain characters to this one) gives the
+    model no token to learn to stop on: one warning naming what it renders. Its own template (<|im_end|>) and one
+    ending a turn with a space then the eos token (Llama 2's) are not warned about."""
+    tokenizer = build_tokenizer()
+    messages = conversation("qwen3_moe")
+    llama2 = LLAMA3.replace("'<|eot_id|>'", "' ' + eos_token")
+    warnings = {}
+    for name, text in [("llama3", LLAMA3), ("llama2", llama2), ("own", None)]:
+        options = {}
+        if text is not None:
+            (tmp_path / f"{name}.jinja").write_text(text)
+            options["chat_template"] = str(tmp_path / f"{name}.jinja")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="moe_tune"):
+            encoder, _ = encode(tokenizer, messages, **options)
+            encoder(normalize({"messages": messages}, "chat", DataConfig(name="jsonl", num_samples=0, **options)))
+        warnings[name] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings["own"] == [] and warnings["llama2"] == []
+    (line,) = warnings["llama3"]  # once per encoder
+    assert line.startswith("data: the chat template ends an assistant turn with '<|eot_id|><|start_header_id|>user")
+    assert "none of the tokenizer's special tokens (<bos>, <eos>, <pad>, <unk>, <|im_end|>, <|im_start|>)" in line
+
+
 ENDLESS = (  # 10^10 iterations: hours; the run hung on it
     "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
