@@ -115,7 +115,8 @@ def _normalize(record: dict, fmt: str, cfg: DataConfig) -> Chat | Completion | T
         key = "messages" if fmt == "chat" else "conversations"
         turns = [_turn(m, i, key) for i, m in enumerate(_list_field(record, key))]
         messages = _with_system(turns, record)
-        names = [None] * (len(messages) - len(turns)) + [f"{key}[{i}]" for i in range(len(turns))]
+        fields = ["value" if "from" in m and "role" not in m else "content" for m in _list_field(record, key)]
+        names = [None] * (len(messages) - len(turns)) + [f"{key}[{i}].{f}" for i, f in enumerate(fields)]
         return _chat(messages, _tools(record), cfg.train_on, names=names)
     if fmt == "alpaca":
         return _alpaca(record, cfg)
@@ -264,14 +265,15 @@ def _tools(record: dict) -> list | None:
 
 def _chat(messages: list[dict], tools, train_on: str, first: int = 0, names: list | None = None) -> Chat:
     """``first``: messages before it are prompt (conversational prompt/completion records); ``names``: each
-    message's place in the record (None: a message the record does not hold as one), for the empty-answer check."""
+    message's text field in the record (``conversations[1].value``; None: a message the record does not hold as
+    one), for the empty-answer check."""
     trainable = [i >= first and m["role"] == "assistant" for i, m in enumerate(messages)]
     if train_on == "last_assistant" and any(trainable):
         last = max(i for i, t in enumerate(trainable) if t)
         trainable = [i == last for i in range(len(messages))]
     for m, t, name in zip(messages, trainable, names or []):
         if t and name is not None and _says_nothing(m):
-            _check_not_empty(f"{name}.content", m.get("content") or "")
+            _check_not_empty(name, m.get("content") or "")
     return Chat(messages, tools, trainable)
 
 
@@ -308,7 +310,7 @@ def _prompt_completion(record: dict, cfg: DataConfig) -> Chat | Completion:
     if isinstance(prompt, list) and isinstance(completion, list):  # TRL's conversational prompt/completion
         parts = [(cfg.prompt_key, i, m) for i, m in enumerate(prompt)] + [(key, i, m) for i, m in enumerate(completion)]
         messages = [_chat_message(m, i, name) for name, i, m in parts]
-        names = [f"{name}[{i}]" for name, i, _ in parts]
+        names = [f"{name}[{i}].content" for name, i, _ in parts]
         return _chat(messages, _tools(record), cfg.train_on, first=len(prompt), names=names)
     for name, value in ((cfg.prompt_key, prompt), (key, completion)):
         if not isinstance(value, str):

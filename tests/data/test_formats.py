@@ -212,16 +212,20 @@ def test_an_empty_answer_is_a_bad_record(tmp_path, record):
 @pytest.mark.parametrize(
     ("record", "name"),
     [
-        ({"messages": [*CHAT[:2], {"role": "assistant", "content": ""}]}, "messages[2]"),
+        ({"messages": [*CHAT[:2], {"role": "assistant", "content": ""}]}, "messages[2].content"),
         ({"system": "Be brief.", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": " "}]},
-         "conversations[1]"),
-        ({"prompt": CHAT[:2], "completion": [{"role": "assistant", "content": "\n"}]}, "completion[0]"),
+         "conversations[1].value"),
+        # the turn's own field: a role/content turn under conversations (Unsloth's standardize_sharegpt)
+        ({"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
+         "conversations[1].content"),
+        ({"prompt": CHAT[:2], "completion": [{"role": "assistant", "content": "\n"}]}, "completion[0].content"),
     ],
 )  # fmt: skip
 def test_an_empty_assistant_turn_is_a_bad_record(tmp_path, record, name):
     """A trained assistant turn with no words, no tool call and no reasoning would train the end of the turn alone,
-    as an empty completion would; a turn that is not trained (last_assistant's earlier ones) is context."""
-    with pytest.raises(DataError, match=rf"data\.jsonl:1: {re.escape(name)}\.content is \"[^\"]*\": only the end of"):
+    as an empty completion would; a turn that is not trained (last_assistant's earlier ones) is context. The line
+    names the turn's own field (a ShareGPT turn's value: 'conversations[1].content' named a field it lacks)."""
+    with pytest.raises(DataError, match=rf"data\.jsonl:1: {re.escape(name)} is \"[^\"]*\": only the end of"):
         samples(tmp_path, [record])
     with pytest.raises(DataError, match=r"no usable records \(1 read, skipped empty_completion: 1\)"):
         samples(tmp_path, [record], on_bad_record="skip")
