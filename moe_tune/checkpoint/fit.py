@@ -74,3 +74,17 @@ def mismatch_fix(meta: dict, cfg, path: str) -> str:
     was, now = (side.replace("model.name=", "model=") for side in _differing(saved, now, "model", keys))
     fix = _fix(cfg, path, was)
     return f"The checkpoint has {was}; this run has {now}: {fix}" if was else fix[0].upper() + fix[1:]
+
+
+def settings_differ(saved: dict, cfg) -> tuple[str, str]:
+    """The settings of the model a run trained that this run's ``cfg`` does not share, both sides as overrides
+    ("", "" if none): its peft settings (``quantize_base`` aside: the same adapters) and its model (name, path,
+    overrides). ``saved``: the run's recorded config (summary.json's or meta.json's)."""
+    was, now = _peft_differs(saved.get("peft", {}), asdict(cfg.peft))
+    model, this = dict(saved.get("model", {})), asdict(cfg.model)
+    for side in (model, this):  # one directory, however it was spelt
+        side["path"] = os.path.realpath(side["path"]) if side.get("path") else side.get("path")
+    model_was, model_now = (
+        part.replace("model.name=", "model=") for part in _differing(model, this, "model", MODEL_KEYS[:-1])
+    )
+    return ", ".join(x for x in (was, model_was) if x), ", ".join(x for x in (now, model_now) if x)

@@ -30,10 +30,10 @@ class RunFinished(Exception):
     """The run in output_dir finished at this run's ``train.steps``: nothing to train or write (exit 0)."""
 
 
-def check_start(run_dir: str, resume: str, steps: int, rank: int = 0) -> None:
+def check_start(run_dir: str, resume: str, steps: int, rank: int = 0, cfg=None) -> None:
     """CheckpointError (one line) for a start that would overwrite a run or train nothing; RunFinished for the
     same command again after a finished run."""
-    check_finished(run_dir, resume, steps)
+    check_finished(run_dir, resume, steps, cfg)
     check_fresh_start(run_dir, resume, rank)
     check_steps_left(run_dir, resume, steps)
 
@@ -61,18 +61,20 @@ def check_fresh_start(run_dir: str, resume: str, rank: int = 0) -> None:
         )
 
 
-def check_finished(run_dir: str, resume: str, steps: int) -> None:
+def check_finished(run_dir: str, resume: str, steps: int, cfg=None) -> None:
     """``checkpoint.resume=auto`` over a run whose summary.json says it ended:
     finished at ``steps`` (a retried command, a requeued job whose node failed after the run's end; with or without
     a checkpoint at ``steps``), RunFinished; ended past its newest checkpoint otherwise (saved every N steps and
     finished between two, or stopped on a signal and resumed to its end), resuming would train those steps again
-    over the run's outputs: refused. Read and decided before anything is written."""
+    over the run's outputs: refused. A run of another model (``cfg``'s peft or model settings not the summary's)
+    is no retry of it: refused, not told its outputs stand. Read and decided before anything is written."""
     if resume != "auto":
         return
     path, step = _newest(run_dir)
     summary = _summary(run_dir) or {}
     ended = summary.get("final_step")
     if summary.get("finished") is True and ended == steps:
+        _check_same_model(run_dir, steps, summary, cfg)
         if step == steps:  # a longer train.steps resumes from this checkpoint
             more = "raise train.steps to train on, or give another output_dir"
         else:  # a longer train.steps would be refused: no checkpoint at the run's end to go on from
@@ -91,6 +93,18 @@ def check_finished(run_dir: str, resume: str, steps: int) -> None:
             f"output_dir {run_dir} holds a run that ended at step {ended} (summary.json), after its newest "
             f"checkpoint {name}: resuming would train {again} again over its outputs; give another output_dir, or "
             f"checkpoint.resume={path} to train from it again on purpose"
+        )
+
+
+def _check_same_model(run_dir: str, steps: int, summary: dict, cfg) -> None:
+    from moe_tune.checkpoint.fit import settings_differ
+
+    was, now = settings_differ(summary.get("config") or {}, cfg) if cfg is not None else ("", "")
+    if was:
+        raise CheckpointError(
+            f"output_dir {run_dir} holds a run that finished at train.steps={steps} with other settings (that run: "
+            f"{was}; this run: {now}): its outputs are not this run's; give another output_dir, or "
+            "checkpoint.resume=none to start afresh over it"
         )
 
 

@@ -72,7 +72,7 @@ class Trainer:
         # Before anything is written to output_dir; every rank raises if another run holds it.
         self.run_lock = init_run_lock(cfg.output_dir, self.rank) if write_run_files else None
         if write_run_files:
-            ckpt.check_start(cfg.output_dir, cfg.checkpoint.resume, t.steps, self.rank)  # no finished run lost
+            ckpt.check_start(cfg.output_dir, cfg.checkpoint.resume, t.steps, self.rank, cfg)  # no finished run lost
         self.built = built = builder(cfg, self.env)
         self.model, self.mesh, self.source, self.tokenizer = built.model, built.mesh, built.source, built.tokenizer
         self.moe_layers, self.flops_per_token = built.moe_layers, built.flops_per_token

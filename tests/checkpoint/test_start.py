@@ -86,3 +86,40 @@ def test_a_finished_run_without_a_checkpoint_at_its_end_does_not_say_raise_train
     )
     with pytest.raises(CheckpointError, match="no checkpoint to resume from"):
         check_start(str(run), "auto", 5)  # what 'raise train.steps' led to
+
+
+def test_a_finished_run_of_another_model_is_no_retry_of_it(tmp_path):
+    """A finished LoRA run's output_dir given to a full fine-tune, another rank or another base: told 'nothing to
+    train; its outputs stand', exit 0, as a retry of the same command is, with no run of the model asked for. Refused
+    naming the settings on both sides; the same model (a path spelt otherwise, another quantize_base, another
+    data.path) is still the finished run."""
+    from moe_tune.config import Config
+
+    run = tmp_path / "x"
+    (run / "hf").mkdir(parents=True)
+    (run / "hf" / "adapter_config.json").write_text("{}")
+    cfg = Config()
+    cfg.model.name, cfg.model.path, cfg.peft.name, cfg.peft.rank = "hf", str(tmp_path / "base"), "lora", 8
+    config = json.loads(json.dumps({"model": vars(cfg.model), "peft": vars(cfg.peft)}, default=list))
+    (run / "summary.json").write_text(json.dumps({"finished": True, "final_step": 4, "config": config}))
+
+    def start(**changes):
+        now = Config()
+        now.model.name, now.model.path, now.peft.name, now.peft.rank = "hf", str(tmp_path / "base"), "lora", 8
+        for key, value in changes.items():
+            section, _, name = key.partition("__")
+            setattr(getattr(now, section), name, value)
+        check_start(str(run), "auto", 4, cfg=now)
+
+    for changes, said in [
+        ({"peft__name": "none"}, "(that run: peft=lora; this run: peft=none)"),
+        ({"peft__rank": 16}, "(that run: peft.rank=8; this run: peft.rank=16)"),
+        ({"model__path": str(tmp_path / "other")}, f"(that run: model.path={tmp_path / 'base'}; this run: model.path="),
+    ]:
+        with pytest.raises(CheckpointError) as e:
+            start(**changes)
+        assert f"output_dir {run} holds a run that finished at train.steps=4 with other settings {said}" in str(e.value)
+        assert "give another output_dir, or checkpoint.resume=none to start afresh over it" in str(e.value)
+    for changes in [{}, {"model__path": str(tmp_path / "." / "base")}, {"peft__quantize_base": "nf4"}]:
+        with pytest.raises(RunFinished):
+            start(**changes)
