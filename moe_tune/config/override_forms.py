@@ -78,6 +78,9 @@ def grammar_error(msg: str, overrides: list[str]) -> str:
 
     given = next((o for o in overrides if not parses(o)), "")
     key, sep, value = given.partition("=")
+    unpaired = value.count("[") != value.count("]") or value.count("{") != value.count("}")
+    if sep and unpaired and (value[:1] in "[{" or value[-1:] in "]}"):  # a list or dict missing a bracket
+        return f"{given}: its brackets do not pair; close each [ and {{ it opens (a list: '{key}=[a,b]', quoted)"
     char = QUOTED_ONLY.search(value)
     quoted = f"{key}='{value}'" if "'" not in value else f'{key}="{value}"'
     if not sep or char is None or '"' in value and "'" in value or not parses(quoted):

@@ -128,13 +128,15 @@ def test_the_overrides_config_comments_suggest_compose():
             "data.path=données.jsonl: Hydra reads a value with letters outside ASCII ('é') only in quotes; write "
             "data.path='données.jsonl' (\"data.path='données.jsonl'\" in a shell, so that the quotes reach moe-tune)",
         ),
-        # So does it a value holding (, #, = or a quote, as a downloaded file's name does ("chat (1).jsonl"): Hydra's
-        # line named neither the override nor the quotes.
+        # So is a value holding (, #, = or a quote, as a downloaded file's name does ("chat (1).jsonl"): Hydra's line
+        # named neither the override nor the quotes.
         (
             ["data.path=chat (1).jsonl"],
-            "data.path=chat (1).jsonl: Hydra reads a value holding '(' only in quotes; write data.path='chat (1).jsonl' "
-            "(\"data.path='chat (1).jsonl'\" in a shell, so that the quotes reach moe-tune)",
+            "data.path=chat (1).jsonl: Hydra reads a value holding '(' only in quotes; write "
+            "data.path='chat (1).jsonl' (\"data.path='chat (1).jsonl'\" in a shell, so that the quotes reach moe-tune)",
         ),
+        # A list missing a bracket is not told to be quoted.
+        (["peft=lora", "peft.target=[attention,experts"], "peft.target=[attention,experts: its brackets do not pair"),
         (
             ["data.path=it's.jsonl"],
             'data.path=it\'s.jsonl: Hydra reads a value holding "\'" only in quotes; write data.path="it\'s.jsonl"',
