@@ -159,6 +159,42 @@ def _check_data(cfg: Config) -> None:
         )
     if d.chat_template is not None and not os.path.isfile(d.chat_template):
         raise ConfigError(f"data.chat_template={d.chat_template!r} is not a file; give a Jinja chat template file")
+    if d.chat_template is not None:
+        _check_template_file(d.chat_template)
+
+
+def _check_template_file(path: str) -> None:
+    """A data.chat_template file that is no template would be blamed on the first record (a tokenizer_config.json
+    rendered as text, 'no token carries loss; raise train.seq_len'), or on every record under skip: a JSON file, a
+    blank one and Jinja's syntax errors are one line naming the file."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"data.chat_template={path} cannot be read ({e}); give a Jinja chat template file") from None
+    fix = "give a Jinja chat template file"
+    if not text.strip():
+        raise ConfigError(f"data.chat_template={path} is empty; {fix}")
+    try:
+        found = json.loads(text)
+    except ValueError:
+        found = None
+    if isinstance(found, dict):
+        held = " (its chat_template holds one: write that string to a .jinja file)" if "chat_template" in found else ""
+        raise ConfigError(f"data.chat_template={path} is a JSON file, not a Jinja template{held}; {fix}")
+    try:
+        import jinja2
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # the renderer's own compile: checked when the records are rendered instead
+        return
+    try:
+        _compile_jinja_template(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(
+            f"data.chat_template={path}:{e.lineno}: not a valid Jinja template ({e.message}); {fix}"
+        ) from None
 
 
 def lora_keys_without_lora(given: list[str]) -> None:

@@ -2,6 +2,7 @@
 line: tests/cli/test_train.py)."""
 
 import os
+import re
 
 import pytest
 
@@ -206,3 +207,30 @@ def test_experts_not_divisible_by_ep():
         ConfigError, match=r"number of experts \(60\) must be divisible by parallel.ep \(8\); try parallel.ep=4"
     ):
         validate(cfg, world_size=8, num_experts=60)
+
+
+def test_a_chat_template_file_that_is_no_template_is_named(tmp_path):
+    """data.chat_template naming a tokenizer_config.json, a file with a Jinja syntax error or an empty one: the run
+    rendered the JSON as text and blamed the first record ('no token carries loss ... raise train.seq_len'), or
+    blamed each record for the template's syntax (every one skipped under data.on_bad_record=skip). One line
+    naming the file; a template that compiles passes."""
+    files = {
+        "tokenizer_config.json": '{"chat_template": "{{ messages }}", "eos_token": "<eos>"}',
+        "broken.jinja": "{% for m in messages %}\n{{ m.content }\n{% endfor %}",
+        "empty.jinja": "\n",
+        "good.jinja": "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}",
+    }
+    said = {
+        "tokenizer_config.json": "is a JSON file, not a Jinja template (its chat_template holds one: write that",
+        "broken.jinja": "broken.jinja:2: not a valid Jinja template (unexpected '}')",
+        "empty.jinja": "empty.jinja is empty; give a Jinja chat template file",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        cfg = Config()
+        cfg.data.name, cfg.data.path, cfg.data.chat_template = "jsonl", ROOT, str(tmp_path / name)
+        if name in said:
+            with pytest.raises(ConfigError, match=re.escape(said[name])):
+                validate(cfg, world_size=1)
+        else:
+            validate(cfg, world_size=1)
