@@ -83,7 +83,8 @@ def settings_differ(saved: dict, cfg) -> tuple[str, str]:
     was, now = _peft_differs(saved.get("peft", {}), asdict(cfg.peft))
     model, this = dict(saved.get("model", {})), asdict(cfg.model)
     for side in (model, this):  # one directory, however it was spelt
-        side["path"] = os.path.realpath(side["path"]) if side.get("path") else side.get("path")
+        if side.get("path"):
+            side["path"] = os.path.realpath(side["path"])
     model_was, model_now = (
         part.replace("model.name=", "model=") for part in _differing(model, this, "model", MODEL_KEYS[:-1])
     )

@@ -123,3 +123,6 @@ def test_a_finished_run_of_another_model_is_no_retry_of_it(tmp_path):
     for changes in [{}, {"model__path": str(tmp_path / "." / "base")}, {"peft__quantize_base": "nf4"}]:
         with pytest.raises(RunFinished):
             start(**changes)
+    (run / "summary.json").write_text(json.dumps({"finished": True, "final_step": 4}))  # no config recorded
+    with pytest.raises(RunFinished):
+        start()
