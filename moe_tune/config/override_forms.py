@@ -1,6 +1,7 @@
 """Override forms read before composing: ``+key=`` and ``~key`` on a key of the schema, whose keys are fixed (one
-line naming the form to write instead), a misspelt ``hydra/launcher``, a value naming a home directory (``~/x``,
-expanded as bash would), and a value Hydra's grammar reads only in quotes (one line naming the quoted form)."""
+line naming the form to write instead), a group's option it lacks (a misspelt ``experiment`` or ``hydra/launcher``),
+a value naming a home directory (``~/x``, expanded as bash would), and a value Hydra's grammar reads only in quotes
+(one line naming the quoted form)."""
 
 from __future__ import annotations
 
@@ -30,17 +31,27 @@ def refuse_add_or_delete(o, key: str, cfg) -> None:
 
 
 def user_overrides(parsed: list, options: dict[str, list[str]]) -> list:
-    """The overrides of the app's config (``hydra.*`` and ``hydra/...`` are Hydra's), once a launcher chosen by
-    name (``hydra/launcher=submitit_slurm``, a group ``moe-tune --help`` lists) is found among its options."""
+    """The overrides of the app's config (``hydra.*`` and ``hydra/...`` are Hydra's), once every group chosen by
+    name (``experiment=...``, ``hydra/launcher=submitit_slurm``, the groups ``moe-tune --help`` lists) is found among
+    its options: Hydra takes a name an optional group lacks (``experiment``) without a word, and the run would
+    train the defaults."""
+    for o in parsed:
+        name = o.value() if o.key_or_group in options and not o.is_sweep_override() else None
+        if isinstance(name, str) and name not in options[o.key_or_group]:
+            raise ConfigError(not_an_option(o.key_or_group, name, options))
+    return [o for o in parsed if not o.key_or_group.startswith("hydra")]
+
+
+def not_an_option(group: str, name: str, options: dict[str, list[str]]) -> str:
+    """One line for ``group=name`` where the group has no such option: its options and the likely fix."""
     from moe_tune.config.constraints import spelled_alike
 
-    for o in parsed:
-        launchers = options.get(o.key_or_group) if o.key_or_group == "hydra/launcher" else None
-        if launchers and not o.is_sweep_override() and o.value() not in launchers:
-            alike = spelled_alike(o.value(), launchers)
-            extra = f"; did you mean hydra/launcher={alike[0]}?" if len(alike) == 1 else ""
-            raise ConfigError(f"hydra/launcher={o.value()} is not one of {', '.join(launchers)}{extra}")
-    return [o for o in parsed if not o.key_or_group.startswith("hydra")]
+    extra = "; or model=hf model.path=<local Hugging Face directory>" if group == "model" else ""
+    if group == "peft" and name.lower() == "qlora":  # QLoRA is LoRA over a 4-bit base
+        extra = "; QLoRA is peft=lora peft.quantize_base=nf4"
+    if len(alike := spelled_alike(name, options[group])) == 1:
+        extra = f"; did you mean {group}={alike[0]}?"
+    return f"{group}={name} is not one of {', '.join(options[group])}{extra}"
 
 
 # A value naming a home directory as a shell would expand it: ~/x, ~user/x, ~ (quoted or not; no sweep a,b).

@@ -18,8 +18,8 @@ import re
 import typing
 
 from moe_tune.config import COMM_CONFIGS, Config, ConfigError
-from moe_tune.config.constraints import not_null, spelled_alike
-from moe_tune.config.override_forms import grammar_error, refuse_add_or_delete, user_overrides
+from moe_tune.config.constraints import not_null
+from moe_tune.config.override_forms import grammar_error, not_an_option, refuse_add_or_delete, user_overrides
 
 # The configs ship inside the package, so an installed wheel finds them wherever it runs.
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
@@ -180,12 +180,7 @@ def _compose(overrides: list[str], options: dict[str, list[str]]):
         group, _, name = (e.missing_cfg_file or "").rpartition("/")
         if group not in options:
             raise ConfigError(_describe(e, overrides)) from None
-        extra = "; or model=hf model.path=<local Hugging Face directory>" if group == "model" else ""
-        if group == "peft" and name.lower() == "qlora":  # QLoRA is LoRA over a 4-bit base
-            extra = "; QLoRA is peft=lora peft.quantize_base=nf4"
-        if len(alike := spelled_alike(name, options[group])) == 1:
-            extra = f"; did you mean {group}={alike[0]}?"
-        raise ConfigError(f"{group}={name} is not one of {', '.join(options[group])}{extra}") from None
+        raise ConfigError(not_an_option(group, name, options)) from None
     except Exception as e:  # noqa: BLE001  (Hydra raises many exception types for bad overrides)
         raise ConfigError(_describe(e, overrides)) from None
 

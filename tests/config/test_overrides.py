@@ -165,6 +165,9 @@ def test_the_overrides_config_comments_suggest_compose():
         # --help lists hydra/launcher's options as a group's: a misspelt one was Hydra's lines and exit 1.
         (["hydra/launcher=submitit_slurn"], "hydra/launcher=submitit_slurn is not one of basic, submitit_local, "),
         (["-m", "hydra/launcher=Basic", "train.lr=1e-3,2e-3"], "did you mean hydra/launcher=basic?"),
+        # experiment is an optional group: Hydra took a name it lacks without a word and the defaults trained.
+        (["experiment=qwen3_30b_a3b_ep9"], "experiment=qwen3_30b_a3b_ep9 is not one of qwen3_30b_a3b_1gpu, "),
+        (["-m", "experiment=qwen3_30b_a3b_ep2,nope"], "experiment=nope is not one of qwen3_30b_a3b_1gpu, "),
         # a,b is a sweep to Hydra: its "Ambiguous value" lines and exit 1 without -m.
         (
             ["peft=lora", "peft.target=q_proj,k_proj"],
