@@ -121,6 +121,13 @@ def check_values(cfg: Config) -> None:
     problem = None if cfg.model.path is None else model_dir_problem(cfg.model.path)
     if problem:
         raise ConfigError(problem)
+    if cfg.model.path is not None and cfg.model.overrides:  # a checkpoint's config.json is read as it is
+        given = " ".join(f"model.overrides.{k}={v}" for k, v in cfg.model.overrides.items())
+        drop = " ".join(f"~model.overrides.{k}" for k in cfg.model.overrides)
+        raise ConfigError(
+            f"{given} changes a built-in preset's shape, and model.path={cfg.model.path} loads that checkpoint's "
+            f"own config.json unchanged; leave it out ({drop} removes an experiment's) or edit the checkpoint"
+        )
 
 
 def check_fields(cfg: Config) -> None:

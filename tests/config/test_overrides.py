@@ -207,6 +207,25 @@ def test_no_output_dir_for_a_config_that_cannot_run(args, line, tmp_path):
     assert not os.path.exists(tmp_path / "run")
 
 
+@pytest.mark.parametrize(
+    "args,drop",
+    [
+        (["+model.overrides.num_hidden_layers=1"], "~model.overrides.num_hidden_layers"),
+        (["experiment=qwen3_30b_a3b_ep2"], "~model.overrides.num_hidden_layers"),  # the experiment's 8 layers
+    ],
+)
+def test_model_overrides_with_a_model_path_are_refused(args, drop, tiny_checkpoint, tmp_path):
+    """model.overrides shape a built-in preset: with model.path the checkpoint's config.json was loaded unchanged
+    and the run trained its 2 layers, not the 1 or 8 asked for, without a word."""
+    ckpt = tiny_checkpoint()
+    r = _moe_tune([f"output_dir={tmp_path / 'run'}", f"model.path={ckpt}", *args], tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"loads that checkpoint's own config.json unchanged; leave it out ({drop} removes" in r.stderr
+    assert not os.path.exists(tmp_path / "run")
+    ok = _moe_tune(["-c", "job", "-p", "model", f"model.path={ckpt}", *args, drop], tmp_path)
+    assert ok.returncode == 0 and "overrides: {}" in ok.stdout, ok.stderr
+
+
 def test_a_relative_model_path_is_recorded_absolute(tmp_path, monkeypatch):
     """model.path is what checkpoints and LoRA adapters point to as their base: relative, it would name another
     directory for moe-tune-export or a resume run from elsewhere."""
