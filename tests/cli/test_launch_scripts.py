@@ -77,6 +77,26 @@ def test_sbatch_logs_into_a_quoted_output_dir(tmp_path, quote):
     assert not (tmp_path / quote).exists() and (tmp_path / "argv").read_text().split()[-1] == override
 
 
+@pytest.mark.parametrize("value", ["~/runs/a", "'~/runs/a'"])
+def test_sbatch_logs_into_an_output_dir_under_home(tmp_path, value):
+    """output_dir=~/runs/a as zsh or quotes pass it: moe-tune writes the run under the home directory, and the log
+    went to a directory named ~ under the submit directory instead of <output_dir>/logs/."""
+    path = stub_bin(
+        tmp_path,
+        srun='while [[ $1 == --* ]]; do shift; done; "$@"',
+        scontrol="echo node001",
+        python=f'echo "$@" > {tmp_path}/argv',
+    )
+    home = tmp_path / "home"
+    env = dict(os.environ, PATH=path, SLURM_JOB_NODELIST="node001", SLURM_JOB_NUM_NODES="1", SLURM_JOB_ID="45")
+    env.update(SLURM_JOB_NAME="moe_tune", HOME=str(home))
+    r = subprocess.run(["bash", SBATCH, f"output_dir={value}"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "job 45 exited with 0" in (home / "runs" / "a" / "logs" / "slurm-45.out").read_text()
+    assert not (tmp_path / "~").exists() and not (tmp_path / "'~").exists()
+    assert (tmp_path / "argv").read_text().split()[-1] == f"output_dir={value}"
+
+
 def test_sbatch_says_why_when_output_dir_cannot_hold_its_log(tmp_path):
     """Slurm's own output goes to /dev/null: an output_dir the script cannot write (a read-only file system; here a
     file in its path) is one line in the submit directory's slurm-<job id>.out and exit 2, no rank started."""
