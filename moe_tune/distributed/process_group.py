@@ -22,6 +22,11 @@ import torch.distributed as dist
 from moe_tune.distributed.env import DistEnv, dist_env
 
 DEFAULT_PORT = 29500
+# Default groups this process has made over the launcher's store. torchrun's store outlives a group, and one made
+# again (the next job of a ``-m`` sweep) would take the same keys: a rank reading the previous job's addresses
+# before its peer wrote new ones connects to a closed port and hangs or fails. Each group after the first keys its
+# rendezvous (and every group made under it) by its number; every rank runs the same jobs, so the numbers agree.
+_groups_made = 0
 
 
 def device_type() -> str:
@@ -73,14 +78,16 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
     if env.launcher == "slurm":
         os.environ.setdefault("MASTER_ADDR", _slurm_master_addr())
     os.environ.setdefault("MASTER_PORT", str(DEFAULT_PORT))
+    global _groups_made
+    store, rank, world_size = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    # torch's own prefix for a store it makes, then this group's number (none for the first: torch's keys).
+    prefix = "default_pg" + (f"/{_groups_made}" if _groups_made else "")
+    store = dist.PrefixStore(prefix, store)
     dist.init_process_group(
-        backend,
-        init_method="env://",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timeout,
-        device_id=device_id,
+        backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
     )
+    _groups_made += 1
     return env
 
 
