@@ -11,7 +11,8 @@ here SIGUSR1 is passed on as SIGTERM is.
 
     python -m moe_tune.launch --standalone --nproc-per-node 8 model=hf model.path=/ckpt parallel.ep=8
 
-Arguments up to the first ``key=value`` override are torchrun's (``--nproc-per-node 8`` or ``--nproc-per-node=8``).
+Arguments up to the first ``key=value`` override are torchrun's (``--nproc-per-node 8`` or ``--nproc-per-node=8``);
+Hydra's ``-m``/``--multirun`` (a sweep), anywhere, is moe_tune's: the launcher names the module itself.
 """
 
 from __future__ import annotations
@@ -20,13 +21,19 @@ import os
 import signal
 import sys
 
+MULTIRUN = ("-m", "--multirun")
+
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(torchrun's arguments, moe_tune's overrides): overrides start at the first ``key=value`` not led by ``-``."""
+    """(torchrun's arguments, moe_tune's arguments): overrides start at the first ``key=value`` not led by ``-``.
+    ``-m`` is torchrun's flag for a module too, but the launcher always runs ``-m moe_tune``: wherever it stands it
+    asks moe_tune for a sweep, and leads moe_tune's arguments."""
+    sweep = [arg for arg in argv if arg in MULTIRUN][:1]
+    argv = [arg for arg in argv if arg not in MULTIRUN]
     for i, arg in enumerate(argv):
         if not arg.startswith("-") and "=" in arg:
-            return argv[:i], argv[i:]
-    return argv, []
+            return argv[:i], sweep + argv[i:]
+    return argv, sweep
 
 
 def check_overrides(overrides: list[str]) -> None:
@@ -36,12 +43,16 @@ def check_overrides(overrides: list[str]) -> None:
     from moe_tune.cli.train import fail
     from moe_tune.config import UserError
     from moe_tune.config.overrides import check, to_config
+    from moe_tune.config.sweep import sweep_jobs
     from moe_tune.config.validate import check_values
     from moe_tune.loggers import require_logger
 
+    multirun = bool(overrides) and overrides[0] in MULTIRUN
+    overrides = overrides[multirun:]
     try:
-        cfg = to_config(check(overrides))
-        check_values(cfg)
+        cfg = to_config(check(overrides, multirun=multirun))
+        for job_cfg in [to_config(check(job)) for job in sweep_jobs(overrides)] if multirun else [cfg]:
+            check_values(job_cfg)
         require_logger(cfg.logger)
     except UserError as e:
         fail(str(e))

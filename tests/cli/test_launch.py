@@ -12,7 +12,7 @@ import pytest
 from moe_tune.cli.launch import split_argv
 from moe_tune.cli.train import INTERRUPTED
 from tests.cli.test_train import BAD_FAMILY, BAD_FAMILY_LINE
-from tests.harness import FAST_RUN, PY, signal_after_rows
+from tests.harness import FAST_RUN, PY, run_main, signal_after_rows
 
 LAUNCH = [PY, "-m", "moe_tune.launch", "--standalone", "--nproc-per-node", "2"]
 
@@ -27,6 +27,36 @@ def test_split_argv_at_the_first_override():
         ["x=y"],
     )
     assert split_argv(["--standalone"]) == (["--standalone"], [])
+
+
+@pytest.mark.parametrize("flag", ["-m", "--multirun"])
+def test_a_sweep_flag_anywhere_is_moe_tunes(flag):
+    """-m is torchrun's module flag too, and the launcher names the module itself: before the overrides it was
+    taken as torchrun's (the ranks ran no sweep, and the check said "add -m"), after them it was read as an
+    override (Hydra's grammar error)."""
+    want = (["--standalone"], [flag, "train.lr=1,2", "c=2"])
+    assert split_argv(["--standalone", flag, "train.lr=1,2", "c=2"]) == want
+    assert split_argv(["--standalone", "train.lr=1,2", flag, "c=2"]) == want
+    assert split_argv([flag, "--standalone"]) == (["--standalone"], [flag])
+
+
+@pytest.mark.slow
+def test_a_sweep_through_the_launcher_runs_each_job(tmp_path, cli_env):
+    args = [f"output_dir={tmp_path}", *FAST_RUN, "train.steps=1", "train.lr=1e-3,2e-3", "-m"]
+    r = subprocess.run(LAUNCH + args, capture_output=True, text=True, env=cli_env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert all((tmp_path / "multirun" / str(job) / "summary.json").exists() for job in (0, 1))
+
+
+@pytest.mark.parametrize("args", [["-m", "train.steps=2,-1"], ["train.steps=-1,2", "--multirun"]], ids=str)
+def test_a_bad_value_of_a_sweep_is_one_line_before_any_rank_starts(tmp_path, args):
+    """Every job's values are checked before torchrun starts, as moe-tune checks a sweep's."""
+    from moe_tune.cli.launch import main
+
+    out = tmp_path / "run"
+    r = run_main([f"output_dir={out}", *args], main=main)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "train.steps=-1 is out of range" in r.stderr and not out.exists()
 
 
 @pytest.mark.parametrize(
