@@ -96,7 +96,7 @@ def grammar_error(msg: str, overrides: list[str]) -> str:
     quoted = f"{key}='{value}'" if "'" not in value else f'{key}="{value}"'
     if not sep or char is None or '"' in value and "'" in value or not parses(quoted):
         return f"{msg}; write overrides as key=value"
-    shell = f' ("{quoted}" in a shell, so that the quotes reach moe-tune)' if "'" not in value else ""
+    shell = f' ("{quoted}" in a shell, so that the shell passes the quotes on)' if "'" not in value else ""
     letter = char.group(0)
     what = f"with letters outside ASCII ({letter!r})" if ord(letter) > 0x7F else f"holding {letter!r}"
     return f"{given}: Hydra reads a value {what} only in quotes; write {quoted}{shell}"

@@ -224,6 +224,8 @@ def _check_key(o, keys: set[str], free_dicts: set[str], cfg) -> None:
     if key in keys:
         refuse_add_or_delete(o, key, cfg)
         return
+    if not key:
+        raise ConfigError(f"{o.input_line}: no key before '='; write key=value (moe-tune --help lists every key)")
     raise ConfigError(unknown_key_message(key, plus, keys, cfg))
 
 

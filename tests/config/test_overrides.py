@@ -126,15 +126,17 @@ def test_the_overrides_config_comments_suggest_compose():
         (
             ["data.path=données.jsonl"],
             "data.path=données.jsonl: Hydra reads a value with letters outside ASCII ('é') only in quotes; write "
-            "data.path='données.jsonl' (\"data.path='données.jsonl'\" in a shell, so that the quotes reach moe-tune)",
+            "data.path='données.jsonl' (\"data.path='données.jsonl'\" in a shell, so that the shell passes the quotes on)",
         ),
         # So is a value holding (, #, = or a quote, as a downloaded file's name does ("chat (1).jsonl"): Hydra's line
         # named neither the override nor the quotes.
         (
             ["data.path=chat (1).jsonl"],
             "data.path=chat (1).jsonl: Hydra reads a value holding '(' only in quotes; write "
-            "data.path='chat (1).jsonl' (\"data.path='chat (1).jsonl'\" in a shell, so that the quotes reach moe-tune)",
+            "data.path='chat (1).jsonl' (\"data.path='chat (1).jsonl'\" in a shell, so that the shell passes the quotes on)",
         ),
+        # "=3" named an empty key: " is not a config key".
+        (["=3"], "=3: no key before '='; write key=value"),
         # A list missing a bracket is not told to be quoted.
         (["peft=lora", "peft.target=[attention,experts"], "peft.target=[attention,experts: its brackets do not pair"),
         (
