@@ -68,6 +68,8 @@ class Encoder:
         self.max_chars = max_record_chars(tokenizer, seq_len)  # what is rendered and tokenized of a record
         self.noted_cut = False  # the cut's log line, once
         self.notes: list[tuple[int, str]] = []  # (level, line) of what the template's checks logged, kept with the data
+        self.log_notes = True  # False while data.num_proc's workers encode: the main process says what they note
+        self.said: set[str] = set()
 
     def __call__(self, sample: Chat | Completion | Text) -> tuple[list[int], list[int]]:
         sample, cut = self._cut(sample)
@@ -181,7 +183,7 @@ class Encoder:
         encoded = self._marked(sample, self.training.text)
         if encoded is not None and multi_turn and not self.announced:
             self.announced = True
-            self._note(
+            self.note(
                 logging.INFO,
                 f"data: chat template: {self.training.name} training template (keeps every turn's reasoning); set "
                 "data.chat_template to use your own",
@@ -210,11 +212,15 @@ class Encoder:
         self._check_end_of_turn(template, ids, [span for span, t in zip(spans, assistants) if t])
         return ids, labels
 
-    def _note(self, level: int, line: str) -> None:
-        """Logs ``line`` and keeps it: the data cache stores it with the records, and a run that reads them from
-        there (tokenized by the command's quiet record check, or an earlier run) logs it again."""
-        log.log(level, "%s", line)
-        self.notes.append((level, line))
+    def note(self, level: int, line: str) -> None:
+        """Keeps ``line`` and logs it once in this process (``log_notes``): the data cache stores it with the
+        records, and a run that reads them from there (tokenized by the command's quiet record check, or an earlier
+        run) logs it again; data.num_proc's workers each note a check once, and the main process says it once."""
+        if (level, line) not in self.notes:
+            self.notes.append((level, line))
+        if self.log_notes and line not in self.said:
+            self.said.add(line)
+            log.log(level, "%s", line)
 
     def _check_stop(self, template: str) -> None:
         """Warns if no special token ends an assistant turn (a template written for another tokenizer, whose
@@ -225,7 +231,7 @@ class Encoder:
             return
         names = sorted(self.tokenizer.convert_ids_to_tokens(sorted(self.special)))
         specials = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-        self._note(
+        self.note(
             logging.WARNING,
             f"data: the chat template ends an assistant turn with {between!r}, which holds none of the tokenizer's "
             f"special tokens ({specials}): the model will learn no token to end its turns on, and generation will "
@@ -244,7 +250,7 @@ class Encoder:
         eot = self.tokenizer.convert_tokens_to_ids(token)
         ends = [s for s, _ in turns[1:]] + [len(ids)]
         if any(eot not in ids[s:e] and eot in ids[e:after] for (s, e), after in zip(turns, ends)):
-            self._note(
+            self.note(
                 logging.WARNING,
                 f"data: the chat template's end-of-turn token {token} falls outside the assistant mask: the model will "
                 "not learn to end its turns; close the {% generation %} block after it",

@@ -178,7 +178,9 @@ def _encode_in_workers(items: list, cfg: DataConfig, encoder: Encoder) -> Iterat
     )
 
     def encode_batch(batch: dict) -> dict:
-        out: dict = {"ids": [], "labels": [], "reason": [], "detail": [], "fix": []}
+        encoder.log_notes = False  # its notes travel with the row that made them (a worker's encoder is a copy)
+        noted = len(encoder.notes)
+        out: dict = {"ids": [], "labels": [], "reason": [], "detail": [], "fix": [], "notes": []}
         for text, fmt in zip(batch["record"], batch["fmt"]):
             result = encode_one(json.loads(text), fmt, cfg, encoder)
             bad = isinstance(result, BadRecord)
@@ -187,6 +189,9 @@ def _encode_in_workers(items: list, cfg: DataConfig, encoder: Encoder) -> Iterat
             out["reason"].append(result.reason if bad else "")
             out["detail"].append(result.detail if bad else "")
             out["fix"].append(result.fix if bad else None)
+            out["notes"].append(json.dumps(encoder.notes[noted:]))
+            noted = len(encoder.notes)
+        encoder.log_notes = True
         return out
 
     with _workers_forked_from_a_fresh_process():
@@ -194,4 +199,6 @@ def _encode_in_workers(items: list, cfg: DataConfig, encoder: Encoder) -> Iterat
             encode_batch, batched=True, num_proc=min(cfg.num_proc, len(items)), remove_columns=["record", "fmt"]
         )
     for row in mapped:
+        for level, line in json.loads(row["notes"]):  # each worker notes a check once: said here once in all
+            encoder.note(level, line)
         yield BadRecord(row["reason"], row["detail"], row["fix"]) if row["reason"] else (row["ids"], row["labels"])

@@ -39,11 +39,15 @@ def build(cfg, tokenizer=None):
     return torch.stack([train.ids, train.labels, train.positions])
 
 
-def test_what_the_template_checks_said_is_said_again_from_the_cache(cfg, caplog):
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_what_the_template_checks_said_is_said_again_from_the_cache(cfg, caplog, capfd, num_proc):
     """The CLI tokenizes while checking the records, its log quiet, and the run reads that entry: a warning about
     the chat template (its end-of-turn token outside the assistant mask) was said by neither. It is kept with the
-    entry and said again by a build that reads it."""
+    entry and said again by a build that reads it. With data.num_proc workers each worker's encoder notes it; the
+    main process says it once (the workers wrote it to stderr, twice, and the entry kept none)."""
     import logging
+
+    cfg = replace(cfg, num_proc=num_proc)
 
     tokenizer = build_tokenizer()
     tokenizer.chat_template = tokenizer.chat_template.replace(
@@ -59,6 +63,7 @@ def test_what_the_template_checks_said_is_said_again_from_the_cache(cfg, caplog)
     assert len(entries(cfg)) == 1
     for warnings in said:
         assert len(warnings) == 1 and "end-of-turn token <|im_end|> falls outside the assistant mask" in warnings[0]
+    assert "assistant mask" not in capfd.readouterr().err  # no worker said it itself
 
 
 @pytest.fixture
