@@ -72,6 +72,14 @@ def test_readme_from_checkpoint_runs_as_written_after_import_moe_tune(tmp_path, 
         # transformers' older name: a TypeError from an internal dataclass.
         ({"torch_dtype": torch.bfloat16}, "torch_dtype is transformers' older name of dtype: give dtype="),
         ({"aux_loss_coeff": 0.01}, "aux_loss_coeff is not an option of the model; did you mean aux_loss_coef?"),
+        # -1 ran no loss chunk: a training loss of 0 (plus the aux loss), no error.
+        ({"loss_chunk_size": -1}, "loss_chunk_size=-1 must be an integer >= 1 (kernels.loss_chunk_size) or None"),
+        ({"loss_chunk_size": 0}, "loss_chunk_size=0 must be an integer >= 1"),
+        ({"loss_chunk_size": 512.0}, "loss_chunk_size=512.0 must be an integer >= 1"),
+        # A negative or NaN coefficient: "stack expects a non-empty TensorList" at the first training forward.
+        ({"aux_loss_coef": -0.01}, "aux_loss_coef=-0.01 must be a finite number >= 0 (train.aux_loss_coef)"),
+        ({"z_loss_coef": float("nan")}, "z_loss_coef=nan must be a finite number >= 0 (train.z_loss_coef)"),
+        ({"z_loss_coef": None}, "z_loss_coef=None must be a finite number >= 0"),
     ],
 )
 def test_from_pretrained_names_a_bad_argument_and_its_fix(kwargs, words, tiny_checkpoint):

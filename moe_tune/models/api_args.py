@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 
 import torch
 
@@ -31,7 +32,35 @@ def model_options(dtype, kernels: str, options: dict) -> ModelOptions:
                 f"{key} is not an option of the model; {hint}the options: {', '.join(sorted(names))} "
                 "(moe_tune.models.model.ModelOptions)"
             )
+    problem = option_problem(options)
+    if problem:
+        raise ConfigError(problem)
     return ModelOptions(dtype=torch_dtype(dtype), kernels=kernels, **options)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def option_problem(options: dict) -> str | None:
+    """The line for a numeric option the run's config would refuse (``kernels.loss_chunk_size`` >= 1,
+    ``train.aux_loss_coef`` and ``train.z_loss_coef`` >= 0), or None. A negative chunk size runs no chunk at all
+    (a cross-entropy of 0); a negative or NaN coefficient turns the balancing loss on in the model but off in
+    its layers (which then record none)."""
+    chunk = options.get("loss_chunk_size")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        return (
+            f"loss_chunk_size={chunk!r} must be an integer >= 1 (kernels.loss_chunk_size) or None (plain "
+            "cross-entropy over full logits); try loss_chunk_size=4096"
+        )
+    for key in ("aux_loss_coef", "z_loss_coef"):
+        if key not in options or (key == "aux_loss_coef" and options[key] is None):
+            continue
+        value = options[key]
+        if not (_is_real(value) and value >= 0):
+            none = " or None (the checkpoint's router_aux_loss_coef)" if key == "aux_loss_coef" else ""
+            return f"{key}={value!r} must be a finite number >= 0 (train.{key}){none}; try {key}=0.0"
+    return None
 
 
 def torch_dtype(dtype) -> torch.dtype:
