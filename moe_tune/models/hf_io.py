@@ -217,8 +217,11 @@ def load_state(model: torch.nn.Module, path: str, family: Family, strict: bool =
         if local.numel() == 0:
             continue  # an empty FSDP shard (more ranks than rows): nothing to read
         start = offsets.get(name, 0) + first
+        key, rows = disk_key(family, name), model.num_experts if name in offsets else t.shape[0]
+        if key in reader and reader.shape(key)[:1] not in ([], [rows]):  # rows past the model's: never read
+            _check_shape(name, reader.shape(key), (rows, *local.shape[1:]))
         src = read_global_rows(reader, family, name, start, start + local.shape[0])
-        _check_shape(name, src, local.shape)
+        _check_shape(name, src.shape, local.shape)
         if src.is_floating_point() and not nonfinite and not bool(torch.isfinite(src).all()):
             nonfinite.append(disk_key(family, name))  # src is read on the CPU: no device sync
         local.copy_(src.to(local.dtype))
@@ -302,10 +305,10 @@ def quantized_source_tensors(model, expert_writer: bool, dense_writer: bool) -> 
             yield from to_disk_tensors(model.family, key, t, first, source_keys=source_keys)
 
 
-def _check_shape(name: str, src: torch.Tensor, expected) -> None:
-    if tuple(src.shape) != tuple(expected):
+def _check_shape(name: str, held, expected) -> None:
+    if tuple(held) != tuple(expected):
         raise CheckpointError(
-            f"checkpoint tensor for {name} has shape {tuple(src.shape)}, the model expects {tuple(expected)}; "
+            f"checkpoint tensor for {name} has shape {tuple(held)}, the model expects {tuple(expected)}; "
             f"does config.json match the weights?"
         )
 
@@ -326,7 +329,7 @@ def _load_quantized(
             b = min(QUANTIZE_BLOCK, shape[0] - j)
             start = module.first_expert + j
             src = read_global_rows(reader, family, key, start, start + b)
-            _check_shape(key, src, (b, *shape[1:]))
+            _check_shape(key, src.shape, (b, *shape[1:]))
             if not (skip_check or nonfinite) and not bool(torch.isfinite(src).all()):
                 nonfinite.append(disk_key(family, key))
             module.fill_base_(proj, j, src)

@@ -300,6 +300,30 @@ def test_mtp_layer_ignored_extra_tensors_refused(tiny_checkpoint):
         moe_tune.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
 
 
+@pytest.mark.parametrize(
+    "family,field,value,words",
+    [
+        ("qwen3_moe", "vocab_size", 120, "model.embed_tokens.weight has shape (128, 48), the model expects (120, 48)"),
+        (
+            "gpt_oss",
+            "num_local_experts",
+            4,
+            "model.layers.0.mlp.router.weight has shape (8, 48), the model expects (4,",
+        ),
+    ],
+)
+def test_tensor_with_more_rows_than_config_json_says_is_refused(tiny_checkpoint, family, field, value, words):
+    """Tensors are read as row ranges: a config.json that says fewer rows (a vocabulary or an expert count cut
+    down) loaded the first rows and dropped the rest without a word, where transformers refuses the mismatch."""
+    src = Path(tiny_checkpoint(family))
+    config = json.loads((src / "config.json").read_text())
+    config[field] = value
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as e:
+        moe_tune.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    assert words in str(e.value)
+
+
 @pytest.mark.parametrize("family,layer", [("deepseek_v3", 61), ("glm4_moe", 46)])
 def test_mtp_layer_is_exported_as_the_source_holds_it(tiny_checkpoint, tmp_path, family, layer):
     """The multi-token-prediction layer loading skips is carried into the export unchanged (keys, values, dtypes):
