@@ -30,7 +30,7 @@ from moe_tune.models.fp8_checkpoint import (
     scale_problem,
     unscaled_fp8,
 )
-from moe_tune.models.shard_index import read_index
+from moe_tune.models.shard_index import loose_weight_map, read_index
 from moe_tune.moe.experts import GroupedExperts
 
 # Stacked expert tensors (dim 0: experts): the weights, their biases and their LoRA adapters.
@@ -69,6 +69,11 @@ def _open(file: str):
         ) from None
 
 
+def _keys(file: str) -> list[str]:
+    with _open(file) as f:
+        return list(f.keys())
+
+
 class CheckpointReader:
     """Key -> file index over a checkpoint directory (single file, sharded with an index, or loose files)."""
 
@@ -76,13 +81,7 @@ class CheckpointReader:
         self.path = path
         weight_map = read_index(path)  # shards inside path only, each present
         if weight_map is None:
-            files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-            if not files:
-                raise CheckpointError(f"{path} holds no *.safetensors files; give a Hugging Face checkpoint directory")
-            weight_map = {}
-            for name in files:
-                with _open(os.path.join(path, name)) as f:
-                    weight_map.update(dict.fromkeys(f.keys(), name))
+            weight_map = loose_weight_map(path, _keys)
         self.weight_map: dict[str, str] = weight_map
         self._handles: dict[str, object] = {}
         self.used: set[str] = set()

@@ -1,10 +1,12 @@
 """A sharded Hugging Face checkpoint's index (``model.safetensors.index.json``): tensor name -> shard file, checked
-before any shard is read (by the source checks and by the reader that loads the weights)."""
+before any shard is read (by the source checks and by the reader that loads the weights); without one, the same
+map over the directory's loose safetensors files."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 from moe_tune.config import CheckpointError
 
@@ -34,4 +36,23 @@ def read_index(path: str) -> dict[str, str] | None:
             )
         if not os.path.isfile(os.path.join(path, shard)):
             raise CheckpointError(f"{file} names {shard}, which {path} does not hold (an interrupted download?); {fix}")
+    return weight_map
+
+
+def loose_weight_map(path: str, keys_of: Callable[[str], list[str]]) -> dict[str, str]:
+    """Tensor name -> file over every ``*.safetensors`` of ``path`` without an index (``keys_of(file)``: the file's
+    tensor names). A name in two files is refused: which copy the model gets would depend on the files' names
+    (a backup copy beside ``model.safetensors``), where transformers reads ``model.safetensors`` alone."""
+    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} holds no *.safetensors files; give a Hugging Face checkpoint directory")
+    weight_map: dict[str, str] = {}
+    for name in files:
+        for key in keys_of(os.path.join(path, name)):
+            if key in weight_map:
+                raise CheckpointError(
+                    f"{path}: tensor {key} is in both {weight_map[key]} and {name}, and no {INDEX} says which to "
+                    f"read; move the file that is not part of the model out of {path}"
+                )
+            weight_map[key] = name
     return weight_map

@@ -300,6 +300,20 @@ def test_mtp_layer_ignored_extra_tensors_refused(tiny_checkpoint):
         moe_tune.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
 
 
+def test_a_tensor_in_two_loose_files_is_refused_naming_both(tiny_checkpoint):
+    """Without an index, a backup copy beside model.safetensors (another model's weights, same keys) was read in
+    its place because its name sorts later; transformers reads model.safetensors alone."""
+    import shutil
+
+    src, other = Path(tiny_checkpoint("qwen3_moe")), Path(tiny_checkpoint("qwen3_moe", seed=1))
+    shutil.copy(other / "model.safetensors", src / "model_backup.safetensors")
+    with pytest.raises(CheckpointError) as e:
+        moe_tune.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    assert "is in both model.safetensors and model_backup.safetensors, and no model.safetensors.index.json" in str(
+        e.value
+    )
+
+
 @pytest.mark.parametrize(
     "family,field,value,words",
     [
