@@ -13,6 +13,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 
 import torch
@@ -34,6 +35,7 @@ from moe_tune.models.hf_io import (
     to_disk_tensors,
     unloaded_source_keys,
 )
+from moe_tune.models.shard_index import INDEX
 
 log = logging.getLogger("moe_tune")
 
@@ -324,9 +326,23 @@ def _write_index(out_dir: str, gathered: list[tuple[dict[str, str], int]], world
         for old, new in zip(fnames, names):
             os.replace(os.path.join(out_dir, old), os.path.join(out_dir, new))
         weight_map = {k: names[fnames.index(v)] for k, v in weight_map.items()}
+    written = set(weight_map.values())
     if fnames and not (world == 1 and len(fnames) == 1):
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        with open(os.path.join(out_dir, INDEX), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+        written.add(INDEX)
+    _remove_stale_weights(out_dir, written)
+
+
+# The weight files and index a save writes. An earlier save's left in the same directory would be read in place
+# of this one's: its index by moe_tune (which reads an index first), its model.safetensors by transformers.
+WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5}|-rank\d{5}-part\d{3})?\.safetensors|" + re.escape(INDEX))
+
+
+def _remove_stale_weights(out_dir: str, written: set[str]) -> None:
+    for name in os.listdir(out_dir):
+        if WEIGHT_FILE.fullmatch(name) and name not in written:
+            os.remove(os.path.join(out_dir, name))
 
 
 class _ShardWriter:

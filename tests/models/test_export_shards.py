@@ -28,6 +28,33 @@ def test_small_shard_limit_gives_hf_sharded_checkpoint(tmp_path):
         torch.testing.assert_close(ref(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("first,second", [(200_000, 4 << 30), (4 << 30, 200_000), (100_000, 200_000)])
+def test_save_pretrained_over_an_earlier_save_leaves_only_its_own_weight_files(tmp_path, first, second):
+    """An earlier save's index (sharded, then one file) was read by moe_tune in place of the new model.safetensors,
+    and its model.safetensors (one file, then sharded) by transformers in place of the new shards: both loaded the
+    earlier weights without a word."""
+    from transformers import AutoModelForCausalLM
+
+    src = build_tiny_checkpoint(str(tmp_path / "src"), overrides={"num_hidden_layers": 2})
+    model = moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    out = tmp_path / "out"
+    model.save_pretrained(str(out), max_shard_bytes=first)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.1)
+    model.save_pretrained(str(out), max_shard_bytes=second)
+    index = out / "model.safetensors.index.json"
+    files = sorted(set(json.load(open(index))["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    assert sorted(p.name for p in out.glob("*.safetensors")) == files
+    ids = torch.randint(4, 90, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+        again = moe_tune.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+        torch.testing.assert_close(again(ids).logits, want, rtol=0, atol=0)
+        ref = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+        torch.testing.assert_close(ref(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
 def test_an_export_in_another_dtype_says_so_in_config_json(tmp_path):
     """Weights written in a forced dtype (``dtype``: the run's model.dtype) are that dtype in config.json too, so
     transformers' default from_pretrained loads them as they are (it loaded a bf16 export of an fp32 source as fp32)."""
