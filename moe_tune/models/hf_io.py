@@ -386,7 +386,7 @@ def remote_code_files(model_dir: str) -> list[str]:
 
 def copy_side_files(src: str | None, out_dir: str) -> None:
     """SIDE_FILES and the remote code the source's ``auto_map`` names, so the export loads as the source does."""
-    if not src:
+    if not src or (os.path.isdir(out_dir) and os.path.samefile(src, out_dir)):  # saved over its own source
         return
     for name in (*SIDE_FILES, *remote_code_files(src)):
         p = os.path.join(src, name)

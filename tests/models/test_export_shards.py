@@ -55,6 +55,21 @@ def test_save_pretrained_over_an_earlier_save_leaves_only_its_own_weight_files(t
         torch.testing.assert_close(ref(ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
+def test_save_pretrained_over_its_own_source_directory(tmp_path):
+    """As transformers' save_pretrained can: it wrote the weights and config.json, then failed copying the tokenizer
+    and generation config onto themselves (shutil.SameFileError)."""
+    src = build_tiny_checkpoint(str(tmp_path / "src"), overrides={"num_hidden_layers": 2})
+    model = moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.1)
+    model.save_pretrained(src)
+    ids = torch.randint(4, 90, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        again = moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
 def test_an_export_in_another_dtype_says_so_in_config_json(tmp_path):
     """Weights written in a forced dtype (``dtype``: the run's model.dtype) are that dtype in config.json too, so
     transformers' default from_pretrained loads them as they are (it loaded a bf16 export of an fp32 source as fp32)."""
