@@ -278,6 +278,7 @@ def from_pretrained(path: str, dtype=torch.float32, kernels: str = "torch", devi
     problem = model_dir_problem(path, key="path")
     if problem:
         raise CheckpointError(problem)
+    check_source_dir(path)  # config.json's sizes and the safetensors headers, as moe-tune checks them
     from moe_tune.models.api_args import model_options as api_model_options
 
     model_options = api_model_options(dtype, kernels, options)

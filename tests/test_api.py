@@ -112,3 +112,25 @@ def test_lora_spec_names_a_bad_value_and_its_fix(kwargs, words):
     with pytest.raises(ConfigError) as e:
         LoRASpec(**kwargs)
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "top_k, words", [(0, "must be a whole number >= 1"), (9, "is more than the model's 8 experts")]
+)
+def test_from_pretrained_checks_config_json_as_moe_tune_does(tiny_checkpoint, top_k, words):
+    """A config.json that contradicts itself is refused at load, naming the field, as the CLI refuses it; it loaded,
+    and the first forward failed inside the router ("selected index k out of range")."""
+    import json
+    import os
+
+    from moe_tune.config import ConfigError
+
+    path = tiny_checkpoint()
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        cfg = json.load(f)
+    cfg["num_experts_per_tok"] = top_k
+    with open(file, "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ConfigError, match=f"num_experts_per_tok={top_k} {words}"):
+        moe_tune.AutoModelForCausalLM.from_pretrained(path)

@@ -58,7 +58,7 @@ def option_problem(options: dict) -> str | None:
             continue
         value = options[key]
         if not (_is_real(value) and value >= 0):
-            none = " or None (the checkpoint's router_aux_loss_coef)" if key == "aux_loss_coef" else ""
+            none = " or None (the checkpoint's, as transformers adds it)" if key == "aux_loss_coef" else ""
             return f"{key}={value!r} must be a finite number >= 0 (train.{key}){none}; try {key}=0.0"
     return None
 

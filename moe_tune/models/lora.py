@@ -117,8 +117,9 @@ def merge_lora(model: nn.Module) -> None:
     held = {n: m for n, m in model.named_modules() if isinstance(m, GroupedExperts) and m.quantized and m.lora}
     if held:
         name, experts = next(iter(held.items()))
+        more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
         raise ConfigError(
-            f"merge_lora: the experts of {name} (and {len(held) - 1} more) are held quantized "
+            f"merge_lora: the experts of {name}{more} are held quantized "
             f"(quantized_base={experts.options.quantized_base}) with adapters, so there is no weight to merge "
             "into: save_pretrained writes the adapters, which PEFT's merge_and_unload merges onto the source's "
             "weights, or build the model without quantized_base to merge here"

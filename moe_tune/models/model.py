@@ -40,7 +40,8 @@ class ModelOptions:
     experts: ExpertsOptions = field(default_factory=ExpertsOptions)
     # Chunked linear cross-entropy over this many rows at a time (never the full logits); None: full logits.
     loss_chunk_size: int | None = 4096
-    # Balancing losses' coefficients; None: the checkpoint's router_aux_loss_coef (as transformers).
+    # Balancing losses' coefficients; None: the checkpoint's, as transformers' forward adds it
+    # (checkpoint_aux_loss_coef: router_aux_loss_coef where output_router_logits is set, else 0).
     aux_loss_coef: float | None = None
     z_loss_coef: float = 0.0
     force_balanced_routing: bool = False
@@ -91,7 +92,7 @@ class MoECausalLM(nn.Module):
         self.family, self.options, self.source_dir = family, options, source_dir
         self.packed_attention = packed_attention
         aux = options.aux_loss_coef
-        self.aux_loss_coef = float(getattr(self.config, "router_aux_loss_coef", 0.0) or 0.0) if aux is None else aux
+        self.aux_loss_coef = checkpoint_aux_loss_coef(self.config) if aux is None else aux
         self.z_loss_coef = options.z_loss_coef
         self.loss_fn: Callable | None = None  # (hidden_ND, weight_VD, labels_N) -> summed token losses
         if options.loss_chunk_size is not None:
@@ -307,11 +308,17 @@ def _use_packed_attention(hf: nn.Module) -> bool:
     return True
 
 
+def checkpoint_aux_loss_coef(config) -> float:
+    """The load-balancing loss's coefficient a checkpoint's config gives transformers' training forward: its
+    ``router_aux_loss_coef`` where it outputs the router logits (``output_router_logits``), else none."""
+    if not getattr(config, "output_router_logits", False):
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
 def _run_spec(spec, options: ModelOptions, hf: nn.Module):
     """The family's MoE spec with this run's switches: forced balanced routing, which balancing losses to compute."""
-    aux = options.aux_loss_coef
-    if aux is None:
-        aux = float(getattr(hf.config, "router_aux_loss_coef", 0.0) or 0.0)
+    aux = checkpoint_aux_loss_coef(hf.config) if options.aux_loss_coef is None else options.aux_loss_coef
     router = dataclasses.replace(spec.router, force_balanced=options.force_balanced_routing)
     return dataclasses.replace(spec, router=router, aux_loss=aux > 0, z_loss=options.z_loss_coef > 0)
 

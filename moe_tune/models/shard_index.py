@@ -16,7 +16,8 @@ INDEX = "model.safetensors.index.json"
 def read_index(path: str) -> dict[str, str] | None:
     """``path``'s sharded-checkpoint index as tensor name -> shard file (None: not sharded). Every shard must be a
     plain file name inside ``path`` that exists: an absolute path or one leading elsewhere would read weights
-    from outside ``model.path``, a missing shard is an interrupted download."""
+    from outside ``model.path``, a missing shard is an interrupted download. A ``model.safetensors`` the index
+    does not name is refused: transformers would load it in the index's place."""
     file = os.path.join(path, INDEX)
     if not os.path.isfile(file):
         return None
@@ -36,6 +37,12 @@ def read_index(path: str) -> dict[str, str] | None:
             )
         if not os.path.isfile(os.path.join(path, shard)):
             raise CheckpointError(f"{file} names {shard}, which {path} does not hold (an interrupted download?); {fix}")
+    single = "model.safetensors"
+    if os.path.isfile(os.path.join(path, single)) and single not in weight_map.values():
+        raise CheckpointError(
+            f"{path} holds both {single} and {INDEX} naming other shards: transformers reads {single}, the index "
+            "would give other weights; move the one that is not the model out of the directory"
+        )
     return weight_map
 
 

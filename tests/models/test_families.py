@@ -167,6 +167,21 @@ def test_aux_loss_matches_hand_formula(checkpoint):
     assert rel_err(out.loss, out.ce_loss + 0.01 * out.aux_loss) < 1e-6
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_default_balancing_loss_is_the_one_transformers_adds(tiny_checkpoint, family):
+    """Without ``aux_loss_coef``, a training forward's loss holds the balancing loss where transformers' does: the
+    config's router_aux_loss_coef when it outputs the router logits, none otherwise (the same loss as
+    transformers' then; with router logits the two losses are each model's own, tested above)."""
+    ids = _ids(3)
+    for logits in (False, True):
+        path = tiny_checkpoint(family, router_aux_loss_coef=0.05, output_router_logits=logits)
+        ours = moe_tune.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+        out = ours(input_ids=ids, labels=ids)
+        assert rel_err(out.loss, out.ce_loss + 0.05 * out.aux_loss if logits else out.ce_loss) < 1e-6
+        if not logits:
+            assert rel_err(out.loss, load_hf(path).train()(ids, labels=ids).loss) < TOL
+
+
 @parametrize_families()
 def test_save_load_bit_exact_and_hf_reads_export(checkpoint, tmp_path):
     ours = moe_tune.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
@@ -284,6 +299,20 @@ def test_sharded_checkpoint_round_trip(tmp_path):
     again = moe_tune.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     for k, v in ours.state_dict().items():
         torch.testing.assert_close(again.state_dict()[k], v, rtol=0, atol=0, msg=k)
+
+
+def test_a_model_safetensors_beside_an_index_of_other_shards_is_refused(tmp_path):
+    """transformers loads model.safetensors where one is present and the index otherwise: a directory with both
+    (a sharded save copied over a one-file one) gave the two libraries different weights without a word."""
+    import shutil
+
+    src = str(tmp_path / "src")
+    build_hf("mixtral").save_pretrained(src, max_shard_size="40KB")
+    other = str(tmp_path / "one")
+    build_hf("mixtral", seed=1).save_pretrained(other)
+    shutil.copy(os.path.join(other, "model.safetensors"), src)
+    with pytest.raises(CheckpointError, match="holds both model.safetensors and model.safetensors.index.json"):
+        moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
 
 
 def test_mtp_layer_ignored_extra_tensors_refused(tiny_checkpoint):
