@@ -105,3 +105,25 @@ def test_dequantization_on_the_gpu_equals_pytorch(monkeypatch):
     for joined in (False, True):
         monkeypatch.setattr(nf4_frozen, "DEQUANT_JOINED", joined)
         assert torch.equal(dequantize_weight(codes, scales, torch.bfloat16, triton_kernel=True), want), joined
+
+
+def test_the_recompute_gemm_is_the_custom_ops_in_bf16_with_padding_rows_zero():
+    """``grouped_mm_keeping_dequantized`` (full activation checkpointing's path) gives ``frozen_nf4_grouped_mm``'s
+    output bit for bit in bf16, the dispatcher's padding rows past the last group 0 (the GEMM leaves them unwritten:
+    garbage without the mask), and its input gradient is the custom op's."""
+    g = torch.Generator().manual_seed(0)
+    codes, scales = quantize_weight(torch.randn(3, 16, 64, generator=g))
+    x = torch.randn(10, 64, generator=g).to(torch.bfloat16)  # 7 routed rows, 3 of padding
+    offs = torch.tensor([2, 5, 7], dtype=torch.int32)
+    dy = torch.randn(10, 16, generator=g).to(torch.bfloat16)
+    outs, grads = [], []
+    for gemm in (nf4_frozen.grouped_mm_keeping_dequantized, frozen_nf4_grouped_mm):
+        xg = x.clone().requires_grad_()
+        out = gemm(xg, codes, scales, offs)
+        out.backward(dy)
+        outs.append(out)
+        grads.append(xg.grad[:7])  # the padding rows' input gradient is nobody's
+    assert outs[0].dtype == torch.bfloat16
+    assert torch.equal(outs[0][7:], torch.zeros(3, 16, dtype=torch.bfloat16))
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(grads[0], grads[1])
