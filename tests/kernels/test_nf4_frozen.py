@@ -127,3 +127,14 @@ def test_the_recompute_gemm_is_the_custom_ops_in_bf16_with_padding_rows_zero():
     assert torch.equal(outs[0][7:], torch.zeros(3, 16, dtype=torch.bfloat16))
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(grads[0], grads[1])
+
+
+def test_the_dequantize_ops_fake_gives_its_shape_and_dtype():
+    """torch.compile sees ``dequantize_op`` through its fake: ``[e, out, in]`` in the dtype asked (opcheck compares
+    fake and real), as ``dequantize_weight`` gives it."""
+    codes, scales = quantize_weight(torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(0)))
+    for dtype in (torch.bfloat16, torch.float32):
+        w = nf4_frozen.dequantize_op(codes, scales, dtype)
+        assert w.shape == (2, 8, 64) and w.dtype == dtype
+        assert torch.equal(w, dequantize_weight(codes, scales, dtype))
+        torch.library.opcheck(nf4_frozen.dequantize_op, (codes, scales, dtype))
