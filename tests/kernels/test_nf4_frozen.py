@@ -138,3 +138,14 @@ def test_the_dequantize_ops_fake_gives_its_shape_and_dtype():
         assert w.shape == (2, 8, 64) and w.dtype == dtype
         assert torch.equal(w, dequantize_weight(codes, scales, dtype))
         torch.library.opcheck(nf4_frozen.dequantize_op, (codes, scales, dtype))
+
+
+def test_one_pass_fits_the_budget_up_to_its_last_byte(monkeypatch):
+    """``fits_one_pass``: a projection's experts dequantized in the input's dtype (``e x N x K`` elements, K twice
+    the code bytes) against ``DEQUANT_BUDGET_BYTES``, equal included."""
+    codes = torch.zeros(4, 16, 32, dtype=torch.uint8)  # K = 64
+    for dtype, size in ((torch.bfloat16, 2), (torch.float32, 4)):
+        monkeypatch.setattr(nf4_frozen, "DEQUANT_BUDGET_BYTES", 4 * 16 * 64 * size)
+        assert nf4_frozen.fits_one_pass(codes, dtype)
+        monkeypatch.setattr(nf4_frozen, "DEQUANT_BUDGET_BYTES", 4 * 16 * 64 * size - 1)
+        assert not nf4_frozen.fits_one_pass(codes, dtype)
