@@ -250,3 +250,28 @@ def test_the_python_api_refuses_a_quantized_base_it_cannot_build(tiny_checkpoint
     with pytest.raises(ConfigError) as e:
         moe_tune.AutoModelForCausalLM.from_pretrained(path, experts=ExpertsOptions(**options), lora=lora)
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("triton, budget, kept", [(False, None, True), (True, None, False), (False, 1, False)])
+def test_a_recomputed_nf4_projection_keeps_its_dequantized_experts_only_where_it_may(monkeypatch, triton, budget, kept):
+    """Marked recomputed (full activation checkpointing), an NF4 projection takes ``grouped_mm_keeping_dequantized``
+    only through torch's GEMMs and where its experts fit ``DEQUANT_BUDGET_BYTES`` in one pass: the Triton GEMMs
+    dequantize no experts to keep, and experts over the budget would be held whole. Elsewhere the custom op; the
+    same output either way."""
+    from moe_tune.kernels import nf4_frozen
+    from moe_tune.moe.quantized_base import FrozenNF4Projection
+
+    proj = FrozenNF4Projection(E, 16, D, triton=triton)
+    codes, scales = nf4_frozen.quantize_weight(torch.randn(E, 16, D, generator=torch.Generator().manual_seed(0)))
+    proj.codes.copy_(codes)
+    proj.scales.copy_(scales)
+    x = torch.randn(sum(COUNTS), D, generator=torch.Generator().manual_seed(1))
+    offs = torch.tensor(COUNTS, dtype=torch.int32).cumsum(0).to(torch.int32)
+    expected = proj(x, offs)  # not recomputed: the custom op
+    if budget is not None:
+        monkeypatch.setattr(nf4_frozen, "DEQUANT_BUDGET_BYTES", budget)
+    calls, keeping = [], nf4_frozen.grouped_mm_keeping_dequantized
+    monkeypatch.setattr(nf4_frozen, "grouped_mm_keeping_dequantized", lambda *a: calls.append(1) or keeping(*a))
+    proj.recomputed = True
+    assert torch.equal(proj(x, offs), expected)
+    assert calls == ([1] if kept else [])
