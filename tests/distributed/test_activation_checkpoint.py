@@ -87,3 +87,19 @@ def test_a_recomputed_nf4_layer_keeps_its_dequantized_experts_for_the_input_grad
     assert full[2].keys() == none[2].keys() and any("experts" in n for n in none[2])
     for n, g in full[2].items():
         assert torch.equal(g, none[2][n]), n
+
+
+def test_only_full_checkpointing_marks_nf4_projections_recomputed(tiny_checkpoint):
+    """Selective checkpointing recomputes attention alone: the MoE half runs once, so its NF4 projections must not
+    keep their dequantized experts for backward (every layer's would be held); full marks every one."""
+    from moe_tune.lora import LoRASpec
+    from moe_tune.moe.experts import ExpertsOptions
+    from moe_tune.moe.quantized_base import FrozenNF4Projection
+
+    path = tiny_checkpoint("qwen3_moe", hidden_size=64, moe_intermediate_size=64)
+    lora, experts = LoRASpec(rank=4, alpha=8.0, targets=("experts",)), ExpertsOptions(quantized_base="nf4")
+    for mode in ("none", "selective", "full"):
+        model = from_pretrained(path, lora=lora, experts=experts)
+        apply_ac(model, mode)
+        marks = [m.recomputed for m in model.modules() if isinstance(m, FrozenNF4Projection)]
+        assert len(marks) == 2 * 2 and marks == [mode == "full"] * 4, mode
