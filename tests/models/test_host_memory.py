@@ -76,3 +76,20 @@ def test_the_cli_refuses_it_in_one_line_before_writing(tmp_path, monkeypatch):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "GiB of host memory on the CPU" in lines[0] and "0.0 GiB available" in lines[0]
     assert not out.exists()
+
+
+def test_the_kernels_figure_is_memavailable_in_bytes(monkeypatch):
+    """/proc/meminfo gives kB; MemAvailable (what can be given without swapping), not MemFree (which leaves out the
+    page cache) nor MemTotal. No cgroup limit here."""
+    import io
+
+    meminfo = "MemTotal:        8000 kB\nMemFree:         1000 kB\nMemAvailable:    3000 kB\nCached:    2000 kB\n"
+    real_open = open
+    monkeypatch.setattr(host_memory, "_CGROUP_FILES", ())
+    monkeypatch.setattr(
+        host_memory,
+        "open",
+        lambda p, *a: io.StringIO(meminfo) if p == "/proc/meminfo" else real_open(p, *a),
+        raising=False,
+    )
+    assert host_memory.available_bytes() == 3000 * 1024
