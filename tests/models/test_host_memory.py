@@ -93,3 +93,18 @@ def test_the_kernels_figure_is_memavailable_in_bytes(monkeypatch):
         raising=False,
     )
     assert host_memory.available_bytes() == 3000 * 1024
+
+
+def test_each_rank_on_the_node_gets_its_share(monkeypatch):
+    """The node's ranks materialize at once: each is held to the memory available divided by their number."""
+    model = _built()
+    need = sum(host_memory.needed_bytes(model, training=True))
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 2 * need)
+    for ranks, refused in (("1", False), ("2", False), ("3", True)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+        if not refused:
+            host_memory.check_fits_host(model, training=True)
+            continue
+        with pytest.raises(ConfigError, match=f"this process has {2 * need / 3 / host_memory.GIB:.1f} GiB available"):
+            host_memory.check_fits_host(model, training=True)
