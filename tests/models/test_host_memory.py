@@ -108,3 +108,16 @@ def test_each_rank_on_the_node_gets_its_share(monkeypatch):
             continue
         with pytest.raises(ConfigError, match=f"this process has {2 * need / 3 / host_memory.GIB:.1f} GiB available"):
             host_memory.check_fits_host(model, training=True)
+
+
+def test_assemble_counts_the_training_states_only_for_training(monkeypatch):
+    """``assemble(training=True)`` holds the model to its weights with their gradients and AdamW moments; without
+    ``training``, to its weights alone."""
+    weights, states = host_memory.needed_bytes(_built(), training=True)
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: weights + states - 1)
+    cfg = to_config(check([]))
+    hf = tiny_config("qwen3_moe", hidden_size=64, moe_intermediate_size=64)
+    options = model_options(cfg, ParallelDims(1, 1, 1, 1))
+    assemble(hf, options, lambda m: None, "cpu")
+    with pytest.raises(ConfigError, match="GiB of gradients and AdamW moments"):
+        assemble(hf, options, lambda m: None, "cpu", training=True)
