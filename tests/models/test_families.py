@@ -182,6 +182,16 @@ def test_the_default_balancing_loss_is_the_one_transformers_adds(tiny_checkpoint
             assert rel_err(out.loss, load_hf(path).train()(ids, labels=ids).loss) < TOL
 
 
+def test_an_aux_loss_coef_of_0_adds_no_balancing_loss_where_the_config_gives_one(tiny_checkpoint):
+    """aux_loss_coef=0.0 (the CLI passes it where nothing trains the router, peft=lora) is a coefficient, not
+    "unset": the loss is the cross-entropy alone though the config outputs router logits with router_aux_loss_coef."""
+    ids = _ids(3)
+    path = tiny_checkpoint("qwen3_moe", router_aux_loss_coef=0.05, output_router_logits=True)
+    ours = moe_tune.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, aux_loss_coef=0.0).train()
+    out = ours(input_ids=ids, labels=ids)
+    assert torch.equal(out.loss, out.ce_loss)
+
+
 @parametrize_families()
 def test_save_load_bit_exact_and_hf_reads_export(checkpoint, tmp_path):
     ours = moe_tune.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
