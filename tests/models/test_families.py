@@ -325,6 +325,20 @@ def test_a_model_safetensors_beside_an_index_of_other_shards_is_refused(tmp_path
         moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
 
 
+def test_an_index_naming_model_safetensors_itself_loads(tmp_path):
+    """An index whose one shard is model.safetensors (a one-file checkpoint saved with an index) is what
+    transformers reads either way: loaded, not refused as a model.safetensors beside an index of other shards."""
+    from safetensors import safe_open as open_file
+
+    src = str(tmp_path / "src")
+    build_hf("mixtral").save_pretrained(src)
+    with open_file(os.path.join(src, "model.safetensors"), "pt") as f:
+        weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+    with open(os.path.join(src, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+
+
 def test_mtp_layer_ignored_extra_tensors_refused(tiny_checkpoint):
     """DeepSeek-V3 checkpoints carry a multi-token-prediction layer (model.layers.61.*) that transformers skips;
     so do we. Any other tensor the model does not use is an error, not silently dropped."""
