@@ -339,6 +339,15 @@ def test_an_index_naming_model_safetensors_itself_loads(tmp_path):
     moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
 
 
+def test_a_directory_without_safetensors_files_is_named_as_such(tmp_path):
+    """Weights in another format only: said so, not a list of every tensor the model misses."""
+    from moe_tune.models.hf_io import CheckpointReader
+
+    (tmp_path / "model.bin").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"holds no \*.safetensors files; give a Hugging Face checkpoint"):
+        CheckpointReader(str(tmp_path))
+
+
 def test_mtp_layer_ignored_extra_tensors_refused(tiny_checkpoint):
     """DeepSeek-V3 checkpoints carry a multi-token-prediction layer (model.layers.61.*) that transformers skips;
     so do we. Any other tensor the model does not use is an error, not silently dropped."""
