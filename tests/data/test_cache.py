@@ -66,6 +66,26 @@ def test_what_the_template_checks_said_is_said_again_from_the_cache(cfg, caplog,
     assert "assistant mask" not in capfd.readouterr().err  # no worker said it itself
 
 
+def test_a_note_from_a_workers_last_row_travels_back(cfg, caplog, tmp_path):
+    """Each of two data.num_proc workers encodes one record: the note its only (last) row made comes back with that
+    row, is said once and kept with the entry."""
+    import logging
+
+    path = tmp_path / "two.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in CHATS[:2]))
+    cfg = replace(cfg, path=str(path), num_proc=2)
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "{{- '<|im_end|>\\n' -}}{%- endgeneration -%}", "{%- endgeneration -%}{{- '<|im_end|>\\n' -}}"
+    )
+    for _ in range(2):  # tokenized in the workers, then read from the cache
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="moe_tune"):
+            build(cfg, tokenizer)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "falls outside the assistant mask" in warnings[0]
+
+
 @pytest.fixture
 def count_encodes(monkeypatch):
     calls = []
