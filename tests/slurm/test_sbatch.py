@@ -61,7 +61,7 @@ def test_scancel_term_is_exit_143_and_a_requeue_resumes(slurm, tmp_path):
     """``scancel -s TERM`` (what preemption sends): the ranks save and Slurm records their 143, one stop line for
     the job; ``scontrol requeue`` runs it again from that checkpoint to the end, exit code 0."""
     run = tmp_path / "run"
-    job = submit(slurm, run, steps=25)
+    job = submit(slurm, run, steps=60)  # steps enough for scancel to land in training on a loaded machine
     wait_rows(run, 2)
     slurm.run(["scancel", "--signal=TERM", job])
     state = slurm.wait(job, timeout_s=120)
@@ -75,7 +75,7 @@ def test_scancel_term_is_exit_143_and_a_requeue_resumes(slurm, tmp_path):
     log = job_log(run, job)
     assert (state.state, state.exit_code, state.restarts) == ("COMPLETED", 0, 1), log[-3000:]
     assert f"resuming from {run}/checkpoints/step_{step}" in log, log[-3000:]
-    assert [r["step"] for r in read_metrics(run)] == list(range(1, 26))
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 61))
 
 
 def test_scancel_cancels_without_a_requeue(slurm, tmp_path):
@@ -100,7 +100,7 @@ def test_time_limit_signal_requeues_a_task_of_a_job_array(slurm, tmp_path):
     task requeues itself and ends with 0, the run's steps each once (the other tasks resume it or find it
     finished)."""
     run = tmp_path / "run"
-    array = submit(slurm, run, steps=30, options=("--array=0-2%1",))
+    array = submit(slurm, run, steps=60, options=("--array=0-2%1",))  # steps enough for scancel to land in training
     wait_rows(run, 2)
     task = slurm.run(["squeue", "-h", "-j", f"{array}_0", "-o", "%A"]).stdout.strip()  # running: its own job id
     slurm.run(["scancel", "--batch", "--signal=TERM", task])  # its retries may signal the next attempt too
@@ -108,4 +108,4 @@ def test_time_limit_signal_requeues_a_task_of_a_job_array(slurm, tmp_path):
     log = job_log(run, task)
     assert (state.state, state.exit_code) == ("COMPLETED", 0) and state.restarts >= 1, log[-3000:]
     assert SAVED_LINE in log and f"job {task} exited with 143" in log, log[-3000:]
-    assert [r["step"] for r in read_metrics(run)] == list(range(1, 31))
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 61))
