@@ -119,10 +119,11 @@ def _grouped(a_RK: torch.Tensor, codes, scales, offs_e: torch.Tensor, transpose:
     grouped GEMM each."""
     if triton and a_RK.is_cuda:
         return quantized_grouped_mm(a_RK, codes, scales, offs_e, transpose=transpose, table=_table(a_RK.device))
+    if fits_one_pass(codes, a_RK.dtype):
+        w = dequantize_weight(codes, scales, a_RK.dtype)
+        return _routed_grouped_mm(a_RK, w.transpose(-2, -1) if transpose else w, offs_e)
     e, N, half = codes.shape
     per_pass = max(1, DEQUANT_BUDGET_BYTES // (N * 2 * half * a_RK.element_size()))
-    if per_pass >= e:
-        return _one_pass(a_RK, codes, scales, offs_e, transpose)
     out_dim = N if transpose else 2 * half
     bounds = [0, *offs_e.tolist()]  # host sync: each pass's rows
     pieces = []
@@ -141,11 +142,10 @@ def _grouped(a_RK: torch.Tensor, codes, scales, offs_e: torch.Tensor, transpose:
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
-def _one_pass(a_RK: torch.Tensor, codes, scales, offs_e: torch.Tensor, transpose: bool) -> torch.Tensor:
-    """Every expert dequantized at once, one grouped GEMM over all rows: nothing read on the host. The GEMM leaves
-    rows past the last group unwritten; they are set to 0 on the device."""
-    w = dequantize_weight(codes, scales, a_RK.dtype)
-    out = F.grouped_mm(a_RK, w.transpose(-2, -1) if transpose else w, offs=offs_e)
+def _routed_grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
+    """One grouped GEMM over all rows with every expert's dequantized weights: nothing read on the host. The GEMM
+    leaves rows past the last group unwritten; they are set to 0 on the device."""
+    out = F.grouped_mm(a_RK, w, offs=offs_e)
     routed = torch.arange(a_RK.shape[0], device=a_RK.device) < offs_e[-1]
     return torch.where(routed.unsqueeze(-1), out, 0)
 
@@ -193,7 +193,7 @@ def _(codes, scales, dtype):
 def fits_one_pass(codes: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether a projection's local experts dequantized in ``dtype`` fit ``DEQUANT_BUDGET_BYTES``."""
     e, N, half = codes.shape
-    return e * N * 2 * half * torch.empty(0, dtype=dtype).element_size() <= DEQUANT_BUDGET_BYTES
+    return e * N * 2 * half * dtype.itemsize <= DEQUANT_BUDGET_BYTES
 
 
 def grouped_mm_keeping_dequantized(x_RK: torch.Tensor, codes, scales, offs_e: torch.Tensor) -> torch.Tensor:
@@ -203,7 +203,4 @@ def grouped_mm_keeping_dequantized(x_RK: torch.Tensor, codes, scales, offs_e: to
     until the layer's backward, so a projection is dequantized twice per step (forward, recompute), not three
     times, for one layer's dequantized experts held from its recompute to its backward. Without checkpointing every
     layer would keep them: ``frozen_nf4_grouped_mm`` there. The caller checks ``fits_one_pass``."""
-    w = dequantize_op(codes, scales, x_RK.dtype)
-    out = F.grouped_mm(x_RK, w.transpose(-2, -1), offs=offs_e)
-    routed = torch.arange(x_RK.shape[0], device=x_RK.device) < offs_e[-1]
-    return torch.where(routed.unsqueeze(-1), out, 0)
+    return _routed_grouped_mm(x_RK, dequantize_op(codes, scales, x_RK.dtype).transpose(-2, -1), offs_e)
