@@ -43,7 +43,12 @@ PACKAGE = "moe_tune"
 # benchmark's rows (each row's process is an entry point of its own).
 LAYERS: list[tuple[str, ...]] = [
     ("moe_tune.config", "moe_tune.distributed.dims"),
-    ("moe_tune.distributed.env", "moe_tune.distributed.process_group", "moe_tune.distributed.mesh"),
+    (
+        "moe_tune.distributed.env",
+        "moe_tune.distributed.process_group",
+        "moe_tune.distributed.mesh",
+        "moe_tune.distributed.shard",
+    ),
     ("moe_tune.kernels",),
     ("moe_tune.lora",),
     ("moe_tune.moe",),

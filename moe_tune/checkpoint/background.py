@@ -25,6 +25,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from moe_tune.distributed.shard import local, local_bytes
+
 log = logging.getLogger("moe_tune")
 
 
@@ -135,7 +137,7 @@ class CheckpointSaver:
         staged = {}
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                _local(self._staged[key]).copy_(_local(value), non_blocking=on_gpu)
+                local(self._staged[key]).copy_(local(value), non_blocking=on_gpu)
                 staged[key] = self._staged[key]
             else:  # Python values (a step count): their own copy
                 staged[key] = copy.deepcopy(value)
@@ -183,15 +185,9 @@ class CheckpointSaver:
         return waited
 
 
-def _local(value: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
 def _bytes(state: dict) -> int:
     """This rank's bytes of ``state``'s tensors (a DTensor's local shard)."""
-    return sum(_local(v).numel() * _local(v).element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    return sum(local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
 
 
 def _host_buffers(tensors: dict) -> dict:
@@ -203,8 +199,8 @@ def _host_buffers(tensors: dict) -> dict:
 
     out = {}
     for key, value in tensors.items():
-        local = _local(value)
-        host = torch.zeros(local.shape, dtype=local.dtype)  # written now: no page faults inside a save's stall
+        mine = local(value)
+        host = torch.zeros(mine.shape, dtype=mine.dtype)  # written now: no page faults inside a save's stall
         if isinstance(value, DTensor):
             host = DTensor.from_local(
                 host, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()

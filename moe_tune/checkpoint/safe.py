@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from moe_tune.checkpoint import manifest
 from moe_tune.config import CheckpointError
+from moe_tune.distributed import shard
 
 METADATA = ".metadata"
 log = logging.getLogger("moe_tune")
@@ -192,7 +193,7 @@ def check_finite(named, what: str) -> None:
 
     bad = []
     for name, t in named:
-        local = t.to_local() if hasattr(t, "to_local") else t
+        local = shard.local(t)
         if isinstance(local, torch.Tensor) and local.is_floating_point() and local.numel():
             if not bool(torch.isfinite(local).all()):  # host sync: once per tensor, at load time only
                 bad.append(name)

@@ -16,6 +16,7 @@ import os
 import torch
 
 from moe_tune.config import ConfigError
+from moe_tune.distributed.shard import local_bytes
 
 GIB = 2**30
 _CGROUP_FILES = (
@@ -59,15 +60,10 @@ def local_ranks() -> int:
     return 1
 
 
-def _local_bytes(t: torch.Tensor) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() * local.element_size()
-
-
 def needed_bytes(model: torch.nn.Module, training: bool) -> tuple[int, int]:
     """(the rank's parameters and buffers, the trained parameters' gradients and AdamW moments when ``training``)."""
-    weights = sum(_local_bytes(t) for t in [*model.parameters(), *model.buffers()])
-    trained = sum(_local_bytes(p) for p in model.parameters() if p.requires_grad) if training else 0
+    weights = sum(local_bytes(t) for t in [*model.parameters(), *model.buffers()])
+    trained = sum(local_bytes(p) for p in model.parameters() if p.requires_grad) if training else 0
     return weights, 3 * trained
 
 

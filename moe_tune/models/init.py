@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from moe_tune.distributed.shard import local
+
 # (shape, generator, device) -> a float32 sample of that shape
 Sampler = Callable[[tuple, torch.Generator, torch.device], torch.Tensor]
 
@@ -33,13 +35,13 @@ def draw_rows(
     ``num_experts`` experts when known, unsharded): every layout gets the same values."""
     from moe_tune.models.hf_io import EXPERT_PARAM, expert_offsets, local_rows
 
-    local, first = local_rows(t)
+    mine, first = local_rows(t)
     first += expert_offsets(model).get(name, 0)
-    rows = local.shape[0]
+    rows = mine.shape[0]
     global_rows = num_experts if EXPERT_PARAM.match(name) and num_experts else t.shape[0]
     shape = (max(global_rows, first + rows), *t.shape[1:])
-    g = generator_for(name, seed, local.device)
-    local.copy_(sample(shape, g, local.device)[first : first + rows].mul_(scale))
+    g = generator_for(name, seed, mine.device)
+    mine.copy_(sample(shape, g, mine.device)[first : first + rows].mul_(scale))
 
 
 @torch.no_grad()
@@ -54,7 +56,7 @@ def init_random(model, std: float | None = None, seed: int = 0, num_experts: int
         if not t.is_floating_point() or is_adapter(name):
             continue
         if t.dim() <= 1:
-            (t.to_local() if hasattr(t, "to_local") else t).fill_(1.0 if "norm" in name else 0.0)
+            local(t).fill_(1.0 if "norm" in name else 0.0)
             continue
         draw_rows(model, name, t, seed, _normal, std, num_experts)
     _init_quantized(model, std, seed, num_experts)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from moe_tune.config import ConfigError
+from moe_tune.distributed.shard import local
 from moe_tune.lora import LINEAR_GROUPS, TARGET_GROUPS, LoRASpec, apply_linear_adapters, is_adapter
 from moe_tune.moe.experts import GroupedExperts
 from moe_tune.moe.layer import MoE
@@ -104,7 +105,7 @@ def init_lora(model: nn.Module, seed: int = 0) -> None:
         if not is_adapter(name):
             continue
         if name.endswith("B"):
-            (t.to_local() if hasattr(t, "to_local") else t).zero_()
+            local(t).zero_()
             continue
         draw_rows(model, name, t, seed, _uniform, 1.0 / math.sqrt(t.shape[-1]), model.num_experts)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_tune.distributed.shard import local
 from moe_tune.kernels.adamw import nearest_update
 
 
@@ -53,10 +54,6 @@ def run_closure(closure):
         return None
     with torch.enable_grad():
         return closure()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor: this rank's shard, same storage
 
 
 # Parameters this large get their own kernel; smaller ones go through torch's fused multi-tensor kernel (a few
@@ -94,10 +91,10 @@ class CompiledAdamW(torch.optim.AdamW):
         for dtype in {params[i].dtype for i in indices}:
             chosen = [i for i in indices if params[i].dtype == dtype]
             torch._fused_adamw_(
-                [_local(params[i]) for i in chosen],
-                [_local(params[i].grad) for i in chosen],
-                [_local(states[i]["exp_avg"]) for i in chosen],
-                [_local(states[i]["exp_avg_sq"]) for i in chosen],
+                [local(params[i]) for i in chosen],
+                [local(params[i].grad) for i in chosen],
+                [local(states[i]["exp_avg"]) for i in chosen],
+                [local(states[i]["exp_avg_sq"]) for i in chosen],
                 [],
                 [states[i]["step"] for i in chosen],
                 amsgrad=False,
@@ -142,7 +139,7 @@ class CompiledAdamW(torch.optim.AdamW):
             hyper = torch.cat([torch.tensor(scalars), skip.reshape(1), scale.reshape(1)]) if on_cpu else None
             for j, i in enumerate(big):
                 state = states[i]
-                views = [_local(t).view(-1) for t in (params[i], params[i].grad, state["exp_avg"], state["exp_avg_sq"])]
+                views = [local(t).view(-1) for t in (params[i], params[i].grad, state["exp_avg"], state["exp_avg_sq"])]
                 if on_cpu:
                     adamw_(*views, hyper, state["step"])
                 else:

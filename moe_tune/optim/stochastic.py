@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import torch
 
+from moe_tune.distributed.shard import local
 from moe_tune.kernels.adamw import SEGMENT, stochastic_update
-from moe_tune.optim.adamw import _local, adamw_values, run_closure
+from moe_tune.optim.adamw import adamw_values, run_closure
 
 _CHUNK = 1 << 25
 # ``_seed`` is linear in the step: seed(step) = (seed(0) + step * _STEP_FACTOR) mod 2^62, which the device computes.
@@ -107,7 +108,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         step = state.get("step", torch.zeros(()))
         # fp32 on the parameter's device, as torch's fused AdamW keeps it (a state saved with a host step moves).
-        state["step"] = step.to(device=_local(p).device, dtype=torch.float32)
+        state["step"] = step.to(device=local(p).device, dtype=torch.float32)
         return state
 
     @staticmethod
@@ -163,7 +164,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
     def _update_group(self, group: dict, indexed: list[tuple[int, torch.Tensor]]) -> None:
         """One update of ``indexed`` ((index, parameter) with a gradient, on one device)."""
         found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
-        device = _local(indexed[0][1]).device
+        device = local(indexed[0][1]).device
         skip = torch.zeros((), device=device) if found_inf is None else found_inf.to(device, torch.float32)
         scale = torch.ones((), device=device) if grad_scale is None else grad_scale.to(device, torch.float32)
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
@@ -184,7 +185,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         launches = []  # (j, segment, start) of each Triton launch
         for j, (index, p) in enumerate(indexed):
             state = states[j]
-            views = [_local(t).view(-1) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+            views = [local(t).view(-1) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
             if fp32[j]:
                 self._exact(views, hyper_P9[j])
             elif not on_kernel:
@@ -197,6 +198,6 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         keys_L = self._keys(bases, torch.stack([steps[j] for j, _, _ in launches]))
         for L, (j, _, start) in enumerate(launches):
             p, state = indexed[j][1], states[j]
-            views = [_local(t).view(-1) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+            views = [local(t).view(-1) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
             part = [t[start : start + SEGMENT] for t in views]
             stochastic_update(*part, skip, scale, keys_L[L], bc_P2[j], lr, beta1, beta2, eps, wd)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_tune.config import Config
+from moe_tune.distributed.shard import local_bytes
 
 ROOT = -1  # the FSDP unit of everything outside the decoder layers (embeddings, final norm, lm_head)
 
@@ -46,11 +47,6 @@ class Census:
     hidden: int = 0
     vocab: int = 0
     flops_matmul_per_token: dict[str, float] = field(default_factory=dict)  # forward, by "dense" / "experts" / "head"
-
-
-def _bytes(t: torch.Tensor) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() * local.element_size()
 
 
 def _layer_of(name: str) -> int:
@@ -108,7 +104,7 @@ def census(cfg: Config, hf_config, world_size: int) -> Census:
         compute = torch.empty(0, dtype=mp.param_dtype).element_size() if mp.param_dtype is not None else None
         reduce = torch.empty(0, dtype=mp.reduce_dtype).element_size() if mp.reduce_dtype is not None else None
         for name, p in model.named_parameters():
-            b = _bytes(p)
+            b = local_bytes(p)
             c.params += b
             if p.requires_grad:
                 c.trained += b
@@ -120,7 +116,7 @@ def census(cfg: Config, hf_config, world_size: int) -> Census:
                     grad = p.numel() * (reduce or p.element_size())
                     c.unit_grad_reduce[unit] = c.unit_grad_reduce.get(unit, 0) + grad
                     c.fsdp_bytes += grad
-        c.frozen_buffers = sum(_bytes(b) for b in model.buffers())
+        c.frozen_buffers = sum(local_bytes(b) for b in model.buffers())
         if dims.experts_outside_fsdp and moes and compute is not None:
             experts = moes[0].experts
             # each layer's cast copy is saved by its grouped GEMM for the backward: held like an activation
