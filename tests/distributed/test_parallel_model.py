@@ -145,6 +145,13 @@ def test_load_and_export_under_ep_2_ranks(tmp_path, tiny_checkpoint):
     run_ranks(_load_export_body, 2, path, str(tmp_path), [(1, 2, 1), (1, 2, 2)])
 
 
+def test_a_family_with_experts_stacked_on_disk_loads_and_exports_under_ep_2_ranks(tmp_path, tiny_checkpoint):
+    """GPT-OSS keeps each layer's experts as one stacked tensor on disk: under EP a rank reads its rows of it, and
+    the row check holds the file's rows to the model's expert count, not to the rank's share of it."""
+    path = tiny_checkpoint("gpt_oss")
+    run_ranks(_load_export_body, 2, path, str(tmp_path), [(1, 2, 2)])
+
+
 def _four_rank_body(rank: int, path: str, out: str) -> None:
     layouts = [(1, 4, 2), (2, 2, 2), (1, 4, 1)]
     _load_export_body(rank, path, out, layouts)
