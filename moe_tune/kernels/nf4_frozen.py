@@ -53,7 +53,7 @@ DEQUANT_BUDGET_BYTES = 1 << 30
 DEQUANT_BYTES = 512  # code bytes per program of the Triton dequantization
 # The Triton dequantization's store (triton_nf4.dequantize_kernel): True, the two nibbles' values interleaved in
 # registers and stored as one contiguous run; False, two stores each to every other element. benchmarks/
-# quantized_base_gemms.py times both: the joined store 0.78-0.80x the time on an H100, the same on an H200.
+# quantized_base_gemms.py times both (benchmarks/README.md: the joined store is faster on an H100, even on an H200).
 DEQUANT_JOINED = True
 
 
