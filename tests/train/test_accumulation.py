@@ -1,7 +1,7 @@
 """Gradient accumulation under FSDP2 (parallel.dp_shard=2 on 2 gloo ranks, 2 micro-batches per step) through the
 real Trainer: the gradients are reduced once per step, after the last micro-batch, and the step's gradient equals
 one process's with the whole batch in one forward, with fp32 and with bf16 gradients (train.precision=bf16: bf16
-accumulation and reduction). The ranks' rows carry very different numbers of label tokens, so a loss normaliser
+accumulation and reduction), and so do the step's reported gradient norm and loss. The ranks' rows carry very different numbers of label tokens, so a loss normaliser
 that is not summed over ranks and micro-batches gives another gradient."""
 
 from __future__ import annotations
@@ -38,26 +38,28 @@ def _global_rows() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def _reference_grads(path: str, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], float]:
-    """One process, the whole batch in one forward: the gradient of the mean loss over its label tokens."""
+def _reference_grads(path: str, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], float, float]:
+    """One process, the whole batch in one forward: the gradient of the mean loss over its label tokens, its norm
+    and the loss."""
     from moe_tune.build import from_pretrained
 
     model = from_pretrained(path, dtype=dtype, aux_loss_coef=0.0)
     model.train()
     ids, labels = _global_rows()
-    model(ids, labels=labels).loss.backward()
+    loss = model(ids, labels=labels).loss
+    loss.backward()
     grads = {n: p.grad.detach().float() for n, p in model.named_parameters()}
-    return grads, float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])))
+    return grads, float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()]))), float(loss)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "to_local") else t).detach().float().clone()
 
 
-def _step_under_fsdp(rank: int, path: str, output_dir: str, precision: str) -> tuple[list[bool], dict, float]:
+def _step_under_fsdp(rank: int, path: str, output_dir: str, precision: str) -> tuple[list[bool], dict, dict]:
     """One Trainer step on the FSDP-sharded model from this rank's micro-batches of ``_global_rows``: whether any
     sharded parameter held a reduced gradient at each micro-batch's forward, the full gradients the optimizer
-    stepped with, and the step's gradient norm."""
+    stepped with, and the step's reported gradient norm and loss."""
     from moe_tune.cli.train import compose, to_config
     from moe_tune.train import Trainer
 
@@ -97,19 +99,21 @@ def _step_under_fsdp(rank: int, path: str, output_dir: str, precision: str) -> t
         return step(*args, **kwargs)
 
     trainer.optimizer.step = capture
-    norm = float(trainer.train_step(0)["grad_norm"])
-    return reduced_before, seen, norm
+    out = trainer.train_step(0)
+    return reduced_before, seen, {k: float(out[k]) for k in ("grad_norm", "loss")}
 
 
 def _accumulation_body(rank: int, path: str, output_dir: str) -> None:
     for precision in ("fp32", "bf16"):
-        ref, ref_norm = _reference_grads(path, DTYPES[precision])
-        reduced_before, grads, norm = _step_under_fsdp(rank, path, output_dir, precision)
+        ref, ref_norm, ref_loss = _reference_grads(path, DTYPES[precision])
+        reduced_before, grads, reported = _step_under_fsdp(rank, path, output_dir, precision)
         assert reduced_before == [False] * ACCUM, reduced_before  # no reduction before the last backward
         assert set(grads) == set(ref)
         err = rel_err(torch.cat([grads[n].flatten() for n in ref]), torch.cat([g.flatten() for g in ref.values()]))
         assert err < TOL[precision], (precision, err)
-        assert norm == pytest.approx(ref_norm, rel=TOL[precision])
+        assert reported["grad_norm"] == pytest.approx(ref_norm, rel=TOL[precision])
+        # The reported loss is the mean over every rank's label tokens, as one process's over the whole batch.
+        assert reported["loss"] == pytest.approx(ref_loss, rel=TOL[precision]), (precision, reported, ref_loss)
 
 
 def test_accumulation_under_fsdp_equals_one_process_with_the_whole_batch(tmp_path, tiny_checkpoint):
