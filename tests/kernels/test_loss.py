@@ -121,6 +121,22 @@ def test_frozen_weight_gets_no_gradient_and_the_same_input_gradient():
     assert torch.equal(grads[0], grads[1])
 
 
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_a_trained_weight_over_frozen_hidden_states_gets_the_cross_entropy_gradient(chunk_size):
+    """Only the output embedding trains (hidden states that need no gradient): its gradient is plain
+    cross-entropy's on fp32 logits, within fp32 rounding, in several chunks and in one."""
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(40, 16, generator=g)
+    w = torch.randn(32, 16, generator=g).requires_grad_()
+    labels = torch.randint(0, 32, (40,), generator=g)
+    labels[:5] = -100
+    w_ref = w.detach().clone().requires_grad_()
+    linear_cross_entropy(h, w, labels, chunk_size=chunk_size).backward()
+    reference(h, w_ref, labels).backward()
+    assert w.grad is not None
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
+
+
 def _interpreted(check: str) -> None:
     """Runs ``check`` (a function of this module) under Triton's interpreter with a small column block, so that
     each row takes several steps of both passes."""
