@@ -119,6 +119,26 @@ def test_config_variants_match_hf(model_type, overrides, tiny_checkpoint):
     _assert_grads_match(tiny_checkpoint(model_type, **overrides), seed=7)
 
 
+def test_mixtral_input_jitter_draws_what_transformers_draws(tiny_checkpoint):
+    """``router_jitter_noise``: in training each element of the MoE block's input is scaled by U(1 - j, 1 + j), one
+    draw as transformers makes it, so the same seed gives HF's logits and loss (fp32, TOL); another seed moves the
+    logits (the jitter is on); eval mode draws none."""
+    path = tiny_checkpoint("mixtral", router_jitter_noise=0.2)
+    hf = load_hf(path).train()
+    ours = moe_tune.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, aux_loss_coef=0.0).train()
+    ids = _ids(3)
+    torch.manual_seed(11)
+    ref = hf(ids, labels=ids)
+    torch.manual_seed(11)
+    out = ours(input_ids=ids, labels=ids, return_logits=True)
+    assert rel_err(out.logits, ref.logits) < TOL
+    assert rel_err(out.loss, ref.loss) < TOL
+    torch.manual_seed(12)
+    assert rel_err(ours(input_ids=ids, labels=ids, return_logits=True).logits, ref.logits) > 1e-2
+    with torch.no_grad():
+        assert rel_err(ours.eval()(input_ids=ids, return_logits=True).logits, hf.eval()(ids).logits) < TOL
+
+
 def _router_outputs(hf) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(router logits, chosen experts) of each HF MoE layer, recorded by forward hooks on the router."""
     outs = []
