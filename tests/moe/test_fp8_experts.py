@@ -89,6 +89,19 @@ def test_rows_past_the_last_offset_change_nothing():
     torch.testing.assert_close(dw_stale, dw, rtol=0, atol=0)
 
 
+def test_groups_each_one_row_past_a_block_with_a_padding_row_after_them():
+    """The weight gradient's padding at its largest: every group 15 rows short of a block, then a dispatcher's
+    padding row, so the padded rows fill the host-side bound to its last row. The three GEMMs match fp32 on the
+    real rows within FP8's error."""
+    counts = [17, 1, 33, 49]
+    x, w, dy, offs = _operands(counts, extra_rows=1)
+    fp8 = _run(lambda a, b, o: fp8_grouped_mm(a, b, o, emulate=True), x, w, dy, offs, torch.bfloat16)
+    T = sum(counts)
+    ref = _run(_fp32_grouped_mm, x[:T], w, dy[:T], offs, torch.float32)
+    for name, a, b in zip(("y", "dx", "dw"), (fp8[0][:T], fp8[1][:T], fp8[2]), ref):
+        assert rel_err(a, b) < FP8_TOL, name
+
+
 def test_only_needed_gradients_are_computed(monkeypatch):
     """A frozen base (LoRA) gives no weight gradient: the weight-gradient GEMM must not run."""
     from moe_tune.kernels import fp8_grouped
