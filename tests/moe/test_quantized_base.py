@@ -106,10 +106,12 @@ def test_experts_filled_in_chunks_land_at_their_own_index(mode):
         assert torch.equal(buf, held[name]), name
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16_model", "fp32_model"])
 @pytest.mark.parametrize("mode", list(TOL))
-def test_a_built_in_model_draws_the_quantized_experts_as_the_bf16_ones(mode):
-    """A preset without a checkpoint (the benchmarks' random initialisation): the quantized experts hold the values
-    the bf16 base draws by name, quantized."""
+def test_a_built_in_model_draws_the_quantized_experts_as_the_bf16_ones(mode, dtype):
+    """A preset without a checkpoint (the benchmarks' random initialisation), in a bf16 or an fp32 model whose
+    frozen base is bf16: the quantized experts hold the values the bf16 base draws by name, quantized, bit for bit
+    what quantizing that base's experts gives."""
     import dataclasses
 
     from moe_tune.build import assemble, source_loader
@@ -117,7 +119,7 @@ def test_a_built_in_model_draws_the_quantized_experts_as_the_bf16_ones(mode):
     from moe_tune.models.presets import preset_config
 
     lora = LoRASpec(rank=8, alpha=16.0, base_dtype=torch.bfloat16)
-    options = ModelOptions(dtype=torch.bfloat16, lora=lora)
+    options = ModelOptions(dtype=dtype, lora=lora)
     quantized = dataclasses.replace(options, experts=ExpertsOptions(quantized_base=mode))
     config = preset_config("tiny_qwen3_moe", {})
     models = [assemble(config, o, source_loader(None, seed=3)) for o in (options, quantized)]
@@ -126,8 +128,13 @@ def test_a_built_in_model_draws_the_quantized_experts_as_the_bf16_ones(mode):
     assert pairs
     for bf16, quantized in pairs:
         for proj in PROJECTIONS:
-            w = getattr(bf16, f"{proj}_proj").float()
-            assert rel_err(getattr(quantized, f"{proj}_quantized").dequantized(), w) < TOL[mode][1]
+            w = getattr(bf16, f"{proj}_proj").detach()
+            assert w.dtype == torch.bfloat16
+            held = getattr(quantized, f"{proj}_quantized")
+            assert rel_err(held.dequantized(), w.float()) < TOL[mode][1]
+            want = type(held)(*w.shape)
+            want.fill_(0, w)
+            assert torch.equal(held.dequantized(), want.dequantized()), proj
 
 
 @pytest.mark.parametrize(
