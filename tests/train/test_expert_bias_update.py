@@ -1,6 +1,7 @@
 """Aux-loss-free balancing (DeepSeek-V3, train.bias_update_rate) on 2 gloo ranks through the real Trainer: after
 one step every rank holds the same e_score_correction_bias, bit for bit, and it is the update computed from the
-sum of both ranks' expert loads (each rank routes different tokens, so its own loads alone give another one)."""
+sum of both ranks' expert loads over the step's micro-batches (each rank routes different tokens, so its own loads
+alone give another one; so would the last micro-batch's alone)."""
 
 from __future__ import annotations
 
@@ -75,13 +76,18 @@ def _bias_body(rank: int, output_dir: str, parallel: list[str]) -> None:
     moes = [m for m in trainer.model.moe_layers() if m.router.e_score_correction_bias is not None]
     assert len(moes) == 2, len(moes)  # tiny_deepseek_v3: two MoE layers after a dense one
     before_LE = torch.stack([m.router.e_score_correction_bias.detach().clone() for m in moes])
-    local_LE = _local_loads(trainer, _step_batches(trainer, 0))
+    batches = _step_batches(trainer, 0)
+    local_LE = _local_loads(trainer, batches)
     loads = _gather(local_LE)
     assert not torch.equal(loads[0], loads[1])  # the ranks routed different tokens
     expected_LE = _expected_bias(before_LE, sum(loads))
     # The test can tell: on some rank, that rank's own loads alone would give another bias.
     alone_differs = torch.tensor([int(not torch.equal(_expected_bias(before_LE, local_LE), expected_LE))])
     assert sum(_gather(alone_differs)).item() > 0
+    if len(batches) > 1:  # the step's last micro-batch alone, on every rank, would give another bias
+        assert not torch.equal(
+            _expected_bias(before_LE, sum(_gather(_local_loads(trainer, batches[-1:])))), expected_LE
+        )
 
     trainer.train_step(0)
     after_LE = torch.stack([m.router.e_score_correction_bias.detach().clone() for m in moes])
@@ -91,6 +97,8 @@ def _bias_body(rank: int, output_dir: str, parallel: list[str]) -> None:
     assert not torch.equal(after_LE, before_LE)
 
 
-@pytest.mark.parametrize("parallel", [["parallel.ep=2"], []], ids=["ep2", "fsdp"])
+@pytest.mark.parametrize(
+    "parallel", [["parallel.ep=2"], ["train.global_batch_size=8"]], ids=["ep2", "fsdp_two_micro_batches"]
+)
 def test_bias_update_uses_both_ranks_loads_and_is_identical(tmp_path, parallel):
     run_ranks(_bias_body, 2, str(tmp_path), parallel)
