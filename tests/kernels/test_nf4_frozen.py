@@ -149,3 +149,23 @@ def test_one_pass_fits_the_budget_up_to_its_last_byte(monkeypatch):
         assert nf4_frozen.fits_one_pass(codes, dtype)
         monkeypatch.setattr(nf4_frozen, "DEQUANT_BUDGET_BYTES", 4 * 16 * 64 * size - 1)
         assert not nf4_frozen.fits_one_pass(codes, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_each_pass_dequantizes_as_many_experts_as_fit_the_budget(monkeypatch, dtype):
+    """Experts that do not fit ``DEQUANT_BUDGET_BYTES`` at once go in passes of as many as fit: the budget holds
+    3 1/2 experts in the input's dtype, so 10 experts go in passes of 3, 3, 3 and 1, none over the budget."""
+    e, N, K = 10, 16, 64
+    monkeypatch.setattr(nf4_frozen, "DEQUANT_BUDGET_BYTES", 7 * N * K * dtype.itemsize // 2)
+    passes = []
+    dequantize = nf4_frozen.dequantize_weight
+
+    def recorded(codes, scales, dtype=torch.float32, triton_kernel=None):
+        passes.append(codes.shape[0])
+        return dequantize(codes, scales, dtype, triton_kernel)
+
+    monkeypatch.setattr(nf4_frozen, "dequantize_weight", recorded)
+    codes, scales = quantize_weight(torch.randn(e, N, K, generator=torch.Generator().manual_seed(4)))
+    x = torch.randn(2 * e, K, dtype=dtype)
+    frozen_nf4_grouped_mm(x, codes, scales, torch.arange(2, 2 * e + 1, 2, dtype=torch.int32))
+    assert passes == [3, 3, 3, 1]
