@@ -60,8 +60,12 @@ def _layer_of(name: str) -> int:
 
 @contextlib.contextmanager
 def fake_world(world_size: int):
-    """A fake process group of ``world_size`` ranks (this process is rank 0) for the duration; none may exist."""
+    """A fake process group of ``world_size`` ranks (this process is rank 0) for the duration; none may exist.
+    DTensor's sharding caches are emptied after: their keys' meshes compare equal to a real group's meshes of the
+    same layout (DeviceMesh equality ignores the group and the rank), so a run planned in its own process
+    (``auto``) would get back specs on the fake rank-0 meshes, and rank r > 0 would take rank 0's shards."""
     import torch.distributed as dist
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -73,6 +77,7 @@ def fake_world(world_size: int):
     finally:
         dist.destroy_process_group()
         sys.excepthook = hook
+        _clear_sharding_prop_cache()
 
 
 def census(cfg: Config, hf_config, world_size: int) -> Census:

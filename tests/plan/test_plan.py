@@ -381,3 +381,32 @@ def test_cli_expands_a_home_model_path_as_moe_tune_does(tmp_path, monkeypatch, c
     monkeypatch.setenv("HOME", str(tmp_path))
     assert plan_main(["model.path=~/ckpt"]) == 2
     assert f"model.path={tmp_path / 'ckpt'} does not exist" in capsys.readouterr().err
+
+
+def test_a_plan_leaves_no_fake_mesh_to_the_run_that_follows():
+    """``auto`` plans in the process that then trains: DTensor's sharding cache, keyed by meshes that compare equal
+    whatever their process group, must not hand rank 1's experts the plan's rank-0 mesh (rank 1 then read experts
+    0-3 of the checkpoint again and the load refused the unread 4-7)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from moe_tune.build import model_options
+    from moe_tune.distributed.dims import ParallelDims
+    from moe_tune.distributed.expert_parallel import ep_dispatchers
+    from moe_tune.distributed.mesh import build_mesh
+    from moe_tune.distributed.parallelize import parallelize
+    from moe_tune.models.hf_io import local_rows
+    from moe_tune.models.model import build_model
+
+    hf, cfg = tiny_config("qwen3_moe"), _cfg("parallel.ep=1")
+    plan(cfg, 2, hf_config=hf)
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)  # the run, seen from rank 1
+    try:
+        mesh = build_mesh(ParallelDims(1, 2, 1, 2), "cpu")
+        model = build_model(hf, model_options(cfg, mesh.dims), ep_dispatchers(mesh, cfg.comm), None)
+        parallelize(model, mesh, cfg)
+        experts = model.moe_layers()[0].experts.gate_up_proj
+        assert tuple(experts.device_mesh.get_coordinate()) == (1,)
+        assert local_rows(experts)[1] == 4
+    finally:
+        dist.destroy_process_group()
