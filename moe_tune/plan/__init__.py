@@ -198,12 +198,14 @@ def search(
     vary=AUTO_KEYS,
 ) -> tuple[list[Plan], list[tuple[dict, str]]]:
     """(plans that fit, fastest first; rejected layouts with the reason). A micro-batch that does not fit ends
-    that (ep, checkpointing) line: larger ones only need more."""
+    that (ep, checkpointing) line: larger ones only need more. ConfigError when no layout tried can run at all (a
+    held key or another value makes each invalid): the configuration's error, not a layout too large."""
     from moe_tune.models.families import num_experts
 
     hf_config = hf_config_of(cfg)
     fitting: list[Plan] = []
     rejected: list[tuple[dict, str]] = []
+    invalid: list[ConfigError] = []
     stop: set[tuple[int, str]] = set()
     for c in candidates(cfg, gpus, num_experts(hf_config), max_micro_batch, vary):
         key = (c.parallel.ep, c.parallel.activation_checkpointing)
@@ -214,12 +216,15 @@ def search(
             p = plan(c, gpus, gpu_mem_gib, headroom, routing, hf_config=hf_config)
         except ConfigError as e:
             rejected.append((layout, str(e)))
+            invalid.append(e)
             continue
         if p.fits:
             fitting.append(p)
         else:
             rejected.append((layout, p.problems[0]))
             stop.add(key)
+    if not fitting and invalid and len(invalid) == len(rejected):
+        raise invalid[0]
     # Equal predicted speeds come from a host-bound step, whose launches the model counts once per layer: a
     # recompute still adds its own, so the layout recomputing least comes first, then the one needing least memory.
     recompute = {"none": 0, "selective": 1, "full": 2}

@@ -288,6 +288,27 @@ def test_auto_refuses_a_sweep_and_a_layout_that_cannot_fit(monkeypatch):
         resolve(["train.micro_batch_size=auto", "parallel.activation_checkpointing=auto"])
 
 
+def test_a_search_none_of_whose_layouts_can_run_is_the_configurations_error(monkeypatch, capsys):
+    """A held ep not dividing the experts under --search, a global batch no micro-batch divides under auto: every
+    layout tried is invalid, so the plan and moe-tune say that error (one line, exit 2), not that nothing fits
+    (exit 3, a list of the same error) or "use more GPUs, peft=lora" (auto)."""
+    from moe_tune.config import ConfigError
+    from moe_tune.plan.auto import resolve
+
+    assert plan_main(["--search", "--gpus", "6", "parallel.ep=3"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        "moe-tune-plan: error: the model's number of experts (8) must be divisible by parallel.ep (3); try parallel.ep=2"
+    ]
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=r"^train.global_batch_size \(6\) must be a multiple of"):
+        resolve(["train.global_batch_size=6", "parallel.ep=auto"])
+    # some micro-batches dividing the global batch: those fit, the others are listed with the reason
+    fitting, rejected = search(_cfg("train.global_batch_size=8"), 4, vary=("train.micro_batch_size",))
+    assert [p.config.train.micro_batch_size for p in fitting] == [2, 1]
+    assert [lay["micro_batch_size"] for lay, _ in rejected] == [4, 8, 16]
+
+
 def test_cli_names_an_adapter_as_moe_tune_does(tmp_path, capsys):
     """A PEFT adapter directory as model.path: moe-tune's line (its base model), not an unreadable config.json."""
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "/b"}))
