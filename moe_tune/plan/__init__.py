@@ -170,7 +170,8 @@ def plan(
 
 def candidates(cfg: Config, gpus: int, num_experts: int, max_micro_batch: int = 16, vary=AUTO_KEYS):
     """Layouts to try: every ep dividing both the experts and the GPUs, micro-batches 1, 2, 4, ... (global batch
-    kept when set), each checkpointing mode; of these only the keys in ``vary``, the others as ``cfg`` has them."""
+    kept when set), each checkpointing mode; of these only the keys in ``vary``, the others as ``cfg`` has them
+    (``comm`` too: a dispatch backend or overlap that needs expert parallelism rules ep=1 out, as moe-tune does)."""
     p, t = cfg.parallel, cfg.train
     eps = [e for e in range(1, gpus + 1) if gpus % e == 0 and num_experts % e == 0]
     eps = eps if "parallel.ep" in vary else [p.ep]
@@ -184,7 +185,6 @@ def candidates(cfg: Config, gpus: int, num_experts: int, max_micro_batch: int = 
                     cfg,
                     parallel=dataclasses.replace(p, ep=ep, activation_checkpointing=ac),
                     train=dataclasses.replace(t, micro_batch_size=mb),
-                    comm=cfg.comm if ep > 1 else AllToAllConfig(),  # one rank: no dispatch to choose
                 )
 
 

@@ -309,6 +309,22 @@ def test_a_search_none_of_whose_layouts_can_run_is_the_configurations_error(monk
     assert [lay["micro_batch_size"] for lay, _ in rejected] == [4, 8, 16]
 
 
+def test_auto_with_a_dispatch_backend_picks_a_layout_that_uses_it(monkeypatch):
+    """comm=deepep (or comm.overlap=true) needs expert parallelism: auto and --search must not offer parallel.ep=1,
+    which moe-tune then refuses ("comm=deepep needs expert parallelism")."""
+    from moe_tune.config import validate
+    from moe_tune.plan.auto import resolve
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for comm, why in (("comm=deepep", "comm=deepep needs expert parallelism"), ("comm.overlap=true", "has none")):
+        got = resolve([comm, "parallel.ep=auto"])
+        assert got == [comm, "parallel.ep=2"]
+        validate(_cfg(*got), world_size=2, num_experts=8)  # the run takes it
+        fitting, rejected = search(_cfg(comm), 2, vary=("parallel.ep",))
+        assert [p.census.dims.ep for p in fitting] == [2]
+        assert [lay["ep"] for lay, _ in rejected] == [1] and why in rejected[0][1]
+
+
 def test_cli_names_an_adapter_as_moe_tune_does(tmp_path, capsys):
     """A PEFT adapter directory as model.path: moe-tune's line (its base model), not an unreadable config.json."""
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "/b"}))
