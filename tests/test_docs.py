@@ -246,3 +246,22 @@ def test_the_experts_share_of_qwen3_30b_a3b_quoted_is_its_parameter_count():
     share, layer_share = round(100 * experts / sum(sizes.values())), round(100 * experts / layers)
     assert "The frozen experts, 95% of the weights" in read("README.md") and share == 95
     assert f"({share}% of Qwen3-30B-A3B's, {layer_share}% of its decoder layers')" in read("docs/lora.md")
+
+
+def test_the_full_deepseek_v3_that_models_md_names_is_deepseek_v3():
+    """docs/models.md's overrides for the full DeepSeek-V3 from ``model=deepseek_v3`` (cut to 1 dense + 3 MoE
+    layers) give its 61 layers, the first 3 dense, and its 671B parameters without the multi-token-prediction layer
+    (``num_hidden_layers=61`` alone keeps the cut's one dense layer: 60 MoE layers, 692.9B parameters)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from moe_tune.config.overrides import check, to_config
+    from moe_tune.models.presets import trained_config
+
+    given = re.search(r"and `([^`]+)` gives the full model", read("docs/models.md").replace("\n", " ")).group(1)
+    cfg = to_config(check(["model=deepseek_v3", *given.split()]))
+    hf = trained_config(cfg.model.name, cfg.model.overrides)
+    assert (hf.num_hidden_layers, hf.first_k_dense_replace) == (61, 3)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    assert sum(p.numel() for p in model.parameters()) == 671_026_404_352
