@@ -42,13 +42,14 @@ def check_overrides(overrides: list[str]) -> None:
     ranks, as without the launcher."""
     from moe_tune.cli.train import fail
     from moe_tune.config import UserError
-    from moe_tune.config.overrides import check, to_config
+    from moe_tune.config.overrides import AUTO_KEYS, check, to_config
     from moe_tune.config.sweep import sweep_jobs
     from moe_tune.config.validate import check_values
     from moe_tune.loggers import require_logger
 
     multirun = bool(overrides) and overrides[0] in MULTIRUN
-    overrides = overrides[multirun:]
+    # <key>=auto is each rank's to plan, for the world size torchrun gives it (moe_tune.plan.auto)
+    overrides = [o for o in overrides[multirun:] if not (o.endswith("=auto") and o.split("=", 1)[0] in AUTO_KEYS)]
     try:
         cfg = to_config(check(overrides, multirun=multirun))
         for job_cfg in [to_config(check(job)) for job in sweep_jobs(overrides)] if multirun else [cfg]:

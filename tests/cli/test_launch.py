@@ -59,6 +59,18 @@ def test_a_bad_value_of_a_sweep_is_one_line_before_any_rank_starts(tmp_path, arg
     assert "train.steps=-1 is out of range" in r.stderr and not out.exists()
 
 
+def test_auto_layout_values_pass_the_launchers_check(capsys):
+    """``parallel.ep=auto`` and the other planned keys are each rank's to resolve, for the world size torchrun
+    gives it (docs/planning.md): the launcher's check refused them ("parallel.ep='auto' is not an integer"). A bad
+    value beside them is still its one line."""
+    from moe_tune.cli.launch import check_overrides
+
+    check_overrides(["parallel.ep=auto", "train.micro_batch_size=auto", "parallel.activation_checkpointing=auto"])
+    with pytest.raises(SystemExit) as e:
+        check_overrides(["parallel.ep=auto", "train.steps=-1"])
+    assert e.value.code == 2 and "train.steps=-1 is out of range" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1], ids=["sigterm", "ctrl_c", "sigusr1"]
 )
