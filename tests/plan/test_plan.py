@@ -447,3 +447,16 @@ def test_a_plan_leaves_no_fake_mesh_to_the_run_that_follows():
         assert local_rows(experts)[1] == 4
     finally:
         dist.destroy_process_group()
+
+
+def test_planning_md_names_every_flag_of_the_help():
+    """Every flag ``moe-tune-plan --help`` lists is explained in docs/planning.md."""
+    import pathlib
+    import re
+
+    from moe_tune.cli.plan import _parser
+
+    doc = (pathlib.Path(__file__).parents[2] / "docs" / "planning.md").read_text()
+    flags = {s for a in _parser()._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+    assert flags == {"--gpus", "--gpu-mem-gib", "--headroom", "--routing", "--search", "--max-micro-batch", "--json"}
+    assert [f for f in sorted(flags) if not re.search(rf"`{f}[ `]", doc)] == []
