@@ -78,17 +78,20 @@ def _git_head() -> str:
 @pytest.mark.slow
 @pytest.mark.dist
 def test_two_rank_torchrun_gloo(tmp_path, cli_env):
-    """The default job under torchrun with 2 ranks (FSDP2 on gloo, then EP=2): one run directory, rank 0 writes.
-    (The same two runs under the rank harness, in the fast lane: tests/train/test_runs.py::
-    test_ep2_trains_as_fsdp_on_two_ranks.)"""
+    """The default job under torchrun with 2 ranks (FSDP2 on gloo, then EP=2, then parallel.ep=auto, planned in
+    each rank's process before its process group): one run directory, rank 0 writes. (The first two under the rank
+    harness, in the fast lane: tests/train/test_runs.py::test_ep2_trains_as_fsdp_on_two_ranks.)"""
     r = run_cli([f"output_dir={tmp_path / 'dp'}", "train.steps=4", *FAST_RUN], cli_env, nproc=2)
     assert r.stderr.count(f"[rank0] outputs in {tmp_path / 'dp'}") == 1 and "[rank1] outputs" not in r.stderr
     run_cli([f"output_dir={tmp_path / 'ep'}", "train.steps=4", "parallel.ep=2", *FAST_RUN], cli_env, nproc=2)
-    dp, ep = read_metrics(tmp_path / "dp"), read_metrics(tmp_path / "ep")
-    assert [r["step"] for r in dp] == [1, 2, 3, 4] == [r["step"] for r in ep]
+    r = run_cli([f"output_dir={tmp_path / 'auto'}", "train.steps=4", "parallel.ep=auto", *FAST_RUN], cli_env, nproc=2)
+    assert r.stderr.count("moe-tune: auto: parallel.ep=") == 1
+    dp, ep, auto = (read_metrics(tmp_path / run) for run in ("dp", "ep", "auto"))
+    assert [r["step"] for r in dp] == [1, 2, 3, 4] == [r["step"] for r in ep] == [r["step"] for r in auto]
     # Same data, same weights: expert parallelism changes where experts run, not the maths.
-    for a, b in zip(dp, ep):
+    for a, b, c in zip(dp, ep, auto):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a["loss"], b["loss"])
+        assert abs(a["loss"] - c["loss"]) <= 1e-5 * abs(a["loss"]), (a["loss"], c["loss"])
     assert_hf_logits_equal(str(tmp_path / "ep" / "hf"))
 
 
