@@ -79,6 +79,8 @@ def _print_plan(d: dict) -> None:
         print(f"  {problem}")
     parts = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in d["step_parts_s"].items() if v > 0)
     print(f"predicted {d['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, step {d['step_s'] * 1e3:.0f} ms ({parts})")
+    if lay["kernels"] == "te":
+        print("  kernels=te: TransformerEngine's layers are not modelled, predicted as the torch path they replace")
     if lay["quantize_base"] != "none":
         print(
             f"  the speed counts the {lay['quantize_base']} base's GEMMs as bf16's: measured (one H100, Qwen3-30B-A3B "

@@ -57,7 +57,11 @@ def _activation_options(cfg: Config, dims):
     options = model_options(cfg, dims)
     compute = torch.float32 if cfg.train.precision == "fp32" else torch.bfloat16
     return dataclasses.replace(
-        options, dtype=compute, experts=dataclasses.replace(options.experts, compute_dtype=None, grad_divide=1.0)
+        options,
+        dtype=compute,
+        experts=dataclasses.replace(options.experts, compute_dtype=None, grad_divide=1.0),
+        kernels="torch",  # TransformerEngine's layers are planned as the torch path (docs/planning.md)
+        fp8="none",
     )
 
 
@@ -103,6 +107,7 @@ class Plan:
                 "activation_checkpointing": self.config.parallel.activation_checkpointing,
                 "comm": self.config.comm.name,
                 "compile": self.config.kernels.compile,
+                "kernels": self.config.kernels.name,
                 "precision": t.precision,
                 "peft": self.config.peft.name,
                 "quantize_base": self.config.peft.quantize_base,
@@ -141,13 +146,13 @@ def plan(
     validate(cfg, world_size=gpus, num_experts=num_experts(hf_config), expert_dims=expert_dims(hf_config))
     # What a rank holds does not depend on the micro-batch, checkpointing or the comm backend (each gives rank r the
     # same block of experts; ``memory`` counts their buffers): one build per layout in a search, and no DeepEP or
-    # NVSHMEM needed here.
+    # NVSHMEM needed here; nor TransformerEngine: its layers are planned as the torch path (docs/planning.md).
     same = dataclasses.replace(
         cfg,
         comm=AllToAllConfig(),
         train=dataclasses.replace(cfg.train, micro_batch_size=1, global_batch_size=-1),
         parallel=dataclasses.replace(cfg.parallel, activation_checkpointing="none"),
-        kernels=dataclasses.replace(cfg.kernels, compile=False),
+        kernels=dataclasses.replace(cfg.kernels, name="torch", fp8="none", compile=False),
     )
     key = (gpus, repr(same), hf_config.to_json_string())
     if key not in _CENSUS:

@@ -342,6 +342,18 @@ def test_cli_plan_of_a_quantized_base_says_its_speed_is_bf16s(capsys):
     assert "the speed counts" not in capsys.readouterr().out
 
 
+def test_cli_plans_transformer_engine_as_the_torch_path_without_it(monkeypatch, capsys):
+    """kernels=te is not modelled (docs/planning.md): planned as the torch path, on a machine without
+    TransformerEngine too (the census built TE's layers: ModuleNotFoundError and a traceback)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)  # not installed, as on a laptop
+    assert plan_main(["kernels=te", "--gpus", "2", "--max-micro-batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "kernels=te: TransformerEngine's layers are not modelled, predicted as the torch path" in out
+    assert plan_main(["kernels=te", "kernels.fp8=current", "--gpus", "2", "--search", "--max-micro-batch", "2"]) == 0
+
+
 def test_cli_lora_search_that_fits_nowhere_tries_an_nf4_base(capsys):
     """A LoRA search with no layout fitting on a bf16 base searches again with the frozen experts in NF4 and bf16
     adapters, and says what fits then (the full Qwen3-30B-A3B on a 40 GiB GPU: 68.5 GiB bf16, about 24 NF4)."""
