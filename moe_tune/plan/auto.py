@@ -22,11 +22,11 @@ def auto_keys(overrides: list[str]) -> list[str]:
 
 
 def world_size() -> int:
-    """The launcher's world size (torchrun's WORLD_SIZE, Slurm's SLURM_NTASKS), 1 for a lone process."""
-    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 1
+    """The world size the run's process group will have (torchrun's WORLD_SIZE, Slurm's SLURM_NTASKS for an srun
+    task), read as the run reads it: 1 for a lone process, in an allocation's shell (SLURM_NTASKS alone) too."""
+    from moe_tune.distributed.env import dist_env
+
+    return dist_env().world_size
 
 
 def gpu_memory_gib() -> float | None:

@@ -255,6 +255,7 @@ def test_auto_takes_the_fastest_layout_that_fits(monkeypatch):
     from moe_tune.plan.auto import resolve
 
     monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
     got = resolve(["train.seq_len=2048", "parallel.ep=auto", "train.micro_batch_size=auto"])
     fitting, _ = search(_cfg("train.seq_len=2048"), 4, vary=("parallel.ep", "train.micro_batch_size"))
     best = fitting[0]
@@ -283,6 +284,7 @@ def test_auto_refuses_a_sweep_and_a_layout_that_cannot_fit(monkeypatch):
     with pytest.raises(ConfigError, match="sweep"):
         resolve(["train.micro_batch_size=auto"], multirun=True)
     monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr("moe_tune.plan.auto.gpu_memory_gib", lambda: 0.25)
     with pytest.raises(ConfigError, match="no layout of 1 GPU"):
         resolve(["train.micro_batch_size=auto", "parallel.activation_checkpointing=auto"])
@@ -301,6 +303,7 @@ def test_a_search_none_of_whose_layouts_can_run_is_the_configurations_error(monk
         "moe-tune-plan: error: the model's number of experts (8) must be divisible by parallel.ep (3); try parallel.ep=2"
     ]
     monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
     with pytest.raises(ConfigError, match=r"^train.global_batch_size \(6\) must be a multiple of"):
         resolve(["train.global_batch_size=6", "parallel.ep=auto"])
     # some micro-batches dividing the global batch: those fit, the others are listed with the reason
@@ -316,6 +319,7 @@ def test_auto_with_a_dispatch_backend_picks_a_layout_that_uses_it(monkeypatch):
     from moe_tune.plan.auto import resolve
 
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
     for comm, why in (("comm=deepep", "comm=deepep needs expert parallelism"), ("comm.overlap=true", "has none")):
         got = resolve([comm, "parallel.ep=auto"])
         assert got == [comm, "parallel.ep=2"]
@@ -323,6 +327,22 @@ def test_auto_with_a_dispatch_backend_picks_a_layout_that_uses_it(monkeypatch):
         fitting, rejected = search(_cfg(comm), 2, vary=("parallel.ep",))
         assert [p.census.dims.ep for p in fitting] == [2]
         assert [lay["ep"] for lay, _ in rejected] == [1] and why in rejected[0][1]
+
+
+def test_auto_plans_for_the_world_the_run_will_have(monkeypatch):
+    """A lone moe-tune in an allocation's shell (salloc -n 8: SLURM_NTASKS without SLURM_PROCID) runs one process:
+    auto planned 8 GPUs for it (parallel.ep=8, which the one-rank run then refused)."""
+    from moe_tune.plan.auto import world_size
+
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    assert world_size() == 1
+    monkeypatch.setenv("SLURM_PROCID", "3")  # srun's task 3 of 8
+    assert world_size() == 8
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's, first
+    assert world_size() == 2
 
 
 def test_cli_names_an_adapter_as_moe_tune_does(tmp_path, capsys):
@@ -379,6 +399,7 @@ def test_plannings_auto_example_is_what_auto_says(monkeypatch, capsys):
     doc = (Path(__file__).parents[2] / "docs" / "planning.md").read_text()
     line = re.search(r"^moe-tune: auto: .*$", doc, re.M).group(0)
     monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr("moe_tune.plan.auto.gpu_memory_gib", lambda: 139.8)  # an H200's, as torch reports it
     resolve(["model=qwen3_30b_a3b", "train.seq_len=4096", "parallel.ep=auto", "train.micro_batch_size=auto"])
     assert capsys.readouterr().err.strip() == line
