@@ -84,14 +84,15 @@ def build_source(cfg: Config, rank: int) -> tuple[str | None, object]:
     return None, preset_config(cfg.model.name, cfg.model.overrides)
 
 
-def check_model_source(cfg: Config) -> None:
+def check_model_source(cfg: Config, weights: bool = True) -> None:
     """Before any process group or write: a model.path's config.json and safetensors headers can be read, a
-    preset's overrides have the types of the fields they replace (one line each, exit 2)."""
+    preset's overrides have the types of the fields they replace (one line each, exit 2). ``weights=False``: for a
+    plan, which needs config.json alone (``check_source_dir``)."""
     if cfg.model.path is not None:
         problem = model_dir_problem(cfg.model.path)
         if problem:
             raise CheckpointError(problem)
-        hf = check_source_dir(cfg.model.path)
+        hf = check_source_dir(cfg.model.path, weights)
         check_family(cfg.model, hf["model_type"], hf.get("architectures"))
         check_tokenizer(cfg, hf.get("vocab_size"))
     else:

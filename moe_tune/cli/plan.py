@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         check_flags(args)
         searched, overrides = searched_keys(args.overrides, args.search)
         cfg = cli_args.to_config(cli_args.check(overrides))
-        check_model_source(cfg)  # a missing or unreadable model.path: moe-tune's own one line
+        check_model_source(cfg, weights=False)  # a missing or unreadable model.path: moe-tune's own one line
         mem = DEFAULT_GPU_MEM_GIB if args.gpu_mem_gib is None else args.gpu_mem_gib
         headroom = DEFAULT_HEADROOM if args.headroom is None else args.headroom
         if searched is not None:

@@ -46,6 +46,12 @@ def read_index(path: str) -> dict[str, str] | None:
     return weight_map
 
 
+def index_without_shards(path: str) -> bool:
+    """Whether ``path`` holds a shard index and no safetensors file at all: a copy of a checkpoint's JSON files
+    alone (``hf download <id> --include '*.json'``), which moe-tune-plan plans from config.json."""
+    return os.path.isfile(os.path.join(path, INDEX)) and not any(n.endswith(".safetensors") for n in os.listdir(path))
+
+
 def loose_weight_map(path: str, keys_of: Callable[[str], list[str]]) -> dict[str, str]:
     """Tensor name -> file over every ``*.safetensors`` of ``path`` without an index (``keys_of(file)``: the file's
     tensor names). A name in two files is refused: which copy the model gets would depend on the files' names

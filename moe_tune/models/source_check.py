@@ -15,7 +15,7 @@ import struct
 
 from moe_tune.config import CheckpointError, ConfigError
 from moe_tune.models.fp8_checkpoint import block_size, check_headers
-from moe_tune.models.shard_index import read_index
+from moe_tune.models.shard_index import index_without_shards, read_index
 
 # A safetensors file starts with the header's length (8 bytes, little-endian) and then that many bytes of JSON.
 HEADER_LEN_BYTES = 8
@@ -122,9 +122,10 @@ def check_sizes(fields: dict, name, fix: str) -> None:
         )
 
 
-def check_source_dir(path: str) -> dict:
+def check_source_dir(path: str, weights: bool = True) -> dict:
     """A local Hugging Face directory: its config.json (returned; its sizes, and that transformers reads it), its
-    shard index and every safetensors file's header."""
+    shard index and every safetensors file's header. ``weights=False`` (a plan, which reads none): an index
+    without any of its shards is a copy of the JSON files alone, not an interrupted download."""
     from transformers import AutoConfig
 
     cfg = read_config_json(path)
@@ -139,7 +140,8 @@ def check_source_dir(path: str) -> dict:
             f"{file}: transformers cannot read it ({' '.join(line.strip() for line in reason[:2])}); fix that "
             "field or copy config.json from the model's original release"
         ) from None
-    read_index(path)
+    if weights or not index_without_shards(path):
+        read_index(path)
     entries = {}
     for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         header = check_safetensors_header(file)

@@ -345,6 +345,27 @@ def test_auto_plans_for_the_world_the_run_will_have(monkeypatch):
     assert world_size() == 2
 
 
+def test_cli_plans_a_checkpoints_json_files_alone(tmp_path, tiny_checkpoint, capsys):
+    """``hf download <id> --include '*.json'`` (config.json and the shard index, no weights) is what a laptop plans
+    from: the plan reads no weights, so it plans it (moe-tune's check refused it as an interrupted download). A
+    download with some of the index's shards missing is still refused."""
+    import shutil
+
+    src = tiny_checkpoint(num_hidden_layers=2)
+    index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    shutil.copy(f"{src}/config.json", meta)
+    (meta / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert plan_main([f"model.path={meta}", "--gpus", "2"]) == 0
+    assert capsys.readouterr().out.startswith(f"{meta} (2 layers, ")
+    index["weight_map"]["lm_head.weight"] = "model.safetensors"  # one shard here, one not
+    shutil.copy(f"{src}/model.safetensors", meta)
+    (meta / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert plan_main([f"model.path={meta}", "--gpus", "2"]) == 2
+    assert "names model-00001-of-00002.safetensors, which" in capsys.readouterr().err
+
+
 def test_cli_names_an_adapter_as_moe_tune_does(tmp_path, capsys):
     """A PEFT adapter directory as model.path: moe-tune's line (its base model), not an unreadable config.json."""
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "/b"}))
