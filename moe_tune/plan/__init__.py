@@ -174,11 +174,13 @@ def plan(
 
 
 def candidates(cfg: Config, gpus: int, num_experts: int, max_micro_batch: int = 16, vary=AUTO_KEYS):
-    """Layouts to try: every ep dividing both the experts and the GPUs, micro-batches 1, 2, 4, ... (global batch
+    """Layouts to try: every ep dividing both the experts and dp_shard (the GPUs over dp_replicate: expert
+    parallelism borrows its ranks), micro-batches 1, 2, 4, ... (global batch
     kept when set), each checkpointing mode; of these only the keys in ``vary``, the others as ``cfg`` has them
     (``comm`` too: a dispatch backend or overlap that needs expert parallelism rules ep=1 out, as moe-tune does)."""
     p, t = cfg.parallel, cfg.train
-    eps = [e for e in range(1, gpus + 1) if gpus % e == 0 and num_experts % e == 0]
+    shard = p.dp_shard if p.dp_shard > 0 else max(gpus // max(p.dp_replicate, 1), 1)
+    eps = [e for e in range(1, shard + 1) if shard % e == 0 and num_experts % e == 0]
     eps = eps if "parallel.ep" in vary else [p.ep]
     acs = AC_MODES if "parallel.activation_checkpointing" in vary else (p.activation_checkpointing,)
     mbs = [1 << i for i in range(int(math.log2(max_micro_batch)) + 1)]

@@ -366,6 +366,13 @@ def test_cli_plans_a_checkpoints_json_files_alone(tmp_path, tiny_checkpoint, cap
     assert "names model-00001-of-00002.safetensors, which" in capsys.readouterr().err
 
 
+def test_search_tries_the_expert_parallelism_that_dp_shard_holds():
+    """ep borrows its ranks from dp_shard: with dp_replicate=2 on 4 GPUs (dp_shard 2) ep=4 is no layout to try
+    (it was listed as rejected, "parallel.ep (4) must divide parallel.dp_shard (2, ...)")."""
+    fitting, rejected = search(_cfg("parallel.dp_replicate=2"), 4, vary=("parallel.ep",))
+    assert sorted(p.census.dims.ep for p in fitting) == [1, 2] and rejected == []
+
+
 def test_cli_names_an_adapter_as_moe_tune_does(tmp_path, capsys):
     """A PEFT adapter directory as model.path: moe-tune's line (its base model), not an unreadable config.json."""
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "/b"}))
