@@ -6,11 +6,11 @@ takes their place, said in one line. Every rank decides alike (the same inputs, 
 
 from __future__ import annotations
 
-import os
 import sys
 
 from moe_tune.config import ConfigError
 from moe_tune.config.overrides import AUTO_KEYS
+from moe_tune.distributed.env import dist_env
 
 
 def auto_keys(overrides: list[str]) -> list[str]:
@@ -24,8 +24,6 @@ def auto_keys(overrides: list[str]) -> list[str]:
 def world_size() -> int:
     """The world size the run's process group will have (torchrun's WORLD_SIZE, Slurm's SLURM_NTASKS for an srun
     task), read as the run reads it: 1 for a lone process, in an allocation's shell (SLURM_NTASKS alone) too."""
-    from moe_tune.distributed.env import dist_env
-
     return dist_env().world_size
 
 
@@ -35,7 +33,7 @@ def gpu_memory_gib() -> float | None:
 
     if not torch.cuda.is_available():
         return None
-    local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    local = dist_env().local_rank % torch.cuda.device_count()
     return torch.cuda.get_device_properties(local).total_memory / 2**30
 
 
@@ -76,7 +74,7 @@ def resolve(overrides: list[str], multirun: bool = False) -> list[str]:
         dims = best.census.dims
         sequences = best.config.train.micro_batch_size * dims.dp_replicate * dims.dp_shard
         batch = f"; the global batch is then {sequences} sequences, give train.global_batch_size to hold it"
-    if int(os.environ.get("RANK", "0")) == 0:
+    if dist_env().rank == 0:  # torchrun's RANK or srun's SLURM_PROCID, as the run reads them
         print(
             f"moe-tune: auto: {' '.join(picked)} (predicted {best.memory.peak / 2**30:.1f} GiB peak of "
             f"{memory:.0f} GiB, {best.speed['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU{batch}; moe-tune-plan "

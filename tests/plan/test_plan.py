@@ -373,6 +373,19 @@ def test_search_tries_the_expert_parallelism_that_dp_shard_holds():
     assert sorted(p.census.dims.ep for p in fitting) == [1, 2] and rejected == []
 
 
+def test_auto_is_said_by_the_first_rank_of_an_srun_job_alone(monkeypatch, capsys):
+    """srun's tasks (SLURM_PROCID, no RANK) each plan: the line is rank 0's, not one per task."""
+    from moe_tune.plan.auto import resolve
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    for task, said in (("1", False), ("0", True)):
+        monkeypatch.setenv("SLURM_PROCID", task)
+        assert resolve(["parallel.ep=auto"]) == ["parallel.ep=1"]
+        assert ("moe-tune: auto: parallel.ep=1" in capsys.readouterr().err) == said
+
+
 def test_cli_names_an_adapter_as_moe_tune_does(tmp_path, capsys):
     """A PEFT adapter directory as model.path: moe-tune's line (its base model), not an unreadable config.json."""
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "/b"}))
