@@ -207,9 +207,13 @@ def search(
     """(plans that fit, fastest first; rejected layouts with the reason). A micro-batch that does not fit ends
     that (ep, checkpointing) line: larger ones only need more. ConfigError when no layout tried can run at all (a
     held key or another value makes each invalid): the configuration's error, not a layout too large."""
-    from moe_tune.models.families import num_experts
+    from moe_tune.config.validate import check_expert_dims
+    from moe_tune.models.families import expert_dims, num_experts
 
     hf_config = hf_config_of(cfg)
+    # How the experts are stored (peft.quantize_base, kernels.experts) holds or fails for every layout alike: a
+    # model that cannot take it is refused once, as moe-tune refuses it, not as layouts that do not fit.
+    check_expert_dims(cfg, *expert_dims(hf_config))
     fitting: list[Plan] = []
     rejected: list[tuple[dict, str]] = []
     invalid: list[ConfigError] = []

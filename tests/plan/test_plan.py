@@ -214,6 +214,23 @@ def test_cli_refuses_bad_input_with_one_line(capsys):
         assert len(err) == 1 and named in err[0], err
 
 
+def test_a_search_refuses_a_base_the_experts_dims_cannot_hold_once(monkeypatch, capsys):
+    """peft.quantize_base=fp8 on experts of hidden 40 (not a multiple of 16) fails every layout alike: --search and
+    moe-tune's auto give moe-tune's one line and exit 2, not every layout rejected, exit 3 and "use more GPUs"."""
+    from moe_tune.config import ConfigError
+    from moe_tune.plan.auto import resolve
+
+    bad = ["peft=lora", "peft.quantize_base=fp8", "+model.overrides.moe_intermediate_size=40"]
+    said = "peft.quantize_base=fp8 needs the model dim (128) and the expert hidden dim (40) to be multiples of 16"
+    assert plan_main([*bad, "--search", "--max-micro-batch", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0], err
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError) as e:
+        resolve([*bad, "parallel.activation_checkpointing=auto"])
+    assert said in str(e.value) and "no layout" not in str(e.value)
+
+
 def test_cli_says_when_a_layout_does_not_fit_and_exits_3(capsys):
     assert plan_main(["--gpu-mem-gib", "0.05"]) == 3
     out = capsys.readouterr().out
