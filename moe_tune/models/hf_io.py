@@ -246,10 +246,12 @@ def load_state(model: torch.nn.Module, path: str, family: Family, strict: bool =
 
 
 def ignored_on_load(model) -> list[re.Pattern]:
-    """Keys transformers itself skips: DeepSeek-V3's and GLM-4-MoE's multi-token-prediction layer
-    (model.layers.61.* / .92.* / .46.*), which the causal LM never runs."""
+    """Keys the causal LM never runs: DeepSeek-V3's and GLM-4-MoE's multi-token-prediction layer, at the depths
+    transformers' classes name (model.layers.61.* / .92.* / .46.*) and wherever config.json's
+    ``num_nextn_predict_layers`` puts it (the layers right past ``num_hidden_layers``, at any depth)."""
     patterns = getattr(getattr(model, "_hf_class", None), "_keys_to_ignore_on_load_unexpected", None) or ()
-    return [re.compile(p) for p in patterns]
+    first, extra = model.config.num_hidden_layers, getattr(model.config, "num_nextn_predict_layers", 0) or 0
+    return [re.compile(p) for p in (*patterns, *(rf"^model\.layers\.{i}\." for i in range(first, first + extra)))]
 
 
 def unloaded_source_keys(model) -> tuple[CheckpointReader | None, list[str]]:

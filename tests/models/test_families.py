@@ -442,6 +442,27 @@ def test_mtp_layer_is_exported_as_the_source_holds_it(tiny_checkpoint, tmp_path,
         assert exported[k].dtype == v.dtype and torch.equal(exported[k], v), k
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_mtp_layer_right_past_the_model_is_skipped_where_config_names_it(tiny_checkpoint, tmp_path, family):
+    """A multi-token-prediction layer at another depth than the published releases' (here layer 2 of a 2-layer
+    model, config.json's num_nextn_predict_layers=1) loads as transformers loads it, skipped, not refused as
+    tensors the model does not use; the export carries it over unchanged."""
+    from safetensors.torch import save_file
+
+    from tests.harness import read_hf_tensors
+
+    src = Path(tiny_checkpoint(family, num_nextn_predict_layers=1))
+    mtp = {
+        "model.layers.2.eh_proj.weight": torch.randn(48, 96, dtype=torch.bfloat16),
+        "model.layers.2.mlp.experts.3.down_proj.weight": torch.randn(48, 40),
+    }
+    save_file(mtp, str(src / "model-mtp.safetensors"))
+    out = str(tmp_path / "out")
+    moe_tune.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).save_pretrained(out)
+    exported = read_hf_tensors(out)
+    assert all(torch.equal(exported[k], v) for k, v in mtp.items())
+
+
 def test_unsupported_architecture(tiny_checkpoint):
     llama = tiny_checkpoint("llama")
     with pytest.raises(ConfigError) as err:
