@@ -84,15 +84,32 @@ class Constraint:
         alike = spelled_alike(value, self.choices)
         return f"did you mean {key}={alike[0]}?" if len(alike) == 1 else "pick one of those"
 
-    def problem(self, key: str, value: Any) -> str | None:
-        """The error line for ``key=value``, or None when the value is allowed."""
+    def problem(self, key: str, value: Any, hint: str | None = None) -> str | None:
+        """The error line for ``key=value``, or None when the value is allowed; ``hint``: the fix for a value
+        outside the choices, where the caller knows a better one than these choices (``sibling_hint``)."""
         if self.allows(value):
             return None
         if self.choices is not None:
             # true/false as typed: Hydra parses them to booleans, which reach a text field as 'True'/'False'
             shown = str(value).lower() if str(value) in ("True", "False") else repr(value)
-            return f"{key}={shown} is not one of {', '.join(self.choices)}; {self._pick(key, value)}"
+            return f"{key}={shown} is not one of {', '.join(self.choices)}; {hint or self._pick(key, value)}"
         return out_of_range(key, value, self.text(), self.example)
+
+
+# Keys whose names are alike and whose values are easily given to each other: the quantized base's storage and the
+# GEMMs that read it. A value that is the other key's choice is pointed there, not to this key's choices.
+SIBLING_KEYS = {"peft.quantize_base": "kernels.quantized_base", "kernels.quantized_base": "peft.quantize_base"}
+
+
+def sibling_hint(key: str, value: Any, constraints: dict[str, Constraint]) -> str | None:
+    """The fix for ``key=value`` where the value is a choice of the key's sibling (``SIBLING_KEYS``) in
+    ``constraints`` (key -> its constraint); None otherwise."""
+    sibling = SIBLING_KEYS.get(key)
+    theirs = constraints.get(sibling) if sibling else None
+    alike = spelled_alike(value, theirs.choices or ()) if theirs else []
+    if not alike:
+        return None
+    return f"{alike[0]} is {theirs.help} ({sibling}): did you mean {sibling}={alike[0]}?"
 
 
 def spelled_alike(value: Any, choices) -> list[str]:

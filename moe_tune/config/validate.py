@@ -12,7 +12,7 @@ import os
 
 # The module, not its names: moe_tune.distributed.dims imports this package, and may be the first one imported.
 import moe_tune.distributed.dims as layout
-from moe_tune.config.constraints import constrained_values, out_of_range, spelled
+from moe_tune.config.constraints import constrained_values, out_of_range, sibling_hint, spelled
 from moe_tune.config.model_dir import model_dir_problem
 from moe_tune.config.schema import (
     OVERLAP_BACKENDS,
@@ -132,8 +132,9 @@ def check_values(cfg: Config) -> None:
 
 def check_fields(cfg: Config) -> None:
     """Each key against its own field's choices or range (``moe_tune.config.constraints``), in schema order."""
+    constraints = {key: constraint for key, _, constraint in constrained_values(cfg)}
     for key, value, constraint in constrained_values(cfg):
-        problem = constraint.problem(key, value)
+        problem = constraint.problem(key, value, sibling_hint(key, value, constraints))
         if problem:
             raise ConfigError(problem)
 

@@ -134,6 +134,14 @@ def test_compiled_runs_without_fp32_grouped_gemms_validate(overrides):
         (["peft=lora", "peft.quantize_base=int4"], 1, "peft.quantize_base='int4' is not one of none, fp8, nf4; pick"),
         (["peft=lora", "peft.quantize_base=NF4"], 1, "not one of none, fp8, nf4; did you mean peft.quantize_base=nf4?"),
         (["kernels.experts=Grouped-MM"], 1, "did you mean kernels.experts=grouped_mm?"),
+        # The storage given to the GEMMs' key and the other way round: pointed to the key that takes it.
+        (
+            ["peft=lora", "kernels.quantized_base=nf4"],
+            1,
+            "kernels.quantized_base='nf4' is not one of torch, triton; nf4 is the frozen experts' storage under LoRA "
+            "(peft.quantize_base): did you mean peft.quantize_base=nf4?",
+        ),
+        (["peft=lora", "peft.quantize_base=triton"], 1, "did you mean kernels.quantized_base=triton?"),
         (
             ["peft=lora", "peft.quantize_base=nf4", "kernels.experts=grouped_mm_fp8"],
             1,
