@@ -26,7 +26,7 @@ from moe_tune.models.export import (
     stop_at_end_of_turn,
     write_chat_template,
 )
-from moe_tune.models.hf_io import EXPERT_PARAM, copy_side_files, expert_offsets
+from moe_tune.models.hf_io import EXPERT_PARAM, CheckpointReader, copy_side_files, expert_offsets, read_global_rows
 
 PREFIX = "base_model.model."
 # PEFT (0.21, on transformers v5) reads a target_modules entry ending in these names as a transformers-v4 expert
@@ -81,17 +81,35 @@ def adapter_config(model, lora_names: list[str], router_names: list[str]) -> dic
     }
 
 
+def moved_routers(model) -> set[str]:
+    """The frozen routers whose correction bias (``e_score_correction_bias``) is no longer the source's: aux-loss-free
+    balancing (``train.bias_update_rate``) moves it while the router's weight stays frozen, and PEFT would load the
+    source's bias under the adapters. They are saved whole too (modules_to_save). Buffers are whole on every rank,
+    so every rank finds the same routers and gathers the same tensors."""
+    if not model.source_dir:
+        return set()
+    reader, moved = CheckpointReader(model.source_dir), set()
+    for name, buf in model.named_buffers():
+        if name.endswith(".e_score_correction_bias"):
+            held = read_global_rows(reader, model.family, name, 0, buf.shape[0]).to(buf.dtype)
+            if not torch.equal(held, buf.detach().cpu()):
+                moved.add(name.rsplit(".", 1)[0])
+    return moved
+
+
 @torch.no_grad()
 def write_adapter(model, out_dir: str, ep_group=None, dtype=None, chat_template: str | None = None) -> None:
     """Every rank calls it: adapters are gathered (FSDP shards, then experts over the ep mesh axis) one tensor at
-    a time; rank 0 writes them. Trained routers (``train_router``) are saved whole, as PEFT's modules_to_save.
+    a time; rank 0 writes them. Trained routers (``train_router``) and those whose correction bias moved
+    (``moved_routers``) are saved whole, as PEFT's modules_to_save.
     ``chat_template`` (data.chat_template's text) is written beside them as chat_template.jinja."""
     rank, world = rank_world()
     offsets = expert_offsets(model)
     tensors: dict[str, torch.Tensor] = {}
     names, routers = [], []
+    moved = moved_routers(model)
     for name, p in model.named_parameters():
-        if not (is_adapter(name) or p.requires_grad):
+        if not (is_adapter(name) or p.requires_grad or name.rsplit(".", 1)[0] in moved):
             continue
         full = full_tensor(p)
         if name in offsets:  # an expert adapter under EP: every ep rank's experts, in expert order
@@ -102,7 +120,7 @@ def write_adapter(model, out_dir: str, ep_group=None, dtype=None, chat_template:
         if is_adapter(name):
             key, value = peft_tensors(name, full)
             names.append(name)
-        else:  # a trained router: PEFT's modules_to_save entry under the module's own key
+        else:  # a trained or moved router: PEFT's modules_to_save entry under the module's own key
             key, value = PREFIX + name, full
             routers.append(name.rsplit(".", 1)[0])
         tensors[key] = value.contiguous()

@@ -94,3 +94,26 @@ def test_a_target_word_that_adapts_nothing_is_a_config_error(tmp_path):
     src = save_tiny(tmp_path / "base", "qwen3_moe")
     with pytest.raises(ConfigError, match=r"peft.target names mlp, but this qwen3_moe model has no such linear"):
         _lora_model(src, targets=("attention", "mlp"))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_a_frozen_router_whose_correction_bias_moved_is_saved_whole(tmp_path, family):
+    """Aux-loss-free balancing (train.bias_update_rate) moves a frozen router's e_score_correction_bias: the
+    adapter directory saves that router whole (modules_to_save), so that PEFT's model routes as moe_tune's does;
+    a router whose bias stayed the source's is not saved."""
+    from moe_tune.models.peft_export import write_adapter
+    from moe_tune.moe.layer import MoE
+
+    src = save_tiny(tmp_path / "base", family, num_hidden_layers=3)
+    model = _lora_model(src, targets=_targets(family))
+    moved, kept = [m for m in model.modules() if isinstance(m, MoE)]
+    moved.router.e_score_correction_bias.add_(torch.linspace(-0.5, 0.5, moved.router.e_score_correction_bias.numel()))
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    ours = model(ids).logits
+
+    write_adapter(model, str(tmp_path / "adapter"))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == [f"model.layers.{moved.layer_idx}.mlp.gate"], config["modules_to_save"]
+    peft_logits = peft.PeftModel.from_pretrained(_hf(src), str(tmp_path / "adapter")).eval()(input_ids=ids).logits
+    assert rel_err(peft_logits, ours) < LORA_TOL
