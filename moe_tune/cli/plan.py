@@ -49,10 +49,15 @@ def _row(d: dict) -> str:
     )
 
 
+def _billions(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
 def _model_line(d: dict) -> str:
     shape = d["shape"]
     return (
-        f"{d['model']} ({shape['layers']} layers, {shape['moe_layers']} of them MoE: {shape['experts']} experts, "
+        f"{d['model']} ({_billions(shape['params'])} parameters, {_billions(shape['active_params'])} active per token; "
+        f"{shape['layers']} layers, {shape['moe_layers']} of them MoE: {shape['experts']} experts, "
         f"top-{shape['top_k']}; hidden {shape['hidden']}, vocab {shape['vocab']:,})"
     )
 

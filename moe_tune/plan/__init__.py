@@ -94,6 +94,8 @@ class Plan:
                 "top_k": self.census.top_k,
                 "hidden": self.census.hidden,
                 "vocab": self.census.vocab,
+                "params": self.census.total_params,
+                "active_params": self.census.active_params,
             },
             "gpus": self.gpus,
             "gpu_mem_gib": self.gpu_mem_gib,

@@ -46,6 +46,8 @@ class Census:
     top_k: int = 0
     hidden: int = 0
     vocab: int = 0
+    total_params: int = 0  # the model's parameters as its checkpoint holds them (every expert, none of LoRA's)
+    active_params: int = 0  # of those, what one token runs through (top-k experts per MoE layer)
     flops_matmul_per_token: dict[str, float] = field(default_factory=dict)  # forward, by "dense" / "experts" / "head"
 
 
@@ -103,6 +105,7 @@ def census(cfg: Config, hf_config, world_size: int) -> Census:
         moes = model.moe_layers()
         c = Census(dims=dims)
         _shapes(c, model, moes, cfg.train.seq_len)
+        c.total_params, c.active_params = _param_counts(model, moes)
         parallelize(model, mesh, cfg)
         c.fsdp = isinstance(model, FSDPModule)
         mp = mixed_precision_policy(cfg.train.precision)
@@ -128,6 +131,24 @@ def census(cfg: Config, hf_config, world_size: int) -> Census:
             cast = [p for n, p in experts.named_parameters() if "lora" not in n and p.element_size() != compute]
             c.cast_experts_per_layer = sum(p.numel() for p in cast) * compute
     return c
+
+
+def _param_counts(model, moes) -> tuple[int, int]:
+    """(total, active per token) parameters of the built, not yet parallelized model, counted as its checkpoint
+    holds them: every MoE layer's experts (this rank builds its ep share), a quantized base's at their unquantized
+    count; LoRA's adapters left out. Shared experts and routers run for every token."""
+    from moe_tune.lora import is_adapter
+
+    routed = {id(p) for m in moes for p in m.experts.parameters()}
+    total = sum(p.numel() for n, p in model.named_parameters() if not is_adapter(n) and id(p) not in routed)
+    active = total
+    for m in moes:
+        x, s = m.experts, m.spec
+        biases = sum(p.numel() for n, p in x.named_parameters() if n.endswith("_bias") and not is_adapter(n))
+        per_expert = 3 * s.experts.dim * s.experts.hidden + biases // max(x.num_local_experts, 1)
+        total += s.router.num_experts * per_expert
+        active += s.router.top_k * per_expert
+    return total, active
 
 
 def _shapes(c: Census, model, moes, seq_len: int) -> None:

@@ -39,6 +39,35 @@ def test_one_rank_holds_what_the_built_model_holds(family):
         assert 0 < p.census.trained <= p.census.params
 
 
+def _hf_counts(hf) -> tuple[int, int]:
+    """(total, active) of transformers' model of ``hf``: active drops each experts module's parameters times
+    (E - top-k) / E, the experts a token does not run."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        ref = AutoModelForCausalLM.from_config(hf)
+    E = getattr(hf, "num_local_experts", None) or hf.num_experts
+    routed = sum(p.numel() for m in ref.modules() if type(m).__name__.endswith("Experts") for p in m.parameters())
+    return ref.num_parameters(), ref.num_parameters() - routed * (E - hf.num_experts_per_tok) // E
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parameter_counts_are_transformers_whatever_the_layout(family):
+    """The plan's total and active parameters are transformers' counts, under EP (a rank builds its share of the
+    experts) and LoRA (adapters are not the model's) alike."""
+    hf = tiny_config(family)
+    for world, overrides in ((1, ()), (2, ("parallel.ep=2",)), (1, ("peft=lora",))):
+        census = plan(_cfg(*overrides), world, hf_config=hf).census
+        assert (census.total_params, census.active_params) == _hf_counts(hf), overrides
+
+
+@pytest.mark.parametrize("base", ["fp8", "nf4"])
+def test_a_quantized_base_counts_its_experts_unquantized(base):
+    hf = tiny_config("qwen3_moe", hidden_size=64, moe_intermediate_size=64)
+    census = plan(_cfg("peft=lora", f"peft.quantize_base={base}"), 1, hf_config=hf).census
+    assert (census.total_params, census.active_params) == _hf_counts(hf)
+
+
 @pytest.mark.parametrize("world,ep", [(4, 1), (4, 2), (4, 4), (8, 2)])
 def test_a_rank_holds_its_expert_block_and_its_fsdp_shard(world, ep):
     """Rank 0's bytes equal the layout's arithmetic: its E/ep experts, dim-0 sharded over efsdp (whole when
