@@ -56,9 +56,9 @@ def _billions(n: int) -> str:
 def _model_line(d: dict) -> str:
     shape = d["shape"]
     return (
-        f"{d['model']} ({_billions(shape['params'])} parameters, {_billions(shape['active_params'])} active per token; "
-        f"{shape['layers']} layers, {shape['moe_layers']} of them MoE: {shape['experts']} experts, "
-        f"top-{shape['top_k']}; hidden {shape['hidden']}, vocab {shape['vocab']:,})"
+        f"{d['model']} ({shape['layers']} layers, {shape['moe_layers']} of them MoE: {shape['experts']} experts, "
+        f"top-{shape['top_k']}; hidden {shape['hidden']}, vocab {shape['vocab']:,}; "
+        f"{_billions(shape['params'])} parameters, {_billions(shape['active_params'])} active per token)"
     )
 
 
