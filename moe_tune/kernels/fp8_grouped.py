@@ -31,6 +31,13 @@ E4M3_MAX = torch.finfo(E4M3).max  # 448
 # tokens, so each expert's group of rows is padded to this many.
 ROW_ALIGN = 16
 
+# The column quantization's kernels (the weight gradient's operands, the input gradient's experts): False, one
+# program per (group, block of columns) walking the group's rows twice (the kernel of the measured rows); True, two
+# kernels over tiles of rows (ROW_TILE: rows, columns), the same values. benchmarks/fp8_group_columns.py times both;
+# the default moves when a GPU says which wins.
+COLUMNS_BY_ROW_TILES = False
+ROW_TILE = (64, 64)
+
 # (a, b, scale_a, scale_b, offs, fast_accum) -> bf16 out: the real kernel or its emulation.
 ScaledGroupedMM = Callable[..., torch.Tensor]
 
@@ -196,7 +203,8 @@ def quantize_rows_fused(t: torch.Tensor, triton_kernel: bool | None = None) -> t
 
 def _group_columns_triton(t_RC, offs_G, out_offs_G, q, out_group_scale: int, out_col_stride: int) -> torch.Tensor:
     """Launches ``triton_fp8.quantize_group_columns_kernel`` over the groups ``offs_G`` of ``t_RC``'s rows, writing
-    the E4M3 values into ``q`` as it places them; returns the inverse scales ``[G, C]``."""
+    the E4M3 values into ``q`` as it places them; returns the inverse scales ``[G, C]``. With
+    ``COLUMNS_BY_ROW_TILES`` the same values from its two passes spread over tiles of rows instead."""
     import triton
 
     from moe_tune.kernels.triton_fp8 import quantize_group_columns_kernel
@@ -204,7 +212,9 @@ def _group_columns_triton(t_RC, offs_G, out_offs_G, q, out_group_scale: int, out
     t_RC = t_RC if t_RC.stride(-1) == 1 else t_RC.contiguous()
     G, C = offs_G.shape[0], t_RC.shape[1]
     inv_scale_GC = torch.empty(G, C, dtype=torch.float32, device=t_RC.device)
-    if G and C:
+    if G and C and COLUMNS_BY_ROW_TILES:
+        _group_columns_by_row_tiles(t_RC, offs_G, out_offs_G, q, inv_scale_GC, out_group_scale, out_col_stride)
+    elif G and C:
         block_c = 64
         quantize_group_columns_kernel[(G, triton.cdiv(C, block_c))](
             t_RC,
@@ -220,6 +230,44 @@ def _group_columns_triton(t_RC, offs_G, out_offs_G, q, out_group_scale: int, out
             BLOCK_C=block_c,
         )
     return inv_scale_GC
+
+
+def _group_columns_by_row_tiles(t_RC, offs_G, out_offs_G, q, inv_scale_GC, out_group_scale, out_col_stride) -> None:
+    """``_group_columns_triton``'s values from ``triton_fp8.group_column_amax_kernel`` over tiles of ``t_RC``'s rows
+    and ``quantize_group_columns_by_rows_kernel`` over tiles of the output rows (``q.numel() / C`` of them): every
+    program one tile, where one program per group walks all of a group's rows (a long group is one program's
+    serial work)."""
+    import triton
+
+    from moe_tune.kernels.triton_fp8 import group_column_amax_kernel, quantize_group_columns_by_rows_kernel
+
+    (G, C), R = inv_scale_GC.shape, t_RC.shape[0]
+    block_groups = triton.next_power_of_2(G)
+    amax_GC = torch.zeros(G, C, dtype=torch.float32, device=t_RC.device)
+    block_r, block_c = ROW_TILE
+    grid_c = triton.cdiv(C, block_c)
+    if R:
+        group_column_amax_kernel[(triton.cdiv(R, block_r), grid_c)](
+            t_RC, amax_GC, offs_G, G, C, t_RC.stride(0), BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_GROUPS=block_groups
+        )
+    out_rows = q.numel() // C
+    quantize_group_columns_by_rows_kernel[(max(triton.cdiv(out_rows, block_r), 1), grid_c)](
+        t_RC,
+        q,
+        amax_GC,
+        inv_scale_GC,
+        offs_G,
+        out_offs_G,
+        G,
+        out_rows,
+        C,
+        t_RC.stride(0),
+        out_group_scale,
+        out_col_stride,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        BLOCK_GROUPS=block_groups,
+    )
 
 
 def quantize_padded_group_columns_triton(

@@ -110,3 +110,100 @@ def quantize_group_columns_kernel(
         q = tl.minimum(tl.maximum(x.to(tl.float32) * scale[None, :], -448.0), 448.0)
         out_mask = col_mask[:, None] & (i < out_rows)[None, :]
         tl.store(out_base + i[None, :], tl.trans(q).to(q_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _group_of(rows, ends_ptr, num_groups, BLOCK_GROUPS: tl.constexpr):
+    """Each row's group: how many of the ``num_groups`` group ends are at or before it (rows past the last end get
+    ``num_groups``)."""
+    groups = tl.arange(0, BLOCK_GROUPS)
+    ends = tl.load(ends_ptr + groups, mask=groups < num_groups, other=2**31 - 1)
+    return tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
+
+
+@triton.jit
+def _pow2_scale(amax):
+    """As ``quantize_rows_kernel`` finds it: the largest power of two that maps ``amax`` to at most 448."""
+    bits = tl.maximum(amax, 1e-30).to(tl.int32, bitcast=True)
+    power = 135 - ((bits >> 23) & 0xFF) - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return ((power + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def group_column_amax_kernel(
+    t_ptr,
+    amax_ptr,
+    offs_ptr,
+    num_groups,
+    C,
+    t_row_stride,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+):
+    """``quantize_group_columns_kernel``'s first pass spread over tiles of rows: one program per [BLOCK_R, BLOCK_C]
+    tile of ``t`` [R, C], each group's column maxima of |t| within the tile folded into ``amax`` [G, C] (zeros
+    before) by atomic max, once per group the tile meets. Rows past the last group are skipped."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < C
+    group = _group_of(rows, offs_ptr, num_groups, BLOCK_GROUPS)
+    row_mask = group < num_groups
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(t_ptr + rows[:, None].to(tl.int64) * t_row_stride + cols[None, :], mask=mask, other=0.0)
+    x = tl.abs(x.to(tl.float32))
+    first = tl.min(tl.where(row_mask, group, num_groups))
+    last = tl.max(tl.where(row_mask, group, -1))
+    for g in range(first, last + 1):
+        m = tl.max(tl.where((group == g)[:, None], x, 0.0), axis=0)
+        tl.atomic_max(amax_ptr + g * C + cols, m, mask=col_mask)
+
+
+@triton.jit
+def quantize_group_columns_by_rows_kernel(
+    t_ptr,
+    q_ptr,
+    amax_ptr,
+    inv_scale_ptr,
+    offs_ptr,
+    out_offs_ptr,
+    num_groups,
+    num_out_rows,
+    C,
+    t_row_stride,
+    out_group_scale,
+    out_col_stride,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+):
+    """``quantize_group_columns_kernel``'s second pass spread over tiles of its output rows, after
+    ``group_column_amax_kernel``: output row p of group g (``out_offs[g-1] <= p < out_offs[g]``) is source row
+    ``offs[g-1] + p - out_offs[g-1]`` scaled by its group's column scales, or zeros past the group's rows (its
+    padding), written where ``quantize_group_columns_kernel`` writes it. The programs of the first row tile also
+    write the inverse scales [G, C]. Rows past the last group's end are not written."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < C
+    group = _group_of(rows, out_offs_ptr, num_groups, BLOCK_GROUPS)
+    out_mask = (group < num_groups) & (rows < num_out_rows)
+    prior = out_mask & (group > 0)
+    out_start = tl.load(out_offs_ptr + group - 1, mask=prior, other=0).to(tl.int64)
+    start = tl.load(offs_ptr + group - 1, mask=prior, other=0).to(tl.int64)
+    end = tl.load(offs_ptr + group, mask=out_mask, other=0).to(tl.int64)
+    src = start + rows - out_start
+    load_mask = (out_mask & (src < end))[:, None] & col_mask[None, :]
+    x = tl.load(t_ptr + src[:, None] * t_row_stride + cols[None, :], mask=load_mask, other=0.0).to(tl.float32)
+    mask = out_mask[:, None] & col_mask[None, :]
+    amax = tl.load(amax_ptr + group[:, None].to(tl.int64) * C + cols[None, :], mask=mask, other=0.0)
+    q = tl.minimum(tl.maximum(x * _pow2_scale(amax), -448.0), 448.0)
+    dest = (
+        out_start[:, None] * out_group_scale + cols[None, :].to(tl.int64) * out_col_stride + (rows - out_start)[:, None]
+    )
+    tl.store(q_ptr + dest, q.to(q_ptr.dtype.element_ty), mask=mask)
+    if tl.program_id(0) == 0:
+        for g0 in range(0, num_groups, BLOCK_R):
+            g = g0 + tl.arange(0, BLOCK_R)
+            gmask = (g < num_groups)[:, None] & col_mask[None, :]
+            a = tl.load(amax_ptr + g[:, None].to(tl.int64) * C + cols[None, :], mask=gmask, other=0.0)
+            tl.store(inv_scale_ptr + g[:, None].to(tl.int64) * C + cols[None, :], 1.0 / _pow2_scale(a), mask=gmask)

@@ -190,8 +190,22 @@ def test_quantize_group_columns_scales_each_group_alone():
     assert rel_err(back[:16], t[:16]) < FP8_TOL and rel_err(back[16:], t[16:]) < FP8_TOL
 
 
-def _triton_group_columns_match_pytorch(device: str = "cpu") -> None:
-    """``triton_fp8.quantize_group_columns_kernel`` in both of its uses against the PyTorch path: scales bit for bit;
+def _triton_group_columns_match_pytorch(device: str = "cpu", by_row_tiles: bool = False) -> None:
+    """``_group_columns_match_pytorch`` with ``fp8_grouped.COLUMNS_BY_ROW_TILES`` set to ``by_row_tiles``, its
+    tiles 16 rows by 16 columns (so that one tile meets several groups)."""
+    from moe_tune.kernels import fp8_grouped
+
+    saved = fp8_grouped.COLUMNS_BY_ROW_TILES, fp8_grouped.ROW_TILE
+    fp8_grouped.COLUMNS_BY_ROW_TILES, fp8_grouped.ROW_TILE = by_row_tiles, (16, 16)
+    try:
+        _group_columns_match_pytorch(device)
+    finally:
+        fp8_grouped.COLUMNS_BY_ROW_TILES, fp8_grouped.ROW_TILE = saved
+
+
+def _group_columns_match_pytorch(device: str) -> None:
+    """``triton_fp8.quantize_group_columns_kernel`` (or the two kernels over row tiles) in both of its uses against
+    the PyTorch path: scales bit for bit;
     the values written into an fp32 buffer (where they land, unrounded), which PyTorch's own E4M3 cast then turns
     into the PyTorch path's bits (Triton's interpreter rounds fp32 to E4M3 its own way; the GPU test compares the
     E4M3 bytes). Masked columns (40 is no multiple of 64), an empty group, a group longer than a block of 64 rows,
@@ -235,16 +249,19 @@ def _triton_group_columns_match_pytorch(device: str = "cpu") -> None:
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
-def test_triton_group_columns_equal_pytorch():
+@pytest.mark.parametrize("by_row_tiles", [False, True])
+def test_triton_group_columns_equal_pytorch(by_row_tiles):
     triton_interpreted(
-        f"import {__name__} as t; t._triton_group_columns_match_pytorch()", "test_cuda_group_columns_equal_pytorch"
+        f"import {__name__} as t; t._triton_group_columns_match_pytorch(by_row_tiles={by_row_tiles})",
+        "test_cuda_group_columns_equal_pytorch",
     )
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU to run the compiled Triton kernel")
-def test_cuda_group_columns_equal_pytorch():
-    _triton_group_columns_match_pytorch("cuda")
+@pytest.mark.parametrize("by_row_tiles", [False, True])
+def test_cuda_group_columns_equal_pytorch(by_row_tiles):
+    _triton_group_columns_match_pytorch("cuda", by_row_tiles)
 
 
 def test_triton_group_columns_compile_for_hopper():
@@ -257,6 +274,18 @@ def test_triton_group_columns_compile_for_hopper():
             dict(C="i32", t_row_stride="i64", out_group_scale="i64", out_col_stride="i64"),
             dict(BLOCK_R=64, BLOCK_C=64),
         )
+
+
+def test_triton_group_columns_by_row_tiles_compile_for_hopper():
+    from moe_tune.kernels.triton_fp8 import group_column_amax_kernel, quantize_group_columns_by_rows_kernel
+
+    tiles = dict(BLOCK_R=64, BLOCK_C=64, BLOCK_GROUPS=128)
+    scalars = dict(num_groups="i32", C="i32", t_row_stride="i64")
+    compile_for_hopper(group_column_amax_kernel, dict(t_ptr="*bf16", amax_ptr="*fp32", offs_ptr="*i32"), scalars, tiles)
+    pointers = dict(t_ptr="*bf16", q_ptr="*fp8e4nv", amax_ptr="*fp32", inv_scale_ptr="*fp32")
+    pointers.update(offs_ptr="*i32", out_offs_ptr="*i32")
+    scalars.update(num_out_rows="i32", out_group_scale="i64", out_col_stride="i64")
+    compile_for_hopper(quantize_group_columns_by_rows_kernel, pointers, scalars, tiles)
 
 
 def test_emulation_refuses_what_the_kernel_refuses():
