@@ -33,7 +33,7 @@ ROW_ALIGN = 16
 
 # The column quantization's kernels (the weight gradient's operands, the input gradient's experts): False, one
 # program per (group, block of columns) walking the group's rows twice (the kernel of the measured rows); True, two
-# kernels over tiles of rows (ROW_TILE: rows, columns), the same values. benchmarks/fp8_group_columns.py times both;
+# kernels over tiles of one group's rows (ROW_TILE: rows, columns), the same values. benchmarks/fp8_group_columns.py times both;
 # the default moves when a GPU says which wins.
 COLUMNS_BY_ROW_TILES = False
 ROW_TILE = (64, 64)
@@ -233,25 +233,21 @@ def _group_columns_triton(t_RC, offs_G, out_offs_G, q, out_group_scale: int, out
 
 
 def _group_columns_by_row_tiles(t_RC, offs_G, out_offs_G, q, inv_scale_GC, out_group_scale, out_col_stride) -> None:
-    """``_group_columns_triton``'s values from ``triton_fp8.group_column_amax_kernel`` over tiles of ``t_RC``'s rows
-    and ``quantize_group_columns_by_rows_kernel`` over tiles of the output rows (``q.numel() / C`` of them): every
-    program one tile, where one program per group walks all of a group's rows (a long group is one program's
-    serial work)."""
+    """``_group_columns_triton``'s values from ``triton_fp8.group_column_amax_kernel`` and
+    ``quantize_group_columns_by_rows_kernel``, each program one tile of ROW_TILE output rows of one group: a long
+    group is many programs' work, where one program per group walks all of its rows."""
     import triton
 
     from moe_tune.kernels.triton_fp8 import group_column_amax_kernel, quantize_group_columns_by_rows_kernel
 
-    (G, C), R = inv_scale_GC.shape, t_RC.shape[0]
-    block_groups = triton.next_power_of_2(G)
-    amax_GC = torch.zeros(G, C, dtype=torch.float32, device=t_RC.device)
+    G, C = inv_scale_GC.shape
     block_r, block_c = ROW_TILE
-    grid_c = triton.cdiv(C, block_c)
-    if R:
-        group_column_amax_kernel[(triton.cdiv(R, block_r), grid_c)](
-            t_RC, amax_GC, offs_G, G, C, t_RC.stride(0), BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_GROUPS=block_groups
-        )
-    out_rows = q.numel() // C
-    quantize_group_columns_by_rows_kernel[(max(triton.cdiv(out_rows, block_r), 1), grid_c)](
+    # Tiles per group are ceil(rows / block_r): at most every output row's tile plus one short tile per group.
+    grid = (triton.cdiv(q.numel() // C, block_r) + G, triton.cdiv(C, block_c))
+    tiles = dict(BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_GROUPS=triton.next_power_of_2(G))
+    amax_GC = torch.zeros(G, C, dtype=torch.float32, device=t_RC.device)
+    group_column_amax_kernel[grid](t_RC, amax_GC, offs_G, out_offs_G, G, C, t_RC.stride(0), **tiles)
+    quantize_group_columns_by_rows_kernel[grid](
         t_RC,
         q,
         amax_GC,
@@ -259,14 +255,11 @@ def _group_columns_by_row_tiles(t_RC, offs_G, out_offs_G, q, inv_scale_GC, out_g
         offs_G,
         out_offs_G,
         G,
-        out_rows,
         C,
         t_RC.stride(0),
         out_group_scale,
         out_col_stride,
-        BLOCK_R=block_r,
-        BLOCK_C=block_c,
-        BLOCK_GROUPS=block_groups,
+        **tiles,
     )
 
 

@@ -113,15 +113,6 @@ def quantize_group_columns_kernel(
 
 
 @triton.jit
-def _group_of(rows, ends_ptr, num_groups, BLOCK_GROUPS: tl.constexpr):
-    """Each row's group: how many of the ``num_groups`` group ends are at or before it (rows past the last end get
-    ``num_groups``)."""
-    groups = tl.arange(0, BLOCK_GROUPS)
-    ends = tl.load(ends_ptr + groups, mask=groups < num_groups, other=2**31 - 1)
-    return tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
-
-
-@triton.jit
 def _pow2_scale(amax):
     """As ``quantize_rows_kernel`` finds it: the largest power of two that maps ``amax`` to at most 448."""
     bits = tl.maximum(amax, 1e-30).to(tl.int32, bitcast=True)
@@ -130,10 +121,33 @@ def _pow2_scale(amax):
 
 
 @triton.jit
+def _group_tile(tile, offs_ptr, out_offs_ptr, num_groups, BLOCK_R: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
+    """Output tile number ``tile`` when each group's output rows (``out_offs[g-1]`` to ``out_offs[g]``) are cut into
+    tiles of BLOCK_R rows, group after group (a group's last tile may be short, an empty group has none): (its
+    group, num_groups past the last tile; the tile's first output row as an offset into the group; the group's
+    first output row, first source row (``offs``) and end of source rows)."""
+    groups = tl.arange(0, BLOCK_GROUPS)
+    valid = groups < num_groups
+    ends = tl.load(out_offs_ptr + groups, mask=valid, other=0)
+    starts = tl.load(out_offs_ptr + groups - 1, mask=valid & (groups > 0), other=0)
+    tiles = tl.where(valid, (ends - starts + BLOCK_R - 1) // BLOCK_R, 0)
+    cum = tl.cumsum(tiles, axis=0)
+    group = tl.sum((cum <= tile).to(tl.int32), axis=0)
+    here = groups == group
+    first = (tile - tl.sum(tl.where(here, cum - tiles, 0), axis=0)) * BLOCK_R
+    out_start = tl.sum(tl.where(here, starts, 0), axis=0).to(tl.int64)
+    out_rows = tl.sum(tl.where(here, ends - starts, 0), axis=0)
+    start = tl.load(offs_ptr + group - 1, mask=(group > 0) & (group < num_groups), other=0).to(tl.int64)
+    end = tl.load(offs_ptr + group, mask=group < num_groups, other=0).to(tl.int64)
+    return group, first, out_rows, out_start, start, end
+
+
+@triton.jit
 def group_column_amax_kernel(
     t_ptr,
     amax_ptr,
     offs_ptr,
+    out_offs_ptr,
     num_groups,
     C,
     t_row_stride,
@@ -141,22 +155,21 @@ def group_column_amax_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
 ):
-    """``quantize_group_columns_kernel``'s first pass spread over tiles of rows: one program per [BLOCK_R, BLOCK_C]
-    tile of ``t`` [R, C], each group's column maxima of |t| within the tile folded into ``amax`` [G, C] (zeros
-    before) by atomic max, once per group the tile meets. Rows past the last group are skipped."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    """``quantize_group_columns_kernel``'s first pass spread over tiles: program (tile, block of columns) takes the
+    source rows of one output tile of one group (``_group_tile``) and folds their column maxima of |t| into
+    ``amax[g]`` (``amax`` [G, C], zeros before) by atomic max. Padding rows read as zeros."""
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
-    group = _group_of(rows, offs_ptr, num_groups, BLOCK_GROUPS)
-    row_mask = group < num_groups
-    mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(t_ptr + rows[:, None].to(tl.int64) * t_row_stride + cols[None, :], mask=mask, other=0.0)
-    x = tl.abs(x.to(tl.float32))
-    first = tl.min(tl.where(row_mask, group, num_groups))
-    last = tl.max(tl.where(row_mask, group, -1))
-    for g in range(first, last + 1):
-        m = tl.max(tl.where((group == g)[:, None], x, 0.0), axis=0)
-        tl.atomic_max(amax_ptr + g * C + cols, m, mask=col_mask)
+    group, first, out_rows, _, start, end = _group_tile(
+        tl.program_id(0), offs_ptr, out_offs_ptr, num_groups, BLOCK_R, BLOCK_GROUPS
+    )
+    if group < num_groups:
+        i = first + tl.arange(0, BLOCK_R)
+        src = start + i
+        mask = ((i < out_rows) & (src < end))[:, None] & col_mask[None, :]
+        x = tl.load(t_ptr + src[:, None] * t_row_stride + cols[None, :], mask=mask, other=0.0)
+        m = tl.max(tl.abs(x.to(tl.float32)), axis=0)
+        tl.atomic_max(amax_ptr + group.to(tl.int64) * C + cols, m, mask=col_mask)
 
 
 @triton.jit
@@ -168,7 +181,6 @@ def quantize_group_columns_by_rows_kernel(
     offs_ptr,
     out_offs_ptr,
     num_groups,
-    num_out_rows,
     C,
     t_row_stride,
     out_group_scale,
@@ -177,30 +189,25 @@ def quantize_group_columns_by_rows_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
 ):
-    """``quantize_group_columns_kernel``'s second pass spread over tiles of its output rows, after
-    ``group_column_amax_kernel``: output row p of group g (``out_offs[g-1] <= p < out_offs[g]``) is source row
-    ``offs[g-1] + p - out_offs[g-1]`` scaled by its group's column scales, or zeros past the group's rows (its
-    padding), written where ``quantize_group_columns_kernel`` writes it. The programs of the first row tile also
-    write the inverse scales [G, C]. Rows past the last group's end are not written."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    """``quantize_group_columns_kernel``'s second pass over the same tiles, after ``group_column_amax_kernel``:
+    the tile's source rows scaled by their group's column scales, zeros for its padding rows, written transposed
+    where ``quantize_group_columns_kernel`` writes them (column c of group g's output row i at ``q + out_offs[g-1]
+    x out_group_scale + c x out_col_stride + i``). The programs of tile 0 also write the inverse scales [G, C]."""
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
-    group = _group_of(rows, out_offs_ptr, num_groups, BLOCK_GROUPS)
-    out_mask = (group < num_groups) & (rows < num_out_rows)
-    prior = out_mask & (group > 0)
-    out_start = tl.load(out_offs_ptr + group - 1, mask=prior, other=0).to(tl.int64)
-    start = tl.load(offs_ptr + group - 1, mask=prior, other=0).to(tl.int64)
-    end = tl.load(offs_ptr + group, mask=out_mask, other=0).to(tl.int64)
-    src = start + rows - out_start
-    load_mask = (out_mask & (src < end))[:, None] & col_mask[None, :]
-    x = tl.load(t_ptr + src[:, None] * t_row_stride + cols[None, :], mask=load_mask, other=0.0).to(tl.float32)
-    mask = out_mask[:, None] & col_mask[None, :]
-    amax = tl.load(amax_ptr + group[:, None].to(tl.int64) * C + cols[None, :], mask=mask, other=0.0)
-    q = tl.minimum(tl.maximum(x * _pow2_scale(amax), -448.0), 448.0)
-    dest = (
-        out_start[:, None] * out_group_scale + cols[None, :].to(tl.int64) * out_col_stride + (rows - out_start)[:, None]
+    group, first, out_rows, out_start, start, end = _group_tile(
+        tl.program_id(0), offs_ptr, out_offs_ptr, num_groups, BLOCK_R, BLOCK_GROUPS
     )
-    tl.store(q_ptr + dest, q.to(q_ptr.dtype.element_ty), mask=mask)
+    if group < num_groups:
+        i = first + tl.arange(0, BLOCK_R)
+        src = start + i
+        load_mask = (src < end)[:, None] & col_mask[None, :]
+        x = tl.load(t_ptr + src[:, None] * t_row_stride + cols[None, :], mask=load_mask, other=0.0)
+        scale = _pow2_scale(tl.load(amax_ptr + group.to(tl.int64) * C + cols, mask=col_mask, other=0.0))
+        q = tl.minimum(tl.maximum(x.to(tl.float32) * scale[None, :], -448.0), 448.0)
+        base = q_ptr + out_start * out_group_scale + cols[:, None].to(tl.int64) * out_col_stride
+        out_mask = col_mask[:, None] & (i < out_rows)[None, :]
+        tl.store(base + i[None, :], tl.trans(q).to(q_ptr.dtype.element_ty), mask=out_mask)
     if tl.program_id(0) == 0:
         for g0 in range(0, num_groups, BLOCK_R):
             g = g0 + tl.arange(0, BLOCK_R)

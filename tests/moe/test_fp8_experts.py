@@ -192,7 +192,7 @@ def test_quantize_group_columns_scales_each_group_alone():
 
 def _triton_group_columns_match_pytorch(device: str = "cpu", by_row_tiles: bool = False) -> None:
     """``_group_columns_match_pytorch`` with ``fp8_grouped.COLUMNS_BY_ROW_TILES`` set to ``by_row_tiles``, its
-    tiles 16 rows by 16 columns (so that one tile meets several groups)."""
+    tiles 16 rows by 16 columns (so that a group spans several tiles and its last one is short)."""
     from moe_tune.kernels import fp8_grouped
 
     saved = fp8_grouped.COLUMNS_BY_ROW_TILES, fp8_grouped.ROW_TILE
@@ -280,11 +280,11 @@ def test_triton_group_columns_by_row_tiles_compile_for_hopper():
     from moe_tune.kernels.triton_fp8 import group_column_amax_kernel, quantize_group_columns_by_rows_kernel
 
     tiles = dict(BLOCK_R=64, BLOCK_C=64, BLOCK_GROUPS=128)
+    pointers = dict(t_ptr="*bf16", amax_ptr="*fp32", offs_ptr="*i32", out_offs_ptr="*i32")
     scalars = dict(num_groups="i32", C="i32", t_row_stride="i64")
-    compile_for_hopper(group_column_amax_kernel, dict(t_ptr="*bf16", amax_ptr="*fp32", offs_ptr="*i32"), scalars, tiles)
-    pointers = dict(t_ptr="*bf16", q_ptr="*fp8e4nv", amax_ptr="*fp32", inv_scale_ptr="*fp32")
-    pointers.update(offs_ptr="*i32", out_offs_ptr="*i32")
-    scalars.update(num_out_rows="i32", out_group_scale="i64", out_col_stride="i64")
+    compile_for_hopper(group_column_amax_kernel, pointers, scalars, tiles)
+    pointers.update(q_ptr="*fp8e4nv", inv_scale_ptr="*fp32")
+    scalars.update(out_group_scale="i64", out_col_stride="i64")
     compile_for_hopper(quantize_group_columns_by_rows_kernel, pointers, scalars, tiles)
 
 
