@@ -11,7 +11,6 @@ rejected one with its reason. The rates and constants are the H200's, fitted to 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -175,17 +174,29 @@ def plan(
     return p
 
 
+def micro_batches(global_batch_size: int, dp_ranks: int, max_micro_batch: int) -> list[int]:
+    """The micro-batches up to ``max_micro_batch`` a run can take: any without a global batch (-1), else those
+    dividing each data-parallel rank's share of it. A share that is no whole number leaves [1], whose plan is
+    refused with the configuration's error and fix."""
+    if global_batch_size == -1:
+        return list(range(1, max_micro_batch + 1))
+    if global_batch_size % dp_ranks:
+        return [1]
+    per_rank = global_batch_size // dp_ranks
+    return [mb for mb in range(1, min(per_rank, max_micro_batch) + 1) if per_rank % mb == 0]
+
+
 def candidates(cfg: Config, gpus: int, num_experts: int, max_micro_batch: int = 16, vary=AUTO_KEYS):
     """Layouts to try: every ep dividing both the experts and dp_shard (the GPUs over dp_replicate: expert
-    parallelism borrows its ranks), micro-batches 1, 2, 4, ... (global batch
-    kept when set), each checkpointing mode; of these only the keys in ``vary``, the others as ``cfg`` has them
-    (``comm`` too: a dispatch backend or overlap that needs expert parallelism rules ep=1 out, as moe-tune does)."""
+    parallelism borrows its ranks), each micro-batch up to ``max_micro_batch`` (``micro_batches``), each
+    checkpointing mode; of these only the keys in ``vary``, the others as ``cfg`` has them (``comm`` too: a
+    dispatch backend or overlap that needs expert parallelism rules ep=1 out, as moe-tune does)."""
     p, t = cfg.parallel, cfg.train
     shard = p.dp_shard if p.dp_shard > 0 else max(gpus // max(p.dp_replicate, 1), 1)
     eps = [e for e in range(1, shard + 1) if shard % e == 0 and num_experts % e == 0]
     eps = eps if "parallel.ep" in vary else [p.ep]
     acs = AC_MODES if "parallel.activation_checkpointing" in vary else (p.activation_checkpointing,)
-    mbs = [1 << i for i in range(int(math.log2(max_micro_batch)) + 1)]
+    mbs = micro_batches(t.global_batch_size, max(p.dp_replicate, 1) * shard, max_micro_batch)
     mbs = mbs if "train.micro_batch_size" in vary else [t.micro_batch_size]
     for ep in eps:
         for ac in acs:

@@ -193,7 +193,12 @@ def test_cli_search_holds_the_layout_keys_given(capsys):
         second
         == "layouts of 4 GPU(s) that fit, fastest first (parallel.ep, parallel.activation_checkpointing as given):"
     )
-    assert {line.split()[1] for line in out.splitlines() if line.startswith("  ep=")} == {"mb=1", "mb=2", "mb=4"}
+    assert {line.split()[1] for line in out.splitlines() if line.startswith("  ep=")} == {
+        "mb=1",
+        "mb=2",
+        "mb=3",
+        "mb=4",
+    }
 
 
 def test_cli_piped_into_head_ends_quietly():
@@ -352,10 +357,26 @@ def test_a_search_none_of_whose_layouts_can_run_is_the_configurations_error(monk
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ConfigError, match=r"^train.global_batch_size \(6\) must be a multiple of"):
         resolve(["train.global_batch_size=6", "parallel.ep=auto"])
-    # some micro-batches dividing the global batch: those fit, the others are listed with the reason
+    # only the micro-batches dividing each rank's share of the global batch (8 / 4 ranks) are tried
     fitting, rejected = search(_cfg("train.global_batch_size=8"), 4, vary=("train.micro_batch_size",))
-    assert [p.config.train.micro_batch_size for p in fitting] == [2, 1]
-    assert [lay["micro_batch_size"] for lay, _ in rejected] == [4, 8, 16]
+    assert [p.config.train.micro_batch_size for p in fitting] == [2, 1] and rejected == []
+
+
+def test_search_tries_every_micro_batch_dividing_a_ranks_share_and_the_max_given():
+    """A global batch of 24 on 4 ranks (6 rows each) takes micro-batches 1, 2, 3 and 6; without one, every
+    micro-batch up to --max-micro-batch (12 included) runs. Powers of two alone missed 3, 6 and 12."""
+    from moe_tune.plan import candidates
+
+    def tried(*overrides, max_micro_batch=16):
+        cfg = _cfg(*overrides)
+        layouts = candidates(cfg, 4, 8, max_micro_batch, vary=("train.micro_batch_size",))
+        return [c.train.micro_batch_size for c in layouts]
+
+    assert tried("train.global_batch_size=24") == [1, 2, 3, 6]
+    assert tried("train.global_batch_size=24", max_micro_batch=4) == [1, 2, 3]
+    assert tried(max_micro_batch=12) == list(range(1, 13))
+    fitting, _ = search(_cfg("train.global_batch_size=24"), 4, vary=("train.micro_batch_size",))
+    assert sorted(p.config.train.micro_batch_size for p in fitting) == [1, 2, 3, 6]
 
 
 def test_auto_with_a_dispatch_backend_picks_a_layout_that_uses_it(monkeypatch):
