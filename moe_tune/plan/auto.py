@@ -37,6 +37,30 @@ def gpu_memory_gib() -> float | None:
     return torch.cuda.get_device_properties(local).total_memory / 2**30
 
 
+def host_memory_gib() -> float | None:
+    """This rank's share of the host memory available (what a run on the CPU checks before it builds the model,
+    ``moe_tune.models.host_memory``), or None where it cannot be read."""
+    from moe_tune.models.host_memory import available_bytes, local_ranks
+
+    free = available_bytes()
+    return None if free is None else free / local_ranks() / 2**30
+
+
+def memory_budget() -> tuple[float, str]:
+    """(GiB per rank to plan against, what they are when not this GPU's, for the auto line): this GPU's memory;
+    without a GPU the run trains on the CPU, so its process's share of the host memory available; the planner's
+    default GPU only where neither can be read."""
+    from moe_tune.plan import DEFAULT_GPU_MEM_GIB
+
+    gpu = gpu_memory_gib()
+    if gpu is not None:
+        return gpu, ""
+    host = host_memory_gib()
+    if host is not None:
+        return host, " of host memory, this process's share (no GPU visible: the run trains on the CPU)"
+    return DEFAULT_GPU_MEM_GIB, " (an H200's: no GPU visible and the host's memory unreadable)"
+
+
 def resolve(overrides: list[str], multirun: bool = False) -> list[str]:
     """``overrides`` with every ``<key>=auto`` of ``AUTO_KEYS`` replaced by the planner's choice (ConfigError when
     no layout fits, naming the smallest need)."""
@@ -49,16 +73,17 @@ def resolve(overrides: list[str], multirun: bool = False) -> list[str]:
             "be planned here; run moe-tune-plan --search for the layout and give its values"
         )
     from moe_tune.config.overrides import check, to_config
-    from moe_tune.plan import DEFAULT_GPU_MEM_GIB, search
+    from moe_tune.plan import search
 
     given = [o for o in overrides if o.split("=", 1)[0] not in keys]
     cfg = to_config(check(given))
-    gpus, memory = world_size(), gpu_memory_gib() or DEFAULT_GPU_MEM_GIB
+    gpus, (memory, of_what) = world_size(), memory_budget()
     fitting, rejected = search(cfg, gpus, memory, vary=tuple(keys))
     if not fitting:
         why = rejected[0][1] if rejected else "no layout to try"
         raise ConfigError(
-            f"{', '.join(k + '=auto' for k in keys)}: no layout of {gpus} GPU(s) of {memory:.0f} GiB fits "
+            f"{', '.join(k + '=auto' for k in keys)}: no layout of {gpus} {'process(es)' if of_what else 'GPU(s)'} of "
+            f"{memory:.0f} GiB{of_what} fits "
             f"(the first tried: {why}); use more GPUs, peft=lora, or a shorter train.seq_len"
         )
     best = fitting[0]
@@ -77,7 +102,8 @@ def resolve(overrides: list[str], multirun: bool = False) -> list[str]:
     if dist_env().rank == 0:  # torchrun's RANK or srun's SLURM_PROCID, as the run reads them
         print(
             f"moe-tune: auto: {' '.join(picked)} (predicted {best.memory.peak / 2**30:.1f} GiB peak of "
-            f"{memory:.0f} GiB, {best.speed['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU{batch}; moe-tune-plan "
+            f"{memory:.0f} GiB{of_what}, "
+            f"{best.speed['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU{batch}; moe-tune-plan "
             "--search lists every layout)",
             file=sys.stderr,
             flush=True,

@@ -328,6 +328,31 @@ def test_auto_through_moe_tunes_command_line(monkeypatch, capsys):
     assert "the global batch is then" in capsys.readouterr().err
 
 
+def test_auto_without_a_gpu_plans_against_the_host_memory_the_run_has(monkeypatch, capsys):
+    """Without a GPU the run trains on the CPU in this process's share of the host memory: auto plans against that
+    (it planned against an H200's 140 GiB) and says so."""
+    from moe_tune.config import ConfigError
+    from moe_tune.plan.auto import resolve
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr("moe_tune.plan.auto.gpu_memory_gib", lambda: None)
+    monkeypatch.setattr("moe_tune.models.host_memory.available_bytes", lambda: 12 * GIB)
+    seen = []
+    monkeypatch.setattr(
+        "moe_tune.plan.search", lambda cfg, gpus, mem, **kw: seen.append(mem) or search(cfg, gpus, mem, **kw)
+    )
+    resolve(["parallel.activation_checkpointing=auto"])
+    assert seen == [6.0]  # 12 GiB available, shared by the node's 2 processes
+    assert "GiB peak of 6 GiB of host memory, this process's share (no GPU visible: the run trains on the CPU)" in (
+        capsys.readouterr().err
+    )
+    monkeypatch.setattr("moe_tune.models.host_memory.available_bytes", lambda: GIB // 8)
+    with pytest.raises(ConfigError, match=r"no layout of 2 process\(es\) of 0 GiB of host memory"):
+        resolve(["train.micro_batch_size=auto", "parallel.activation_checkpointing=auto"])
+
+
 def test_auto_refuses_a_sweep_and_a_layout_that_cannot_fit(monkeypatch):
     from moe_tune.config import ConfigError
     from moe_tune.plan.auto import resolve
