@@ -147,10 +147,12 @@ def quantized_base_problem(cfg) -> str | None:
     name); checked by moe-tune-bench before any row and by the row itself (``peft_baseline.lora_config``)."""
     if cfg.peft.name != "lora" or cfg.peft.quantize_base == "none":
         return None
+    base = cfg.peft.quantize_base
     return (
-        f"peft.quantize_base={cfg.peft.quantize_base} has no Transformers + PEFT baseline row: bitsandbytes quantizes "
-        "nn.Linear layers only, not transformers' fused expert tensors; give it in --variants, beside --baselines "
-        "bnb4 (Transformers + PEFT on bitsandbytes 4-bit) or none"
+        f"peft.quantize_base={base} has no Transformers + PEFT baseline row: bitsandbytes quantizes nn.Linear layers "
+        f"only, not transformers' fused expert tensors; give it in --variants instead of the overrides, e.g. "
+        f"--variants 'qlora_{base}:peft=lora,peft.quantize_base={base}' (name:key=value,key=value; rows separated "
+        "by ';'), beside --baselines bnb4 (Transformers + PEFT on bitsandbytes 4-bit) or none"
     )
 
 

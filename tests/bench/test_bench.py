@@ -273,6 +273,24 @@ def importlib_missing(name: str) -> bool:
     return importlib.util.find_spec(name) is None
 
 
+@pytest.mark.parametrize("base", ["nf4", "fp8"])
+def test_a_quantized_base_in_the_overrides_is_shown_in_variants_syntax_that_runs(base, tmp_path, capsys):
+    """The refusal of a quantized base given to every row shows the --variants form with the user's value (it said
+    'give it in --variants' alone), and that form is accepted."""
+    import re
+    import shlex
+
+    from moe_tune.cli.bench import main
+
+    out = ["--out", str(tmp_path / "out")]
+    assert main(["peft=lora", f"peft.quantize_base={base}", *out]) == 2
+    err = capsys.readouterr().err
+    shown = re.search(r"--variants ('[^']*')", err).group(1)
+    assert shown == f"'qlora_{base}:peft=lora,peft.quantize_base={base}'"
+    assert main(["peft=lora", "--variants", *shlex.split(shown), "--dry-run", *out]) == 0
+    assert f"qlora_{base} (moe_tune): " in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [
