@@ -67,6 +67,7 @@ def test_readme_from_checkpoint_runs_as_written_after_import_moe_tune(tmp_path, 
     [
         # A misspelt kernels built the plain torch model without a word.
         ({"kernels": "tritonn"}, "kernels='tritonn' is not one of torch, te"),
+        ({"kernels": "TE"}, "kernels='TE' is not one of torch, te; did you mean kernels='te'?"),
         ({"dtype": "bf16"}, "dtype='bf16' is not a floating-point torch dtype; give torch.bfloat16 or 'bfloat16'"),
         ({"dtype": "int8"}, "dtype='int8' is not a floating-point torch dtype"),
         # transformers' older name: a TypeError from an internal dataclass.

@@ -121,6 +121,24 @@ def spelled_alike(value: Any, choices) -> list[str]:
     return [c for c in choices if folded(c) == folded(value)]
 
 
+def choice_hint(name: str, value: Any, choices, siblings: dict[str, tuple] | None = None) -> str | None:
+    """The fix for the Python argument ``name=value`` outside ``choices``, worded as the command line's: the choice
+    it names in other letter case or hyphens (NF4), else one spelled closely (nf5), else a choice of a sibling
+    argument in ``siblings`` (argument -> its choices) it names; None when none does."""
+    import difflib
+
+    alike = spelled_alike(value, choices)
+    if not alike and isinstance(value, str):
+        folded = {str(c).lower(): c for c in choices}
+        alike = [folded[c] for c in difflib.get_close_matches(value.lower(), list(folded), n=1, cutoff=0.6)]
+    if alike:
+        return f"did you mean {name}={alike[0]!r}?"
+    for sibling, theirs in (siblings or {}).items():
+        if spelled_alike(value, theirs):
+            return f"did you mean {sibling}={spelled_alike(value, theirs)[0]!r}?"
+    return None
+
+
 def not_null(key: str, schema: type) -> str:
     """The line for ``key=null`` where the key takes a value: what it takes, where ``schema`` (Config) says."""
     takes = next((c.text() for k, _, c in constrained_fields(schema) if k == key), "a value")

@@ -10,6 +10,7 @@ import math
 import torch
 
 from moe_tune.config import ConfigError
+from moe_tune.config.constraints import choice_hint
 from moe_tune.config.schema import KERNEL_SETS
 from moe_tune.models.model import ModelOptions
 
@@ -20,7 +21,8 @@ RENAMED = {"torch_dtype": "transformers' older name of dtype: give dtype="}
 def model_options(dtype, kernels: str, options: dict) -> ModelOptions:
     """``ModelOptions(dtype=..., kernels=..., **options)`` once each argument is one it takes."""
     if kernels not in KERNEL_SETS:
-        raise ConfigError(f"kernels={kernels!r} is not one of {', '.join(KERNEL_SETS)}")
+        hint = choice_hint("kernels", kernels, KERNEL_SETS)
+        raise ConfigError(f"kernels={kernels!r} is not one of {', '.join(KERNEL_SETS)}" + (f"; {hint}" if hint else ""))
     names = {f.name for f in dataclasses.fields(ModelOptions)} - {"dtype", "kernels"}
     for key in options:
         if key in RENAMED:

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from moe_tune.config import ConfigError
+from moe_tune.config.constraints import choice_hint
+from moe_tune.config.schema import QUANTIZED_GEMMS
 from moe_tune.config.validate import blocked_dims_problem, quantized_base_fix
 from moe_tune.lora import LoRASpec
 from moe_tune.models.export import write_checkpoint
@@ -268,9 +270,10 @@ def check_quantized_base(options: ModelOptions, experts) -> None:
     if mode is None:
         return
     if mode not in PROJECTION_CLASSES:
+        hint = choice_hint("quantized_base", mode, PROJECTION_CLASSES, {"quantized_gemm": QUANTIZED_GEMMS})
         raise ConfigError(
-            f"quantized_base={mode!r} is not one of {', '.join(map(repr, PROJECTION_CLASSES))}; pick one of those, "
-            "or None for experts that are parameters"
+            f"quantized_base={mode!r} is not one of {', '.join(map(repr, PROJECTION_CLASSES))}; "
+            + (hint or "pick one of those, or None for experts that are parameters")
         )
     if options.lora is None:
         raise ConfigError(

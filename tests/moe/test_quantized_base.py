@@ -237,6 +237,22 @@ def test_compiled_experts_give_the_eager_outputs_and_adapter_gradients(mode, gem
             "quantized_base='int4' is not one of 'fp8', 'nf4'; pick one of those, or None for experts that are "
             "parameters",
         ),
+        # the choice in other letter case, one letter off, or the GEMMs' argument's: named as the CLI names it
+        (
+            {"hidden_size": 64, "moe_intermediate_size": 96},
+            {"quantized_base": "NF4"},
+            "quantized_base='NF4' is not one of 'fp8', 'nf4'; did you mean quantized_base='nf4'?",
+        ),
+        (
+            {"hidden_size": 64, "moe_intermediate_size": 96},
+            {"quantized_base": "fp9"},
+            "quantized_base='fp9' is not one of 'fp8', 'nf4'; did you mean quantized_base='fp8'?",
+        ),
+        (
+            {"hidden_size": 64, "moe_intermediate_size": 96},
+            {"quantized_base": "triton"},
+            "quantized_base='triton' is not one of 'fp8', 'nf4'; did you mean quantized_gemm='triton'?",
+        ),
         (
             {"hidden_size": 64, "moe_intermediate_size": 96},
             {"quantized_base": "nf4", "lora": None},
