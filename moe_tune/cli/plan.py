@@ -196,12 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from moe_tune.build import check_model_source
         from moe_tune.config import overrides as cli_args
-        from moe_tune.plan import DEFAULT_GPU_MEM_GIB, DEFAULT_HEADROOM, plan, search
+        from moe_tune.plan import DEFAULT_GPU_MEM_GIB, DEFAULT_HEADROOM, plan, quiet_yarn_ratio_warning, search
 
         check_flags(args)
         searched, overrides = searched_keys(args.overrides, args.search)
         cfg = cli_args.to_config(cli_args.check(overrides))
-        check_model_source(cfg, weights=False)  # a missing or unreadable model.path: moe-tune's own one line
+        with quiet_yarn_ratio_warning():
+            check_model_source(cfg, weights=False)  # a missing or unreadable model.path: moe-tune's own one line
         mem = DEFAULT_GPU_MEM_GIB if args.gpu_mem_gib is None else args.gpu_mem_gib
         headroom = DEFAULT_HEADROOM if args.headroom is None else args.headroom
         if searched is not None:

@@ -10,7 +10,9 @@ rejected one with its reason. The rates and constants are the H200's, fitted to 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +31,29 @@ DEFAULT_HEADROOM = 0.05
 _CENSUS: dict = {}
 
 
+# transformers' warning for a YaRN config whose max_position_embeddings / original_max_position_embeddings is not
+# its factor (GPT-OSS's with other context lengths).
+YARN_RATIO_WARNING = "does not match the ratio implicitly set by other parameters"
+
+
+@contextlib.contextmanager
+def quiet_yarn_ratio_warning():
+    """Holds back transformers' YaRN ratio warning while the plan reads a config: it is about the rotary
+    frequencies a model computes, on which neither memory nor speed depend. Only that message, only here, and
+    without entering it in ``warning_once``'s record, so the run that loads the config still says it."""
+    log = logging.getLogger("transformers.modeling_rope_utils")
+
+    def warning_once(msg, *args, **kwargs):
+        if YARN_RATIO_WARNING not in str(msg):
+            type(log).warning_once(log, msg, *args, **kwargs)
+
+    log.warning_once = warning_once
+    try:
+        yield
+    finally:
+        del log.warning_once
+
+
 def hf_config_of(cfg: Config):
     """The transformers config of ``cfg``'s model: a local checkpoint's config.json, or a built-in preset's."""
     from moe_tune.models.presets import trained_config
@@ -39,8 +64,10 @@ def hf_config_of(cfg: Config):
         from moe_tune.models.source_check import check_weights_match_config
 
         check_weights_match_config(cfg.model.path)  # the plan counts config.json's sizes: they must be the weights'
-        return AutoConfig.from_pretrained(cfg.model.path)
-    return trained_config(cfg.model.name, cfg.model.overrides)
+        with quiet_yarn_ratio_warning():
+            return AutoConfig.from_pretrained(cfg.model.path)
+    with quiet_yarn_ratio_warning():
+        return trained_config(cfg.model.name, cfg.model.overrides)
 
 
 def default_gpus(cfg: Config) -> int:
@@ -159,7 +186,8 @@ def plan(
     if key not in _CENSUS:
         _CENSUS[key] = count(same, hf_config, gpus)
     c = _CENSUS[key]
-    acts = measured(hf_config, _activation_options(cfg, c.dims))
+    with quiet_yarn_ratio_warning():  # the measured layer's reduced config is validated again
+        acts = measured(hf_config, _activation_options(cfg, c.dims))
     mem = memory.predict(c, acts, cfg, calibration, routing)
     balanced = routing == "balanced" or cfg.train.force_balanced_routing or c.dims.ep == 1
     imbalance = 1.0 if balanced else calibration.real_routing_imbalance

@@ -437,6 +437,37 @@ def test_auto_plans_for_the_world_the_run_will_have(monkeypatch):
     assert world_size() == 2
 
 
+def test_a_plan_keeps_transformers_yarn_ratio_warning_back_and_the_run_still_gets_it(tiny_checkpoint, capsys):
+    """A GPT-OSS config.json whose max_position_embeddings / original_max_position_embeddings is not its YaRN factor
+    made every plan print transformers' warning about it: rotary frequencies, which no prediction depends on. The
+    plan holds that one message back; a load outside the plan (the run's) still says it."""
+    import logging
+    import shutil
+
+    from transformers import AutoConfig
+
+    src = tiny_checkpoint("gpt_oss", num_hidden_layers=2)
+    path = f"{src}_json"
+    shutil.copytree(src, path)
+    config = json.loads(open(f"{path}/config.json").read())
+    config["max_position_embeddings"] = 72  # a ratio no earlier load has warned of (warning_once)
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(config, f)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    log = logging.getLogger("transformers.modeling_rope_utils")
+    log.addHandler(handler)
+    try:
+        assert plan_main([f"model.path={path}", "--gpus", "1"]) == 0
+        assert capsys.readouterr().out.startswith(f"{path} (2 layers, ")
+        assert not [m for m in said if "original_max_position_embeddings" in m]
+        AutoConfig.from_pretrained(path)
+        assert [m for m in said if "implicit factor" in m and "0.017578125" in m]
+    finally:
+        log.removeHandler(handler)
+
+
 def test_cli_plans_a_checkpoints_json_files_alone(tmp_path, tiny_checkpoint, capsys):
     """``hf download <id> --include '*.json'`` (config.json and the shard index, no weights) is what a laptop plans
     from: the plan reads no weights, so it plans it (moe-tune's check refused it as an interrupted download). A
