@@ -17,7 +17,7 @@ from torch import nn
 
 from moe_tune.config import ConfigError
 from moe_tune.config.constraints import choice_hint
-from moe_tune.config.schema import QUANTIZED_GEMMS
+from moe_tune.config.schema import EXPERT_KERNELS, QUANTIZED_GEMMS
 from moe_tune.config.validate import blocked_dims_problem, quantized_base_fix
 from moe_tune.lora import LoRASpec
 from moe_tune.models.export import write_checkpoint
@@ -230,7 +230,7 @@ def build_model(
     options = options or ModelOptions()
     moe_stats = MoEStatsCollector()
     family = get_family(config.model_type, getattr(config, "architectures", None))
-    check_quantized_base(options, family.moe_spec(config).experts)
+    check_experts_options(options, family.moe_spec(config).experts)
     attn = options.attn_implementation or family.attn_implementation
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, dtype=options.dtype, attn_implementation=attn)
@@ -262,19 +262,32 @@ def build_model(
     return MoECausalLM(hf, family, options, source_dir, packed_attention, moe_stats)
 
 
-def check_quantized_base(options: ModelOptions, experts) -> None:
-    """``options.experts.quantized_base`` (the Python API's spelling of ``peft.quantize_base``) before anything is
-    built: a storage there is, under LoRA (the quantized experts are frozen), for the model's routed ``experts``
-    (an ``ExpertsSpec``) dims. One ConfigError line naming the values and the fix."""
-    mode = options.experts.quantized_base
+def _check_choice(name: str, value, choices, siblings: dict, otherwise: str) -> None:
+    if value not in choices:
+        hint = choice_hint(name, value, choices, siblings)
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}; {hint or otherwise}")
+
+
+def check_experts_options(options: ModelOptions, experts) -> None:
+    """``options.experts`` (the Python API's spelling of ``kernels.experts``, ``kernels.quantized_base`` and
+    ``peft.quantize_base``) before anything is built: choices there are, and a quantized storage under LoRA (the
+    quantized experts are frozen) for the model's routed ``experts`` (an ``ExpertsSpec``) dims. One ConfigError
+    line naming the values and the fix."""
+    o = options.experts
+    _check_choice("impl", o.impl, EXPERT_KERNELS, {}, "pick one of those")
+    _check_choice(
+        "quantized_gemm", o.quantized_gemm, QUANTIZED_GEMMS, {"quantized_base": PROJECTION_CLASSES}, "pick one of those"
+    )
+    mode = o.quantized_base
     if mode is None:
         return
-    if mode not in PROJECTION_CLASSES:
-        hint = choice_hint("quantized_base", mode, PROJECTION_CLASSES, {"quantized_gemm": QUANTIZED_GEMMS})
-        raise ConfigError(
-            f"quantized_base={mode!r} is not one of {', '.join(map(repr, PROJECTION_CLASSES))}; "
-            + (hint or "pick one of those, or None for experts that are parameters")
-        )
+    _check_choice(
+        "quantized_base",
+        mode,
+        PROJECTION_CLASSES,
+        {"quantized_gemm": QUANTIZED_GEMMS},
+        "pick one of those, or None for experts that are parameters",
+    )
     if options.lora is None:
         raise ConfigError(
             f"quantized_base={mode!r} holds the routed experts frozen, for LoRA, and lora is None (every weight "

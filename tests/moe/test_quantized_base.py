@@ -253,6 +253,23 @@ def test_compiled_experts_give_the_eager_outputs_and_adapter_gradients(mode, gem
             {"quantized_base": "triton"},
             "quantized_base='triton' is not one of 'fp8', 'nf4'; did you mean quantized_gemm='triton'?",
         ),
+        # the GEMMs' own choices, and the experts' kernels (a silent torch path, or a bf16 one, otherwise)
+        (
+            {"hidden_size": 64, "moe_intermediate_size": 96},
+            {"quantized_base": "nf4", "quantized_gemm": "Triton"},
+            "quantized_gemm='Triton' is not one of 'torch', 'triton'; did you mean quantized_gemm='triton'?",
+        ),
+        (
+            {"hidden_size": 64, "moe_intermediate_size": 96},
+            {"quantized_gemm": "nf4"},
+            "quantized_gemm='nf4' is not one of 'torch', 'triton'; did you mean quantized_base='nf4'?",
+        ),
+        (
+            {"hidden_size": 64, "moe_intermediate_size": 96},
+            {"impl": "grouped_mm_fp9"},
+            "impl='grouped_mm_fp9' is not one of 'grouped_mm', 'grouped_mm_fp8', 'loop'; did you mean "
+            "impl='grouped_mm_fp8'?",
+        ),
         (
             {"hidden_size": 64, "moe_intermediate_size": 96},
             {"quantized_base": "nf4", "lora": None},
