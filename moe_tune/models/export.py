@@ -331,7 +331,7 @@ def _write_index(out_dir: str, gathered: list[tuple[dict[str, str], int]], world
         with open(os.path.join(out_dir, INDEX), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
         written.add(INDEX)
-    _remove_stale_weights(out_dir, written)
+    remove_stale_weights(out_dir, written)
 
 
 # The weight files and index a save writes. An earlier save's left in the same directory would be read in place
@@ -339,7 +339,7 @@ def _write_index(out_dir: str, gathered: list[tuple[dict[str, str], int]], world
 WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5}|-rank\d{5}-part\d{3})?\.safetensors|" + re.escape(INDEX))
 
 
-def _remove_stale_weights(out_dir: str, written: set[str]) -> None:
+def remove_stale_weights(out_dir: str, written: set[str]) -> None:
     for name in os.listdir(out_dir):
         if WEIGHT_FILE.fullmatch(name) and name not in written:
             os.remove(os.path.join(out_dir, name))

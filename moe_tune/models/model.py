@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ from moe_tune.config.constraints import choice_hint
 from moe_tune.config.schema import EXPERT_KERNELS, QUANTIZED_GEMMS
 from moe_tune.config.validate import blocked_dims_problem, quantized_base_fix
 from moe_tune.lora import LoRASpec
-from moe_tune.models.export import write_checkpoint
+from moe_tune.models.export import remove_stale_weights, write_checkpoint
 from moe_tune.models.families import Family, get_family
 from moe_tune.moe.dispatch import Dispatcher
 from moe_tune.moe.experts import ExpertsOptions
@@ -192,13 +193,16 @@ class MoECausalLM(nn.Module):
         ``PeftModel.from_pretrained`` onto the source (``moe_tune.models.lora.merge_lora(model)`` first: the merged
         model instead)."""
         from moe_tune.models.lora import has_lora
+        from moe_tune.models.peft_export import ADAPTER_FILES, write_adapter
 
         if has_lora(self):
-            from moe_tune.models.peft_export import write_adapter
-
             write_adapter(self, out_dir)
+            remove_stale_weights(out_dir, written=set())  # an earlier full save's, which moe_tune would read
             return
         write_checkpoint(self, out_dir, max_shard_bytes=max_shard_bytes)
+        for name in ADAPTER_FILES:  # transformers loads a directory holding adapter_config.json as base + adapters
+            if os.path.exists(path := os.path.join(out_dir, name)):
+                os.remove(path)
 
 
 def packed_sequence_kwargs(position_ids: torch.Tensor) -> dict:

@@ -97,6 +97,10 @@ def moved_routers(model) -> set[str]:
     return moved
 
 
+# What write_adapter writes; a full save into the same directory removes them (MoECausalLM.save_pretrained).
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+
+
 @torch.no_grad()
 def write_adapter(model, out_dir: str, ep_group=None, dtype=None, chat_template: str | None = None) -> None:
     """Every rank calls it: adapters are gathered (FSDP shards, then experts over the ep mesh axis) one tensor at
@@ -139,8 +143,8 @@ def _write_files(model, out_dir: str, tensors: dict, names: list[str], routers: 
         if name.rsplit(".", 1)[0] in routers:
             tensors[PREFIX + name] = buf.detach().to(dtype or buf.dtype).cpu().contiguous()
     os.makedirs(out_dir, exist_ok=True)
-    save_safetensors(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
-    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+    save_safetensors(tensors, os.path.join(out_dir, ADAPTER_FILES[0]))
+    with open(os.path.join(out_dir, ADAPTER_FILES[1]), "w") as f:
         json.dump(adapter_config(model, names, sorted(set(routers))), f, indent=2, sort_keys=True)
     # The base's tokenizer and generation config beside the adapters (as a TRL run saves them), the latter
     # stopping at the chat template's end of turn: GenerationConfig.from_pretrained(out_dir) for generate.

@@ -155,3 +155,31 @@ def test_merging_adapters_into_quantized_experts_is_refused_before_anything_merg
     with pytest.raises(ConfigError, match=r"quantized_base=nf4\) with adapters.*merge_and_unload"):
         merge_lora(model)
     assert has_lora(model) and all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_save_pretrained_between_adapters_and_a_merged_model_leaves_only_the_last_save(tmp_path):
+    """A merged save over an adapter save leaves no adapter_config.json: transformers loads a directory holding
+    one as the base plus those adapters (logits 0.8 from the merged model's). An adapter save over a full save
+    leaves no model.safetensors, which moe_tune would read as the model."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_tune.lora import LoRASpec
+    from moe_tune.models.lora import merge_lora
+
+    src = build_tiny_checkpoint(str(tmp_path / "src"), overrides={"num_hidden_layers": 2})
+    out = tmp_path / "out"
+    moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).save_pretrained(str(out))
+    model = moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, lora=LoRASpec(rank=8)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    model.save_pretrained(str(out))
+    assert not list(out.glob("model*.safetensors*"))
+    merge_lora(model)
+    model.save_pretrained(str(out))
+    assert not (out / "adapter_config.json").exists() and not (out / "adapter_model.safetensors").exists()
+    ids = torch.randint(4, 90, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+        torch.testing.assert_close(ref(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
