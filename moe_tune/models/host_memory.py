@@ -67,6 +67,11 @@ def needed_bytes(model: torch.nn.Module, training: bool) -> tuple[int, int]:
     return weights, 3 * trained
 
 
+# '++' adds the key or replaces it: some presets set num_hidden_layers in model.overrides (a plain key then works,
+# '+' fails), others leave it out ('+' then works, a plain key fails).
+FEWER_LAYERS = "++model.overrides.num_hidden_layers=2"
+
+
 def check_fits_host(model: torch.nn.Module, training: bool) -> None:
     """ConfigError when the floor of what ``model`` needs on the CPU is more than this rank's share of the memory
     available."""
@@ -82,5 +87,5 @@ def check_fits_host(model: torch.nn.Module, training: bool) -> None:
         f"the model needs at least {(weights + states) / GIB:.1f} GiB of host memory on the CPU "
         f"({weights / GIB:.1f} GiB of weights{states_text}; no GPU is visible), and this process has "
         f"{share / GIB:.1f} GiB available: run where a GPU is visible (moe-tune-env says what torch sees), or "
-        f"train a smaller model (e.g. model.overrides.num_hidden_layers=2 or a smaller model.path)"
+        f"train a smaller model (e.g. {FEWER_LAYERS} for a built-in one, or a smaller model.path)"
     )

@@ -4,6 +4,8 @@ line with nothing written."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -66,6 +68,18 @@ def test_a_model_over_the_hosts_share_is_refused_with_its_sizes():
                 continue
             with pytest.raises(ConfigError, match="no GPU is visible.*num_hidden_layers"):
                 host_memory.check_fits_host(model, training=True)
+
+
+@pytest.mark.parametrize("model", ["qwen3_30b_a3b", "deepseek_v3", "tiny_qwen3_moe"])
+def test_the_smaller_model_the_line_names_composes_for_every_preset(model):
+    """The line's example override is taken as given, whether the preset sets num_hidden_layers or not."""
+    built = _built()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(host_memory, "available_bytes", lambda: 1)
+        with pytest.raises(ConfigError) as e:
+            host_memory.check_fits_host(built, training=True)
+    fix = re.search(r"e\.g\. (\S+)", str(e.value))[1]
+    assert to_config(check([f"model={model}", fix])).model.overrides["num_hidden_layers"] == 2
 
 
 def test_the_cli_refuses_it_in_one_line_before_writing(tmp_path, monkeypatch):
