@@ -49,10 +49,12 @@ def _quantized_gemm(cfg: Config, device_type: str) -> list[str]:
     if gemm == "torch":
         return []
     if cfg.peft.name != "lora" or cfg.peft.quantize_base == "none":
-        quantized = f"peft={cfg.peft.name}" if cfg.peft.name != "lora" else "peft.quantize_base=none"
+        lora = cfg.peft.name == "lora"
+        quantized = "peft.quantize_base=none" if lora else f"peft={cfg.peft.name}"
+        add = "peft.quantize_base=fp8" if lora else "peft=lora peft.quantize_base=fp8"  # only what the run lacks
         return [
             f"kernels.quantized_base={gemm} chooses the GEMMs of a quantized base's experts, and {quantized} keeps "
-            "them in bf16; add peft=lora peft.quantize_base=fp8 (or nf4) to quantize them"
+            f"them in bf16; add {add} (or nf4) to quantize them"
         ]
     if device_type != "cuda":
         return [

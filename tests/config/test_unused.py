@@ -19,8 +19,11 @@ from moe_tune.config.unused import unused_settings
         (["peft=lora", "train.aux_loss_coef=0.5"], "train.aux_loss_coef=0.5 changes nothing with peft=lora"),
         (["peft=lora", "train.z_loss_coef=0.1"], "train.z_loss_coef=0.1 changes nothing with peft=lora"),
         (["logger.expert_load_image_every=1"], "logger.expert_load_image_every=1 draws images for a tracker"),
-        (["kernels.quantized_base=triton"], "kernels.quantized_base=triton chooses the GEMMs of a quantized base"),
-        (["peft=lora", "kernels.quantized_base=triton"], "and peft.quantize_base=none keeps them in bf16"),
+        (["kernels.quantized_base=triton"], "peft=none keeps them in bf16; add peft=lora peft.quantize_base=fp8"),
+        (
+            ["peft=lora", "kernels.quantized_base=triton"],
+            "quantize_base=none keeps them in bf16; add peft.quantize_base=",
+        ),
         (
             ["peft=lora", "peft.quantize_base=nf4", "kernels.experts=loop"],
             "kernels.experts=loop with peft.quantize_base=nf4 runs the reference loop over fp32 copies",
