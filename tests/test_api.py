@@ -27,6 +27,19 @@ def test_logits_with_labels_outside_training_none_in_training(tiny_checkpoint):
     assert model(input_ids=ids, labels=ids, return_logits=False).logits is None
 
 
+def test_a_training_forward_without_the_fused_loss_returns_the_logits_its_loss_used(tiny_checkpoint):
+    """loss_chunk_size=None computes the loss from full logits: a training forward returns them, as transformers."""
+    model = moe_tune.AutoModelForCausalLM.from_pretrained(tiny_checkpoint(), dtype=torch.float32, loss_chunk_size=None)
+    ids = torch.randint(4, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = model.train()(input_ids=ids, labels=ids)
+    assert out.logits is not None and out.logits.shape == (*ids.shape, model.config.vocab_size)
+    ref = torch.nn.functional.cross_entropy(
+        out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), ids[:, 1:].reshape(-1)
+    )
+    torch.testing.assert_close(out.loss, ref, rtol=1e-5, atol=1e-6)
+    assert model(input_ids=ids, labels=ids, return_logits=False).logits is None
+
+
 def test_the_contracts_snippet_gives_the_loss_and_transformers_logits(tiny_checkpoint):
     """CONTRACT.md's three lines as written: from_pretrained returns the model in eval mode, as transformers does,
     so ``model(input_ids=ids, labels=ids)`` gives ``out.loss`` and ``out.logits``, transformers' own (1e-5)."""

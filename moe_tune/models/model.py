@@ -147,8 +147,9 @@ class MoECausalLM(nn.Module):
     ) -> CausalLMOutput:
         """Like transformers: ``labels`` are aligned with ``input_ids`` and shifted here; -100 is ignored.
         The loss is the token sum divided by ``loss_normalizer`` (default: this batch's label tokens).
-        ``return_logits`` None: logits whenever no backward can follow (no labels, eval mode or torch.no_grad());
-        a training forward with labels leaves them None, as the fused loss never builds them (the memory saving)."""
+        ``return_logits`` None: logits whenever no backward can follow (no labels, eval mode or torch.no_grad())
+        or the loss is plain cross-entropy (``loss_chunk_size=None``); a training forward with labels otherwise
+        leaves them None, as the fused loss never builds them (the memory saving)."""
         extra = self._packed_kwargs(input_ids, position_ids, attention_mask)
         self._moe_stats.start()
         hidden = self.model(
@@ -156,7 +157,9 @@ class MoECausalLM(nn.Module):
         ).last_hidden_state
         out = CausalLMOutput(moe_stats=self._moe_stats.take())
         training = self.training and torch.is_grad_enabled()
-        want_logits = (labels is None or not training) if return_logits is None else return_logits
+        # Without a fused loss (loss_chunk_size=None) the loss builds the full logits: returned, as transformers.
+        built_anyway = labels is None or not training or self.loss_fn is None
+        want_logits = built_anyway if return_logits is None else return_logits
         if want_logits:
             out.logits = self.lm_head(hidden)
         if labels is None:
