@@ -128,6 +128,19 @@ def test_lora_spec_names_a_bad_value_and_its_fix(kwargs, words):
     assert words in str(e.value)
 
 
+def test_from_pretrained_refuses_a_lora_rank_the_experts_grouped_gemms_cannot_take(tiny_checkpoint):
+    """As moe-tune refuses peft.rank=4 with peft.target including experts; the reference loop takes any rank."""
+    from moe_tune.config import ConfigError
+    from moe_tune.lora import LoRASpec
+    from moe_tune.moe.experts import ExpertsOptions
+
+    with pytest.raises(ConfigError, match=r"LoRASpec\(rank=4\) with experts .* multiple of 8.*try rank=8"):
+        moe_tune.AutoModelForCausalLM.from_pretrained(tiny_checkpoint(), lora=LoRASpec(rank=4))
+    moe_tune.AutoModelForCausalLM.from_pretrained(tiny_checkpoint(), lora=LoRASpec(rank=4, targets=("attention",)))
+    loop = ExpertsOptions(impl="loop")
+    moe_tune.AutoModelForCausalLM.from_pretrained(tiny_checkpoint(), lora=LoRASpec(rank=4), experts=loop)
+
+
 @pytest.mark.parametrize(
     "top_k, words", [(0, "must be a whole number >= 1"), (9, "is more than the model's 8 experts")]
 )

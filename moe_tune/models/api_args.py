@@ -45,8 +45,8 @@ def _is_real(value) -> bool:
 
 
 def option_problem(options: dict) -> str | None:
-    """The line for a numeric option the run's config would refuse (``kernels.loss_chunk_size`` >= 1,
-    ``train.aux_loss_coef`` and ``train.z_loss_coef`` >= 0), or None. A negative chunk size runs no chunk at all
+    """The line for an option the run's config would refuse (``kernels.loss_chunk_size`` >= 1, a LoRA rank on
+    grouped-GEMM experts a multiple of 8, ``train.aux_loss_coef`` and ``train.z_loss_coef`` >= 0), or None. A negative chunk size runs no chunk at all
     (a cross-entropy of 0); a negative or NaN coefficient turns the balancing loss on in the model but off in
     its layers (which then record none)."""
     chunk = options.get("loss_chunk_size")
@@ -54,6 +54,13 @@ def option_problem(options: dict) -> str | None:
         return (
             f"loss_chunk_size={chunk!r} must be an integer >= 1 (kernels.loss_chunk_size) or None (plain "
             "cross-entropy over full logits); try loss_chunk_size=4096"
+        )
+    lora, experts = options.get("lora"), options.get("experts")
+    grouped = experts is None or experts.impl in ("grouped_mm", "grouped_mm_fp8")
+    if lora is not None and lora.experts and grouped and lora.rank % 8:
+        return (
+            f"LoRASpec(rank={lora.rank}) with experts among its targets: the grouped GEMMs need the rank to be a "
+            "multiple of 8 (16-byte rows in bf16, as peft.rank); try rank=8 or rank=16"
         )
     for key in ("aux_loss_coef", "z_loss_coef"):
         if key not in options or (key == "aux_loss_coef" and options[key] is None):

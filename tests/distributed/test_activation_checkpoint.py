@@ -51,7 +51,7 @@ def _nf4_lora_run(path: str, mode: str, monkeypatch) -> tuple[int, float, dict[s
     from moe_tune.lora import LoRASpec
     from moe_tune.moe.experts import ExpertsOptions
 
-    lora = LoRASpec(rank=4, alpha=8.0, targets=("experts",))
+    lora = LoRASpec(rank=8, alpha=16.0, targets=("experts",))
     model = from_pretrained(path, lora=lora, experts=ExpertsOptions(quantized_base="nf4"))
     with torch.no_grad():  # nonzero B: the adapters move the output, so the input gradient reaches every layer's A
         for n, p in model.named_parameters():
@@ -97,7 +97,7 @@ def test_only_full_checkpointing_marks_nf4_projections_recomputed(tiny_checkpoin
     from moe_tune.moe.quantized_base import FrozenNF4Projection
 
     path = tiny_checkpoint("qwen3_moe", hidden_size=64, moe_intermediate_size=64)
-    lora, experts = LoRASpec(rank=4, alpha=8.0, targets=("experts",)), ExpertsOptions(quantized_base="nf4")
+    lora, experts = LoRASpec(rank=8, alpha=16.0, targets=("experts",)), ExpertsOptions(quantized_base="nf4")
     for mode in ("none", "selective", "full"):
         model = from_pretrained(path, lora=lora, experts=experts)
         apply_ac(model, mode)

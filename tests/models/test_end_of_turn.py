@@ -82,7 +82,7 @@ def test_a_lora_adapter_directory_stops_at_the_end_of_turn(checkpoint, tmp_path,
     if not base_has_generation_config:
         os.remove(f"{checkpoint}/generation_config.json")
     adapter = str(tmp_path / "adapter")
-    write_adapter(from_pretrained(checkpoint, lora=LoRASpec(rank=4, targets=("attention", "experts"))), adapter)
+    write_adapter(from_pretrained(checkpoint, lora=LoRASpec(rank=8, targets=("attention", "experts"))), adapter)
     tokenizer = AutoTokenizer.from_pretrained(adapter)  # the tokenizer came along
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert end in _eos(adapter) and tokenizer.eos_token_id in _eos(adapter)

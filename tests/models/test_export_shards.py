@@ -121,7 +121,7 @@ def test_save_pretrained_of_a_lora_model_writes_the_adapters_peft_loads(tiny_che
     from moe_tune.lora import LoRASpec
 
     src = tiny_checkpoint("qwen3_moe", dtype=torch.float32)
-    model = moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, lora=LoRASpec(rank=4)).eval()
+    model = moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, lora=LoRASpec(rank=8)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("B"):  # B starts at zero: adapters that change the logits
@@ -149,7 +149,7 @@ def test_merging_adapters_into_quantized_experts_is_refused_before_anything_merg
     from moe_tune.moe.experts import ExpertsOptions
 
     src = tiny_checkpoint("qwen3_moe", dtype=torch.bfloat16, hidden_size=64, moe_intermediate_size=96)
-    lora = LoRASpec(rank=4)
+    lora = LoRASpec(rank=8)
     model = moe_tune.AutoModelForCausalLM.from_pretrained(src, experts=ExpertsOptions(quantized_base="nf4"), lora=lora)
     before = {n: p.clone() for n, p in model.named_parameters()}
     with pytest.raises(ConfigError, match=r"quantized_base=nf4\) with adapters.*merge_and_unload"):
