@@ -143,6 +143,33 @@ def _group_tile(tile, offs_ptr, out_offs_ptr, num_groups, BLOCK_R: tl.constexpr,
 
 
 @triton.jit
+def _load_group_tile(
+    t_ptr,
+    offs_ptr,
+    out_offs_ptr,
+    num_groups,
+    C,
+    t_row_stride,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+):
+    """Program (tile, block of columns)'s part of ``t``, as fp32 (zeros for padding rows and past the group's
+    tiles), with (group, the tile's output rows as offsets into the group, the group's output row count and first
+    output row, the columns, their mask)."""
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < C
+    group, first, out_rows, out_start, start, end = _group_tile(
+        tl.program_id(0), offs_ptr, out_offs_ptr, num_groups, BLOCK_R, BLOCK_GROUPS
+    )
+    i = first + tl.arange(0, BLOCK_R)
+    src = start + i
+    mask = (src < end)[:, None] & col_mask[None, :]  # end is 0 past the last group: nothing read
+    x = tl.load(t_ptr + src[:, None] * t_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x, group, i, out_rows, out_start, cols, col_mask
+
+
+@triton.jit
 def group_column_amax_kernel(
     t_ptr,
     amax_ptr,
@@ -158,18 +185,11 @@ def group_column_amax_kernel(
     """``quantize_group_columns_kernel``'s first pass spread over tiles: program (tile, block of columns) takes the
     source rows of one output tile of one group (``_group_tile``) and folds their column maxima of |t| into
     ``amax[g]`` (``amax`` [G, C], zeros before) by atomic max. Padding rows read as zeros."""
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_mask = cols < C
-    group, first, out_rows, _, start, end = _group_tile(
-        tl.program_id(0), offs_ptr, out_offs_ptr, num_groups, BLOCK_R, BLOCK_GROUPS
+    x, group, _, _, _, cols, col_mask = _load_group_tile(
+        t_ptr, offs_ptr, out_offs_ptr, num_groups, C, t_row_stride, BLOCK_R, BLOCK_C, BLOCK_GROUPS
     )
     if group < num_groups:
-        i = first + tl.arange(0, BLOCK_R)
-        src = start + i
-        mask = ((i < out_rows) & (src < end))[:, None] & col_mask[None, :]
-        x = tl.load(t_ptr + src[:, None] * t_row_stride + cols[None, :], mask=mask, other=0.0)
-        m = tl.max(tl.abs(x.to(tl.float32)), axis=0)
-        tl.atomic_max(amax_ptr + group.to(tl.int64) * C + cols, m, mask=col_mask)
+        tl.atomic_max(amax_ptr + group.to(tl.int64) * C + cols, tl.max(tl.abs(x), axis=0), mask=col_mask)
 
 
 @triton.jit
@@ -193,18 +213,12 @@ def quantize_group_columns_by_rows_kernel(
     the tile's source rows scaled by their group's column scales, zeros for its padding rows, written transposed
     where ``quantize_group_columns_kernel`` writes them (column c of group g's output row i at ``q + out_offs[g-1]
     x out_group_scale + c x out_col_stride + i``). The programs of tile 0 also write the inverse scales [G, C]."""
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_mask = cols < C
-    group, first, out_rows, out_start, start, end = _group_tile(
-        tl.program_id(0), offs_ptr, out_offs_ptr, num_groups, BLOCK_R, BLOCK_GROUPS
+    x, group, i, out_rows, out_start, cols, col_mask = _load_group_tile(
+        t_ptr, offs_ptr, out_offs_ptr, num_groups, C, t_row_stride, BLOCK_R, BLOCK_C, BLOCK_GROUPS
     )
     if group < num_groups:
-        i = first + tl.arange(0, BLOCK_R)
-        src = start + i
-        load_mask = (src < end)[:, None] & col_mask[None, :]
-        x = tl.load(t_ptr + src[:, None] * t_row_stride + cols[None, :], mask=load_mask, other=0.0)
         scale = _pow2_scale(tl.load(amax_ptr + group.to(tl.int64) * C + cols, mask=col_mask, other=0.0))
-        q = tl.minimum(tl.maximum(x.to(tl.float32) * scale[None, :], -448.0), 448.0)
+        q = tl.minimum(tl.maximum(x * scale[None, :], -448.0), 448.0)
         base = q_ptr + out_start * out_group_scale + cols[:, None].to(tl.int64) * out_col_stride
         out_mask = col_mask[:, None] & (i < out_rows)[None, :]
         tl.store(base + i[None, :], tl.trans(q).to(q_ptr.dtype.element_ty), mask=out_mask)
