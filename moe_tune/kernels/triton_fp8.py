@@ -8,6 +8,16 @@ import triton.language as tl
 
 
 @triton.jit
+def _pow2_scale(amax):
+    """The largest power of two that maps ``amax`` to at most 448 (E4M3's largest), read off its bits as
+    ``fp8_grouped._pow2_scale`` does with frexp: bitwise the same result. amax = 1.m x 2^(biased - 127) and
+    448 = 1.75 x 2^8, so the power is 8 - (biased - 127), one less when 1.m > 1.75; an amax of 0 takes 1e-30's."""
+    bits = tl.maximum(amax, 1e-30).to(tl.int32, bitcast=True)
+    power = 135 - ((bits >> 23) & 0xFF) - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return ((power + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def quantize_rows_kernel(
     x_ptr,
     q_ptr,
@@ -23,10 +33,9 @@ def quantize_rows_kernel(
 ):
     """One program per row of ``x`` [R, K]: optionally multiplied by the row's group's column scales
     (``col_scale[g, :]``, g the row's group: how many of the ``num_groups`` group ends ``offs`` are at or before
-    the row, so rows past the last group read row ``num_groups``, a row of zeros), then scaled by the largest power of two that maps the row's largest magnitude
-    to at most 448 and rounded to E4M3 into ``q`` [R, K]; ``inv_scale[row]`` holds what to multiply the E4M3 values
-    by. The power of two is read off the amax's bits as ``fp8_grouped._pow2_scale`` does with frexp: bitwise the
-    same result. Unfused, PyTorch ran about eight passes over the row block (abs, amax, scale, clamp, cast)."""
+    the row, so rows past the last group read row ``num_groups``, a row of zeros), then scaled by ``_pow2_scale`` of
+    the row's largest magnitude and rounded to E4M3 into ``q`` [R, K]; ``inv_scale[row]`` holds what to multiply the
+    E4M3 values by. Unfused, PyTorch ran about eight passes over the row block (abs, amax, scale, clamp, cast)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
@@ -36,12 +45,7 @@ def quantize_rows_kernel(
         ends = tl.load(offs_ptr + groups, mask=groups < num_groups, other=2**31 - 1).to(tl.int64)
         group = tl.sum((ends <= row).to(tl.int64), axis=0)
         x = x * tl.load(col_scale_ptr + group * K + cols, mask=mask, other=0.0)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30)
-    bits = amax.to(tl.int32, bitcast=True)
-    biased = (bits >> 23) & 0xFF
-    # amax = 1.m x 2^(biased - 127); 448 = 1.75 x 2^8: the power is 8 - (biased - 127), one less when 1.m > 1.75.
-    power = 135 - biased - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    scale = ((power + 127) << 23).to(tl.float32, bitcast=True)
+    scale = _pow2_scale(tl.max(tl.abs(x), axis=0))
     q = tl.minimum(tl.maximum(x * scale, -448.0), 448.0)
     tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(inv_scale_ptr + row, 1.0 / scale)
@@ -76,8 +80,8 @@ def quantize_group_columns_kernel(
     BLOCK_C: tl.constexpr,
 ):
     """One program per (group g, block of columns) of ``t`` [R, C], whose rows come in groups (group g: rows
-    ``offs[g-1]`` to ``offs[g]``): one power-of-two scale per (group, column) over the group's rows, as
-    ``quantize_rows_kernel`` finds it, ``inv_scale[g, c]`` its inverse; the E4M3 values written transposed, column c
+    ``offs[g-1]`` to ``offs[g]``): one power-of-two scale per (group, column) over the group's rows
+    (``_pow2_scale``), ``inv_scale[g, c]`` its inverse; the E4M3 values written transposed, column c
     of group g at ``q + out_offs[g-1] x out_group_scale + c x out_col_stride``, one element per row, and zeros
     after the group's rows up to ``out_offs[g]`` (its padding). Two reads of the group's rows (amax, then the values),
     one write, nothing read on the host. The FP8 weight gradient's operands (``out_offs`` the groups padded to 16
@@ -98,9 +102,7 @@ def quantize_group_columns_kernel(
         mask = ((r0 + rows) < end)[:, None] & col_mask[None, :]
         x = tl.load(t_ptr + (r0 + rows)[:, None] * t_row_stride + cols[None, :], mask=mask, other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
-    bits = tl.maximum(amax, 1e-30).to(tl.int32, bitcast=True)
-    power = 135 - ((bits >> 23) & 0xFF) - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # as quantize_rows_kernel
-    scale = ((power + 127) << 23).to(tl.float32, bitcast=True)
+    scale = _pow2_scale(amax)
     tl.store(inv_scale_ptr + g.to(tl.int64) * C + cols, 1.0 / scale, mask=col_mask)
     out_base = q_ptr + out_start * out_group_scale + cols[:, None].to(tl.int64) * out_col_stride
     for i0 in range(0, out_rows, BLOCK_R):
@@ -110,14 +112,6 @@ def quantize_group_columns_kernel(
         q = tl.minimum(tl.maximum(x.to(tl.float32) * scale[None, :], -448.0), 448.0)
         out_mask = col_mask[:, None] & (i < out_rows)[None, :]
         tl.store(out_base + i[None, :], tl.trans(q).to(q_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _pow2_scale(amax):
-    """As ``quantize_rows_kernel`` finds it: the largest power of two that maps ``amax`` to at most 448."""
-    bits = tl.maximum(amax, 1e-30).to(tl.int32, bitcast=True)
-    power = 135 - ((bits >> 23) & 0xFF) - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    return ((power + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
