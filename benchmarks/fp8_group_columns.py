@@ -72,7 +72,8 @@ def main(argv: list[str]) -> int:
             rows.append(result)
             a, b = result["per_group"]["ms"], result["by_row_tiles"]["ms"]
             print(
-                f"mb {mb} {name:<44} per group {a:7.3f} ms  by row tiles {b:7.3f} ms  ({b / a:.2f}x)  equal {result['equal']}"
+                f"mb {mb} {name:<44} per group {a:7.3f} ms  by row tiles {b:7.3f} ms  ({b / a:.2f}x)  "
+                f"equal {result['equal']}"
             )
     os.makedirs(out_dir, exist_ok=True)
     device = torch.cuda.get_device_name()

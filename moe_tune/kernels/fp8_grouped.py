@@ -33,8 +33,8 @@ ROW_ALIGN = 16
 
 # The column quantization's kernels (the weight gradient's operands, the input gradient's experts): False, one
 # program per (group, block of columns) walking the group's rows twice (the kernel of the measured rows); True, two
-# kernels over tiles of one group's rows (ROW_TILE: rows, columns), the same values. benchmarks/fp8_group_columns.py times both;
-# the default moves when a GPU says which wins.
+# kernels over tiles of one group's rows (ROW_TILE: rows, columns), the same values. benchmarks/fp8_group_columns.py
+# times both; the default moves when a GPU says which wins.
 COLUMNS_BY_ROW_TILES = False
 ROW_TILE = (64, 64)
 

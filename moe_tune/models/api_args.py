@@ -46,9 +46,9 @@ def _is_real(value) -> bool:
 
 def option_problem(options: dict) -> str | None:
     """The line for an option the run's config would refuse (``kernels.loss_chunk_size`` >= 1, a LoRA rank on
-    grouped-GEMM experts a multiple of 8, ``train.aux_loss_coef`` and ``train.z_loss_coef`` >= 0), or None. A negative chunk size runs no chunk at all
-    (a cross-entropy of 0); a negative or NaN coefficient turns the balancing loss on in the model but off in
-    its layers (which then record none)."""
+    grouped-GEMM experts a multiple of 8, ``train.aux_loss_coef`` and ``train.z_loss_coef`` >= 0), or None. A
+    negative chunk size runs no chunk at all (a cross-entropy of 0); a negative or NaN coefficient turns the
+    balancing loss on in the model but off in its layers (which then record none)."""
     chunk = options.get("loss_chunk_size")
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         return (

@@ -376,7 +376,8 @@ def test_a_search_none_of_whose_layouts_can_run_is_the_configurations_error(monk
     assert plan_main(["--search", "--gpus", "6", "parallel.ep=3"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.splitlines() == [
-        "moe-tune-plan: error: the model's number of experts (8) must be divisible by parallel.ep (3); try parallel.ep=2"
+        "moe-tune-plan: error: the model's number of experts (8) must be divisible by parallel.ep (3); "
+        "try parallel.ep=2"
     ]
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")

@@ -1,8 +1,9 @@
 """Gradient accumulation under FSDP2 (parallel.dp_shard=2 on 2 gloo ranks, 2 micro-batches per step) through the
 real Trainer: the gradients are reduced once per step, after the last micro-batch, and the step's gradient equals
 one process's with the whole batch in one forward, with fp32 and with bf16 gradients (train.precision=bf16: bf16
-accumulation and reduction), and so do the step's reported gradient norm and loss. The ranks' rows carry very different numbers of label tokens, so a loss normaliser
-that is not summed over ranks and micro-batches gives another gradient."""
+accumulation and reduction), and so do the step's reported gradient norm and loss. The ranks' rows carry very
+different numbers of label tokens, so a loss normaliser that is not summed over ranks and micro-batches gives
+another gradient."""
 
 from __future__ import annotations
 
