@@ -99,12 +99,14 @@ def resolve(overrides: list[str], multirun: bool = False) -> list[str]:
         dims = best.census.dims
         sequences = best.config.train.micro_batch_size * dims.dp_replicate * dims.dp_shard
         batch = f"; the global batch is then {sequences} sequences, give train.global_batch_size to hold it"
+    # The speed model's rates are an H200's: without a GPU the line names the layout they rank first, no tokens/s.
+    speed = f"{best.speed['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU"
+    if of_what:
+        speed = "the fastest that fits by the planner's H200 rates"
     if dist_env().rank == 0:  # torchrun's RANK or srun's SLURM_PROCID, as the run reads them
         print(
             f"moe-tune: auto: {' '.join(picked)} (predicted {best.memory.peak / 2**30:.1f} GiB peak of "
-            f"{memory:.0f} GiB{of_what}, "
-            f"{best.speed['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU{batch}; moe-tune-plan "
-            "--search lists every layout)",
+            f"{memory:.0f} GiB{of_what}, {speed}{batch}; moe-tune-plan --search lists every layout)",
             file=sys.stderr,
             flush=True,
         )
