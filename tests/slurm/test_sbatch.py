@@ -35,6 +35,22 @@ def job_log(run_dir: Path, job: str) -> str:
     return (run_dir / "logs" / f"slurm-{job}.out").read_text()
 
 
+def wait_ended(slurm, run_dir: Path, job: str, restarts: int, timeout_s: float = 240):
+    """Slurm's state of the job once the attempt Slurm counts has run and ended. A requeue counts in ``Restarts`` at
+    once, and for a moment the attempt that requeued itself can read FAILED (CI caught it once, for a task of an
+    array): the log's header of attempt ``Restarts`` and one exit line per attempt say that attempt ran."""
+    deadline = time.time() + timeout_s
+    while True:
+        state = slurm.wait(job, max(deadline - time.time(), 1), restarts)
+        log = job_log(run_dir, job)
+        attempts = log.count(f"moe-tune: job {job} (restart ")
+        if f"(restart {state.restarts}) on" in log and log.count(f"moe-tune: job {job} exited with") == attempts:
+            return state
+        if time.time() > deadline:
+            raise TimeoutError(f"job {job} reads {state} but its log has not caught up:\n{log[-2000:]}")
+        time.sleep(0.5)
+
+
 def saved_step(log: str) -> int:
     return int(re.search(r"stopped by signal 15 after step (\d+)", log).group(1))
 
@@ -47,7 +63,7 @@ def test_time_limit_signal_saves_requeues_and_resumes(slurm, tmp_path):
     job = submit(slurm, run, steps=60)
     wait_rows(run, 2)
     slurm.run(["scancel", "--batch", "--signal=TERM", job])
-    state = slurm.wait(job, timeout_s=240)  # the script requeued the job before it ended: never FAILED between
+    state = wait_ended(slurm, run, job, restarts=1)
     log = job_log(run, job)
     assert (state.state, state.exit_code, state.restarts) == ("COMPLETED", 0, 1), log[-3000:]
     step = saved_step(log)
@@ -71,7 +87,7 @@ def test_scancel_term_is_exit_143_and_a_requeue_resumes(slurm, tmp_path):
     assert (run / "checkpoints" / f"step_{step}" / "COMPLETE").exists(), log[-3000:]
     assert log.count(STOP_LINE) == log.count(SAVED_LINE) == 1 and "Traceback" not in log, log[-3000:]
     slurm.run(["scontrol", "requeue", job])
-    state = slurm.wait(job, timeout_s=240, restarts=1)
+    state = wait_ended(slurm, run, job, restarts=1)
     log = job_log(run, job)
     assert (state.state, state.exit_code, state.restarts) == ("COMPLETED", 0, 1), log[-3000:]
     assert f"resuming from {run}/checkpoints/step_{step}" in log, log[-3000:]
@@ -104,7 +120,7 @@ def test_time_limit_signal_requeues_a_task_of_a_job_array(slurm, tmp_path):
     wait_rows(run, 2)
     task = slurm.run(["squeue", "-h", "-j", f"{array}_0", "-o", "%A"]).stdout.strip()  # running: its own job id
     slurm.run(["scancel", "--batch", "--signal=TERM", task])  # its retries may signal the next attempt too
-    state = slurm.wait(task, timeout_s=240, restarts=1)
+    state = wait_ended(slurm, run, task, restarts=1)
     log = job_log(run, task)
     assert (state.state, state.exit_code) == ("COMPLETED", 0) and state.restarts >= 1, log[-3000:]
     assert SAVED_LINE in log and f"job {task} exited with 143" in log, log[-3000:]
