@@ -147,6 +147,7 @@ def check_source_dir(path: str, weights: bool = True) -> dict:
         header = check_safetensors_header(file)
         entries.update({k: e for k, e in header.items() if k != "__metadata__" and isinstance(e, dict)})
     check_headers(path, entries, block)
+    check_weights_match_config(path)
     return cfg
 
 

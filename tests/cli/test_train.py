@@ -415,6 +415,18 @@ def test_a_checkpoint_given_to_a_preset_of_another_family_names_model_hf(tmp_pat
     assert not (tmp_path / "run").exists()
 
 
+def test_a_config_json_its_weights_contradict_is_refused_before_the_run(tmp_path, tiny_checkpoint):
+    """config.json edited to 16 experts beside weights of 8 (both keys there, transformers reading the other one):
+    the run says what moe-tune-plan says, one line and exit 2 before anything is written, where it trained a model
+    of 8 experts and exported a config.json of 16."""
+    path = tiny_checkpoint("qwen3_moe")
+    config = json.loads(open(f"{path}/config.json").read())
+    open(f"{path}/config.json", "w").write(json.dumps({**config, "num_experts": 16}))
+    line = _one_error_line([f"output_dir={tmp_path / 'run'}", "model=hf", f"model.path={path}"])
+    assert f"{path}/config.json: num_experts=16 but the safetensors weights beside it hold 8" in line, line
+    assert "set num_experts=8 there" in line and not (tmp_path / "run").exists()
+
+
 def test_hydra_multirun_gives_each_job_its_own_run_directory(tmp_path):
     """`moe-tune -m a=1,2`: Hydra's sweep (the same path the submitit_slurm launcher takes) runs both jobs."""
     args = ["-m", f"output_dir={tmp_path}", "train.lr=1e-3,2e-3", "train.steps=2", "checkpoint.export_hf=false"]

@@ -404,13 +404,14 @@ def test_a_tensor_in_two_loose_files_is_refused_naming_both(tiny_checkpoint):
             "gpt_oss",
             "num_local_experts",
             4,
-            "model.layers.0.mlp.router.weight has shape (8, 48), the model expects (4,",
+            "config.json: num_local_experts=4 but the safetensors weights beside it hold 8",
         ),
     ],
 )
 def test_tensor_with_more_rows_than_config_json_says_is_refused(tiny_checkpoint, family, field, value, words):
     """Tensors are read as row ranges: a config.json that says fewer rows (a vocabulary or an expert count cut
-    down) loaded the first rows and dropped the rest without a word, where transformers refuses the mismatch."""
+    down) loaded the first rows and dropped the rest without a word, where transformers refuses the mismatch. The
+    expert count is checked against the safetensors headers before anything is built; the vocabulary at load."""
     src = Path(tiny_checkpoint(family))
     config = json.loads((src / "config.json").read_text())
     config[field] = value
