@@ -65,8 +65,36 @@ def _softmax_family(num_experts_key: str, hidden_key: str, norm: bool | None, sh
     return spec
 
 
+def _routing_groups(c, E: int) -> tuple[int, int]:
+    """(n_group, topk_group) of a group-limited router, refused unless transformers' routing is defined for them:
+    the experts split into n_group equal groups of at least two (a group scores by its two best experts), at most
+    n_group groups kept, and enough experts in the kept groups for num_experts_per_tok (past them the choice is
+    among -inf scores, an arbitrary tie)."""
+    groups, kept, top_k = c.n_group, c.topk_group, c.num_experts_per_tok
+    divisors = ", ".join(str(d) for d in range(1, E + 1) if E % d == 0 and (d == 1 or E // d >= 2))
+    fix = f"set n_group to one of {divisors} (1: no group limit) and topk_group to at most n_group"
+    for key, value in (("n_group", groups), ("topk_group", kept)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{c.model_type}: {key}={value!r} must be a whole number >= 1; {fix}")
+    if E % groups or (groups > 1 and E // groups < 2):
+        raise ConfigError(
+            f"{c.model_type}: n_group={groups} does not split n_routed_experts={E} into equal groups of at least "
+            f"2 experts; {fix}"
+        )
+    if kept > groups:
+        raise ConfigError(f"{c.model_type}: topk_group={kept} is more than n_group={groups}; {fix}")
+    if top_k > kept * (E // groups):
+        raise ConfigError(
+            f"{c.model_type}: num_experts_per_tok={top_k} is more than the {kept * (E // groups)} experts of the "
+            f"topk_group={kept} groups kept (n_group={groups} of {E // groups} experts); raise topk_group or "
+            f"lower num_experts_per_tok to at most {kept * (E // groups)}"
+        )
+    return groups, kept
+
+
 def _sigmoid_family(c) -> MoESpec:
     E = c.n_routed_experts
+    groups, kept = _routing_groups(c, E)
     return MoESpec(
         router=RouterSpec(
             num_experts=E,
@@ -74,8 +102,8 @@ def _sigmoid_family(c) -> MoESpec:
             score="sigmoid",
             norm_topk_prob=bool(c.norm_topk_prob),
             routed_scaling_factor=float(c.routed_scaling_factor),
-            num_groups=c.n_group,
-            topk_groups=c.topk_group,
+            num_groups=groups,
+            topk_groups=kept,
             correction_bias=True,
         ),
         experts=ExpertsSpec(num_experts=E, dim=c.hidden_size, hidden=_swiglu_hidden(c, "moe_intermediate_size")),

@@ -472,3 +472,23 @@ def test_unsupported_architecture(tiny_checkpoint):
     assert "'llama'" in msg and "LlamaForCausalLM" in msg
     for family in FAMILIES:
         assert family in msg
+
+
+GROUP_ROUTING_REFUSED = [
+    ("deepseek_v3", dict(n_group=3), "n_group=3 does not split n_routed_experts=8"),
+    ("deepseek_v3", dict(n_group=8, topk_group=2), "n_group=8 does not split n_routed_experts=8"),
+    ("glm4_moe", dict(topk_group=5), "topk_group=5 is more than n_group=4"),
+    ("deepseek_v3", dict(n_group=None), "n_group=None must be a whole number >= 1"),
+    ("glm4_moe", dict(topk_group=1, num_experts_per_tok=3), "num_experts_per_tok=3 is more than the 2 experts"),
+]
+
+
+@pytest.mark.parametrize("model_type,overrides,words", GROUP_ROUTING_REFUSED)
+def test_group_limited_routing_transformers_cannot_run_is_refused(tiny_checkpoint, model_type, overrides, words):
+    """n_group, topk_group and num_experts_per_tok of a sigmoid router: a split transformers' routing fails on
+    (groups of unequal size, or of one expert, more groups kept than there are) or picks among -inf scores (more
+    experts per token than the kept groups hold) is one ConfigError naming the values and the fix, before the
+    model is built; the real releases' settings (tiny.py's) load."""
+    with pytest.raises(ConfigError, match="set n_group to one of|raise topk_group") as err:
+        moe_tune.AutoModelForCausalLM.from_pretrained(tiny_checkpoint(model_type, **overrides), dtype=torch.float32)
+    assert words in str(err.value) and str(err.value).startswith(f"{model_type}: ")
