@@ -31,6 +31,7 @@ from moe_tune.models.fp8_checkpoint import (
     unscaled_fp8,
 )
 from moe_tune.models.shard_index import loose_weight_map, read_index
+from moe_tune.models.tied_head import EMBED_KEY, untied_head, untied_head_message
 from moe_tune.moe.experts import GroupedExperts
 
 # Stacked expert tensors (dim 0: experts): the weights, their biases and their LoRA adapters.
@@ -224,6 +225,8 @@ def load_state(model: torch.nn.Module, path: str, family: Family, strict: bool =
         if src.is_floating_point() and not nonfinite and not bool(torch.isfinite(src).all()):
             nonfinite.append(disk_key(family, name))  # src is read on the CPU: no device sync
         local.copy_(src.to(local.dtype))
+    if tied and _union_over_ranks(untied_head(reader, *local_rows(model.get_parameter(EMBED_KEY)))):
+        raise CheckpointError(untied_head_message(path))
     for name, module in model.named_modules():
         if isinstance(module, GroupedExperts) and module.quantized:
             nonfinite += _load_quantized(reader, family, name, module, skip_check=bool(nonfinite))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 import moe_tune
@@ -294,6 +295,32 @@ def test_tied_embeddings(tmp_path, tiny_checkpoint):
         assert rel_err(ours(input_ids=ids).logits, load_hf(src).eval()(ids).logits) < TOL
     ours.save_pretrained(str(tmp_path / "out"))
     assert sorted(_disk(str(tmp_path / "out"))) == sorted(_disk(src))
+
+
+def test_tied_config_with_a_head_unlike_the_embedding_is_refused(tiny_checkpoint):
+    """config.json says tie_word_embeddings=true and the weights hold an lm_head.weight: transformers ties the two
+    only where they are equal (it keeps both otherwise), so another head is a CheckpointError naming both keys and
+    the fix, never dropped; an equal one ties, as transformers does, with its logits."""
+    src = tiny_checkpoint("qwen3_moe", tie_word_embeddings=False)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(src, "config.json"), "w") as f:
+        json.dump({**cfg, "tie_word_embeddings": True}, f)
+    with pytest.raises(
+        CheckpointError,
+        match="tie_word_embeddings=true but its lm_head.weight differs from "
+        'model.embed_tokens.weight.*"tie_word_embeddings": false',
+    ):
+        moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    weights = _disk(src)
+    save_file(
+        {**weights, "lm_head.weight": weights["model.embed_tokens.weight"].clone()},
+        os.path.join(src, "model.safetensors"),
+    )
+    ours = moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    with torch.no_grad():
+        assert rel_err(ours(input_ids=_ids(5)).logits, load_hf(src).eval()(_ids(5)).logits) < TOL
 
 
 def test_stacked_expert_layout_on_disk(tmp_path):
