@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from moe_tune.config import ConfigError
 from moe_tune.distributed.process_group import rank_world
+from moe_tune.models.fp32_islands import export_dtypes
 from moe_tune.models.hf_io import (
     EXPERT_PARAM,
     SIDE_FILES,
@@ -69,11 +70,11 @@ def write_checkpoint(
     decides, e.g. the efsdp/dp_replicate rank 0). Dense tensors are written round-robin over all ranks.
     ``ep_group``: under EP, experts that the checkpoint stores as one stacked key are gathered over it."""
     rank, world = rank_world()
-    if expert_writer is None:
-        expert_writer = rank == 0
+    expert_writer = rank == 0 if expert_writer is None else expert_writer
     os.makedirs(out_dir, exist_ok=True)
     family = model.family
     dtypes = source_dtypes(model.source_dir) if model.source_dir else {}
+    key_dtype = export_dtypes(model, dtype)
     offsets = expert_offsets(model)
     ep_sharded = bool(offsets)
     tied = getattr(model.config, "tie_word_embeddings", False)
@@ -96,8 +97,8 @@ def write_checkpoint(
         if not mine:
             continue
         for key, piece in to_disk_tensors(family, name, full, first, source_keys=dtypes):
-            writer.add(key, piece.to(dtype or dtypes.get(key, piece.dtype)).detach().cpu().contiguous())
-    _add_source_tensors(model, writer, dtype, dtypes, expert_writer if ep_sharded else rank == 0)
+            writer.add(key, piece.to(key_dtype(key, dtypes.get(key, piece.dtype))).detach().cpu().contiguous())
+    _add_source_tensors(model, writer, key_dtype, dtypes, expert_writer if ep_sharded else rank == 0)
     writer.flush()
     error, gathered = writer.error, [(writer.files, writer.nbytes)]
     if world > 1:
@@ -115,15 +116,15 @@ def write_checkpoint(
     end_together(error)
 
 
-def _add_source_tensors(model, writer, dtype, dtypes: dict, expert_writer: bool) -> None:
+def _add_source_tensors(model, writer, key_dtype, dtypes: dict, expert_writer: bool) -> None:
     """What the export takes from the source's files as they are: the experts of a quantized base (held only
     quantized) and the layers loading skips (round-robin over the ranks)."""
     rank, world = rank_world()
     for key, t in quantized_source_tensors(model, expert_writer, rank == 0):
-        writer.add(key, t.to(dtype or dtypes.get(key, t.dtype)).contiguous())
+        writer.add(key, t.to(key_dtype(key, dtypes.get(key, t.dtype))).contiguous())
     reader, unloaded = unloaded_source_keys(model)
     for key in unloaded[rank::world]:
-        writer.add(key, reader.rows(key).to(dtype or reader.dtype(key)).contiguous())
+        writer.add(key, reader.rows(key).to(key_dtype(key, reader.dtype(key))).contiguous())
 
 
 def end_together(error: Exception | None) -> None:
@@ -382,8 +383,8 @@ class _ShardWriter:
 
 def _write_config(model, out_dir: str, dtype: torch.dtype | None = None) -> None:
     """The source's config.json as it is, but for what the export changed: no quantization_config (a block-scaled
-    FP8 source is written as bf16), and ``dtype`` (the weights' one dtype, when given) as the dtype transformers
-    then loads them in."""
+    FP8 source is written as bf16), and ``dtype`` (the weights' dtype, when given, transformers' fp32 islands
+    aside) as the dtype transformers then loads them in."""
     src = os.path.join(model.source_dir, "config.json") if model.source_dir else None
     if src and os.path.isfile(src):
         with open(src) as f:

@@ -19,8 +19,8 @@ def export_hf(
     ``out_dir`` is replaced as a whole once every rank has written (``write_checkpoint_atomic``).
 
     Expert slices are written by efsdp rank 0 of dp_replicate rank 0 of each ep rank; full_tensor() gathers
-    them over efsdp only. ``dtype``: a torch dtype or name forcing every tensor's dtype (default: the source
-    checkpoint's dtypes, else the in-memory ones). ``chat_template``: the template the data was rendered with when
+    them over efsdp only. ``dtype``: a torch dtype or name forcing every tensor's dtype but those transformers keeps
+    in fp32 (``fp32_islands``; default: the source checkpoint's dtypes, else the in-memory ones). ``chat_template``: the template the data was rendered with when
     it was not the tokenizer's (data.chat_template), written as chat_template.jinja."""
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)

@@ -183,3 +183,26 @@ def test_save_pretrained_between_adapters_and_a_merged_model_leaves_only_the_las
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
         torch.testing.assert_close(ref(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "qwen3_moe", "gpt_oss"])
+def test_a_bf16_export_writes_the_dtypes_transformers_bf16_save_writes(tmp_path, tiny_checkpoint, family):
+    """``model.dtype=bfloat16``: every tensor bf16 but those transformers keeps in fp32 whatever the dtype
+    (DeepSeek-V3's and GLM-4-MoE's router weight and e_score_correction_bias), key for key the dtypes of
+    transformers' own save_pretrained of the model loaded in bf16; rounded, they chose other experts."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    def dtypes(path) -> dict:
+        out = {}
+        for file in path.glob("*.safetensors"):
+            with safe_open(file, "pt") as f:
+                out.update({k: f.get_slice(k).get_dtype() for k in f.keys()})
+        return out
+
+    src = tiny_checkpoint(family)
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(tmp_path / "hf")
+    write_checkpoint(moe_tune.AutoModelForCausalLM.from_pretrained(src), str(tmp_path / "ours"), dtype=torch.bfloat16)
+    theirs = dtypes(tmp_path / "hf")
+    assert dtypes(tmp_path / "ours") == theirs
+    assert ("F32" in theirs.values()) == (family in ("deepseek_v3", "glm4_moe"))
