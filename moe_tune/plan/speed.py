@@ -124,7 +124,8 @@ def _compute_seconds(census, cfg, rates: Rates, imbalance: float, tokens: int) -
     layer_recompute = 1.0 if ac == "full" else 0.0
     attention_recompute = 1.0 if ac in ("full", "selective") else 0.0
     rows_per_expert = tokens * census.top_k * census.dims.ep / max(census.num_experts, 1) * imbalance
-    experts_rate = rates.experts_tflops * rows_per_expert / (rows_per_expert + rates.half_rate_rows)
+    # a model whose layers are all dense (mlp_only_layers, first_k_dense_replace) routes no rows: no expert FLOPs
+    experts_rate = rates.experts_tflops * rows_per_expert / (rows_per_expert + rates.half_rate_rows) or 1.0
     seconds_per_token = (
         f["dense"] * (trained + layer_recompute) / rates.dense_tflops
         + f["experts"] * (trained + layer_recompute) * imbalance / experts_rate

@@ -287,6 +287,18 @@ def test_a_qwen_moe_dense_layer_keeps_activations(family, dense):
     assert both.memory.parts["activations"] > alone.memory.parts["activations"]
 
 
+@pytest.mark.parametrize(
+    "family,dense", [("qwen3_moe", {"mlp_only_layers": [0, 1]}), ("deepseek_v3", {"first_k_dense_replace": 2})]
+)
+def test_a_model_whose_layers_are_all_dense_is_planned(family, dense):
+    """A checkpoint of a MoE family with no MoE layer (every layer in mlp_only_layers, or first_k_dense_replace
+    past the last), which moe-tune trains, is planned too, under EP as well: no expert FLOPs at no expert rate."""
+    hf = tiny_config(family, **dense)
+    for world, overrides in ((1, ()), (2, ("parallel.ep=2",))):
+        p = plan(_cfg(*overrides), world, hf_config=hf)
+        assert p.census.moe_layers == 0 and p.speed["tokens_per_s_per_gpu"] > 0
+
+
 def test_activations_do_not_depend_on_the_measured_length():
     """Per-token bytes come out the same from a model measured at two lengths (flash-like attention)."""
     from moe_tune.build import model_options
