@@ -104,6 +104,7 @@ SIZE_FIELDS = (
     "num_experts_per_tok",
 )
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+DENSE_LAYER_KEYS = ("mlp_only_layers", "first_k_dense_replace", "decoder_sparse_step")
 
 
 def check_sizes(fields: dict, name, fix: str) -> None:
@@ -161,14 +162,63 @@ WEIGHT_SIZE_SOURCES = {
 }
 
 
-def weight_sizes(path: str) -> dict[str, int]:
-    """The sizes a local checkpoint's weights have, read from its safetensors headers alone (no tensor data):
-    ``hidden_size`` (the embedding's width), ``num_hidden_layers`` (layer indices present) and ``num_experts``
-    (routed experts of the largest MoE layer); a size the keys do not show is left out."""
+def _header_shapes(path: str) -> dict[str, list[int]]:
     shapes: dict[str, list[int]] = {}
     for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         header = check_safetensors_header(file)
         shapes.update({k: e.get("shape") for k, e in header.items() if k != "__metadata__" and isinstance(e, dict)})
+    return shapes
+
+
+def expert_layers(path: str) -> set[int]:
+    """The layer indices whose routed experts the weights hold (their safetensors headers alone)."""
+    return {int(m[1]) for k in _header_shapes(path) if (m := EXPERT_KEY.match(k) or STACKED_EXPERT_KEY.match(k))}
+
+
+def dense_layers(cfg: dict) -> set[int]:
+    """The decoder layers config.json gives a dense MLP, as transformers' MoE classes decide: Qwen-MoE's
+    ``mlp_only_layers``, each layer i whose i + 1 its ``decoder_sparse_step`` does not divide, and every layer of a
+    config without experts; DeepSeek-V3's and GLM-4-MoE's first ``first_k_dense_replace``."""
+    step, first = cfg.get("decoder_sparse_step"), cfg.get("first_k_dense_replace")
+    step = step if isinstance(step, int) and step >= 1 else 1
+    first = first if isinstance(first, int) else 0
+    only = {i for i in cfg.get("mlp_only_layers") or [] if isinstance(i, int)}
+    no_experts = any(cfg.get(k) == 0 for k in EXPERT_COUNTS)
+    layers = range(cfg.get("num_hidden_layers") or 0)
+    return {i for i in layers if no_experts or i in only or i < first or (i + 1) % step}
+
+
+def _check_moe_layers(path: str, cfg: dict) -> None:
+    """The layers config.json routes through experts are those whose experts the weights hold (a checkpoint whose
+    weights hold none is left to the load's own messages)."""
+    held, layers = expert_layers(path), cfg.get("num_hidden_layers")
+    if not held or not isinstance(layers, int):
+        return
+    held = {i for i in held if i < layers}  # past them: a multi-token-prediction layer, which loading skips
+    said = set(range(layers)) - dense_layers(cfg)
+    if held == said:
+        return
+    keys = ", ".join(f"{k}={cfg[k]}" for k in DENSE_LAYER_KEYS if k in cfg) or "no key making any layer dense"
+    weights = "the safetensors weights beside it hold"
+    what = f"makes layers {_some(held - said)} dense ({keys}) but {weights} routed experts there"
+    if not held - said:
+        what = f"routes layers {_some(said - held)} through experts ({keys}) but {weights} none there"
+    raise CheckpointError(
+        f"{os.path.join(path, 'config.json')}: {what}; config.json was edited or belongs to another "
+        "checkpoint: set those keys as the model's release has them, or give the checkpoint it describes"
+    )
+
+
+def _some(layers: set[int], shown: int = 6) -> str:
+    first = sorted(layers)[:shown]
+    return f"{first}" + (f" and {len(layers) - shown} more" if len(layers) > shown else "")
+
+
+def weight_sizes(path: str) -> dict[str, int]:
+    """The sizes a local checkpoint's weights have, read from its safetensors headers alone (no tensor data):
+    ``hidden_size`` (the embedding's width), ``num_hidden_layers`` (layer indices present) and ``num_experts``
+    (routed experts of the largest MoE layer); a size the keys do not show is left out."""
+    shapes = _header_shapes(path)
     sizes: dict[str, int] = {}
     embed = shapes.get("model.embed_tokens.weight")
     if isinstance(embed, list) and len(embed) == 2:
@@ -212,6 +262,7 @@ def check_weights_match_config(path: str) -> None:
             f"config.json was edited or belongs to another checkpoint: set {key}={held} there, or give the checkpoint "
             "it describes"
         )
+    _check_moe_layers(path, cfg)
 
 
 def _same_type(value, default) -> bool:

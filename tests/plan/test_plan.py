@@ -607,6 +607,35 @@ def test_cli_refuses_a_config_json_that_its_weights_contradict(tiny_checkpoint, 
     assert f"set {next(iter(edit))}=" in err[0], err
 
 
+@pytest.mark.parametrize(
+    "family, edit, said",
+    [
+        ("qwen3_moe", {"mlp_only_layers": [1]}, "makes layers [1] dense (mlp_only_layers=[1], decoder_sparse_step=1)"),
+        ("qwen2_moe", {"decoder_sparse_step": 2}, "makes layers [0] dense (mlp_only_layers=[], decoder_sparse_step=2)"),
+        ("deepseek_v3", {"first_k_dense_replace": 0}, "routes layers [0] through experts (first_k_dense_replace=0)"),
+    ],
+    ids=["mlp_only_layers", "decoder_sparse_step", "first_k_dense_replace"],
+)
+def test_a_config_json_naming_other_dense_layers_than_its_weights_is_refused(
+    tiny_checkpoint, capsys, family, edit, said
+):
+    """Which layers are dense comes from config.json's keys, which experts exist from the weights: layers that
+    disagree are one line naming them and the keys, exit 2, for the plan and the model alike (the plan counted a
+    model without those experts; the load said only that a tensor was missing)."""
+    import moe_tune
+    from moe_tune.config import CheckpointError
+
+    path = tiny_checkpoint(family)
+    capsys.readouterr()  # transformers' progress bar as it saved the checkpoint
+    config = json.loads(open(f"{path}/config.json").read())
+    open(f"{path}/config.json", "w").write(json.dumps({**config, **edit}))
+    assert plan_main(["model=hf", f"model.path={path}", "--gpus", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"moe-tune-plan: error: {path}/config.json: {said}"), err
+    with pytest.raises(CheckpointError, match="config.json was edited or belongs to another checkpoint"):
+        moe_tune.AutoModelForCausalLM.from_pretrained(path)
+
+
 def test_a_multi_token_prediction_layer_past_num_hidden_layers_is_no_contradiction(tiny_checkpoint, monkeypatch):
     """DeepSeek-V3's checkpoints hold one layer more than num_hidden_layers (num_nextn_predict_layers names it)."""
     from moe_tune.models.source_check import check_weights_match_config
