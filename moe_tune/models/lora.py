@@ -39,6 +39,12 @@ def linear_groups(hf: nn.Module, block_attr: str) -> dict[str, dict[str, nn.Modu
     return groups
 
 
+def _gates(hf: nn.Module) -> list[str]:
+    """The MoE layers' routers and shared experts' gates, by name: linears that take no adapter."""
+    moes = [(n, m.spec) for n, m in hf.named_modules() if isinstance(m, MoE)]
+    return [f"{n}.{a}" for n, spec in moes for a in (spec.router_attr, spec.shared_gate_attr) if a is not None]
+
+
 def lora_linears(hf: nn.Module, block_attr: str, targets: tuple[str, ...]) -> dict[str, nn.Module]:
     """The linears ``targets`` name: group words, or the end of a linear's dotted name (``q_proj``)."""
     groups = linear_groups(hf, block_attr)
@@ -54,6 +60,11 @@ def lora_linears(hf: nn.Module, block_attr: str, targets: tuple[str, ...]) -> di
             chosen.update(groups[t])
         elif t != "experts":
             hits = {n: m for n, m in every.items() if n == t or n.endswith("." + t)}
+            if not hits and any(g.endswith("." + t) for g in _gates(hf)):
+                raise ConfigError(
+                    f"peft.target names {t!r}, a router or a shared expert's gate: gates take no adapter here "
+                    f"(peft.train_router=true trains the routers whole); drop {t!r} from peft.target"
+                )
             if not hits:
                 names = sorted({n.split(".layers.")[1].split(".", 1)[1] for n in every})
                 raise ConfigError(

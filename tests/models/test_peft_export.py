@@ -86,6 +86,17 @@ def test_a_target_that_names_no_linear_is_a_config_error(tmp_path):
         _lora_model(src, targets=("attention", "qkv_proj"))
 
 
+@pytest.mark.parametrize("target", ["shared_expert_gate", "gate"])
+def test_a_target_naming_a_gate_says_gates_take_no_adapter(tmp_path, target):
+    """Qwen2-MoE's router (``mlp.gate``) and shared expert's gate are linears left without adapters: naming one is
+    a ConfigError saying so, not that the model has no such linear."""
+    from moe_tune.config import ConfigError
+
+    src = save_tiny(tmp_path / "base", "qwen2_moe")
+    with pytest.raises(ConfigError, match=rf"peft.target names '{target}', a router or a shared expert's gate"):
+        _lora_model(src, targets=("attention", target))
+
+
 def test_a_target_word_that_adapts_nothing_is_a_config_error(tmp_path):
     """Qwen3-MoE has no dense MLP or shared expert: peft.target=[attention,mlp] would silently adapt attention
     only (and [mlp] alone nothing at all)."""
