@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from moe_tune.checkpoint import manifest
-from moe_tune.config import CheckpointError
+from moe_tune.config import CheckpointError, UserError
 from moe_tune.distributed import shard
 
 METADATA = ".metadata"
@@ -260,20 +260,21 @@ def disk_full_exits(path: str, previous: str | None, rank: int):
 
 @contextlib.contextmanager
 def disk_full_ends_run(output_dir: str, settle: Callable[[], object]):
-    """A write of the run outside a checkpoint save (a metrics row, the summary, a tracker's file) that runs out
-    of disk space: one error line naming the file, the free space and the checkpoint resume would use, exit 1, as
-    for a save. ``settle`` first waits for the save in flight (the saver's ``wait``): complete, it is the one
-    named; cut short by the same full disk, the save's own line and exit 1 are said instead."""
+    """A write of the run outside a checkpoint save (the lock, the built base model, a metrics row, the summary, a
+    tracker's file) that runs out of disk space: one error line naming the file, the free space and the checkpoint
+    resume would use, exit 1, as for a save. ``settle`` first waits for the save in flight (the saver's ``wait``):
+    complete, it is the one named; cut short by the same full disk, the save's own line and exit 1 are said instead.
+    Not only OSError: safetensors reports a full disk as a SafetensorError naming ``os error 28``."""
     try:
         yield
-    except OSError as e:
-        if not _is_disk_full(e):
+    except Exception as e:
+        if isinstance(e, UserError) or not _is_disk_full(e):  # a value to fix keeps its own line and exit 2
             raise
         settle()
         newest = next(iter(manifest.complete_checkpoints(output_dir)), None)
         kept = f"{newest} is intact (checkpoint.resume=auto continues from it)" if newest else "no checkpoint was saved"
         print(
-            f"moe-tune: error: writing {e.filename or output_dir} failed: no space left on device "
+            f"moe-tune: error: writing {getattr(e, 'filename', None) or output_dir} failed: no space left on device "
             f"({_free_bytes(output_dir) >> 20} MiB free); {kept}. Free space in {output_dir}, then resume",
             file=sys.stderr,
         )

@@ -275,7 +275,9 @@ def run(dict_cfg) -> None:
     # found once the model or data is known (exit 2, one line), a finished run, a stop on a signal. Not after
     # an error on one rank, where NCCL could wait for the others: torchrun ends those jobs.
     try:
-        trainer = Trainer(cfg)
+        # Building writes too (the lock, base_model/, metrics.jsonl cut back, config.json): a full disk is one line.
+        with disk_full_ends_run(cfg.output_dir, settle=lambda: None):
+            trainer = Trainer(cfg)
     except RunFinished as e:  # the same command after the run ended: every rank reads the same summary.json
         if dist_env().rank == 0:
             logging.getLogger("moe_tune").info("%s", e)

@@ -6,6 +6,7 @@ config.json). ``overrides`` (e.g. ``num_hidden_layers``) reduce a preset where m
 from __future__ import annotations
 
 import os
+import shutil
 
 from moe_tune.config import ConfigError
 
@@ -302,8 +303,12 @@ def build_tiny_checkpoint(
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress and log lines only
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    except BaseException:  # a full disk, Ctrl-C: no partial copy stays to hold the space
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     from moe_tune.models.export import as_umask_allows
 
     for name in os.listdir(tmp):

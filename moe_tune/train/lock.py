@@ -58,7 +58,11 @@ class RunLock:
         if previous:
             log.warning("taking over the lock of %s, which is no longer running (%s)", previous, self.path)
         since = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-        _write(fd, f"{os.getpid()}@{socket.gethostname()} since {since}\n")
+        try:
+            _write(fd, f"{os.getpid()}@{socket.gethostname()} since {since}\n")
+        except OSError:  # a full disk: the lock is not kept by a run that does not start (a Python caller retries)
+            os.close(fd)
+            raise
         self.fd = fd
         _HELD[self.path] = self
 

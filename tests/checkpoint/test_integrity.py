@@ -336,3 +336,41 @@ def test_disk_full_during_moe_tune_export_is_one_line(four_steps, monkeypatch, c
     assert err[-1].startswith(f"moe-tune-export: error: exporting to {out} failed: no space left on device (")
     assert f"the checkpoint {_ckpt(four_steps, 4)} is intact" in err[-1] and "Traceback" not in "\n".join(err)
     assert not (four_steps / ".exported.partial").exists() and not out.exists()
+
+
+@pytest.mark.parametrize("where", ["lock", "base_model"])
+def test_disk_full_while_the_run_is_built_is_one_line_and_a_rerun_trains(tmp_path, monkeypatch, where):
+    """A restart on a disk still full (the first write is the lock's holder line; a fresh run's is base_model/, which
+    safetensors reports as a SafetensorError naming os error 28): one line and exit 1, no traceback, no partial
+    base_model.tmp left holding space; with space freed the same command trains."""
+    from safetensors import SafetensorError
+    from transformers import PreTrainedModel
+
+    from moe_tune.train import lock
+
+    run = tmp_path / "run"
+    args = [f"output_dir={run}", "train.steps=2", "checkpoint.every=2", *FAST_RUN]
+    if where == "lock":
+
+        def full(fd, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(lock, "_write", full)
+    else:
+        save = PreTrainedModel.save_pretrained
+
+        def full(self, path, *a, **kw):
+            save(self, path, *a, **kw)  # part of it written, then the disk is full
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+        monkeypatch.setattr(PreTrainedModel, "save_pretrained", full)
+    r = run_main(args)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = [line for line in r.stderr.splitlines() if "no space left" in line]
+    assert len(lines) == 1 and lines[0].startswith(f"moe-tune: error: writing {run} failed: no space left"), lines
+    assert "no checkpoint was saved" in lines[0], lines
+    assert not (run / "base_model.tmp").exists() and not (run / "base_model").exists()
+    monkeypatch.undo()
+    r = run_main(args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [row["step"] for row in read_metrics(run)] == [1, 2]
