@@ -4,6 +4,7 @@ never imports another. ``require_logger`` has checked that the package is instal
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 from moe_tune.config import LoggerConfig
@@ -38,11 +39,17 @@ def _rgb(image):
 class TensorBoardLogger(Logger):
     """Event files in ``log_dir`` (``tensorboard --logdir <log_dir>``); each metrics field is a scalar tag of its
     own name, the config a text summary (at the step the run starts from). ``purge_step``: TensorBoard drops
-    the events of earlier files at steps after ``start_step`` (an interrupted attempt's, or an earlier run's)."""
+    the events of earlier files at steps after ``start_step`` (an interrupted attempt's, or an earlier run's).
+
+    The events are written by TensorBoard's writer thread; a write that fails there (a full disk) ends the thread,
+    whose error TensorBoard raises again at this logger's next call, where the run's one line for it is said.
+    ``_quiet_writer_thread`` keeps the thread's own traceback from being printed beside that line."""
 
     def __init__(self, cfg: LoggerConfig, log_dir: str, config: dict, start_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
+        self._previous_hook = threading.excepthook
+        threading.excepthook = self._quiet_writer_thread
         self.writer = SummaryWriter(log_dir=log_dir, purge_step=start_step + 1)
         lines = "\n".join(f"    {k} = {v!r}" for k, v in flatten(config).items())  # indented: markdown code block
         self.writer.add_text("config", lines, start_step)
@@ -54,8 +61,18 @@ class TensorBoardLogger(Logger):
     def log_image(self, step: int, name: str, image) -> None:
         self.writer.add_image(name, _rgb(image), step, dataformats="HWC")
 
+    def _quiet_writer_thread(self, args) -> None:
+        """threading.excepthook while this logger is open: TensorBoard's writer thread (``_AsyncWriterThread``)
+        keeps its exception for the next write, flush or close to raise; every other thread's prints as before."""
+        if type(args.thread).__name__ != "_AsyncWriterThread":
+            self._previous_hook(args)
+
     def close(self) -> None:
-        self.writer.close()
+        try:
+            self.writer.close()  # raises a write's error that the writer thread kept
+        finally:
+            if threading.excepthook == self._quiet_writer_thread:
+                threading.excepthook = self._previous_hook
 
 
 class WandbLogger(Logger):

@@ -374,3 +374,35 @@ def test_disk_full_while_the_run_is_built_is_one_line_and_a_rerun_trains(tmp_pat
     r = run_main(args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [row["step"] for row in read_metrics(run)] == [1, 2]
+
+
+def test_disk_full_writing_tensorboard_events_is_one_line_without_the_writer_threads_traceback(tmp_path, monkeypatch):
+    """TensorBoard writes its events on a thread of its own: a full disk there ended that thread with its traceback
+    printed beside the run's one line (interleaved with it). The error is raised again at the logger's next call,
+    where it is the one line and exit 1; with space freed the same command resumes, each step once."""
+    import threading
+
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    run = tmp_path / "run"
+    args = [f"output_dir={run}", "train.steps=6", "checkpoint.every=2", "train.log_every=2", "logger=tensorboard"]
+    write, calls = RecordWriter.write, []
+
+    def full_after_some_events(self, data):
+        calls.append(1)
+        if len(calls) > 40:  # past the first steps' scalars
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(self, data)
+
+    monkeypatch.setattr(RecordWriter, "write", full_after_some_events)
+    printed = []  # what threading's hook would print (pytest's own hook turns it into a warning instead)
+    monkeypatch.setattr(threading, "excepthook", lambda hook_args: printed.append(hook_args.thread.name))
+    r = run_main([*args, *FAST_RUN])
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert not printed and "Traceback" not in r.stderr, (printed, r.stderr[-3000:])
+    lines = [line for line in r.stderr.splitlines() if "no space left" in line]
+    assert len(lines) == 1 and lines[0].startswith(f"moe-tune: error: writing {run} failed: no space left"), lines
+    monkeypatch.undo()
+    r = run_main([*args, *FAST_RUN])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [row["step"] for row in read_metrics(run)] == list(range(1, 7))
