@@ -3,7 +3,9 @@ Slurm ones in tests/slurm/, the launcher itself in tests/cli/test_launch.py)."""
 
 import os
 import re
+import signal
 import subprocess
+import time
 
 import pytest
 
@@ -114,6 +116,40 @@ def test_sbatch_says_why_when_output_dir_cannot_hold_its_log(tmp_path):
         f"moe-tune: error: cannot write the job's log {run}/logs/slurm-43.out (a read-only file system, a file in the "
         "path or no permission); give an output_dir you can write to"
     ]
+
+
+@pytest.mark.parametrize("state", ["RUNNING", "SIGNALING"])
+def test_sbatch_passes_the_time_limit_warning_on_and_requeues_while_slurm_is_signalling(tmp_path, state):
+    """The time-limit warning (``--signal=B:TERM@120``) reaches the script while slurmctld may still be sending it:
+    squeue then shows the running job as SIGNALING. Taken for a job Slurm was ending, the warning was not passed to
+    the ranks and the job was not requeued: it ran into its time limit and ended TIMEOUT, the run unfinished."""
+    calls, pid = tmp_path / "calls", tmp_path / "rank_pid"
+    path = stub_bin(
+        tmp_path,
+        srun='while [[ $1 == --* ]]; do shift; done; "$@"',
+        scontrol=f'if [[ $1 == show ]]; then echo node001; else echo "scontrol $*" >> {calls}; fi',
+        squeue=f"echo {state}",
+        scancel=f'echo "scancel $*" >> {calls}; kill -TERM "$(cat {pid})"',
+        # A rank that saves and exits 143 on TERM, as moe-tune does.
+        python=f"trap 'exit 143' TERM; echo $$ > {pid}; while :; do sleep 0.1; done",
+    )
+    env = dict(os.environ, PATH=path, SLURM_JOB_NODELIST="node001", SLURM_JOB_NUM_NODES="1", SLURM_JOB_ID="46")
+    env.update(SLURM_JOB_NAME="moe_tune")
+    run = tmp_path / "run"
+    script = subprocess.Popen(["bash", SBATCH, f"output_dir={run}"], env=env, cwd=tmp_path)
+    try:
+        deadline = time.time() + 30
+        while not pid.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        script.send_signal(signal.SIGTERM)  # Slurm's warning before the time limit
+        code = script.wait(timeout=20)
+    finally:  # a script that did not pass the warning on leaves its rank running: ended here
+        if script.poll() is None:
+            os.kill(int(pid.read_text()), signal.SIGTERM)
+            script.wait(timeout=20)
+    assert code == 143
+    assert calls.read_text().splitlines() == ["scancel --signal=TERM 46.0", "scontrol requeue 46"]
+    assert "requeued; it resumes from its newest complete checkpoint" in (run / "logs" / "slurm-46.out").read_text()
 
 
 def test_torchrun_sh_starts_one_rank_per_gpu(tmp_path):
