@@ -300,6 +300,12 @@ def check_experts_options(options: ModelOptions, experts) -> None:
             f"quantized_base={mode!r} holds the routed experts frozen, for LoRA, and lora is None (every weight "
             f"trains): add lora=LoRASpec(...), or drop quantized_base"
         )
+    if o.impl == "grouped_mm_fp8":  # the quantized experts' GEMMs are their own: impl would be ignored
+        raise ConfigError(
+            f"impl='grouped_mm_fp8' quantizes trained expert weights at every step; with quantized_base={mode!r} the "
+            "frozen experts are quantized once, at load, and their GEMMs read them as stored: drop impl (or give "
+            "impl='grouped_mm')"
+        )
     dim, hidden = experts.dim, experts.hidden
     fix = (
         "quantized_base=None"

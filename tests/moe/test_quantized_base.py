@@ -276,6 +276,14 @@ def test_compiled_experts_give_the_eager_outputs_and_adapter_gradients(mode, gem
             "quantized_base='nf4' holds the routed experts frozen, for LoRA, and lora is None (every weight trains): "
             "add lora=LoRASpec(...), or drop quantized_base",
         ),
+        # refused by the CLI (kernels.experts=grouped_mm_fp8 with peft.quantize_base): built, it ignored impl
+        (
+            {"hidden_size": 64, "moe_intermediate_size": 96},
+            {"quantized_base": "nf4", "impl": "grouped_mm_fp8"},
+            "impl='grouped_mm_fp8' quantizes trained expert weights at every step; with quantized_base='nf4' the "
+            "frozen experts are quantized once, at load, and their GEMMs read them as stored: drop impl (or give "
+            "impl='grouped_mm')",
+        ),
     ],
 )
 def test_the_python_api_refuses_a_quantized_base_it_cannot_build(tiny_checkpoint, overrides, options, message):
