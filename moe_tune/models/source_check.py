@@ -12,6 +12,7 @@ import json
 import os
 import re
 import struct
+from collections import Counter
 
 from moe_tune.config import CheckpointError, ConfigError
 from moe_tune.models.fp8_checkpoint import block_size, check_headers
@@ -148,8 +149,30 @@ def check_source_dir(path: str, weights: bool = True) -> dict:
         header = check_safetensors_header(file)
         entries.update({k: e for k, e in header.items() if k != "__metadata__" and isinstance(e, dict)})
     check_headers(path, entries, block)
+    check_expert_shapes(path, entries)
     check_weights_match_config(path)
     return cfg
+
+
+def check_expert_shapes(path: str, entries: dict[str, dict]) -> None:
+    """A layer's per-expert tensors of one projection share one shape, as the stacked tensor they are read into
+    needs (``entries``: the safetensors headers' key -> {"dtype", "shape"}): one that differs is named here, before
+    anything is built, rather than failing the stacking as the model loads."""
+    groups: dict[str, dict[str, tuple]] = {}
+    for key, entry in entries.items():
+        if m := EXPERT_KEY.match(key):
+            group = f"{key[: m.start(2)]}*{key[m.end(2) :]}"
+            groups.setdefault(group, {})[key] = tuple(entry.get("shape") or ())
+    for group, shapes in sorted(groups.items()):
+        counts = Counter(shapes.values())
+        if len(counts) > 1:
+            common = counts.most_common(1)[0][0]
+            odd = min(k for k, s in shapes.items() if s != common)
+            raise CheckpointError(
+                f"checkpoint {path}: {odd} has shape {shapes[odd]} where the layer's other experts' ({group}) have "
+                f"{common}, and they are stacked into one tensor; the file is damaged or mixes models: use a fresh "
+                "copy of the model"
+            )
 
 
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
@@ -313,6 +336,7 @@ def config_differences(saved, requested: dict) -> list[str]:
 
 __all__ = [
     "check_overrides",
+    "check_expert_shapes",
     "check_safetensors_header",
     "check_sizes",
     "check_source_dir",

@@ -198,3 +198,24 @@ def test_a_run_whose_base_model_was_damaged_resumes_to_one_line_and_exit_2(tmp_p
     lines = r.stderr.strip().splitlines()
     assert lines[-1].startswith(f"moe-tune: error: {file} is not a readable safetensors file"), r.stderr[-4000:]
     assert "Traceback" not in r.stderr and "restore it" in lines[-1]
+
+
+def test_one_experts_tensor_of_another_shape_is_named_before_output_dir_exists(tiny_checkpoint, tmp_path):
+    """A layer's per-expert tensors are stacked into one: an expert whose tensor has another shape (a damaged
+    file, shards of two models) is named from the headers, exit 2 with one line, before anything is written. It
+    ended in torch.stack's RuntimeError traceback (exit 1) as the model loaded."""
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_checkpoint(num_hidden_layers=1, hidden_size=64, moe_intermediate_size=32)  # dims NF4 blocks
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    odd = "model.layers.0.mlp.experts.5.down_proj.weight"
+    tensors[odd] = tensors[odd][:, :16].contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"{odd} has shape \\(64, 16\\) where the layer's other experts'"):
+        check_source_dir(path)
+    out = tmp_path / "run"
+    r = _cli([f"model.path={path}", "peft=lora", "peft.quantize_base=nf4", f"output_dir={out}", *FAST_RUN])
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()) == 1 and odd in r.stderr, r.stderr[-2000:]
+    assert not out.exists()
