@@ -94,6 +94,18 @@ def test_readme_from_checkpoint_runs_as_written_after_import_moe_tune(tmp_path, 
         ({"aux_loss_coef": -0.01}, "aux_loss_coef=-0.01 must be a finite number >= 0 (train.aux_loss_coef)"),
         ({"z_loss_coef": float("nan")}, "z_loss_coef=nan must be a finite number >= 0 (train.z_loss_coef)"),
         ({"z_loss_coef": None}, "z_loss_coef=None must be a finite number >= 0"),
+        # transformers-style dicts in place of moe_tune's option classes: an AttributeError while building.
+        (
+            {"lora": {"rank": 8}},
+            "lora={'rank': 8} is not LoRASpec(...): give lora=moe_tune.lora.LoRASpec(rank=8), or "
+            "lora=None (full fine-tuning)",
+        ),
+        (
+            {"experts": {"quantized_base": "nf4"}},
+            "experts={'quantized_base': 'nf4'} is not ExpertsOptions(...): give "
+            "experts=moe_tune.moe.experts.ExpertsOptions(quantized_base='nf4')",
+        ),
+        ({"experts": None}, "experts=None is not ExpertsOptions(...): give experts=moe_tune.moe.experts."),
     ],
 )
 def test_from_pretrained_names_a_bad_argument_and_its_fix(kwargs, words, tiny_checkpoint):

@@ -12,10 +12,18 @@ import torch
 from moe_tune.config import ConfigError
 from moe_tune.config.constraints import choice_hint
 from moe_tune.config.schema import KERNEL_SETS
+from moe_tune.lora import LoRASpec
 from moe_tune.models.model import ModelOptions
+from moe_tune.moe.experts import ExpertsOptions
 
 # transformers' names of what from_pretrained takes under another name
 RENAMED = {"torch_dtype": "transformers' older name of dtype: give dtype="}
+# Options that are moe_tune's own dataclasses (their class, its import path, what None means or None if refused):
+# a dict or a string in their place reached the build and failed there on an attribute.
+OPTION_CLASSES = {
+    "lora": (LoRASpec, "moe_tune.lora.LoRASpec", "full fine-tuning"),
+    "experts": (ExpertsOptions, "moe_tune.moe.experts.ExpertsOptions", None),
+}
 
 
 def model_options(dtype, kernels: str, options: dict) -> ModelOptions:
@@ -34,7 +42,7 @@ def model_options(dtype, kernels: str, options: dict) -> ModelOptions:
                 f"{key} is not an option of the model; {hint}the options: {', '.join(sorted(names))} "
                 "(moe_tune.models.model.ModelOptions)"
             )
-    problem = option_problem(options)
+    problem = class_problem(options) or option_problem(options)
     if problem:
         raise ConfigError(problem)
     return ModelOptions(dtype=torch_dtype(dtype), kernels=kernels, **options)
@@ -42,6 +50,19 @@ def model_options(dtype, kernels: str, options: dict) -> ModelOptions:
 
 def _is_real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def class_problem(options: dict) -> str | None:
+    """The line for an option of ``OPTION_CLASSES`` given as anything but its class (a dict of its fields, a
+    string), or None."""
+    for key, (cls, path, none) in OPTION_CLASSES.items():
+        if key not in options or isinstance(options[key], cls) or (options[key] is None and none):
+            continue
+        value = options[key]
+        fields = ", ".join(f"{k}={v!r}" for k, v in value.items()) if isinstance(value, dict) else "..."
+        alternative = f", or {key}=None ({none})" if none else ""
+        return f"{key}={value!r} is not {cls.__name__}(...): give {key}={path}({fields}){alternative}"
+    return None
 
 
 def option_problem(options: dict) -> str | None:
