@@ -278,6 +278,13 @@ PEER_NAMES = {
     "lora_dropout": "peft.dropout",
     "target_modules": "peft.target",
 }
+# bitsandbytes' switches for a quantized frozen base (transformers' BitsAndBytesConfig, Unsloth's from_pretrained):
+# no key of their name, but the overrides that hold moe_tune's frozen routed experts so.
+PEER_OVERRIDES = {
+    "load_in_4bit": "a 4-bit frozen base (its routed experts) is peft=lora peft.quantize_base=nf4",
+    "bnb_4bit_quant_type": "a 4-bit frozen base (its routed experts) is peft=lora peft.quantize_base=nf4",
+    "load_in_8bit": "an 8-bit frozen base (its routed experts) is peft=lora peft.quantize_base=fp8",
+}
 
 
 def unknown_key_message(key: str, plus: bool, keys: set[str], cfg) -> str:
@@ -290,6 +297,8 @@ def unknown_key_message(key: str, plus: bool, keys: set[str], cfg) -> str:
         if owners:
             choice = " or ".join(f"comm={n}" for n in owners)
             return f"{shown} is an option of {choice}, not of comm={cfg.comm.name}; add {choice}"
+    if leaf in PEER_OVERRIDES:
+        return f"{shown} is not a config key{fixed}; {PEER_OVERRIDES[leaf]} (moe-tune --help lists every key)"
     peer = PEER_NAMES.get(leaf)
     close = [peer] if peer in keys else []
     close += [k for k in sorted(keys) if k.rpartition(".")[2] == leaf and k not in close]

@@ -106,6 +106,18 @@ def test_the_overrides_config_comments_suggest_compose():
         (["optim.lr=1e-4"], "optim.lr is not a config key; did you mean train.lr or "),
         (["optimizer.lr=1e-4"], "optimizer.lr is not a config key; did you mean train.lr"),
         (["peft=qlora"], "peft=qlora is not one of lora, none; QLoRA is peft=lora peft.quantize_base=nf4"),
+        # bitsandbytes' switches (Unsloth's load_in_4bit=True): the key list alone named no fix.
+        (
+            ["load_in_4bit=true"],
+            "load_in_4bit is not a config key; a 4-bit frozen base (its routed experts) is peft=lora "
+            "peft.quantize_base=nf4 (moe-tune --help lists every key)",
+        ),
+        (["+model.load_in_8bit=true"], "+model.load_in_8bit is not a config key (+ adds no key: the config's keys"),
+        (
+            ["+model.load_in_8bit=true"],
+            "; an 8-bit frozen base (its routed experts) is peft=lora peft.quantize_base=fp8",
+        ),
+        (["peft.bnb_4bit_quant_type=nf4"], "peft.bnb_4bit_quant_type is not a config key; a 4-bit frozen base"),
         (["peft=LoRA"], "peft=LoRA is not one of lora, none; did you mean peft=lora?"),
         (["peft=lora", "peft.quantize_base=null"], "peft.quantize_base=null: peft.quantize_base takes none, fp8, nf4"),
         (["data.packing=null"], "data.packing=null: data.packing takes a value, not null; give it one, or leave it"),
