@@ -94,6 +94,14 @@ def test_readme_from_checkpoint_runs_as_written_after_import_moe_tune(tmp_path, 
         ({"aux_loss_coef": -0.01}, "aux_loss_coef=-0.01 must be a finite number >= 0 (train.aux_loss_coef)"),
         ({"z_loss_coef": float("nan")}, "z_loss_coef=nan must be a finite number >= 0 (train.z_loss_coef)"),
         ({"z_loss_coef": None}, "z_loss_coef=None must be a finite number >= 0"),
+        # transformers' bitsandbytes arguments: the list of options alone named no fix.
+        (
+            {"load_in_4bit": True},
+            "load_in_4bit is transformers' argument for a bitsandbytes base; moe_tune holds the frozen routed experts "
+            "quantized under LoRA: give experts=moe_tune.moe.experts.ExpertsOptions(quantized_base='nf4') and "
+            "lora=moe_tune.lora.LoRASpec(...)",
+        ),
+        ({"load_in_8bit": True}, "ExpertsOptions(quantized_base='fp8') and lora="),
         # transformers-style dicts in place of moe_tune's option classes: an AttributeError while building.
         (
             {"lora": {"rank": 8}},

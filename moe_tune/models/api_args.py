@@ -18,6 +18,8 @@ from moe_tune.moe.experts import ExpertsOptions
 
 # transformers' names of what from_pretrained takes under another name
 RENAMED = {"torch_dtype": "transformers' older name of dtype: give dtype="}
+# transformers' arguments for a bitsandbytes base: the storage of moe_tune's frozen routed experts that stands for each
+QUANTIZED_PEERS = {"load_in_4bit": "nf4", "quantization_config": "nf4", "load_in_8bit": "fp8"}
 # Options that are moe_tune's own dataclasses (their class, its import path, what None means or None if refused):
 # a dict or a string in their place reached the build and failed there on an attribute.
 OPTION_CLASSES = {
@@ -35,6 +37,12 @@ def model_options(dtype, kernels: str, options: dict) -> ModelOptions:
     for key in options:
         if key in RENAMED:
             raise ConfigError(f"{key} is {RENAMED[key]}{options[key]}")
+        if key in QUANTIZED_PEERS:
+            raise ConfigError(
+                f"{key} is transformers' argument for a bitsandbytes base; moe_tune holds the frozen routed experts "
+                f"quantized under LoRA: give experts=moe_tune.moe.experts.ExpertsOptions(quantized_base="
+                f"'{QUANTIZED_PEERS[key]}') and lora=moe_tune.lora.LoRASpec(...)"
+            )
         if key not in names:
             close = difflib.get_close_matches(key, sorted(names), n=1)
             hint = f"did you mean {close[0]}? " if close else ""
