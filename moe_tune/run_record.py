@@ -84,21 +84,20 @@ def write_run_summary(cfg: Config, rank: int, world: int, device, flops_per_toke
     return summary
 
 
-def trained_what(cfg: Config) -> str:
+def trained_what(cfg: Config, routed_experts: bool = True) -> str:
     """What the optimizer updates, for the run's log: every weight, or LoRA's adapters over a frozen base and how
-    that base is held (``frozen_base_dtype``, or quantized)."""
+    that base's routed experts (``routed_experts``: the model has some) are held (``frozen_base_dtype``, or
+    quantized)."""
     p = cfg.peft
     if p.name != "lora":
         return "every weight (a full fine-tune)"
-    if p.quantize_base != "none":
+    if p.quantize_base != "none" and routed_experts:
         base = f"{p.quantize_base} (peft.quantize_base)"
     else:
         base = {torch.float32: "fp32", torch.bfloat16: "bf16"}[frozen_base_dtype(cfg.train.precision)]
     router = " and the routers" if p.train_router else ""
-    return (
-        f"LoRA adapters of rank {p.rank} (alpha {p.alpha:g}) on {', '.join(p.target)}{router}; the frozen routed "
-        f"experts held in {base}"
-    )
+    held = "the frozen routed experts held" if routed_experts else "the frozen base (no routed experts) held"
+    return f"LoRA adapters of rank {p.rank} (alpha {p.alpha:g}) on {', '.join(p.target)}{router}; {held} in {base}"
 
 
 __all__ = [

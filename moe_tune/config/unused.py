@@ -6,12 +6,14 @@ from __future__ import annotations
 from moe_tune.config.schema import Config, TrainConfig
 
 
-def unused_settings(cfg: Config, device_type: str = "cuda", world_size: int = 1) -> list[str]:
+def unused_settings(
+    cfg: Config, device_type: str = "cuda", world_size: int = 1, routed_experts: bool = True
+) -> list[str]:
     """``device_type``: the run's device ("cpu" or "cuda"; some kernels exist on CUDA only); ``world_size``: its
-    ranks."""
+    ranks; ``routed_experts``: whether the built model has any (a MoE family's config may make every layer dense)."""
     t, d, default = cfg.train, cfg.data, TrainConfig()
     lines = _emulated_fp8_base(cfg, device_type) + _quantized_gemm(cfg, device_type) + _loop_on_quantized(cfg)
-    lines += _quantized_copies(cfg, world_size)
+    lines += _quantized_copies(cfg, world_size) + _quantized_without_experts(cfg, routed_experts)
     if t.eval_every > 0 and d.val_path is None and d.val_fraction == 0:
         lines.append(
             f"train.eval_every={t.eval_every} has no validation set to evaluate, so no val_loss is logged; add "
@@ -101,4 +103,15 @@ def _quantized_copies(cfg: Config, world_size: int) -> list[str]:
     return [
         f"peft.quantize_base={quantized} with parallel.ep={cfg.parallel.ep} of {world_size} ranks holds each rank's "
         f"experts quantized whole on {copies} ranks ({than}); parallel.ep={world_size} holds the least"
+    ]
+
+
+def _quantized_without_experts(cfg: Config, routed_experts: bool) -> list[str]:
+    """A quantized base holds the routed experts quantized: a model without any has nothing to quantize."""
+    quantized = cfg.peft.quantize_base if cfg.peft.name == "lora" else "none"
+    if routed_experts or quantized == "none":
+        return []
+    return [
+        f"peft.quantize_base={quantized} quantizes the routed experts, and this model has none (no MoE layer): "
+        "every weight stays as stored; drop peft.quantize_base"
     ]

@@ -139,9 +139,10 @@ class Trainer:
         t, optim = self.cfg.train, self.cfg.optim
         if self.rank == 0:
             report_rounding(t.precision, optim.stochastic_rounding)
-            for line in unused_settings(self.cfg, self.device.type, self.world):  # the run goes on: a note
+            # the run goes on: a note
+            for line in unused_settings(self.cfg, self.device.type, self.world, bool(self.moe_layers)):
                 log.info("note: %s", line)
-            log.info("trains %s", trained_what(self.cfg))
+            log.info("trains %s", trained_what(self.cfg, bool(self.moe_layers)))
         # Ranks are (dp_replicate, dp_shard) row-major: replicas of one shard share rank % dp_shard and so draw the
         # same stochastic-rounding bits (they must stay equal); without a moe_tune mesh (the NeMo peer): every rank.
         dp_shard = self.mesh.dims.dp_shard if self.mesh is not None else self.world

@@ -86,3 +86,15 @@ def test_quantized_experts_held_on_several_ranks_are_named(mode, ep, world, said
     cfg = to_config(compose(["train.steps=20", "peft=lora", f"peft.quantize_base={mode}", f"parallel.ep={ep}"]))
     lines = unused_settings(cfg, world_size=world)
     assert lines == ([] if said is None else [lines[0]]) and (said is None or said in lines[0]), lines
+
+
+@pytest.mark.parametrize("mode", ["fp8", "nf4"])
+def test_a_quantized_base_of_a_model_without_routed_experts_is_named(mode):
+    """A MoE family's config whose layers are all dense (Qwen3-MoE's mlp_only_layers) has no routed experts to
+    quantize: the run's log said its frozen routed experts were held in that mode."""
+    cfg = to_config(compose(["train.steps=20", "peft=lora", "peft.target=[attention]", f"peft.quantize_base={mode}"]))
+    assert unused_settings(cfg, routed_experts=True) == []
+    assert unused_settings(cfg, routed_experts=False) == [
+        f"peft.quantize_base={mode} quantizes the routed experts, and this model has none (no MoE layer): every "
+        "weight stays as stored; drop peft.quantize_base"
+    ]
