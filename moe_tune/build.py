@@ -76,7 +76,7 @@ def build_source(cfg: Config, rank: int) -> tuple[str | None, object]:
         # Absolute: checkpoints and exported adapters name it as their base, read from any directory.
         path = os.path.abspath(os.path.join(cfg.output_dir, BASE_MODEL))
         if rank == 0:
-            drop_stale_base_model(path, cfg.model.name, cfg.model.overrides)
+            drop_stale_base_model(path, cfg.model.name, cfg.model.overrides, cfg.train.seed)
             build_tiny_checkpoint(path, cfg.model.name, cfg.model.overrides, seed=cfg.train.seed)
         if dist.is_initialized():
             dist.barrier()  # the other ranks read what rank 0 wrote

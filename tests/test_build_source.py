@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 
+import torch
+
 from moe_tune.build import build_source
 from moe_tune.cli.train import compose, to_config
 from moe_tune.models.presets import build_tiny_checkpoint
@@ -20,6 +22,24 @@ def test_a_base_model_of_other_overrides_is_rebuilt(tmp_path, caplog):
     assert hf_config.num_hidden_layers == 2
     assert json.load(open(tmp_path / "base_model" / "config.json"))["num_hidden_layers"] == 2
     assert "num_hidden_layers: 4 -> 2" in caplog.text and "rebuilding it" in caplog.text
+
+
+def test_a_base_model_drawn_with_another_seed_is_rebuilt(tmp_path, caplog):
+    """A fresh run with another train.seed in an output_dir whose base_model/ was drawn with the first: the base is
+    drawn again with the new seed, the same weights as the same command gives in an empty output_dir (it reused the
+    first seed's weights, so the command's result depended on what the directory held)."""
+    from safetensors.torch import load_file
+
+    def base(out, seed):
+        cfg = to_config(compose([f"output_dir={out}", f"train.seed={seed}"]))
+        return load_file(os.path.join(build_source(cfg, rank=0)[0], "model.safetensors"))
+
+    base(tmp_path / "a", 0)
+    with caplog.at_level("WARNING", logger="moe_tune"):
+        again = base(tmp_path / "a", 1)
+    fresh = base(tmp_path / "b", 1)
+    assert "train.seed: 0 -> 1" in caplog.text and "rebuilding it" in caplog.text
+    assert again.keys() == fresh.keys() and all(torch.equal(again[k], fresh[k]) for k in fresh)
 
 
 def test_an_unchanged_base_model_is_reused(tmp_path):

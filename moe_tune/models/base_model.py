@@ -7,6 +7,7 @@ starts (it goes) or is refused while it starts (it comes back).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -21,9 +22,10 @@ BASE_MODEL = "base_model"  # a tiny preset's starting checkpoint, built by rank 
 SET_ASIDE_BASE_MODEL = ".base_model.set_aside"
 
 
-def drop_stale_base_model(path: str, name: str, overrides: dict) -> None:
-    """A ``base_model/`` built earlier for another preset or other ``model.overrides`` is set aside (and rebuilt by
-    the caller): it would otherwise silently win over the config asked for. It is the base of that earlier run's
+def drop_stale_base_model(path: str, name: str, overrides: dict, seed: int) -> None:
+    """A ``base_model/`` built earlier for another preset, other ``model.overrides`` or drawn with another
+    ``train.seed`` is set aside (and rebuilt by the caller): it would otherwise silently win over the config asked
+    for. It is the base of that earlier run's
     checkpoints, so it is only moved (to ``SET_ASIDE_BASE_MODEL`` beside it): a run refused while it starts puts it
     back (``restore_base_model``), one that starts deletes it (``discard_set_aside_base_model``)."""
     from transformers import AutoConfig
@@ -38,11 +40,26 @@ def drop_stale_base_model(path: str, name: str, overrides: dict) -> None:
         saved = None
     requested = {**PRESETS.get(name, {}), **overrides}
     diffs = ["config.json unreadable"] if saved is None else config_differences(saved, requested)
+    drawn = drawn_with_seed(path)
+    if drawn is not None and drawn != seed:
+        diffs.append(f"train.seed: {drawn} -> {seed}")
     if diffs:
         log.warning("%s was built for other model settings (%s); rebuilding it", path, "; ".join(diffs))
         aside = os.path.join(os.path.dirname(path), SET_ASIDE_BASE_MODEL)
         shutil.rmtree(aside, ignore_errors=True)  # left by a run that neither started nor was refused (killed)
         os.replace(path, aside)
+
+
+def drawn_with_seed(path: str) -> int | None:
+    """The train.seed a tiny preset's ``base_model/`` was drawn with; None where it does not say."""
+    from moe_tune.models.presets import DRAWN_WITH
+
+    try:
+        with open(os.path.join(path, DRAWN_WITH)) as f:
+            seed = json.load(f).get("seed")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return seed if isinstance(seed, int) else None
 
 
 def restore_base_model(output_dir: str) -> None:

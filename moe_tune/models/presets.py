@@ -5,6 +5,7 @@ config.json). ``overrides`` (e.g. ``num_hidden_layers``) reduce a preset where m
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -281,6 +282,10 @@ def trained_config(name: str, overrides: dict | None = None):
     return preset_config(name, overrides)
 
 
+# Beside a tiny preset's weights: the train.seed they were drawn with (config.json cannot say it).
+DRAWN_WITH = "moe_tune_drawn_with.json"
+
+
 def build_tiny_checkpoint(
     out_dir: str, name: str = "tiny_qwen3_moe", overrides: dict | None = None, seed: int = 0
 ) -> str:
@@ -306,6 +311,8 @@ def build_tiny_checkpoint(
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, DRAWN_WITH), "w") as f:
+            json.dump({"seed": seed}, f)
     except BaseException:  # a full disk, Ctrl-C: no partial copy stays to hold the space
         shutil.rmtree(tmp, ignore_errors=True)
         raise
