@@ -1,10 +1,9 @@
 """Write a (possibly sharded, expert-parallel) model as a Hugging Face checkpoint, streaming.
 
-Every rank walks the tensors in the same order. A sharded tensor is gathered (a collective over its FSDP
-mesh) one at a time; the rank that owns it in the output keeps it, the others drop it at once, so no rank
-ever holds more than one full tensor beyond its own output shard. Expert tensors are written by the rank
-that holds those experts (ep rank), so the expert weights never travel across the expert-parallel group.
-Each writing rank flushes its own ``.safetensors`` files; rank 0 writes the index and the config.
+Every rank walks the tensors in the same order. A sharded tensor is gathered (over its FSDP mesh) one at a time; its
+owner in the output keeps it, the others drop it at once: no rank holds more than one full tensor beyond its own
+output shard. Experts are written by the ep rank that holds them (they never travel across the expert-parallel
+group). Each writing rank flushes its own ``.safetensors`` files; rank 0 writes the index and the config.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from moe_tune.models.hf_io import (
     to_disk_tensors,
     unloaded_source_keys,
 )
+from moe_tune.models.presets import DRAWN_WITH
 from moe_tune.models.shard_index import INDEX
 
 log = logging.getLogger("moe_tune")
@@ -218,8 +218,8 @@ def as_umask_allows(path: str) -> None:
 
 # Written into every export (moe-tune-export's and a run's hf/): what moe-tune-export may replace without --overwrite.
 EXPORT_MARKER = "moe_tune_export.json"
-# What an export writes besides SIDE_FILES (copied from the source) and its weight files.
-_EXPORT_FILES = ("config.json", "model.safetensors.index.json", "adapter_config.json", EXPORT_MARKER)
+# What an export writes besides SIDE_FILES (copied from the source) and its weights; a tiny base_model/'s seed record.
+_EXPORT_FILES = ("config.json", "model.safetensors.index.json", "adapter_config.json", EXPORT_MARKER, DRAWN_WITH)
 
 
 def _written_by_an_export(name: str) -> bool:
