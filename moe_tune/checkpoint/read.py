@@ -12,8 +12,11 @@ from moe_tune.checkpoint.state import model_entries, names_match, restore_model
 from moe_tune.config import CheckpointError
 
 
-def _hint(path: str) -> str:
-    """What to give instead of a run directory or a Hugging Face export."""
+def instead(path: str) -> str:
+    """What to give instead of a run directory, its checkpoints/ folder or a Hugging Face export ("" for none)."""
+    parent, name = os.path.split(os.path.normpath(path))
+    if name == "checkpoints" and (found := manifest.complete_checkpoints(parent)):
+        return f"; {path} is a run's checkpoints folder: give one of its checkpoints, e.g. {found[0]}"
     found = manifest.complete_checkpoints(path)
     if found:
         return f"; {path} is a run directory: give one of its checkpoints, e.g. {found[0]}"
@@ -58,7 +61,7 @@ def read_meta(path: str):
     meta_path = os.path.join(path, "meta.json")
     if not os.path.isfile(os.path.join(path, COMPLETE)) or not os.path.isfile(meta_path):
         raise CheckpointError(
-            f"{path} is not a complete moe-tune checkpoint (needs meta.json and {COMPLETE}){_hint(path)}"
+            f"{path} is not a complete moe-tune checkpoint (needs meta.json and {COMPLETE}){instead(path)}"
         )
     problem = manifest.verify(path)  # sizes and checksums of every file, before any is read
     if problem:

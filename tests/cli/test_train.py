@@ -427,6 +427,23 @@ def test_a_config_json_its_weights_contradict_is_refused_before_the_run(tmp_path
     assert "set num_experts=8 there" in line and not (tmp_path / "run").exists()
 
 
+def test_checkpoint_resume_naming_a_run_or_its_checkpoints_folder_names_the_checkpoint(tmp_path):
+    """checkpoint.resume=<a run directory> or <its checkpoints/ folder> is refused before the data is read or
+    anything written, naming its newest checkpoint; an interrupted save (no COMPLETE) too."""
+    run, new = tmp_path / "run", tmp_path / "new"
+    r = run_main([f"output_dir={run}", "train.steps=2", "checkpoint.every=1", "checkpoint.export_hf=false", *FAST_RUN])
+    assert r.returncode == 0, r.stderr[-3000:]
+    newest = run / "checkpoints" / "step_2"
+    for given, what in ((run, "is a run directory"), (run / "checkpoints", "is a run's checkpoints folder")):
+        line = _one_error_line([f"output_dir={new}", f"checkpoint.resume={given}", *FAST_RUN])
+        assert f"checkpoint.resume={given} is not a complete checkpoint" in line, line
+        assert f"{given} {what}: give one of its checkpoints, e.g. {newest}" in line, line
+        assert not new.exists()
+    (newest / "COMPLETE").unlink()  # as a save killed before its end leaves it
+    line = _one_error_line([f"output_dir={new}", f"checkpoint.resume={newest}", *FAST_RUN])
+    assert line.endswith(f"checkpoint.resume={newest} is not a complete checkpoint (no COMPLETE file)"), line
+
+
 def test_hydra_multirun_gives_each_job_its_own_run_directory(tmp_path):
     """`moe-tune -m a=1,2`: Hydra's sweep (the same path the submitit_slurm launcher takes) runs both jobs."""
     args = ["-m", f"output_dir={tmp_path}", "train.lr=1e-3,2e-3", "train.steps=2", "checkpoint.export_hf=false"]
