@@ -9,7 +9,7 @@ import os
 from moe_tune.checkpoint import manifest, safe
 from moe_tune.checkpoint.manifest import COMPLETE
 from moe_tune.checkpoint.state import model_entries, names_match, restore_model
-from moe_tune.config import CheckpointError
+from moe_tune.config import CheckpointError, ConfigError
 
 
 def instead(path: str) -> str:
@@ -39,6 +39,15 @@ def instead(path: str) -> str:
             )
         return f"; {path} is a Hugging Face export, not a checkpoint: rerun with checkpoint.every=N, or {load}"
     return ""
+
+
+def check_resume_path(resume: str) -> None:
+    """``checkpoint.resume`` naming a directory: a complete checkpoint, else a ConfigError naming what to give
+    (before the run reads its data or writes anything)."""
+    if resume not in ("auto", "none") and os.path.isdir(resume) and not os.path.isfile(os.path.join(resume, COMPLETE)):
+        raise ConfigError(
+            f"checkpoint.resume={resume} is not a complete checkpoint (no {COMPLETE} file){instead(resume)}"
+        )
 
 
 def _is_export(path: str) -> bool:

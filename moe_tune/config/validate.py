@@ -118,11 +118,6 @@ def check_values(cfg: Config) -> None:
             f"checkpoint.resume={resume} does not exist; give a checkpoint directory (<output_dir>/checkpoints/"
             "step_<N>), auto (the newest in output_dir) or none"
         )
-    if resume not in ("auto", "none") and not os.path.isfile(os.path.join(resume, "COMPLETE")):
-        from moe_tune.checkpoint.read import instead  # torch: only for a path given
-
-        what = f"checkpoint.resume={resume} is not a complete checkpoint (no COMPLETE file)"
-        raise ConfigError(what + instead(resume))
     problem = None if cfg.model.path is None else model_dir_problem(cfg.model.path)
     if problem:
         raise ConfigError(problem)

@@ -52,7 +52,7 @@ def drop_stale_base_model(path: str, name: str, overrides: dict, seed: int) -> N
 
 def drawn_with_seed(path: str) -> int | None:
     """The train.seed a tiny preset's ``base_model/`` was drawn with; None where it does not say."""
-    from moe_tune.models.presets import DRAWN_WITH
+    from moe_tune.models.hf_io import DRAWN_WITH
 
     try:
         with open(os.path.join(path, DRAWN_WITH)) as f:

@@ -23,6 +23,7 @@ from moe_tune.config import ConfigError
 from moe_tune.distributed.process_group import rank_world
 from moe_tune.models.fp32_islands import export_dtypes
 from moe_tune.models.hf_io import (
+    DRAWN_WITH,
     EXPERT_PARAM,
     SIDE_FILES,
     copy_side_files,
@@ -35,7 +36,6 @@ from moe_tune.models.hf_io import (
     to_disk_tensors,
     unloaded_source_keys,
 )
-from moe_tune.models.presets import DRAWN_WITH
 from moe_tune.models.shard_index import INDEX
 
 log = logging.getLogger("moe_tune")

@@ -282,16 +282,14 @@ def trained_config(name: str, overrides: dict | None = None):
     return preset_config(name, overrides)
 
 
-# Beside a tiny preset's weights: the train.seed they were drawn with (config.json cannot say it).
-DRAWN_WITH = "moe_tune_drawn_with.json"
-
-
 def build_tiny_checkpoint(
     out_dir: str, name: str = "tiny_qwen3_moe", overrides: dict | None = None, seed: int = 0
 ) -> str:
     """Create a random-initialised Hugging Face checkpoint with a local tokenizer in ``out_dir`` (once)."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from moe_tune.models.hf_io import DRAWN_WITH
 
     if os.path.isfile(os.path.join(out_dir, "config.json")):
         return out_dir
