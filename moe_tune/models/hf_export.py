@@ -20,8 +20,9 @@ def export_hf(
 
     Expert slices are written by efsdp rank 0 of dp_replicate rank 0 of each ep rank; full_tensor() gathers
     them over efsdp only. ``dtype``: a torch dtype or name forcing every tensor's dtype but those transformers keeps
-    in fp32 (``fp32_islands``; default: the source checkpoint's dtypes, else the in-memory ones). ``chat_template``: the template the data was rendered with when
-    it was not the tokenizer's (data.chat_template), written as chat_template.jinja."""
+    in fp32 (``fp32_islands``; default: the source checkpoint's dtypes, else the in-memory ones). ``chat_template``:
+    the template the data was rendered with when it was not the tokenizer's (data.chat_template), written as
+    chat_template.jinja."""
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if has_lora(model):  # a PEFT adapter directory (the merged model: moe-tune-export --merge)
