@@ -75,7 +75,10 @@ def check_finished(run_dir: str, resume: str, steps: int, cfg=None) -> None:
     ended = summary.get("final_step")
     if summary.get("finished") is True and ended == steps:
         _check_same_model(run_dir, steps, summary, cfg)
-        if step == steps:  # a longer train.steps resumes from this checkpoint
+        longer = _longer_run(run_dir, steps, step)
+        if longer:
+            more = f"{longer}: a train.steps above {steps} resumes that run, or give another output_dir"
+        elif step == steps:  # a longer train.steps resumes from this checkpoint
             more = "raise train.steps to train on, or give another output_dir"
         else:  # a longer train.steps would be refused: no checkpoint at the run's end to go on from
             newest = f", its newest is {os.path.basename(os.path.normpath(path))}" if path else ""
@@ -94,6 +97,28 @@ def check_finished(run_dir: str, resume: str, steps: int, cfg=None) -> None:
             f"checkpoint {name}: resuming would train {again} again over its outputs; give another output_dir, or "
             f"checkpoint.resume={path} to train from it again on purpose"
         )
+
+
+def _longer_run(run_dir: str, steps: int, newest: int | None) -> str:
+    """What a finished run's directory holds past its ``steps`` (a longer run went on from it and stopped): its
+    metrics rows and checkpoint, which a resume with a longer train.steps continues from; "" for none."""
+    last = 0
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for line in f:
+                try:
+                    last = max(last, int(json.loads(line).get("step", 0)))
+                except (ValueError, TypeError, AttributeError):
+                    continue  # a torn last line: the trainer's own resume drops it
+    except OSError:
+        return ""
+    last = max(last, newest or 0)
+    if last <= steps:
+        return ""
+    checkpoint = f", its checkpoint at step {newest}" if newest and newest > steps else ""
+    return (
+        f"a longer run went on from it to step {last} and stopped (metrics.jsonl's rows {steps + 1}-{last}{checkpoint})"
+    )
 
 
 def _check_same_model(run_dir: str, steps: int, summary: dict, cfg) -> None:

@@ -126,3 +126,27 @@ def test_a_finished_run_of_another_model_is_no_retry_of_it(tmp_path):
     (run / "summary.json").write_text(json.dumps({"finished": True, "final_step": 4}))  # no config recorded
     with pytest.raises(RunFinished):
         start()
+
+
+@pytest.mark.parametrize("checkpoint", [None, 6], ids=["rows", "rows-and-checkpoint"])
+def test_a_finished_run_names_a_longer_run_that_went_on_from_it_and_stopped(tmp_path, checkpoint):
+    """A run finished at 4 steps, then train.steps=8 went on from it and was killed at step 6: the 4-step command
+    again trains nothing, and the line says what the directory holds past step 4 and how it goes on (it said only
+    that the outputs stand, beside metrics rows 5-6 the summary does not know)."""
+    run = tmp_path / "x"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"finished": True, "final_step": 4}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)) + '{"st')
+    for step in (4, checkpoint) if checkpoint else (4,):
+        (run / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (run / "checkpoints" / f"step_{step}" / "COMPLETE").write_text(json.dumps({"step": step}))
+    with pytest.raises(RunFinished) as finished:
+        check_start(str(run), "auto", 4)
+    at = ", its checkpoint at step 6" if checkpoint else ""
+    assert f"a longer run went on from it to step 6 and stopped (metrics.jsonl's rows 5-6{at}): a train.steps " in (
+        str(finished.value)
+    )
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 5)))
+    if not checkpoint:
+        with pytest.raises(RunFinished, match=r"its outputs stand \(raise train.steps to train on"):
+            check_start(str(run), "auto", 4)
