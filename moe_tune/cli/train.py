@@ -213,12 +213,14 @@ def restore_output_dir(output_dir: str) -> None:
 def check_inputs(dict_cfg, world_known: bool) -> None:
     """The values and the model files, before Hydra creates the run directory: a bad one leaves nothing written.
     With the world size known (not a sweep, whose launcher picks it), the trainer's whole check runs here."""
-    from moe_tune.checkpoint.read import check_resume_path
     from moe_tune.loggers import require_logger
 
     cfg = to_config(dict_cfg)
     require_logger(cfg.logger)  # no import: a missing tracker package is said before torch and the model load
-    check_resume_path(cfg.checkpoint.resume)
+    if cfg.checkpoint.resume not in ("auto", "none"):
+        from moe_tune.checkpoint.read import check_resume_path  # torch: only for a path given
+
+        check_resume_path(cfg.checkpoint.resume)
     if world_known:
         from moe_tune.train import Trainer
 
