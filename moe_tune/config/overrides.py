@@ -279,12 +279,9 @@ PEER_NAMES = {
     "target_modules": "peft.target",
 }
 # bitsandbytes' switches for a quantized frozen base (transformers' BitsAndBytesConfig, Unsloth's from_pretrained):
-# no key of their name, but the overrides that hold moe_tune's frozen routed experts so.
-PEER_OVERRIDES = {
-    "load_in_4bit": "a 4-bit frozen base (its routed experts) is peft=lora peft.quantize_base=nf4",
-    "bnb_4bit_quant_type": "a 4-bit frozen base (its routed experts) is peft=lora peft.quantize_base=nf4",
-    "load_in_8bit": "an 8-bit frozen base (its routed experts) is peft=lora peft.quantize_base=fp8",
-}
+# no key of their name, but the peft.quantize_base that holds moe_tune's frozen routed experts so.
+BNB_SWITCHES = {"load_in_4bit": "nf4", "bnb_4bit_quant_type": "nf4", "load_in_8bit": "fp8"}
+_BITS = {"nf4": "a 4-bit", "fp8": "an 8-bit"}
 
 
 def unknown_key_message(key: str, plus: bool, keys: set[str], cfg) -> str:
@@ -297,8 +294,10 @@ def unknown_key_message(key: str, plus: bool, keys: set[str], cfg) -> str:
         if owners:
             choice = " or ".join(f"comm={n}" for n in owners)
             return f"{shown} is an option of {choice}, not of comm={cfg.comm.name}; add {choice}"
-    if leaf in PEER_OVERRIDES:
-        return f"{shown} is not a config key{fixed}; {PEER_OVERRIDES[leaf]} (moe-tune --help lists every key)"
+    if leaf in BNB_SWITCHES:
+        mode = BNB_SWITCHES[leaf]
+        base = f"{_BITS[mode]} frozen base (its routed experts) is peft=lora peft.quantize_base={mode}"
+        return f"{shown} is not a config key{fixed}; {base} (moe-tune --help lists every key)"
     peer = PEER_NAMES.get(leaf)
     close = [peer] if peer in keys else []
     close += [k for k in sorted(keys) if k.rpartition(".")[2] == leaf and k not in close]

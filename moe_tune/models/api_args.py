@@ -11,6 +11,7 @@ import torch
 
 from moe_tune.config import ConfigError
 from moe_tune.config.constraints import choice_hint
+from moe_tune.config.overrides import BNB_SWITCHES
 from moe_tune.config.schema import KERNEL_SETS
 from moe_tune.lora import LoRASpec
 from moe_tune.models.model import ModelOptions
@@ -19,7 +20,7 @@ from moe_tune.moe.experts import ExpertsOptions
 # transformers' names of what from_pretrained takes under another name
 RENAMED = {"torch_dtype": "transformers' older name of dtype: give dtype="}
 # transformers' arguments for a bitsandbytes base: the storage of moe_tune's frozen routed experts that stands for each
-QUANTIZED_PEERS = {"load_in_4bit": "nf4", "quantization_config": "nf4", "load_in_8bit": "fp8"}
+QUANTIZED_PEERS = {**BNB_SWITCHES, "quantization_config": "nf4"}
 # Options that are moe_tune's own dataclasses (their class, its import path, what None means or None if refused):
 # a dict or a string in their place reached the build and failed there on an attribute.
 OPTION_CLASSES = {

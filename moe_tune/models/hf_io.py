@@ -39,8 +39,8 @@ EXPERT_PARAM = re.compile(
     r"^(?P<prefix>.*\.experts)\.(?P<name>gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias"
     r"|lora\.gate_up_A|lora\.gate_up_B|lora\.down_A|lora\.down_B)$"
 )
-# Files copied verbatim from the source checkpoint into an export.
 DRAWN_WITH = "moe_tune_drawn_with.json"  # in a tiny preset's base_model/: the train.seed its weights were drawn with
+# Files copied verbatim from the source checkpoint into an export.
 SIDE_FILES = (
     "generation_config.json",
     "tokenizer.json",

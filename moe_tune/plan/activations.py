@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_tune.models.source_check import EXPERT_COUNTS, dense_layers
+
 # One row of this many tokens (never a routed-expert count measured, 8 or 16, nor a model dim).
 TOKENS = 40
-EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,10 @@ class Activations:
 
 def _reduced(hf_config, num_experts: int):
     d = hf_config.to_dict()
-    key = next(k for k in EXPERT_KEYS if d.get(k))
+    key = next(k for k in EXPERT_COUNTS if d.get(k))
     d[key] = num_experts
     # Layer 0 dense where the model has dense layers, then one MoE layer, whichever keys made them dense.
-    dense = int(_has_dense_layers(d))
+    dense = int(bool(dense_layers(d)))
     if "first_k_dense_replace" in d:
         d["first_k_dense_replace"] = dense
     if "decoder_sparse_step" in d:
@@ -70,22 +71,10 @@ def _reduced(hf_config, num_experts: int):
     return type(hf_config).from_dict(d)
 
 
-def _has_dense_layers(d: dict) -> bool:
-    """Whether some decoder layers hold a dense MLP: DeepSeek-V3's and GLM-4-MoE's leading ones
-    (``first_k_dense_replace``), Qwen-MoE's ``mlp_only_layers`` and, with ``decoder_sparse_step`` above 1, every
-    layer i whose i + 1 it does not divide (as transformers decides)."""
-    layers = int(d.get("num_hidden_layers") or 0)
-    if int(d.get("first_k_dense_replace") or 0) > 0:
-        return True
-    if any(0 <= i < layers for i in d.get("mlp_only_layers") or []):
-        return True
-    return int(d.get("decoder_sparse_step") or 1) > 1
-
-
 def _expert_counts(hf_config) -> tuple[int, int]:
     """(real, measured) routed expert counts: twice top_k and at least 8, a whole number of DeepSeek's groups."""
     d = hf_config.to_dict()
-    real = next(int(d[k]) for k in EXPERT_KEYS if d.get(k))
+    real = next(int(d[k]) for k in EXPERT_COUNTS if d.get(k))
     top_k = int(d.get("num_experts_per_tok") or 2)
     groups = int(d.get("n_group") or 1)
     first = groups * math.ceil(max(2 * top_k, 8) / groups)
