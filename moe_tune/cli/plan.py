@@ -88,9 +88,9 @@ def _print_plan(d: dict) -> None:
         print("  kernels=te: TransformerEngine's layers are not modelled, predicted as the torch path they replace")
     if lay["quantize_base"] != "none":
         print(
-            f"  the speed counts the {lay['quantize_base']} base's GEMMs as bf16's: measured (one H100, Qwen3-30B-A3B "
-            "LoRA, full checkpointing, bf16 adapters) fp8 0.94-0.98x and nf4 0.65-0.71x the bf16 base's tokens/s "
-            "(benchmarks/README.md)"
+            f"  the speed counts the {lay['quantize_base']} base's GEMMs as bf16's: measured (Qwen3-30B-A3B LoRA, "
+            "full checkpointing, bf16 adapters) fp8 0.94-0.98x and nf4 0.65-0.71x the bf16 base's tokens/s on one "
+            "H100, fp8 0.79x and nf4 0.87x on one H200 (benchmarks/README.md)"
         )
 
 
@@ -111,15 +111,18 @@ def _print_search(result: dict, searched: tuple[str, ...]) -> None:
     if result["best"]:
         print(f"best: {_layout_overrides(result['best']['layout'])}")
     quantized = result.get("quantized_base")
-    if quantized and quantized["best"]:
-        best = quantized["best"]
-        print(
-            f"with the frozen experts in NF4 and bf16 adapters ({' '.join(quantized['overrides'])}), "
-            f"{quantized['fits']} layout(s) fit; best: {_layout_overrides(best['layout'])} "
-            f"({best['reserved_gib']:.1f} GiB, {best['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU as bf16's)"
+    if quantized:
+        said = (
+            f"the frozen experts in {quantized['base'].upper()} and bf16 adapters ({' '.join(quantized['overrides'])})"
         )
-    elif quantized:
-        print(f"none fits with the frozen experts in NF4 and bf16 adapters either ({' '.join(quantized['overrides'])})")
+        if quantized["best"]:
+            best = quantized["best"]
+            print(
+                f"with {said}, {quantized['fits']} layout(s) fit; best: {_layout_overrides(best['layout'])} "
+                f"({best['reserved_gib']:.1f} GiB, {best['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU as bf16's)"
+            )
+        else:
+            print(f"none fits with {said} either")
 
 
 def _layout_overrides(lay: dict) -> str:
@@ -129,24 +132,35 @@ def _layout_overrides(lay: dict) -> str:
     )
 
 
-# What a LoRA search that fits nowhere tries next: the smallest frozen base with bf16 adapters (docs/lora.md).
-QUANTIZED_BASE_OVERRIDES = ("peft.quantize_base=nf4", "train.precision=bf16")
+# What a LoRA search that fits nowhere tries next, in order: the frozen experts in FP8 (closer to bf16's loss, half
+# the bytes), then in NF4 (about a quarter), each with bf16 adapters (docs/lora.md).
+QUANTIZED_BASES = ("fp8", "nf4")
+
+
+def quantized_base_overrides(base: str) -> list[str]:
+    return [f"peft.quantize_base={base}", "train.precision=bf16"]
 
 
 def _quantized_search(overrides: list[str], gpus: int, mem: float, headroom: float, args, searched) -> dict | None:
-    """The same search with the frozen experts in NF4 and bf16 adapters, for a LoRA run none of whose layouts fit
-    on a bf16 base: {"overrides", "fits" (how many), "best"}; None where NF4 cannot hold this model (its dims)."""
+    """The same search with the frozen experts quantized and bf16 adapters, for a LoRA run none of whose layouts
+    fit on a bf16 base: {"base", "overrides", "fits" (how many), "best"} for the first of ``QUANTIZED_BASES`` with
+    a layout that fits, else for the last tried; None where no quantized base can hold this model (its dims)."""
     from moe_tune.config import ConfigError
     from moe_tune.config import overrides as cli_args
     from moe_tune.plan import search
 
-    try:
-        cfg = cli_args.to_config(cli_args.check([*overrides, *QUANTIZED_BASE_OVERRIDES]))
-        fitting, _ = search(cfg, gpus, mem, headroom, args.routing, args.max_micro_batch, searched)
-    except ConfigError:
-        return None
-    best = fitting[0].as_dict() if fitting else None
-    return {"overrides": list(QUANTIZED_BASE_OVERRIDES), "fits": len(fitting), "best": best}
+    found = None
+    for base in QUANTIZED_BASES:
+        try:
+            cfg = cli_args.to_config(cli_args.check([*overrides, *quantized_base_overrides(base)]))
+            fitting, _ = search(cfg, gpus, mem, headroom, args.routing, args.max_micro_batch, searched)
+        except ConfigError:
+            continue
+        best = fitting[0].as_dict() if fitting else None
+        found = {"base": base, "overrides": quantized_base_overrides(base), "fits": len(fitting), "best": best}
+        if best:
+            break
+    return found
 
 
 def _model_of(fitting: list, cfg, gpus: int, mem: float) -> dict | None:

@@ -535,7 +535,11 @@ def test_cli_plan_of_a_quantized_base_says_its_speed_is_bf16s(capsys):
     """The speed model counts a quantized base's GEMMs as bf16's: the plan says so, with the measured ratios."""
     assert plan_main(["peft=lora", "peft.quantize_base=nf4"]) == 0
     out = capsys.readouterr().out
-    assert "the speed counts the nf4 base's GEMMs as bf16's" in out and "nf4 0.65-0.71x" in out
+    assert (
+        "the speed counts the nf4 base's GEMMs as bf16's" in out
+        and "nf4 0.65-0.71x" in out
+        and "nf4 0.87x on one H200" in out
+    )
     assert plan_main(["peft=lora"]) == 0
     assert "the speed counts" not in capsys.readouterr().out
 
@@ -552,18 +556,30 @@ def test_cli_plans_transformer_engine_as_the_torch_path_without_it(monkeypatch, 
     assert plan_main(["kernels=te", "kernels.fp8=current", "--gpus", "2", "--search", "--max-micro-batch", "2"]) == 0
 
 
-def test_cli_lora_search_that_fits_nowhere_tries_an_nf4_base(capsys):
-    """A LoRA search with no layout fitting on a bf16 base searches again with the frozen experts in NF4 and bf16
-    adapters, and says what fits then (the full Qwen3-30B-A3B on a 40 GiB GPU: 68.5 GiB bf16, about 24 NF4)."""
-    args = ["model=qwen3_30b_a3b", "peft=lora", "train.seq_len=4096", "--gpus", "1", "--gpu-mem-gib", "40"]
-    assert plan_main([*args, "--search", "--max-micro-batch", "1", "--json"]) == 3
+def test_cli_lora_search_that_fits_nowhere_tries_fp8_then_nf4_bases(capsys):
+    """A LoRA search with no layout fitting on a bf16 base searches again with the frozen experts quantized and bf16
+    adapters, FP8 first, NF4 where FP8 fits nowhere, and says what fits then (the full Qwen3-30B-A3B: 68.5 GiB on a
+    bf16 base, about 37 with FP8, about 24 with NF4)."""
+    args = [
+        "model=qwen3_30b_a3b",
+        "peft=lora",
+        "train.seq_len=4096",
+        "--gpus",
+        "1",
+        "--search",
+        "--max-micro-batch",
+        "1",
+    ]
+    assert plan_main([*args, "--gpu-mem-gib", "48", "--json"]) == 3  # a 48 GB card: FP8 is enough
     quantized = json.loads(capsys.readouterr().out)["quantized_base"]
-    assert quantized["overrides"] == ["peft.quantize_base=nf4", "train.precision=bf16"] and quantized["fits"] >= 1
-    assert quantized["best"]["layout"]["quantize_base"] == "nf4" and quantized["best"]["reserved_gib"] < 38
-    assert plan_main([*args, "--search", "--max-micro-batch", "1"]) == 3
+    assert quantized["base"] == "fp8" and quantized["fits"] >= 1
+    assert quantized["overrides"] == ["peft.quantize_base=fp8", "train.precision=bf16"]
+    assert quantized["best"]["layout"]["quantize_base"] == "fp8" and quantized["best"]["reserved_gib"] < 46
+    assert plan_main([*args, "--gpu-mem-gib", "40"]) == 3  # 40 GB: FP8 fits nowhere, NF4 does
     out = capsys.readouterr().out
-    assert "with the frozen experts in NF4 and bf16 adapters (peft.quantize_base=nf4 train.precision=bf16)" in out
-    assert plan_main([*args, "peft.quantize_base=fp8", "--search", "--max-micro-batch", "1", "--json"]) in (0, 3)
+    assert "with the frozen experts in NF4 and bf16 adapters (peft.quantize_base=nf4 train.precision=bf16), " in out
+    assert float(out.split("best: ")[-1].split("(")[1].split(" GiB")[0]) < 38
+    assert plan_main([*args, "--gpu-mem-gib", "40", "peft.quantize_base=fp8", "--json"]) in (0, 3)
     assert "quantized_base" not in json.loads(capsys.readouterr().out)  # a quantized base is the user's own choice
 
 
