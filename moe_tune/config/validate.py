@@ -174,7 +174,7 @@ def _check_data(cfg: Config) -> None:
 def _check_template_file(path: str) -> None:
     """A data.chat_template file that is no template would be blamed on the first record (a tokenizer_config.json
     rendered as text, 'no token carries loss; raise train.seq_len'), or on every record under skip: a JSON file, a
-    blank one and Jinja's syntax errors are one line naming the file."""
+    blank one, one without a Jinja tag (a data file) and Jinja's syntax errors are one line naming the file."""
     import json
 
     try:
@@ -192,6 +192,8 @@ def _check_template_file(path: str) -> None:
     if isinstance(found, dict):
         held = " (its chat_template holds one: write that string to a .jinja file)" if "chat_template" in found else ""
         raise ConfigError(f"data.chat_template={path} is a JSON file, not a Jinja template{held}; {fix}")
+    if "{{" not in text and "{%" not in text:  # a data file (JSON Lines, a JSON array) renders as itself
+        raise ConfigError(f"data.chat_template={path} holds no Jinja tag ({{{{ ... }}}} or {{% ... %}}); {fix}")
     try:
         import jinja2
         from transformers.utils.chat_template_utils import _compile_jinja_template

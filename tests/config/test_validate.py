@@ -218,20 +218,22 @@ def test_experts_not_divisible_by_ep():
 
 
 def test_a_chat_template_file_that_is_no_template_is_named(tmp_path):
-    """data.chat_template naming a tokenizer_config.json, a file with a Jinja syntax error or an empty one: the run
-    rendered the JSON as text and blamed the first record ('no token carries loss ... raise train.seq_len'), or
-    blamed each record for the template's syntax (every one skipped under data.on_bad_record=skip). One line
-    naming the file; a template that compiles passes."""
+    """data.chat_template naming a tokenizer_config.json, a data file (JSON Lines), a file with a Jinja syntax error
+    or an empty one: the run rendered the JSON as text and blamed the first record ('no token carries loss ... raise
+    train.seq_len'), or blamed each record for the template's syntax (every one skipped under
+    data.on_bad_record=skip). One line naming the file; a template that compiles passes."""
     files = {
         "tokenizer_config.json": '{"chat_template": "{{ messages }}", "eos_token": "<eos>"}',
         "broken.jinja": "{% for m in messages %}\n{{ m.content }\n{% endfor %}",
         "empty.jinja": "\n",
+        "chat.jsonl": '{"messages": [{"role": "user", "content": "hi"}]}\n{"text": "x"}\n',
         "good.jinja": "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}",
     }
     said = {
         "tokenizer_config.json": "is a JSON file, not a Jinja template (its chat_template holds one: write that",
         "broken.jinja": "broken.jinja:2: not a valid Jinja template (unexpected '}')",
         "empty.jinja": "empty.jinja is empty; give a Jinja chat template file",
+        "chat.jsonl": "chat.jsonl holds no Jinja tag ({{ ... }} or {% ... %}); give a Jinja chat template file",
     }
     for name, text in files.items():
         (tmp_path / name).write_text(text)
