@@ -42,8 +42,10 @@ from moe_tune.data.templates import (
     next_turn_token,
     render_chat,
     special_ids,
+    takes_text_arguments,
     training_template,
     turn_end_text,
+    with_text_arguments,
 )
 
 log = logging.getLogger("moe_tune")
@@ -63,6 +65,7 @@ class Encoder:
         self.end_of_turn: dict[str, str | None] = {}  # template -> its end-of-turn token (warned about once)
         self.next_turn: dict[str, str | None] = {}  # template -> the token that ends a turn it closes with none
         self.special = special_ids(tokenizer)  # ids of the special tokens, read once, not per record
+        self.text_arguments: bool | None = None  # whether the template renders tool calls' arguments as text only
         self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         self.eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self.max_chars = max_record_chars(tokenizer, seq_len)  # what is rendered and tokenized of a record
@@ -143,6 +146,7 @@ class Encoder:
             raise BadRecord("template_error", f"the chat template refused it: {e}", fix) from None
 
     def chat(self, sample: Chat) -> tuple[list[int], list[int]]:
+        sample = self._with_text_arguments(sample)
         text = self.render(sample.messages, sample.tools)
         if self.train_on == "all":
             ids = self._tokens(text)
@@ -152,6 +156,23 @@ class Encoder:
             return self._stopped(self.training.text, *encoded)
         encoded = self._marked(sample, self.template) if self.markers else None
         return self._stopped(self.template, *(encoded or self._diffed(sample, text)))
+
+    def _with_text_arguments(self, sample: Chat) -> Chat:
+        """``sample`` with its tool calls' arguments as JSON text where the template renders no object there
+        (DeepSeek-V3's); records hold them as objects (a ShareGPT function_call's are read so)."""
+        if not any(m.get("tool_calls") for m in sample.messages):
+            return sample
+        if self.text_arguments is None:
+            self.text_arguments = takes_text_arguments(self.tokenizer, self.template)
+        if not self.text_arguments:
+            return sample
+        messages = [
+            {**m, "tool_calls": [with_text_arguments(c) for c in m["tool_calls"]]}
+            if isinstance(m.get("tool_calls"), list)
+            else m
+            for m in sample.messages
+        ]
+        return Chat(messages, sample.tools, sample.trainable)
 
     def _stopped(self, template: str, ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
         """A template that closes no assistant turn (GLM's: the next turn's role token ends it, and its generation

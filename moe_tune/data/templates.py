@@ -13,6 +13,7 @@ Every render is bounded in time (``render_chat``): a template whose loops do not
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -188,3 +189,31 @@ def turn_end_text(tokenizer, template: str | None) -> str | None:
     if not template or probe not in text or later not in text.split(probe, 1)[1]:
         return None
     return text.split(probe, 1)[1].split(later, 1)[0]
+
+
+def takes_text_arguments(tokenizer, template: str | None) -> bool:
+    """Whether ``template`` renders a tool call whose arguments are JSON text but not one whose arguments are an
+    object (DeepSeek-V3's appends them to a string), the form transformers documents and records are read in."""
+
+    def renders(arguments) -> bool:
+        call = {"type": "function", "function": {"name": "probe", "arguments": arguments}}
+        chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        try:
+            render_chat(tokenizer, chat, chat_template=template, tokenize=False)
+        except Exception:  # jinja's own, or the template's raise_exception
+            return False
+        return True
+
+    return template is not None and not renders({"a": 1}) and renders('{"a": 1}')
+
+
+def with_text_arguments(call):
+    """``call`` (a chat message's tool call, OpenAI's ``{"function": {...}}`` or flat) with its arguments as JSON
+    text, written as transformers' tojson writes them."""
+    if not isinstance(call, dict):
+        return call
+    if isinstance(call.get("function"), dict):
+        return {**call, "function": with_text_arguments(call["function"])}
+    if "arguments" not in call or isinstance(call["arguments"], str):
+        return call
+    return {**call, "arguments": json.dumps(call["arguments"], ensure_ascii=False)}

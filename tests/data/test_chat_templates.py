@@ -158,6 +158,24 @@ def test_a_turn_glm_closes_with_the_next_role_token_trains_that_token():
     assert labelled_turns(tokenizer, labels) == ["\n<think>two plus two</think>\n4!<|user|>"]
 
 
+@pytest.mark.parametrize("train_on", ["assistant", "last_assistant"])
+def test_deepseek_renders_a_sharegpt_function_call_with_its_arguments_as_text(train_on):
+    """DeepSeek-V3's template appends a call's arguments to a string, and a ShareGPT function_call's arguments are
+    read as an object (what tojson templates and GLM-4-MoE's need): every such record was refused ('can only
+    concatenate str (not "dict") to str'). Its arguments are written as their JSON text there, and the call trains."""
+    tokenizer = family_tokenizer("deepseek_v3")
+    call = json.dumps({"name": "add", "arguments": {"a": 1}})
+    turns = [("human", "1+2="), ("function_call", call), ("observation", "3"), ("gpt", "3")]
+    record = {"conversations": [{"from": who, "value": value} for who, value in turns]}
+    cfg = DataConfig(name="jsonl", num_samples=0, train_on=train_on)
+    ids, labels = Encoder(tokenizer, cfg, 4096)(normalize(record, "sharegpt", cfg))
+    text = '<｜tool▁sep｜>add\n```json\n{"a": 1}\n```'
+    assert text in tokenizer.decode(ids)
+    trained = labelled_turns(tokenizer, labels)
+    assert trained[-1] == "3<｜end▁of▁sentence｜>"
+    assert (text in trained[0]) == (train_on == "assistant")
+
+
 def test_end_of_turn_outside_the_mask_is_warned_about(caplog):
     tokenizer = build_tokenizer()
     tokenizer.chat_template = tokenizer.chat_template.replace(
