@@ -177,7 +177,19 @@ def _chat_message(message, i: int, key: str = "messages") -> dict:
         content = message["content"] = _text_parts(content, f"{key}[{i}]")
     if not isinstance(content, str) and not (content is None and role == "assistant" and message.get("tool_calls")):
         raise BadRecord("wrong_type", f"{key}[{i}].content must be a string, got {_show(content)}")
+    if isinstance(message.get("tool_calls"), list):
+        message["tool_calls"] = [_object_arguments(call) for call in message["tool_calls"]]
     return message
+
+
+def _object_arguments(call):
+    """A chat tool call with its arguments as an object where they are its JSON text (OpenAI's form): templates
+    write them with tojson (a string would be written as one, its quotes escaped) or walk their items."""
+    if not isinstance(call, dict):
+        return call
+    if isinstance(call.get("function"), dict):
+        return {**call, "function": _object_arguments(call["function"])}
+    return {**call, "arguments": _arguments(call)} if isinstance(call.get("arguments"), str) else call
 
 
 def _text_parts(parts: list, where: str) -> str:

@@ -150,6 +150,21 @@ def test_a_sharegpt_function_call_is_a_tool_call(tmp_path):
         samples(tmp_path, [{"conversations": turns}], name="sharegpt.jsonl")
 
 
+def test_a_tool_call_with_its_arguments_as_json_text_renders_as_with_the_object(tmp_path):
+    """OpenAI's chat format holds a call's arguments as JSON text; templates write them with tojson (a string came
+    out as a quoted, escaped string: '"{\\"a\\": 1}"') or walk their items (GLM-4-MoE's refused the record). They
+    are read as the object, as a ShareGPT function_call's are."""
+    arguments = {"a": 1, "b": "é"}
+
+    def record(args) -> dict:
+        call = {"type": "function", "function": {"name": "add", "arguments": args}}
+        return {"messages": [CHAT[1], {"role": "assistant", "content": "", "tool_calls": [call]}]}
+
+    want = samples(tmp_path, [record(arguments)])
+    assert samples(tmp_path, [record(json.dumps(arguments))]) == want
+    assert samples(tmp_path, [record("not JSON")]) != want  # text that is no object is rendered as it is
+
+
 def test_openai_text_parts_are_the_same_conversation(tmp_path):
     """content as OpenAI's list of text parts: the parts joined, the conversation as with plain strings."""
     parts = [{**m, "content": [{"type": "text", "text": m["content"][:1]}, {"type": "text", "text": m["content"][1:]}]}
