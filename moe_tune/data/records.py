@@ -122,7 +122,12 @@ def _normalize(record: dict, fmt: str, cfg: DataConfig) -> Chat | Completion | T
         return _alpaca(record, cfg)
     if fmt == "prompt_completion":
         return _prompt_completion(record, cfg)
-    return Text(_str_field(record, cfg.text_key))
+    text = _str_field(record, cfg.text_key)
+    if not text.strip():  # a corpus's empty lines: bos then eos would teach that a document may end at once
+        raise BadRecord(
+            "empty_text", f"{cfg.text_key} is {json.dumps(text)}: only the end of the text would carry loss"
+        )
+    return Text(text)
 
 
 def _missing(record: dict, key: str) -> BadRecord:

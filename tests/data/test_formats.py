@@ -260,6 +260,17 @@ def test_text(tmp_path):
     assert samples(tmp_path, [{"text": "hello\nworld"}]) == [(ids, [IGNORE] + ids[1:])]
 
 
+@pytest.mark.parametrize("text", ["", " \n"])
+def test_an_empty_text_is_a_bad_record(tmp_path, text):
+    """A corpus's empty lines ({"text": ""}, wikitext's " \n") trained bos then eos: the model learnt that a document
+    may end at once, where an empty completion is refused (and so was an empty text under a tokenizer with no bos,
+    as a record with no token carrying loss). One line naming the record; skip counts it."""
+    records = [{"text": "hello"}, {"text": text}]
+    with pytest.raises(DataError, match=r"data\.jsonl:2: text is \"[^\"]*\": only the end of the text would carry"):
+        samples(tmp_path, records)
+    assert samples(tmp_path, records, on_bad_record="skip") == samples(tmp_path, records[:1])
+
+
 def test_special_tokens_already_in_the_text_are_not_doubled(tmp_path):
     """Text exported with its special tokens (<bos>, <eos> as text): the same sample as without them, one bos and one
     eos (a second eos carried loss: the model learnt to emit it twice)."""
