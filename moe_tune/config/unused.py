@@ -3,6 +3,8 @@ value that cannot work is an error in ``validate`` instead)."""
 
 from __future__ import annotations
 
+import os
+
 from moe_tune.config.schema import Config, TrainConfig
 
 
@@ -18,6 +20,11 @@ def unused_settings(
         lines.append(
             f"train.eval_every={t.eval_every} has no validation set to evaluate, so no val_loss is logged; add "
             "data.val_path=<file> or data.val_fraction=0.02"
+        )
+    if d.val_path is not None and d.path is not None and _same_path(d.val_path, d.path):
+        lines.append(
+            f"data.val_path is data.path ({d.path}): val_loss is measured on the training records, not held-out "
+            "ones; give held-out records as data.val_path, or data.val_fraction=0.02 in its place"
         )
     if cfg.optim.warmup_steps > t.steps:
         lines.append(
@@ -43,6 +50,13 @@ def unused_settings(
             "logger=none has none; add logger=tensorboard (or wandb, mlflow)"
         )
     return lines
+
+
+def _same_path(a: str, b: str) -> bool:
+    """Whether two data paths name the same file or directory (a hub name: the same text)."""
+    if os.path.exists(a) and os.path.exists(b):
+        return os.path.samefile(a, b)
+    return a == b
 
 
 def _quantized_gemm(cfg: Config, device_type: str) -> list[str]:

@@ -98,3 +98,16 @@ def test_a_quantized_base_of_a_model_without_routed_experts_is_named(mode):
         f"peft.quantize_base={mode} quantizes the routed experts, and this model has none (no MoE layer): every "
         "weight stays as stored; drop peft.quantize_base"
     ]
+
+
+def test_validation_on_the_training_records_is_named(tmp_path, monkeypatch):
+    """data.val_path naming data.path's file (here through a link) measures val_loss on the training records: the
+    run says so; another file says nothing."""
+    (tmp_path / "train.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "latest.jsonl").symlink_to(tmp_path / "train.jsonl")
+    (tmp_path / "val.jsonl").write_text('{"text": "b"}\n')
+    monkeypatch.chdir(tmp_path)
+    given = ["train.steps=20", "data=jsonl", f"data.path={tmp_path / 'train.jsonl'}", "train.eval_every=5"]
+    lines = unused_settings(to_config(compose([*given, "data.val_path=latest.jsonl"])))
+    assert len(lines) == 1 and "val_loss is measured on the training records" in lines[0], lines
+    assert unused_settings(to_config(compose([*given, "data.val_path=val.jsonl"]))) == []
