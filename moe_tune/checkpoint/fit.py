@@ -18,6 +18,26 @@ from moe_tune.config import CheckpointError
 # The settings a checkpoint's tensors follow: their names (peft.name, target, train_router) and LoRA's shapes.
 PEFT_KEYS = ("name", "rank", "target", "train_router")
 MODEL_KEYS = ("name", "path", "overrides", "family")
+# The data settings that decide which rows a run reads (data.cache_dir and num_proc do not), with train.seq_len
+# and train.seed (the same records made into other rows).
+DATA_KEYS = (
+    "name",
+    "path",
+    "num_samples",
+    "format",
+    "chat_template",
+    "train_on",
+    "prompt_key",
+    "response_key",
+    "text_key",
+    "packing",
+    "packing_strategy",
+    "packing_buffer",
+    "streaming",
+    "on_bad_record",
+    "val_path",
+    "val_fraction",
+)
 
 
 def _value(value) -> str:
@@ -89,3 +109,17 @@ def settings_differ(saved: dict, cfg) -> tuple[str, str]:
         part.replace("model.name=", "model=") for part in _differing(model, this, "model", MODEL_KEYS[:-1])
     )
     return ", ".join(x for x in (was, model_was) if x), ", ".join(x for x in (now, model_now) if x)
+
+
+def data_differ(saved: dict, cfg) -> tuple[str, str]:
+    """The data settings (``DATA_KEYS``, ``train.seq_len``, ``train.seed``) of a run's recorded config ``saved``
+    that this run's ``cfg`` does not share, both sides as overrides ("", "" if none); paths however spelt."""
+    data, this = dict(saved.get("data", {})), asdict(cfg.data)
+    for side in (data, this):
+        for key in ("path", "val_path", "chat_template"):
+            if side.get(key) and os.path.exists(side[key]):
+                side[key] = os.path.realpath(side[key])
+    was, now = _differing(data, this, "data", [k for k in DATA_KEYS if k in this])
+    train, t = saved.get("train", {}), asdict(cfg.train)
+    rows_was, rows_now = _differing(train, t, "train", ("seq_len", "seed"))
+    return ", ".join(x for x in (was, rows_was) if x), ", ".join(x for x in (now, rows_now) if x)

@@ -13,30 +13,11 @@ from dataclasses import replace
 
 import torch
 
+from moe_tune.checkpoint.fit import DATA_KEYS
 from moe_tune.config import CheckpointError, Config, TrainConfig, rounds_stochastically
 from moe_tune.distributed.dims import BatchLayout
 
 log = logging.getLogger("moe_tune")
-
-# The data settings that decide which rows the remaining steps read (data.cache_dir and num_proc do not).
-DATA_KEYS = (
-    "name",
-    "path",
-    "num_samples",
-    "format",
-    "chat_template",
-    "train_on",
-    "prompt_key",
-    "response_key",
-    "text_key",
-    "packing",
-    "packing_strategy",
-    "packing_buffer",
-    "streaming",
-    "on_bad_record",
-    "val_path",
-    "val_fraction",
-)
 
 
 def keep_global_batch(layout: BatchLayout, train: TrainConfig, meta: dict, path: str, rank: int = 0) -> BatchLayout:

@@ -122,15 +122,20 @@ def _longer_run(run_dir: str, steps: int, newest: int | None) -> str:
 
 
 def _check_same_model(run_dir: str, steps: int, summary: dict, cfg) -> None:
-    from moe_tune.checkpoint.fit import settings_differ
+    """A run of another model, or of the same one on other data, is no retry of the finished one: refused."""
+    from moe_tune.checkpoint.fit import data_differ, settings_differ
 
-    was, now = settings_differ(summary.get("config") or {}, cfg) if cfg is not None else ("", "")
-    if was:
-        raise CheckpointError(
-            f"output_dir {run_dir} holds a run that finished at train.steps={steps} with other settings (that run: "
-            f"{was}; this run: {now}): its outputs are not this run's; give another output_dir, or "
-            "checkpoint.resume=none to start afresh over it"
-        )
+    if cfg is None:
+        return
+    saved = summary.get("config") or {}
+    for differ, what in ((settings_differ, "other settings"), (data_differ, "other data")):
+        was, now = differ(saved, cfg)
+        if was:
+            raise CheckpointError(
+                f"output_dir {run_dir} holds a run that finished at train.steps={steps} with {what} (that run: "
+                f"{was}; this run: {now}): its outputs are not this run's; give another output_dir, or "
+                "checkpoint.resume=none to start afresh over it"
+            )
 
 
 def _summary(run_dir: str) -> dict | None:

@@ -91,8 +91,8 @@ def test_a_finished_run_without_a_checkpoint_at_its_end_does_not_say_raise_train
 def test_a_finished_run_of_another_model_is_no_retry_of_it(tmp_path):
     """A finished LoRA run's output_dir given to a full fine-tune, another rank or another base: told 'nothing to
     train; its outputs stand', exit 0, as a retry of the same command is, with no run of the model asked for. Refused
-    naming the settings on both sides; the same model (a path spelt otherwise, another quantize_base, another
-    data.path) is still the finished run."""
+    naming the settings on both sides; the same model (a path spelt otherwise, another quantize_base) is still the
+    finished run."""
     from moe_tune.config import Config
 
     run = tmp_path / "x"
@@ -126,6 +126,42 @@ def test_a_finished_run_of_another_model_is_no_retry_of_it(tmp_path):
     (run / "summary.json").write_text(json.dumps({"finished": True, "final_step": 4}))  # no config recorded
     with pytest.raises(RunFinished):
         start()
+
+
+def test_a_finished_run_on_other_data_is_no_retry_of_it(tmp_path):
+    """A finished run's output_dir given another data.path (or the same records made into other rows: another
+    train.seq_len) was told 'nothing to train; its outputs stand', exit 0: nothing trained on the data asked for.
+    Refused naming both sides; the same file through a link is still the finished run."""
+    from dataclasses import asdict
+
+    from moe_tune.config import Config
+
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_text('{"text": "x"}\n')
+    (tmp_path / "latest.jsonl").symlink_to(tmp_path / "a.jsonl")
+    run = tmp_path / "x"
+    (run / "hf").mkdir(parents=True)
+    (run / "hf" / "config.json").write_text("{}")
+    cfg = Config()
+    cfg.data.name, cfg.data.path = "jsonl", str(tmp_path / "a.jsonl")
+    config = json.loads(json.dumps(asdict(cfg), default=list))
+    (run / "summary.json").write_text(json.dumps({"finished": True, "final_step": 4, "config": config}))
+
+    def start(path: str, seq_len: int = cfg.train.seq_len):
+        now = Config()
+        now.data.name, now.data.path, now.train.seq_len = "jsonl", str(tmp_path / path), seq_len
+        check_start(str(run), "auto", 4, cfg=now)
+
+    for args, said in [
+        (("b.jsonl",), f"(that run: data.path={tmp_path / 'a.jsonl'}; this run: data.path={tmp_path / 'b.jsonl'})"),
+        (("a.jsonl", 64), f"(that run: train.seq_len={cfg.train.seq_len}; this run: train.seq_len=64)"),
+    ]:
+        with pytest.raises(CheckpointError) as e:
+            start(*args)
+        assert f"holds a run that finished at train.steps=4 with other data {said}: its outputs" in str(e.value)
+    for path in ("a.jsonl", "latest.jsonl"):
+        with pytest.raises(RunFinished):
+            start(path)
 
 
 @pytest.mark.parametrize("checkpoint", [None, 6], ids=["rows", "rows-and-checkpoint"])
