@@ -98,6 +98,12 @@ def check_base(
     saved_fingerprint = meta.get("base_fingerprint")
     if saved_fingerprint is not None and source is not None:
         if base_fingerprint(source) != saved_fingerprint:
+            if drawn := drawn_differently(meta, model_cfg, seed):
+                now, was = (" ".join(side) for side in zip(*drawn))
+                raise CheckpointError(
+                    f"checkpoint {path} holds LoRA adapters of another base model: this run draws {source} with "
+                    f"{now}, and they were trained on one drawn with {was}; give {was}, or {fix}"
+                )
             trained_on = meta.get("source")
             if trained_on and os.path.realpath(trained_on) == os.path.realpath(source):
                 what = f"{source} have changed since the adapters were trained on them"
@@ -118,6 +124,27 @@ def check_base(
             f"checkpoint {path} holds LoRA adapters of the base model {was}, but this run's base is {now}; resume "
             "with the model it was trained on, or start afresh with checkpoint.resume=none"
         )
+
+
+def drawn_differently(meta: dict, model_cfg: dict, seed: int) -> list[tuple[str, str]]:
+    """Where the checkpoint's run and this one both draw a built-in model (no ``model.path``): the settings that draw
+    it differently, as (this run's, the checkpoint's) overrides (``train.seed=1``, ``train.seed=0``); [] otherwise."""
+    saved = meta["config"]["model"]
+    if not model_cfg or saved.get("path") is not None or model_cfg.get("path") is not None:
+        return []
+    pairs = [
+        ("model", saved.get("name"), model_cfg.get("name")),
+        ("model.overrides", saved.get("overrides"), model_cfg.get("overrides")),
+        ("train.seed", meta["config"]["train"].get("seed"), seed),
+    ]
+    return [(f"{key}={_override(now)}", f"{key}={_override(was)}") for key, was, now in pairs if was != now]
+
+
+def _override(value) -> str:
+    """A value as a Hydra override writes it (a dict as ``{key:value,...}``)."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_override(v)}" for k, v in value.items()) + "}"
+    return str(value)
 
 
 def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict, dict]:
