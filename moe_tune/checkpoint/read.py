@@ -11,23 +11,24 @@ from moe_tune.checkpoint.manifest import COMPLETE
 from moe_tune.checkpoint.state import model_entries, names_match, restore_model
 from moe_tune.config import CheckpointError, ConfigError
 
+LOAD = "load it with transformers (a LoRA adapter with PEFT, whose merge_and_unload() merges it)"
+
 
 def instead(path: str) -> str:
     """What to give instead of a run directory, its checkpoints/ folder or a Hugging Face export ("" for none)."""
     parent, name = os.path.split(os.path.normpath(path))
     if name == "checkpoints" and (found := manifest.complete_checkpoints(parent)):
-        return f"; {path} is a run's checkpoints folder: give one of its checkpoints, e.g. {found[0]}"
+        return f"; {path} is a run's checkpoints folder: give one of its checkpoints, e.g. {_newest(parent, found)}"
     found = manifest.complete_checkpoints(path)
     if found:
-        return f"; {path} is a run directory: give one of its checkpoints, e.g. {found[0]}"
-    load = "load it with transformers (a LoRA adapter with PEFT, whose merge_and_unload() merges it)"
+        return f"; {path} is a run directory: give one of its checkpoints, e.g. {_newest(path, found)}"
     if _is_run_dir(path):  # before _is_export: a run directory's config.json is the run's config, not a model's
         hf = os.path.join(path, "hf")
         what = (
             f"{path} is a run directory without checkpoints (checkpoint.every=0, or the run stopped before its first)"
         )
         if _is_export(hf):
-            return f"; {what}: its Hugging Face export is {hf}; {load}"
+            return f"; {what}: its Hugging Face export is {hf}; {LOAD}"
         return f"; {what} and without a Hugging Face export: rerun with checkpoint.every=N"
     if _is_export(path):
         run = os.path.dirname(os.path.normpath(path))
@@ -35,10 +36,26 @@ def instead(path: str) -> str:
         if of_run:
             return (
                 f"; {path} is the Hugging Face export of the run in {run}: give one of its checkpoints, e.g. "
-                f"{of_run[0]}"
+                f"{_newest(run, of_run)}"
             )
-        return f"; {path} is a Hugging Face export, not a checkpoint: rerun with checkpoint.every=N, or {load}"
+        return f"; {path} is a Hugging Face export, not a checkpoint: rerun with checkpoint.every=N, or {LOAD}"
     return ""
+
+
+def _newest(run: str, found: list[str]) -> str:
+    """The run's newest checkpoint ``found[0]``; where the run ended past it (summary.json's final_step: saved every
+    N steps, or on a signal, then resumed to its end), what holds the end instead (its hf/ export)."""
+    step, ended = manifest.saved_step(found[0]), None
+    try:
+        with open(os.path.join(run, "summary.json")) as f:
+            ended = json.load(f).get("final_step")
+    except (OSError, ValueError, AttributeError):
+        pass
+    if step is None or not isinstance(ended, int) or ended <= step:
+        return found[0]
+    hf = os.path.join(run, "hf")
+    end = f"step {ended} is only in {hf}: {LOAD}" if _is_export(hf) else f"no checkpoint or export holds step {ended}"
+    return f"{found[0]}, though that is step {step} and the run ended at step {ended} (summary.json); {end}"
 
 
 def check_resume_path(resume: str) -> None:
