@@ -114,6 +114,18 @@ def test_readme_from_checkpoint_runs_as_written_after_import_moe_tune(tmp_path, 
             "experts=moe_tune.moe.experts.ExpertsOptions(quantized_base='nf4')",
         ),
         ({"experts": None}, "experts=None is not ExpertsOptions(...): give experts=moe_tune.moe.experts."),
+        # A field of LoRASpec or ExpertsOptions given flat (the CLI's spelling too): the list of options alone.
+        (
+            {"quantized_base": "nf4"},
+            "quantized_base is not an option of the model; ExpertsOptions takes it: give "
+            "experts=moe_tune.moe.experts.ExpertsOptions(quantized_base='nf4')",
+        ),
+        ({"quantize_base": "fp8"}, "ExpertsOptions takes it as quantized_base: give experts="),
+        (
+            {"rank": 8},
+            "rank is not an option of the model; LoRASpec takes it: give lora=moe_tune.lora.LoRASpec(rank=8)",
+        ),
+        ({"target": ("attention",)}, "LoRASpec takes it as targets: give lora=moe_tune.lora.LoRASpec(targets="),
     ],
 )
 def test_from_pretrained_names_a_bad_argument_and_its_fix(kwargs, words, tiny_checkpoint):

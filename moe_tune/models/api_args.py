@@ -44,6 +44,8 @@ def model_options(dtype, kernels: str, options: dict) -> ModelOptions:
                 f"quantized under LoRA: give experts=moe_tune.moe.experts.ExpertsOptions(quantized_base="
                 f"'{QUANTIZED_PEERS[key]}') and lora=moe_tune.lora.LoRASpec(...)"
             )
+        if key not in names and (nested := nested_option(key, options[key])):
+            raise ConfigError(nested)
         if key not in names:
             close = difflib.get_close_matches(key, sorted(names), n=1)
             hint = f"did you mean {close[0]}? " if close else ""
@@ -55,6 +57,17 @@ def model_options(dtype, kernels: str, options: dict) -> ModelOptions:
     if problem:
         raise ConfigError(problem)
     return ModelOptions(dtype=torch_dtype(dtype), kernels=kernels, **options)
+
+
+def nested_option(key: str, value) -> str | None:
+    """The line for a field of ``OPTION_CLASSES`` given to from_pretrained itself (``quantized_base="nf4"``,
+    ``rank=8``, or the CLI's spelling: ``quantize_base``, ``target``): where it goes; None for anything else."""
+    for option, (cls, path, _) in OPTION_CLASSES.items():
+        close = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(cls)], n=1, cutoff=0.85)
+        if close:
+            where = f"{cls.__name__} takes it" + ("" if close[0] == key else f" as {close[0]}")
+            return f"{key} is not an option of the model; {where}: give {option}={path}({close[0]}={value!r})"
+    return None
 
 
 def _is_real(value) -> bool:
