@@ -78,7 +78,9 @@ def lora_linears(hf: nn.Module, block_attr: str, targets: tuple[str, ...]) -> di
 def apply_lora(hf: nn.Module, block_attr: str, spec: LoRASpec, dtype: torch.dtype) -> None:
     """Adapters on the targeted linears (the experts' were built with the MoE layers); then only adapters (and
     the routers, with ``train_router``) train. Frozen weights are stored in ``spec.base_dtype``: no gradient, no
-    optimizer state and no fp32 master copy for them. The routers keep their dtype (DeepSeek-V3's fp32 island)."""
+    optimizer state and no fp32 master copy for them. The routers keep their dtype (DeepSeek-V3's fp32 island) unless
+    the base is held wider: a bf16 model on an fp32 base (``build.from_checkpoint`` of a ``train.precision=bf16``
+    run) holds its frozen routers as the base's files do, as PEFT and the merged export read them."""
     if spec.experts and not any(isinstance(m, MoE) for m in hf.modules()):
         raise ConfigError("peft.target names experts, but this model has no MoE layer")
     apply_linear_adapters(lora_linears(hf, block_attr, spec.targets), spec, dtype)
@@ -86,7 +88,9 @@ def apply_lora(hf: nn.Module, block_attr: str, spec: LoRASpec, dtype: torch.dtyp
     for name, p in hf.named_parameters():
         trainable = is_adapter(name) or (spec.train_router and id(p) in routers)
         p.requires_grad_(trainable)
-        keep = trainable or id(p) in routers or spec.base_dtype is None or not p.is_floating_point()
+        keep = trainable or spec.base_dtype is None or not p.is_floating_point()
+        if not keep and id(p) in routers:
+            keep = spec.base_dtype.itemsize <= p.dtype.itemsize
         if not keep and p.dtype == dtype:
             p.data = p.data.to(spec.base_dtype)
 

@@ -128,3 +128,28 @@ def test_a_frozen_router_whose_correction_bias_moved_is_saved_whole(tmp_path, fa
     assert config["modules_to_save"] == [f"model.layers.{moved.layer_idx}.mlp.gate"], config["modules_to_save"]
     peft_logits = peft.PeftModel.from_pretrained(_hf(src), str(tmp_path / "adapter")).eval()(input_ids=ids).logits
     assert rel_err(peft_logits, ours) < LORA_TOL
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_a_bf16_model_on_an_fp32_base_holds_its_frozen_routers_as_the_files_do(tmp_path, family):
+    """``build.from_checkpoint`` of a ``train.precision=bf16`` LoRA run builds a bf16 model whose frozen base is held
+    as its files hold it (``base_dtype``: fp32 here). The frozen routers too: rounded to bf16 they would route
+    otherwise than the base PEFT loads the adapters onto, and ``moe-tune-export --merge`` would write them over the
+    base's. DeepSeek-V3's router is an fp32 island of its own."""
+    from safetensors.torch import load_file
+
+    from moe_tune.build import from_pretrained
+    from moe_tune.lora import LoRASpec
+    from moe_tune.models.lora import merge_lora
+    from moe_tune.moe.layer import MoE
+
+    src = save_tiny(tmp_path / "base", family)
+    lora = LoRASpec(rank=8, targets=_targets(family), base_dtype=torch.float32)
+    model = from_pretrained(src, dtype=torch.bfloat16, lora=lora)
+    assert {p.dtype for n, p in model.named_parameters() if ".lora." in n} == {torch.bfloat16}
+    merge_lora(model)
+    model.save_pretrained(str(tmp_path / "merged"))
+    source, merged = load_file(f"{src}/model.safetensors"), load_file(f"{tmp_path}/merged/model.safetensors")
+    gates = [f"model.layers.{m.layer_idx}.mlp.gate.weight" for m in model.modules() if isinstance(m, MoE)]
+    assert gates and all(torch.equal(merged[k], source[k]) for k in gates), gates
