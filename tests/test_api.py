@@ -75,6 +75,15 @@ def test_readme_from_checkpoint_runs_as_written_after_import_moe_tune(tmp_path, 
     assert r.returncode == 0 and r.stdout.split() == ["MoECausalLM", "1"], r.stderr[-2000:]
 
 
+def test_lora_spec_names_a_keyword_that_is_no_field():
+    """LoRASpec(target=...) (the CLI's peft.target) was Python's bare 'unexpected keyword argument'."""
+    from moe_tune.lora import LoRASpec
+
+    with pytest.raises(TypeError, match="LoRASpec has no field 'target'; did you mean targets=...?"):
+        LoRASpec(target=("attention",))
+    assert LoRASpec(8, targets=("attention",)).rank == 8  # positional and keyword fields still build it
+
+
 @pytest.mark.parametrize(
     "kwargs,words",
     [

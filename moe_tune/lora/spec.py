@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -41,6 +42,16 @@ class LoRASpec:
     targets: tuple[str, ...] = ("attention", "experts")
     train_router: bool = False
     base_dtype: torch.dtype | None = None
+
+    def __new__(cls, *args, **kwargs):
+        """A keyword that is no field (the CLI's ``target`` for ``targets``) is one line naming the field."""
+        names = [f.name for f in fields(cls)]
+        for key in kwargs:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]}=...? " if close else ""
+                raise TypeError(f"LoRASpec has no field {key!r}; {hint}its fields: {', '.join(names)}")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         problem = spec_problem(self)
