@@ -20,10 +20,13 @@ from moe_tune.config.overrides import CONF_DIR, compose, to_config  # noqa: F401
 QUIET_EXIT_DELAY_S = 5.0
 LAUNCHER_POLL_S = 1.0
 INTERRUPTED = "moe-tune: interrupted; nothing saved since the last checkpoint"
+# Stops besides Ctrl-C: Slurm's TERM and USR1, and HUP (the terminal or ssh session of the command gone; torchrun's
+# agent passes it on to the ranks, which would otherwise die of it without saving).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
 
 class StopRequested(KeyboardInterrupt):
-    """SIGTERM or SIGUSR1 outside training (the run starting, or writing its outputs): handled as Ctrl-C is."""
+    """SIGTERM, SIGUSR1 or SIGHUP outside training (the run starting, or writing its outputs): handled as Ctrl-C is."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -39,11 +42,18 @@ def honour_sigint() -> None:
     started with ``&`` by a non-interactive shell (a script, a CI step, a wrapper that backgrounds the run) inherits
     SIGINT ignored, and Python keeps that: Ctrl-C would be dropped while the run starts and obeyed once
     ``StopSignal`` takes it over for training. Here it raises KeyboardInterrupt (one line, exit 130) until then.
-    SIGTERM and SIGUSR1 (Slurm's) would end the process without a word before training: they raise StopRequested
-    (one line, exit 128 + the signal) outside training likewise."""
+    SIGTERM, SIGUSR1 (Slurm's) and SIGHUP would end the process without a word before training: they raise
+    StopRequested (one line, exit 128 + the signal) outside training likewise. A SIGHUP inherited ignored (nohup)
+    stays ignored."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    for signum in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(signum, _stop_requested)
+    for signum in STOP_SIGNALS:
+        if taken(signum):
+            signal.signal(signum, _stop_requested)
+
+
+def taken(signum: int) -> bool:
+    """Whether moe-tune handles ``signum``: every stop signal but a SIGHUP that is ignored (``nohup``)."""
+    return signum != signal.SIGHUP or signal.getsignal(signum) != signal.SIG_IGN
 
 
 def watch_launcher() -> None:
@@ -69,22 +79,23 @@ def watch_launcher() -> None:
 
 
 def restore_default_signals() -> None:
-    """SIGINT, SIGTERM and SIGUSR1 back to the system's default action once the run is over (its outputs written,
+    """SIGINT and ``STOP_SIGNALS`` back to the system's default action once the run is over (its outputs written,
     or its error or stop said), before Hydra's and the interpreter's teardown: a signal then ends the process as
     it ends any program, by that signal (a shell reads 128 + signal), where ``StopRequested`` raised in an atexit
     callback would print its traceback and exit 0. Buffered output is flushed first: such an end drops it."""
     sys.stdout.flush()
     sys.stderr.flush()
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(signum, signal.SIG_DFL)
+    for signum in (signal.SIGINT, *STOP_SIGNALS):
+        if taken(signum):
+            signal.signal(signum, signal.SIG_DFL)
 
 
 def interrupted(e: KeyboardInterrupt) -> int:
     """The line for a stop outside training (Ctrl-C or ``StopRequested``), printed by the node's first rank (the
     launcher passes the signal to every rank: one line, not one a rank); returns the exit code."""
     signum = getattr(e, "signum", signal.SIGINT)
-    for again in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):  # the stop is said once: a repeat (scancel
-        signal.signal(again, signal.SIG_IGN)  # retries its signal) would raise again in the middle of the line
+    for again in (signal.SIGINT, *STOP_SIGNALS):  # the stop is said once: a repeat (scancel retries its signal)
+        signal.signal(again, signal.SIG_IGN)  # would raise again in the middle of the line
     if first_rank_of_node():
         stopped = f"moe-tune: stopped by signal {int(signum)}; nothing saved since the last checkpoint"
         print(INTERRUPTED if signum == signal.SIGINT else stopped, file=sys.stderr)

@@ -1,5 +1,6 @@
-"""Stopping on SIGTERM / SIGUSR1 (Slurm's time limit or preemption, torchrun's shutdown) or SIGINT (Ctrl-C, which
-torchrun passes on to its ranks) at a step every rank agrees on."""
+"""Stopping on SIGTERM / SIGUSR1 (Slurm's time limit or preemption, torchrun's shutdown), SIGINT (Ctrl-C, which
+torchrun passes on to its ranks) or SIGHUP (the command's terminal gone, passed on likewise) at a step every rank
+agrees on."""
 
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ class PeerStopped(KeyboardInterrupt):
 
 
 class StopSignal:
-    """SIGTERM, SIGUSR1 and SIGINT set a flag instead of killing the process; ``agreed`` tells every rank whether
-    any rank got one (a MAX all-reduce of one int over all ranks, and a host sync to read it). A second SIGINT
-    (Ctrl-C pressed again) raises KeyboardInterrupt: stop now, without saving.
+    """SIGTERM, SIGUSR1, SIGINT and SIGHUP (unless ignored: nohup) set a flag instead of killing the process;
+    ``agreed`` tells every rank whether any rank got one (a MAX all-reduce of one int over all ranks, and a host sync
+    to read it). A second SIGINT (Ctrl-C pressed again) raises KeyboardInterrupt: stop now, without saving.
 
     ``agreed`` is a collective: call it on the same steps on every rank (the trainer calls it on its logging and
     checkpoint steps, a pure function of the step, so a signal stops a run of several ranks at most
@@ -36,7 +37,7 @@ class StopSignal:
     the step a signal landed in (``received``). The handler's flag is never cleared: a signal landing while the
     ranks agree is counted at the next call."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
     def __init__(self, enabled: bool):
         self.signum: int | None = None  # the agreed signal (any rank's), once every rank has seen it
@@ -45,7 +46,8 @@ class StopSignal:
         self._previous = {}
         if enabled:
             for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._on_signal)
+                if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
         if signum == signal.SIGINT and self._received == signal.SIGINT:

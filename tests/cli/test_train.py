@@ -186,7 +186,7 @@ def kept_signals():
     """The stop signals' handlers as they were, after a test that lets the command's code change them."""
     import signal
 
-    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
     before = {signum: signal.getsignal(signum) for signum in stops}
     yield
     for signum, handler in before.items():
@@ -206,6 +206,26 @@ def test_a_stop_while_starting_is_said_by_the_nodes_first_rank(monkeypatch, caps
     assert cli.interrupted(cli.StopRequested(signal.SIGTERM)) == 143
     line = "moe-tune: stopped by signal 15; nothing saved since the last checkpoint\n"
     assert capsys.readouterr().err == (line if says else "")
+
+
+def test_a_hang_up_while_starting_is_a_stop_unless_ignored(kept_signals):
+    """SIGHUP before training (the terminal gone) is one line and exit 129, as SIGTERM is; nohup's ignored SIGHUP
+    stays ignored, and is left so when the run is over."""
+    import os
+    import signal
+
+    from moe_tune.cli import train as cli
+
+    cli.honour_sigint()
+    assert signal.getsignal(signal.SIGHUP) == cli._stop_requested  # not the default, which kills the process
+    with pytest.raises(cli.StopRequested) as stop:
+        os.kill(os.getpid(), signal.SIGHUP)
+    assert stop.value.signum == signal.SIGHUP
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    cli.honour_sigint()
+    os.kill(os.getpid(), signal.SIGHUP)  # ignored: nothing raised
+    cli.restore_default_signals()
+    assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
 
 
 def test_a_repeated_stop_signal_does_not_cut_the_stops_line(kept_signals, capsys):

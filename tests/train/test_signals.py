@@ -52,6 +52,25 @@ def test_one_process_sees_its_own_signal_and_restores_handlers():
     assert signal.getsignal(signal.SIGUSR1) == before
 
 
+def test_a_hang_up_stops_and_saves_unless_ignored():
+    """SIGHUP (the terminal or ssh session gone; torchrun's agent passes it on to the ranks) is a stop like SIGTERM's:
+    the ranks died of it without saving while the launcher said checkpoint.resume=auto continues. Under nohup,
+    which ignores it, it stays ignored."""
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        with StopSignal(enabled=True) as stop:
+            assert signal.getsignal(signal.SIGHUP) == stop._on_signal  # not the default, which kills the process
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert stop.agreed(torch.device("cpu")) is True and stop.signum == signal.SIGHUP
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        with StopSignal(enabled=True) as stop:
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert stop.agreed(torch.device("cpu")) is False
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
 def test_a_signal_during_the_agreement_is_counted_at_the_next_step(monkeypatch):
     """The handler's flag is never cleared by the all-reduce: a signal that lands while the ranks agree on the
     previous step's flags stops every rank one step later instead of being lost."""
