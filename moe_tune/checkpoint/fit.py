@@ -39,6 +39,19 @@ DATA_KEYS = (
     "val_fraction",
 )
 
+# The hyperparameters that decide what a run's steps compute (a resume may change them, said in its log).
+TRAIN_KEYS = ("lr", "precision", "aux_loss_coef", "z_loss_coef", "bias_update_rate", "force_balanced_routing")
+OPTIM_KEYS = (
+    "weight_decay",
+    "decay_norms_and_biases",
+    "betas",
+    "eps",
+    "warmup_steps",
+    "schedule",
+    "min_lr_ratio",
+    "max_grad_norm",
+)
+
 
 def _value(value) -> str:
     """A value as a Hydra override writes it."""
@@ -123,3 +136,14 @@ def data_differ(saved: dict, cfg) -> tuple[str, str]:
     train, t = saved.get("train", {}), asdict(cfg.train)
     rows_was, rows_now = _differing(train, t, "train", ("seq_len", "seed"))
     return ", ".join(x for x in (was, rows_was) if x), ", ".join(x for x in (now, rows_now) if x)
+
+
+def hyperparameters_differ(saved: dict, cfg) -> tuple[str, str]:
+    """The training hyperparameters (``TRAIN_KEYS``, ``OPTIM_KEYS``) of a run's recorded config ``saved`` that this
+    run's ``cfg`` does not share, both sides as overrides ("", "" if none)."""
+    train, optim = saved.get("train", {}), dict(saved.get("optim", {}))
+    now = asdict(cfg.optim)
+    optim["betas"], now["betas"] = list(optim.get("betas", now["betas"])), list(now["betas"])  # JSON has no tuple
+    was, this = _differing(train, asdict(cfg.train), "train", TRAIN_KEYS)
+    optim_was, optim_now = _differing(optim, now, "optim", OPTIM_KEYS)
+    return ", ".join(x for x in (was, optim_was) if x), ", ".join(x for x in (this, optim_now) if x)

@@ -122,13 +122,18 @@ def _longer_run(run_dir: str, steps: int, newest: int | None) -> str:
 
 
 def _check_same_model(run_dir: str, steps: int, summary: dict, cfg) -> None:
-    """A run of another model, or of the same one on other data, is no retry of the finished one: refused."""
-    from moe_tune.checkpoint.fit import data_differ, settings_differ
+    """A run of another model, or of the same one on other data or with other hyperparameters (a sweep's job
+    numbered as another job of an earlier sweep), is no retry of the finished one: refused."""
+    from moe_tune.checkpoint.fit import data_differ, hyperparameters_differ, settings_differ
 
     if cfg is None:
         return
     saved = summary.get("config") or {}
-    for differ, what in ((settings_differ, "other settings"), (data_differ, "other data")):
+    for differ, what in (
+        (settings_differ, "other settings"),
+        (data_differ, "other data"),
+        (hyperparameters_differ, "other hyperparameters"),
+    ):
         was, now = differ(saved, cfg)
         if was:
             raise CheckpointError(

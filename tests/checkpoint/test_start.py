@@ -164,6 +164,34 @@ def test_a_finished_run_on_other_data_is_no_retry_of_it(tmp_path):
             start(path)
 
 
+def test_a_finished_run_with_other_hyperparameters_is_no_retry_of_it(tmp_path):
+    """A sweep run again with its values in another order (``-m train.lr=3e-3,1e-3`` after ``1e-3,3e-3``): job 0,
+    lr 3e-3, met multirun/0's lr 1e-3 run and was told 'nothing to train; its outputs stand', exit 0, so its
+    results read as another learning rate's. Refused naming both sides; the same values (a retry) still finish."""
+    from dataclasses import asdict
+
+    from moe_tune.config import Config
+
+    run = tmp_path / "x"
+    (run / "hf").mkdir(parents=True)
+    (run / "hf" / "config.json").write_text("{}")
+    config = json.loads(json.dumps(asdict(Config()), default=list))  # betas: a list in JSON
+    (run / "summary.json").write_text(json.dumps({"finished": True, "final_step": 4, "config": config}))
+
+    def start(lr: float = Config().train.lr, betas: tuple = Config().optim.betas):
+        now = Config()
+        now.train.lr, now.optim.betas = lr, betas
+        check_start(str(run), "auto", 4, cfg=now)
+
+    with pytest.raises(CheckpointError) as e:
+        start(lr=1e-2)
+    said = f"(that run: train.lr={Config().train.lr}; this run: train.lr=0.01)"
+    assert f"holds a run that finished at train.steps=4 with other hyperparameters {said}: its outputs" in str(e.value)
+    for betas in (Config().optim.betas, tuple(Config().optim.betas)):
+        with pytest.raises(RunFinished):
+            start(betas=betas)
+
+
 @pytest.mark.parametrize("checkpoint", [None, 6], ids=["rows", "rows-and-checkpoint"])
 def test_a_finished_run_names_a_longer_run_that_went_on_from_it_and_stopped(tmp_path, checkpoint):
     """A run finished at 4 steps, then train.steps=8 went on from it and was killed at step 6: the 4-step command
