@@ -37,6 +37,7 @@ from moe_tune.models.init import init_random
 from moe_tune.models.lora import init_lora
 from moe_tune.models.model import ModelOptions, MoECausalLM, build_model, materialize
 from moe_tune.models.source_check import check_overrides, check_source_dir
+from moe_tune.moe.experts import ExpertsOptions
 
 log = logging.getLogger("moe_tune")
 
@@ -337,7 +338,10 @@ def from_checkpoint(checkpoint: str, base: str | None = None) -> tuple[MoECausal
     lora = lora_spec(cfg)
     if lora is not None:
         lora = dataclasses.replace(lora, base_dtype=_stored_dtype(source))
-    options = ModelOptions(dtype=torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32, lora=lora)
+    # A run's per-expert loop, kept: it ran experts whose rows grouped GEMMs cannot take (check_expert_dims).
+    experts = ExpertsOptions(impl="loop") if cfg.kernels.experts == "loop" else ExpertsOptions()
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    options = ModelOptions(dtype=dtype, lora=lora, experts=experts)
 
     def load(model: MoECausalLM) -> None:
         if lora is not None:  # the base from where the run read it, then the checkpoint's adapters

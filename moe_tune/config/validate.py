@@ -75,6 +75,23 @@ def blocked_dims_problem(key: str, storage: str, dim: int, hidden: int, fix: str
     )
 
 
+# torch's grouped GEMM (kernels.experts=grouped_mm) takes rows that start on 16-byte boundaries.
+GROUPED_MM_ALIGN_BYTES = 16
+
+
+def grouped_mm_dims_problem(key: str, dim: int, hidden: int, dtype: str, itemsize: int, fix: str) -> str | None:
+    """The line refusing grouped GEMMs (``key``) in ``dtype`` (``itemsize`` bytes a value) for a model dim or an
+    expert hidden dim whose rows do not start on 16-byte boundaries (torch raises mid-run there); None where they
+    do."""
+    multiple = max(1, GROUPED_MM_ALIGN_BYTES // itemsize)
+    if not (dim % multiple or hidden % multiple):
+        return None
+    return (
+        f"{key} needs the model dim ({dim}) and the expert hidden dim ({hidden}) to be multiples of {multiple} "
+        f"(the grouped GEMM's 16-byte rows in {dtype}); use {fix} for this model"
+    )
+
+
 def quantized_base_fix(dim: int, hidden: int, fp8: str, none: str) -> str:
     """The fix for an NF4 base the dims refuse: FP8 only where its own alignment holds (a fix that is refused in
     turn is no fix)."""
@@ -84,7 +101,8 @@ def quantized_base_fix(dim: int, hidden: int, fp8: str, none: str) -> str:
 def check_expert_dims(cfg: Config, dim: int, hidden: int) -> None:
     """The experts' dims where their weights are stored in blocks: FP8 GEMMs (kernels.experts=grouped_mm_fp8,
     peft.quantize_base=fp8) need FP8 rows on 16-byte boundaries, NF4 (peft.quantize_base=nf4) whole blocks of 32
-    inputs (``kernels.nf4_frozen.BLOCKS``): the model dim and the expert hidden dim must be multiples of them."""
+    inputs (``kernels.nf4_frozen.BLOCKS``): the model dim and the expert hidden dim must be multiples of them. Plain
+    grouped GEMMs need 16-byte rows in their dtype."""
     quantized = cfg.peft.quantize_base if cfg.peft.name == "lora" else "none"
     nf4_fix = quantized_base_fix(dim, hidden, "peft.quantize_base=fp8 or none", "peft.quantize_base=none")
     for key, storage, fix in (
@@ -94,6 +112,15 @@ def check_expert_dims(cfg: Config, dim: int, hidden: int) -> None:
     ):
         asked = key == f"kernels.experts={cfg.kernels.experts}" or key == f"peft.quantize_base={quantized}"
         problem = blocked_dims_problem(key, storage, dim, hidden, fix) if asked else None
+        if problem:
+            raise ConfigError(problem)
+    if cfg.kernels.experts == "grouped_mm":  # bf16 GEMMs under every precision but fp32
+        precision = cfg.train.precision
+        dtype, itemsize = ("fp32", 4) if precision == "fp32" else ("bf16", 2)
+        where = f"{dtype}, train.precision={precision}"
+        problem = grouped_mm_dims_problem(
+            "kernels.experts=grouped_mm", dim, hidden, where, itemsize, "kernels.experts=loop"
+        )
         if problem:
             raise ConfigError(problem)
 

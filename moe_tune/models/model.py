@@ -19,7 +19,7 @@ from torch import nn
 from moe_tune.config import ConfigError
 from moe_tune.config.constraints import choice_hint
 from moe_tune.config.schema import EXPERT_KERNELS, QUANTIZED_GEMMS
-from moe_tune.config.validate import blocked_dims_problem, quantized_base_fix
+from moe_tune.config.validate import blocked_dims_problem, grouped_mm_dims_problem, quantized_base_fix
 from moe_tune.lora import LoRASpec
 from moe_tune.models.export import remove_stale_weights, write_checkpoint
 from moe_tune.models.families import Family, get_family
@@ -287,6 +287,12 @@ def check_experts_options(options: ModelOptions, experts) -> None:
     )
     mode = o.quantized_base
     if mode is None:
+        dtype = o.compute_dtype or options.dtype  # the GEMMs' dtype: the activations'
+        fix = "experts=moe_tune.moe.experts.ExpertsOptions(impl='loop')"
+        args = (experts.dim, experts.hidden, str(dtype).removeprefix("torch."), dtype.itemsize, fix)
+        problem = grouped_mm_dims_problem("impl='grouped_mm'", *args) if o.impl == "grouped_mm" else None
+        if problem:
+            raise ConfigError(problem)
         return
     _check_choice(
         "quantized_base",

@@ -1,5 +1,6 @@
 """GroupedExperts against GPT-OSS's own experts where its activation clamps: inputs scaled so that gate and up
-pre-activations go well past swiglu_limit (7.0), which a tiny checkpoint's small weights never reach."""
+pre-activations go well past swiglu_limit (7.0), which a tiny checkpoint's small weights never reach; and the
+expert dims grouped GEMMs cannot take."""
 
 from __future__ import annotations
 
@@ -130,3 +131,56 @@ def test_under_autocast_the_experts_compute_in_its_dtype():
     torch.testing.assert_close(y_RD, ref(x_RD.bfloat16(), counts_e), rtol=0, atol=0)
     y_RD.float().sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in ours.parameters())
+
+
+@pytest.mark.parametrize(
+    "overrides, dims, message",
+    [
+        (  # hf-internal-testing's tiny Mixtral: experts of 37
+            [],
+            (32, 37),
+            "kernels.experts=grouped_mm needs the model dim (32) and the expert hidden dim (37) to be multiples of 8 "
+            "(the grouped GEMM's 16-byte rows in bf16, train.precision=bf16_fp32_master); use kernels.experts=loop "
+            "for this model",
+        ),
+        (
+            ["train.precision=fp32"],
+            (36, 22),
+            "kernels.experts=grouped_mm needs the model dim (36) and the expert hidden dim (22) to be multiples of 4 "
+            "(the grouped GEMM's 16-byte rows in fp32, train.precision=fp32); use kernels.experts=loop for this model",
+        ),
+    ],
+)
+def test_config_refuses_expert_dims_without_16_byte_rows(overrides, dims, message):
+    """torch's grouped GEMM raises mid-run ('strides should be multiple of 16 bytes') on rows of other lengths: the
+    run is refused before anything is written; fp32 rows of 4k values pass, and kernels.experts=loop takes any."""
+    from moe_tune.cli.train import compose, to_config
+    from moe_tune.config import ConfigError, validate
+
+    cfg = to_config(compose(overrides))
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=1, expert_dims=dims)
+    assert str(e.value) == message
+    validate(to_config(compose(["train.precision=fp32"])), world_size=1, expert_dims=(36, 20))
+    validate(to_config(compose([*overrides, "kernels.experts=loop"])), world_size=1, expert_dims=dims)
+
+
+def test_the_python_api_refuses_expert_dims_without_16_byte_rows_and_loops_over_them(tiny_checkpoint):
+    """``from_pretrained`` of a checkpoint whose experts' rows are no multiple of 16 bytes is one line naming the
+    dims and ``impl='loop'``, which then gives transformers' logits (fp32, 1e-5 relative)."""
+    import moe_tune
+    from moe_tune.config import ConfigError
+    from tests.tiny import load_hf, rel_err
+
+    path = tiny_checkpoint("mixtral", hidden_size=32, intermediate_size=37, head_dim=8)
+    with pytest.raises(ConfigError) as e:
+        moe_tune.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    assert str(e.value) == (
+        "impl='grouped_mm' needs the model dim (32) and the expert hidden dim (37) to be multiples of 8 (the grouped "
+        "GEMM's 16-byte rows in bfloat16); use experts=moe_tune.moe.experts.ExpertsOptions(impl='loop') for this "
+        "model"
+    )
+    ours = moe_tune.AutoModelForCausalLM.from_pretrained(path, experts=ExpertsOptions(impl="loop"))
+    ids = torch.randint(0, ours.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_err(ours(input_ids=ids).logits, load_hf(path)(ids).logits) < 1e-5

@@ -374,7 +374,7 @@ def test_config_refuses_unaligned_expert_dims():
         "kernels.experts=grouped_mm_fp8 needs the model dim (2048) and the expert hidden dim (780) to be multiples "
         "of 16 (the FP8 grouped GEMM's alignment); use kernels.experts=grouped_mm for this model"
     )
-    validate(to_config(compose([])), world_size=1, expert_dims=(2048, 780))  # bf16 grouped_mm has no such rule
+    validate(to_config(compose([])), world_size=1, expert_dims=(2048, 776))  # bf16 grouped_mm: multiples of 8
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import torch
 
 from moe_tune.cli.export import main as export_main
 from tests.harness import FAST_RUN, copy_checkpoint, read_hf_tensors, read_metrics, run_main, train_run
-from tests.tiny import LORA_TOL, rel_err
+from tests.tiny import LORA_TOL, load_hf, rel_err
 
 peft = pytest.importorskip("peft", reason="the LoRA exports are checked with PEFT (in the dev extra)")
 
@@ -129,3 +129,23 @@ def test_export_merge_of_a_full_fine_tune_is_refused(tmp_path):
     r = _export([tmp_path / "checkpoints" / "step_1", tmp_path / "out", "--merge"])
     assert r.returncode == 2 and "--merge applies to LoRA runs" in r.stderr
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_run_on_experts_grouped_gemms_cannot_take_exports_and_merges(tmp_path, tiny_checkpoint):
+    """Expert rows of 37 values (no 16 bytes in fp32) train with kernels.experts=loop; from_checkpoint, and so
+    moe-tune-export --merge, build the run's model with its loop too (grouped GEMMs refuse those dims), and the
+    merged model gives moe_tune's logits."""
+    from moe_tune.build import from_checkpoint
+
+    base = tiny_checkpoint("mixtral", hidden_size=32, intermediate_size=37, head_dim=8)
+    out = tmp_path / "run"
+    run = [f"output_dir={out}", f"model.path={base}", "kernels.experts=loop", "train.steps=1", "checkpoint.every=1"]
+    train_run([*run, *LORA])
+    step = out / "checkpoints" / "step_1"
+    model, _ = from_checkpoint(str(step))
+    assert _export([step, tmp_path / "merged", "--merge"]).returncode == 0
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        # transformers' own grouped experts refuse those dims too: its per-expert loop reads the merged model
+        merged = load_hf(tmp_path / "merged").eval()
+        assert rel_err(merged(ids).logits, model.eval()(input_ids=ids).logits) < LORA_TOL
