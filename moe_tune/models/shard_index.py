@@ -58,7 +58,7 @@ def loose_weight_map(path: str, keys_of: Callable[[str], list[str]]) -> dict[str
     (a backup copy beside ``model.safetensors``), where transformers reads ``model.safetensors`` alone."""
     files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
     if not files:
-        raise CheckpointError(f"{path} holds no *.safetensors files; give a Hugging Face checkpoint directory")
+        raise CheckpointError(no_safetensors_problem(path))
     weight_map: dict[str, str] = {}
     for name in files:
         for key in keys_of(os.path.join(path, name)):
@@ -69,3 +69,16 @@ def loose_weight_map(path: str, keys_of: Callable[[str], list[str]]) -> dict[str
                 )
             weight_map[key] = name
     return weight_map
+
+
+def no_safetensors_problem(path: str) -> str:
+    """The line for a directory without safetensors files; one with PyTorch pickles (``pytorch_model*.bin``, the
+    format of older releases) is told how to convert them."""
+    pickles = sorted(n for n in os.listdir(path) if n.startswith("pytorch_model") and n.endswith(".bin"))
+    if not pickles:
+        return f"{path} holds no *.safetensors files; give a Hugging Face checkpoint directory"
+    return (
+        f"{path} holds PyTorch weights ({pickles[0]}) and no *.safetensors files, the only weights moe_tune reads; "
+        f"convert them once with transformers (AutoModelForCausalLM.from_pretrained('{path}').save_pretrained(<dir>)"
+        ", then copy the tokenizer files there) and give <dir> in its place"
+    )

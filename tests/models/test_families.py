@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 import moe_tune
 from moe_tune.config import CheckpointError, ConfigError
+from tests.harness import run_main
 from tests.tiny import FAMILIES, VOCAB, build_hf, load_hf, rel_err, save_tiny
 
 TOL = 1e-5  # relative (norm of the difference over the norm of the reference), fp32
@@ -393,6 +394,34 @@ def test_a_directory_without_safetensors_files_is_named_as_such(tmp_path):
     (tmp_path / "model.bin").write_bytes(b"")
     with pytest.raises(CheckpointError, match=r"holds no \*.safetensors files; give a Hugging Face checkpoint"):
         CheckpointReader(str(tmp_path))
+
+
+def test_pytorch_bin_weights_are_named_with_the_conversion(tiny_checkpoint, tmp_path):
+    """An older release's ``pytorch_model.bin`` (a Hugging Face checkpoint all the same) is named, with the
+    conversion transformers makes, for the CLI (exit 2, nothing written) and the Python API alike; the
+    converted directory loads."""
+    from safetensors.torch import load_file
+
+    src = tiny_checkpoint("mixtral")
+    path = tmp_path / "bin_only"
+    path.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        (path / name).write_bytes((Path(src) / name).read_bytes())
+    torch.save(load_file(os.path.join(src, "model.safetensors")), path / "pytorch_model.bin")
+    line = (
+        f"{path} holds PyTorch weights (pytorch_model.bin) and no *.safetensors files, the only weights moe_tune "
+        f"reads; convert them once with transformers (AutoModelForCausalLM.from_pretrained('{path}')"
+        ".save_pretrained(<dir>), then copy the tokenizer files there) and give <dir> in its place"
+    )
+    with pytest.raises(CheckpointError) as e:
+        moe_tune.AutoModelForCausalLM.from_pretrained(str(path))
+    assert str(e.value) == line
+    out = tmp_path / "out"
+    result = run_main([f"model.path={path}", "train.steps=1", f"output_dir={out}"])
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"moe-tune: error: {line}"]
+    assert not out.exists()
+    AutoModelForCausalLM.from_pretrained(str(path)).save_pretrained(tmp_path / "converted")
+    moe_tune.AutoModelForCausalLM.from_pretrained(str(tmp_path / "converted"))
 
 
 def test_mtp_layer_ignored_extra_tensors_refused(tiny_checkpoint):
