@@ -64,7 +64,10 @@ def export(checkpoint: str, out: str, merge: bool = False, base: str | None = No
     dtype = None if cfg.model.dtype == "source" else getattr(torch, cfg.model.dtype)
     lora = has_lora(model)
     if merge and not lora:
-        raise ConfigError(f"--merge applies to LoRA runs; {checkpoint} is from a full fine-tune (peft={cfg.peft.name})")
+        raise ConfigError(
+            f"--merge applies to LoRA runs; {checkpoint} is from a full fine-tune (peft={cfg.peft.name}), whose "
+            "export is the whole model already: drop --merge"
+        )
     if base is not None and not lora:  # a full fine-tune's checkpoint holds every weight: --base would be unused
         raise ConfigError(f"--base applies to LoRA runs; {checkpoint} is from a full fine-tune: drop --base {base}")
     if merge:

@@ -128,6 +128,7 @@ def test_export_merge_of_a_full_fine_tune_is_refused(tmp_path):
     train_run([f"output_dir={tmp_path}", "train.steps=1", "checkpoint.every=1", *FAST_RUN])
     r = _export([tmp_path / "checkpoints" / "step_1", tmp_path / "out", "--merge"])
     assert r.returncode == 2 and "--merge applies to LoRA runs" in r.stderr
+    assert r.stderr.rstrip().endswith("whose export is the whole model already: drop --merge"), r.stderr[-2000:]
     assert not os.path.exists(tmp_path / "out")
 
 
