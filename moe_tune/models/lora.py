@@ -45,6 +45,11 @@ def _gates(hf: nn.Module) -> list[str]:
     return [f"{n}.{a}" for n, spec in moes for a in (spec.router_attr, spec.shared_gate_attr) if a is not None]
 
 
+def _outside_layers(name: str, module: nn.Module) -> bool:
+    """A linear or an embedding of the model that no decoder layer holds (``lm_head``, ``model.embed_tokens``)."""
+    return not name.startswith("model.layers.") and (_is_linear(module) or isinstance(module, nn.Embedding))
+
+
 def lora_linears(hf: nn.Module, block_attr: str, targets: tuple[str, ...]) -> dict[str, nn.Module]:
     """The linears ``targets`` name: group words, or the end of a linear's dotted name (``q_proj``)."""
     groups = linear_groups(hf, block_attr)
@@ -64,6 +69,14 @@ def lora_linears(hf: nn.Module, block_attr: str, targets: tuple[str, ...]) -> di
                 raise ConfigError(
                     f"peft.target names {t!r}, a router or a shared expert's gate: gates take no adapter here "
                     f"(peft.train_router=true trains the routers whole); drop {t!r} from peft.target"
+                )
+            outside = [n for n, m in hf.named_modules() if _outside_layers(n, m) and (n == t or n.endswith("." + t))]
+            if not hits and outside:
+                where = "" if outside[0] == t else f" ({outside[0]})"
+                raise ConfigError(
+                    f"peft.target names {t!r}{where}, which is outside the decoder layers: adapters go on "
+                    f"their linears only, and the embeddings and head stay frozen under peft=lora; drop {t!r} from "
+                    "peft.target (peft=none trains every weight)"
                 )
             if not hits:
                 names = sorted({n.split(".layers.")[1].split(".", 1)[1] for n in every})

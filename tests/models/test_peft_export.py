@@ -97,6 +97,22 @@ def test_a_target_naming_a_gate_says_gates_take_no_adapter(tmp_path, target):
         _lora_model(src, targets=("attention", target))
 
 
+@pytest.mark.parametrize("target, where", [("lm_head", ""), ("embed_tokens", " (model.embed_tokens)")])
+def test_a_target_naming_the_head_or_embeddings_says_they_stay_frozen(tmp_path, target, where):
+    """PEFT users' ``lm_head`` and ``embed_tokens`` are outside the decoder layers, where adapters go: the line says
+    so and how to train them, not that the model has no such linear (its head is one)."""
+    from moe_tune.config import ConfigError
+
+    src = save_tiny(tmp_path / "base", "mixtral", tie_word_embeddings=True)
+    with pytest.raises(ConfigError) as e:
+        _lora_model(src, targets=("attention", target))
+    assert str(e.value) == (
+        f"peft.target names {target!r}{where}, which is outside the decoder layers: adapters go on their linears "
+        f"only, and the embeddings and head stay frozen under peft=lora; drop {target!r} from peft.target "
+        "(peft=none trains every weight)"
+    )
+
+
 def test_a_target_word_that_adapts_nothing_is_a_config_error(tmp_path):
     """Qwen3-MoE has no dense MLP or shared expert: peft.target=[attention,mlp] would silently adapt attention
     only (and [mlp] alone nothing at all)."""
