@@ -7,8 +7,8 @@ they are computed exactly as transformers computes them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 
 from moe_tune.config import ConfigError
 from moe_tune.moe.experts import ExpertsSpec
@@ -157,6 +157,15 @@ def get_family(model_type: str, architectures: list[str] | None = None) -> Famil
             f"{', '.join(sorted(FAMILIES))}. Give a checkpoint of one of those"
         )
     return FAMILIES[model_type]
+
+
+def as_stored(family: Family, keys: Iterable[str]) -> Family:
+    """``family`` with only the on-disk renames a source's ``keys`` use: transformers v5's own layout
+    (``save_pretrained(save_original_format=False)``) keeps the in-memory names (Mixtral's ``.mlp.``, not
+    ``.block_sparse_moe.``), and loading and export then read and write those."""
+    keys = list(keys)
+    renames = tuple(r for r in family.disk_renames if any(r[1] in k for k in keys))
+    return family if renames == family.disk_renames else replace(family, disk_renames=renames)
 
 
 def _moe_spec(config):

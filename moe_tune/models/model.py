@@ -22,7 +22,7 @@ from moe_tune.config.schema import EXPERT_KERNELS, QUANTIZED_GEMMS
 from moe_tune.config.validate import blocked_dims_problem, grouped_mm_dims_problem, quantized_base_fix
 from moe_tune.lora import LoRASpec
 from moe_tune.models.export import remove_stale_weights, write_checkpoint
-from moe_tune.models.families import Family, get_family
+from moe_tune.models.families import Family, as_stored, get_family
 from moe_tune.moe.dispatch import Dispatcher
 from moe_tune.moe.experts import ExpertsOptions
 from moe_tune.moe.layer import MoE
@@ -237,6 +237,10 @@ def build_model(
     options = options or ModelOptions()
     moe_stats = MoEStatsCollector()
     family = get_family(config.model_type, getattr(config, "architectures", None))
+    if source_dir is not None and family.disk_renames:
+        from moe_tune.models.hf_io import CheckpointReader
+
+        family = as_stored(family, CheckpointReader(source_dir).weight_map)
     check_experts_options(options, family.moe_spec(config).experts)
     attn = options.attn_implementation or family.attn_implementation
     with torch.device("meta"):

@@ -324,16 +324,15 @@ def test_tied_config_with_a_head_unlike_the_embedding_is_refused(tiny_checkpoint
         assert rel_err(ours(input_ids=_ids(5)).logits, load_hf(src).eval()(_ids(5)).logits) < TOL
 
 
-def test_stacked_expert_layout_on_disk(tmp_path):
-    """A checkpoint whose experts are stored stacked (transformers v5's in-memory layout, ``experts.gate_up_proj``)
-    loads as well as the per-expert layout, and exports in the layout it came in."""
-    from safetensors.torch import save_file
-
-    hf = build_hf("qwen3_moe").eval()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stacked_expert_layout_on_disk(tmp_path, family):
+    """A checkpoint in transformers v5's in-memory layout (``save_pretrained(save_original_format=False)``: experts
+    stacked, ``experts.gate_up_proj``, and Mixtral's block named ``mlp``, not ``block_sparse_moe``) loads as well as
+    the per-expert layout, and exports in the layout it came in."""
+    hf = build_hf(family).eval()
     src = tmp_path / "stacked"
-    hf.config.save_pretrained(src)
-    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(src / "model.safetensors"))
-    assert "model.layers.0.mlp.experts.gate_up_proj" in _disk(str(src))
+    hf.save_pretrained(src, save_original_format=False)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in _disk(str(src))
     ours = moe_tune.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     ids = _ids(6)
     with torch.no_grad():
