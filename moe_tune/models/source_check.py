@@ -103,6 +103,7 @@ SIZE_FIELDS = (
     "num_local_experts",
     "n_routed_experts",
     "num_experts_per_tok",
+    "decoder_sparse_step",  # transformers takes each layer index modulo it
 )
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 DENSE_LAYER_KEYS = ("mlp_only_layers", "first_k_dense_replace", "decoder_sparse_step")

@@ -79,6 +79,8 @@ def test_an_index_pointing_outside_the_directory_is_refused(sharded, tmp_path, w
         ("num_hidden_layers", 0, "num_hidden_layers=0 must be a whole number >= 1"),
         ("num_experts_per_tok", 9, "num_experts_per_tok=9 is more than the model's 8 experts"),
         ("rms_norm_eps", "tiny", "transformers cannot read it"),
+        # transformers' layers divide by it: a ZeroDivisionError traceback after output_dir was made
+        ("decoder_sparse_step", 0, "decoder_sparse_step=0 must be a whole number >= 1"),
     ],
 )
 def test_a_bad_config_json_field_is_one_line(tiny_checkpoint, field, value, message):
