@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         return interrupted(e)
 
 
+# What the launcher adds to the ranks' own lines about a stop (it does not know whether they saved).
+RANKS_SAID = "the ranks have stopped; their lines above say what each saved"
+
+
 def _stop_with(signum: int, frame) -> None:
     """As torchrun's agent treats SIGTERM: its run stops, sends the signal on to every rank and waits for them."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -89,8 +93,9 @@ def launch(argv: list[str]) -> int:
     try:
         run(args)
     except SignalException as e:
-        # The agent sent the signal on to every rank and waited for them: each saved the step they agreed on.
-        print(f"moe-tune: stopped by signal {e.sigval}; checkpoint.resume=auto continues", file=sys.stderr)
+        # The agent sent the signal on to every rank and waited for them: in training they saved the step they
+        # agreed on and said so; a rank still starting said it saved nothing. Their lines say which.
+        print(f"moe-tune: stopped by signal {e.sigval}; {RANKS_SAID}", file=sys.stderr)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         rank, failure = first_failure(e.failures)

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from moe_tune.cli.launch import split_argv
+from moe_tune.cli.launch import RANKS_SAID, split_argv
 from moe_tune.cli.train import INTERRUPTED
 from tests.cli.test_train import BAD_FAMILY, BAD_FAMILY_LINE
 from tests.harness import FAST_RUN, PY, run_main, signal_after_rows
@@ -85,6 +85,8 @@ def test_a_stop_signal_exits_128_plus_it_without_a_traceback(tmp_path, cli_env, 
     assert code == 128 + signum, err[-3000:]
     assert f"moe-tune: stopped by signal {int(signum)}" in err and "Traceback" not in err, err[-3000:]
     assert [d.name for d in (run / "checkpoints").iterdir() if (d / "COMPLETE").exists()], err[-3000:]
+    # The launcher claims no save of its own: a rank stopped while starting says it saved nothing.
+    assert f"moe-tune: stopped by signal {signal.Signals(signum)}; {RANKS_SAID}\n" in err, err[-3000:]
 
 
 # SIGINT as a child inherits it, whatever pytest's own: a terminal leaves it at its default; a non-interactive shell
