@@ -53,22 +53,22 @@ OPTIM_KEYS = (
 )
 
 
-def _value(value) -> str:
+def override_value(value) -> str:
     """A value as a Hydra override writes it."""
     if value is None:
         return "null"
     if isinstance(value, list | tuple):
-        return "[" + ",".join(_value(v) for v in value) + "]"
+        return "[" + ",".join(override_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ",".join(f"{k}:{override_value(v)}" for k, v in value.items()) + "}"
     return str(value)
 
 
 def _differing(saved: dict, now: dict, section: str, keys) -> tuple[str, str]:
     """("section.key=saved, ...", "section.key=now, ...") over the keys whose values differ; ("", "") if none."""
     keys = [k for k in keys if saved.get(k, now[k]) != now[k]]
-    was = ", ".join(f"{section}.{k}={_value(saved[k])}" for k in keys)
-    return was, ", ".join(f"{section}.{k}={_value(now[k])}" for k in keys)
+    was = ", ".join(f"{section}.{k}={override_value(saved[k])}" for k in keys)
+    return was, ", ".join(f"{section}.{k}={override_value(now[k])}" for k in keys)
 
 
 def _peft_differs(saved: dict, now: dict) -> tuple[str, str]:

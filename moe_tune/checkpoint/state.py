@@ -23,6 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
+from moe_tune.checkpoint.fit import override_value
 from moe_tune.config import CheckpointError
 from moe_tune.models.hf_io import EXPERT_PARAM, expert_offsets, local_rows
 
@@ -137,14 +138,7 @@ def drawn_differently(meta: dict, model_cfg: dict, seed: int) -> list[tuple[str,
         ("model.overrides", saved.get("overrides"), model_cfg.get("overrides")),
         ("train.seed", meta["config"]["train"].get("seed"), seed),
     ]
-    return [(f"{key}={_override(now)}", f"{key}={_override(was)}") for key, was, now in pairs if was != now]
-
-
-def _override(value) -> str:
-    """A value as a Hydra override writes it (a dict as ``{key:value,...}``)."""
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{_override(v)}" for k, v in value.items()) + "}"
-    return str(value)
+    return [(f"{key}={override_value(now)}", f"{key}={override_value(was)}") for key, was, now in pairs if was != now]
 
 
 def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict, dict]:
