@@ -1,8 +1,10 @@
-"""The column quantizations of ``kernels.experts=grouped_mm_fp8`` on one GPU, ``fp8_grouped.COLUMNS_BY_ROW_TILES``
-False (one program per group and block of columns) against True (two kernels over tiles of rows), at
+"""The column quantizations of ``kernels.experts=grouped_mm_fp8`` on one GPU, each way of computing them: per group
+(``fp8_grouped.COLUMNS_BY_ROW_TILES`` False: one program per group and block of columns), by row tiles (True: two
+kernels over tiles of rows) and, for the input gradient's experts, by transpose (``EXPERTS_BY_TRANSPOSE``: a tiled
+bf16 transpose, then the row kernel), at
 Qwen3-30B-A3B's shapes: the weight gradient's operands (rows = 4096 tokens x micro-batch x top-8, in 128 groups of
 skewed counts, padded to 16; columns 2048, 768 and 1536) and the input gradient's experts ([128, 1536, 2048] and
-[128, 2048, 768]). The two variants' outputs are compared bit for bit first. Median of 30 calls after 5, CUDA
+[128, 2048, 768]). Each way's outputs are compared bit for bit with the first's. Median of 30 calls after 5, CUDA
 events; GB/s counts two reads of the input and one write of the E4M3 values.
 
     python benchmarks/fp8_group_columns.py OUT_DIR [MICRO_BATCH ...]   (default 1 3)
@@ -55,6 +57,9 @@ def _as_bytes(out) -> list[torch.Tensor]:
     return [t.view(torch.uint8) if t.dtype == fp8_grouped.E4M3 else t for t in out]
 
 
+WAYS = {"per_group": (False, False), "by_row_tiles": (True, False), "by_transpose": (False, True)}
+
+
 def main(argv: list[str]) -> int:
     out_dir, mbs = argv[0], [int(m) for m in argv[1:]] or [1, 3]
     rows = []
@@ -62,19 +67,18 @@ def main(argv: list[str]) -> int:
         for name, call, moved in _cases(mb):
             result = {"micro_batch": mb, "case": name}
             outs = []
-            for by_tiles in (False, True):
-                fp8_grouped.COLUMNS_BY_ROW_TILES = by_tiles
+            for way, (tiles, transpose) in WAYS.items():
+                if transpose and not name.startswith("input grad"):
+                    continue
+                fp8_grouped.COLUMNS_BY_ROW_TILES, fp8_grouped.EXPERTS_BY_TRANSPOSE = tiles, transpose
                 outs.append(_as_bytes(call()))
                 ms = median_ms(call)
-                result["by_row_tiles" if by_tiles else "per_group"] = {"ms": ms, "gb_s": moved / ms / 1e6}
-            fp8_grouped.COLUMNS_BY_ROW_TILES = False
-            result["equal"] = all(torch.equal(a, b) for a, b in zip(*outs))
+                result[way] = {"ms": ms, "gb_s": moved / ms / 1e6}
+            fp8_grouped.COLUMNS_BY_ROW_TILES = fp8_grouped.EXPERTS_BY_TRANSPOSE = False
+            result["equal"] = all(torch.equal(a, b) for out in outs[1:] for a, b in zip(outs[0], out))
             rows.append(result)
-            a, b = result["per_group"]["ms"], result["by_row_tiles"]["ms"]
-            print(
-                f"mb {mb} {name:<44} per group {a:7.3f} ms  by row tiles {b:7.3f} ms  ({b / a:.2f}x)  "
-                f"equal {result['equal']}"
-            )
+            times = "  ".join(f"{way} {result[way]['ms']:6.3f} ms" for way in WAYS if way in result)
+            print(f"mb {mb} {name:<44} {times}  equal {result['equal']}")
     os.makedirs(out_dir, exist_ok=True)
     device = torch.cuda.get_device_name()
     with open(os.path.join(out_dir, "fp8_group_columns.json"), "w") as f:

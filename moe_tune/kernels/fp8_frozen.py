@@ -32,6 +32,7 @@ from moe_tune.kernels.fp8_grouped import (
     quantize_rows,
     quantize_rows_triton,
     scaled_grouped_mm,
+    transpose_experts,
 )
 from moe_tune.kernels.frozen import dense_grouped_mm, quantized_grouped_mm, register_input_grad
 from moe_tune.kernels.groups import row_groups
@@ -66,26 +67,6 @@ def quantize_activation_rows(
             t = t * col_scale_GK[row_groups(offs_e, x_RK.shape[0])]
         return quantize_rows(t)
     return quantize_rows_triton(x_RK, col_scale_GK, offs_e)
-
-
-def transpose_experts(w_eNK: torch.Tensor, triton_kernel: bool | None = None) -> torch.Tensor:
-    """The stacked experts ``[e, N, K]`` transposed into a contiguous ``[e, K, N]`` (the same bytes, moved).
-    ``triton_kernel`` (None: on CUDA): one tiled Triton pass; otherwise PyTorch's strided copy."""
-    if not (w_eNK.is_cuda if triton_kernel is None else triton_kernel):
-        return w_eNK.transpose(-2, -1).contiguous()
-    import triton
-
-    from moe_tune.kernels.triton_fp8 import transpose_kernel
-
-    e, N, K = w_eNK.shape
-    src = w_eNK.contiguous()
-    out = torch.empty(e, K, N, dtype=w_eNK.dtype, device=w_eNK.device)
-    if out.numel():
-        # As bytes: Triton then moves 1-byte integers (no FP8 arithmetic, no casts).
-        block = 64
-        grid = (triton.cdiv(N, block), triton.cdiv(K, block), e)
-        transpose_kernel[grid](src.view(torch.uint8), out.view(torch.uint8), N, K, BLOCK_N=block, BLOCK_K=block)
-    return out
 
 
 def _kernel(t: torch.Tensor):

@@ -23,19 +23,18 @@ from collections.abc import Callable
 
 import torch
 
-from moe_tune.kernels.groups import row_groups
+from moe_tune.kernels.groups import ROW_ALIGN, pad_groups, padded_counts, padded_row_bound
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
-# FP8 rows start on 16-byte boundaries for the kernel's bulk copies: the weight-gradient GEMM contracts over
-# tokens, so each expert's group of rows is padded to this many.
-ROW_ALIGN = 16
-
-# The column quantization's kernels (the weight gradient's operands, the input gradient's experts): False, one
-# program per (group, block of columns) walking the group's rows twice (the kernel of the measured rows); True, two
-# kernels over tiles of one group's rows (ROW_TILE: rows, columns), the same values. benchmarks/fp8_group_columns.py
-# times both; the default moves when a GPU says which wins.
+# The column quantizations' kernels, both choices giving the same values (benchmarks/fp8_group_columns.py times
+# them on a GPU and checks them equal). COLUMNS_BY_ROW_TILES, the weight gradient's operands (and the experts when
+# they are not transposed): True, two kernels over tiles of one group's rows (ROW_TILE: rows, columns); False, one
+# program per (group, block of columns) walking the group's rows twice, where a hot expert's program holds the
+# tail. EXPERTS_BY_TRANSPOSE, the input gradient's experts: True, a tiled bf16 transpose and then the row kernel;
+# False, the column kernels above.
 COLUMNS_BY_ROW_TILES = False
+EXPERTS_BY_TRANSPOSE = False
 ROW_TILE = (64, 64)
 
 # (a, b, scale_a, scale_b, offs, fast_accum) -> bf16 out: the real kernel or its emulation.
@@ -75,43 +74,6 @@ def quantize_group_columns(t_PC: torch.Tensor, group_B: torch.Tensor, num_groups
     scale_GC = _pow2_scale(amax_GC)
     q_PC = _to_e4m3(blocks_BLC, scale_GC[group_B].unsqueeze(1)).view(P, C)
     return q_PC, scale_GC.reciprocal()
-
-
-def _padded_row_bound(num_rows: int, num_groups: int) -> int:
-    """The rows after padding each group to a multiple of 16, at most: a bound known on the host (no sync)."""
-    return -(-(num_rows + (ROW_ALIGN - 1) * num_groups) // ROW_ALIGN) * ROW_ALIGN
-
-
-def _padded_counts(offs_e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each group's rows, its rows padded to a multiple of 16, and the padded groups' ends (int64)."""
-    offs = offs_e.long()
-    counts_e = torch.diff(offs, prepend=offs.new_zeros(1))
-    padded_counts_e = (counts_e + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
-    return counts_e, padded_counts_e, torch.cumsum(padded_counts_e, 0)
-
-
-def pad_groups(offs_e: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Where each of ``num_rows`` rows goes when every group is padded to a multiple of 16 rows, all on the device
-    (output sizes are bounded on the host: no sync). Rows past ``offs_e[-1]`` (a dispatcher's fixed-capacity
-    padding) land after the last group, where the kernel never reads.
-
-    Returns (dest_R: each row's padded index, group_B: each 16-row block's group, e for the tail,
-    padded offs_e (int32), P: the padded row count)."""
-    e = offs_e.shape[0]
-    num_padded = _padded_row_bound(num_rows, e)
-    offs = offs_e.long()
-    counts_e, padded_counts_e, padded_offs_e = _padded_counts(offs)
-    # Group e is the tail: rows past offs_e[-1], placed after the last padded group.
-    starts = torch.cat([offs - counts_e, offs[-1:]])
-    padded_starts = torch.cat([padded_offs_e - padded_counts_e, padded_offs_e[-1:]])
-    ids = torch.arange(e + 1, device=offs.device)
-    group_R = row_groups(offs_e, num_rows)
-    dest_R = padded_starts[group_R] + torch.arange(num_rows, device=offs.device) - starts[group_R]
-    num_blocks = num_padded // ROW_ALIGN
-    blocks_e = padded_counts_e // ROW_ALIGN
-    tail_blocks = num_blocks - blocks_e.sum(0, keepdim=True)
-    group_B = torch.repeat_interleave(ids, torch.cat([blocks_e, tail_blocks]), output_size=num_blocks)
-    return dest_R, group_B, padded_offs_e.to(torch.int32), num_padded
 
 
 def scaled_grouped_mm(a, b, scale_a, scale_b, offs, fast_accum: bool) -> torch.Tensor:
@@ -271,21 +233,45 @@ def quantize_padded_group_columns_triton(
     inverse scales ``[e, C]`` and the padded offsets (int32). The same values as the PyTorch path, which runs about
     ten passes (the padded copy, block amaxes, a scatter, the cast, the transposed copy) where this reads the rows
     twice. Columns past the last padded group are left unwritten: the kernel reads up to the offsets only."""
-    P = _padded_row_bound(t_RC.shape[0], offs_e.shape[0])
-    padded_offs_e = _padded_counts(offs_e)[2].to(torch.int32)
+    P = padded_row_bound(t_RC.shape[0], offs_e.shape[0])
+    padded_offs_e = padded_counts(offs_e)[2].to(torch.int32)
     q_CP = torch.empty(t_RC.shape[1], P, dtype=E4M3, device=t_RC.device)
     inv_scale_eC = _group_columns_triton(t_RC, offs_e, padded_offs_e, q_CP, 1, P)
     return q_CP, inv_scale_eC, padded_offs_e
 
 
 def quantize_expert_columns_triton(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_rows(w_eNK.transpose(-2, -1))`` of contiguous experts ``[e, N, K]`` in one Triton kernel: one
-    scale per (expert, k) over N, the E4M3 values written ``[e, K, N]`` contiguous (the input gradient's right
-    operand), the inverse scales ``[e, K]``. PyTorch reads the strided rows in about eight passes."""
+    """``quantize_rows(w_eNK.transpose(-2, -1))`` of contiguous experts ``[e, N, K]``: one scale per (expert, k) over
+    N, the E4M3 values written ``[e, K, N]`` contiguous (the input gradient's right operand), the inverse scales
+    ``[e, K]``. ``EXPERTS_BY_TRANSPOSE``: the transposed bf16 copy's rows quantized; otherwise the column kernels
+    over groups of N rows. PyTorch reads the strided rows in about eight passes."""
     e, N, K = w_eNK.shape
+    if EXPERTS_BY_TRANSPOSE:
+        q_RN, inv_scale_R = quantize_rows_triton(transpose_experts(w_eNK, True).view(e * K, N))
+        return q_RN.view(e, K, N), inv_scale_R.view(e, K)
     bounds_e = torch.arange(1, e + 1, device=w_eNK.device, dtype=torch.int32) * N
     q_eKN = torch.empty(e, K, N, dtype=E4M3, device=w_eNK.device)
     return q_eKN, _group_columns_triton(w_eNK.reshape(e * N, K), bounds_e, bounds_e, q_eKN, K, N)
+
+
+def transpose_experts(w_eNK: torch.Tensor, triton_kernel: bool | None = None) -> torch.Tensor:
+    """The stacked experts ``[e, N, K]`` transposed into a contiguous ``[e, K, N]`` (the same bytes, moved).
+    ``triton_kernel`` (None: on CUDA): one tiled Triton pass; otherwise PyTorch's strided copy."""
+    if not (w_eNK.is_cuda if triton_kernel is None else triton_kernel):
+        return w_eNK.transpose(-2, -1).contiguous()
+    import triton
+
+    from moe_tune.kernels.triton_fp8 import transpose_kernel
+
+    e, N, K = w_eNK.shape
+    src = w_eNK.contiguous()
+    out = torch.empty(e, K, N, dtype=w_eNK.dtype, device=w_eNK.device)
+    if out.numel():
+        # As integers of the element's width: Triton moves bits (no FP8 arithmetic, no casts).
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[src.element_size()]
+        grid = (triton.cdiv(N, 64), triton.cdiv(K, 64), e)
+        transpose_kernel[grid](src.view(bits), out.view(bits), N, K, BLOCK_N=64, BLOCK_K=64)
+    return out
 
 
 # The GEMMs are custom ops, opaque to torch.compile, their autograd registered below: traced through (an

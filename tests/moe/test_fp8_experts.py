@@ -210,6 +210,7 @@ def _group_columns_match_pytorch(device: str) -> None:
     into the PyTorch path's bits (Triton's interpreter rounds fp32 to E4M3 its own way; the GPU test compares the
     E4M3 bytes). Masked columns (40 is no multiple of 64), an empty group, a group longer than a block of 64 rows,
     rows past the last group, an all-zero column. On CUDA the wrappers' E4M3 bytes are compared too."""
+    from moe_tune.kernels import fp8_grouped
     from moe_tune.kernels.fp8_grouped import (
         E4M3,
         _group_columns_triton,
@@ -245,6 +246,13 @@ def _group_columns_match_pytorch(device: str) -> None:
     assert torch.equal(inv, s_ref) and torch.equal(q32.to(E4M3).view(torch.uint8), q_ref.view(torch.uint8))
     q, inv = quantize_expert_columns_triton(w)
     assert q.shape == (3, C, 24) and q.is_contiguous() and torch.equal(inv, s_ref)
+    # Its two ways (the bf16 experts transposed then their rows, or the column kernels): the same bytes.
+    fp8_grouped.EXPERTS_BY_TRANSPOSE = not fp8_grouped.EXPERTS_BY_TRANSPOSE
+    try:
+        q_other, inv_other = quantize_expert_columns_triton(w)
+    finally:
+        fp8_grouped.EXPERTS_BY_TRANSPOSE = not fp8_grouped.EXPERTS_BY_TRANSPOSE
+    assert torch.equal(q_other.view(torch.uint8), q.view(torch.uint8)) and torch.equal(inv_other, s_ref)
     if device == "cuda":
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
