@@ -39,7 +39,7 @@ from moe_tune.checkpoint.read import load_model_weights, read_meta
 from moe_tune.checkpoint.resume import keep_global_batch, other_source_message
 from moe_tune.checkpoint.run_state import Resumed, RunState
 from moe_tune.checkpoint.save import prepare_save, save
-from moe_tune.checkpoint.start import RUN_OUTPUTS, RunFinished, check_start, set_aside_later
+from moe_tune.checkpoint.start import RUN_OUTPUTS, RunFinished, check_resumed_base, check_start, set_aside_later
 
 
 def latest(run_dir: str) -> str | None:
@@ -54,6 +54,7 @@ __all__ = [
     "Resumed",
     "RunState",
     "RunFinished",
+    "check_resumed_base",
     "check_start",
     "set_aside_later",
     "keep_global_batch",

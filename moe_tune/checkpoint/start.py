@@ -38,6 +38,30 @@ def check_start(run_dir: str, resume: str, steps: int, rank: int = 0, cfg=None) 
     check_steps_left(run_dir, resume, steps)
 
 
+def check_resumed_base(cfg) -> None:
+    """A LoRA resume whose checkpoint's adapters were trained on a built-in base (a tiny preset's ``base_model/``,
+    which the run draws again from model, model.overrides and train.seed) drawn otherwise than this run would draw
+    it: CheckpointError naming those settings, read from the checkpoint's meta.json before the run draws its base
+    over the one the adapters fit. A checkpoint that cannot be read is left to the resume, which names its damage."""
+    from dataclasses import asdict
+
+    from moe_tune.checkpoint.state import check_drawn_alike
+    from moe_tune.models.base_model import BASE_MODEL
+
+    resume = cfg.checkpoint.resume
+    if cfg.peft.name == "none" or resume == "none":
+        return
+    path = _newest(cfg.output_dir)[0] if resume == "auto" else resume
+    meta = _read_json(os.path.join(path, "meta.json")) if path is not None else None
+    config = meta.get("config") if meta is not None else None
+    if not isinstance(config, dict) or not all(isinstance(config.get(k), dict) for k in ("model", "train", "peft")):
+        return
+    if config["peft"].get("name", "none") == "none":  # a full fine-tune's checkpoint holds the whole model
+        return
+    source = os.path.abspath(os.path.join(cfg.output_dir, BASE_MODEL))
+    check_drawn_alike(meta, asdict(cfg.model), cfg.train.seed, source, path)
+
+
 def check_fresh_start(run_dir: str, resume: str, rank: int = 0) -> None:
     """``checkpoint.resume=auto`` in a directory that holds a finished run's outputs (summary.json, hf/) but no
     complete checkpoint would start at step 1 over them: refused. One that holds only the metrics of a run that
@@ -146,11 +170,15 @@ def _check_same_model(run_dir: str, steps: int, summary: dict, cfg) -> None:
 def _summary(run_dir: str) -> dict | None:
     """summary.json (this history's: a rollback or restart sets an earlier run's aside, ``set_aside_later``); None
     without one or unreadable."""
-    summary = os.path.join(run_dir, "summary.json")
-    if not os.path.isfile(summary):
+    return _read_json(os.path.join(run_dir, "summary.json"))
+
+
+def _read_json(path: str) -> dict | None:
+    """The JSON object in file ``path``; None where there is none, or it is unreadable or no object."""
+    if not os.path.isfile(path):
         return None
     try:
-        with open(summary) as f:
+        with open(path) as f:
             found = json.load(f)
     except (OSError, ValueError):
         return None

@@ -99,12 +99,7 @@ def check_base(
     saved_fingerprint = meta.get("base_fingerprint")
     if saved_fingerprint is not None and source is not None:
         if base_fingerprint(source) != saved_fingerprint:
-            if drawn := drawn_differently(meta, model_cfg, seed):
-                now, was = (" ".join(side) for side in zip(*drawn))
-                raise CheckpointError(
-                    f"checkpoint {path} holds LoRA adapters of another base model: this run draws {source} with "
-                    f"{now}, and they were trained on one drawn with {was}; give {was}, or {fix}"
-                )
+            check_drawn_alike(meta, model_cfg, seed, source, path, fix)
             trained_on = meta.get("source")
             if trained_on and os.path.realpath(trained_on) == os.path.realpath(source):
                 what = f"{source} have changed since the adapters were trained on them"
@@ -124,6 +119,19 @@ def check_base(
         raise CheckpointError(
             f"checkpoint {path} holds LoRA adapters of the base model {was}, but this run's base is {now}; resume "
             "with the model it was trained on, or start afresh with checkpoint.resume=none"
+        )
+
+
+def check_drawn_alike(
+    meta: dict, model_cfg: dict, seed: int, source: str, path: str, fix: str = RESUME_BASE_FIX
+) -> None:
+    """CheckpointError naming the settings (``drawn_differently``) with which this run draws its built-in base
+    ``source`` otherwise than the base the checkpoint's adapters were trained on, and the checkpoint's values."""
+    if drawn := drawn_differently(meta, model_cfg, seed):
+        now, was = (" ".join(side) for side in zip(*drawn))
+        raise CheckpointError(
+            f"checkpoint {path} holds LoRA adapters of another base model: this run draws {source} with "
+            f"{now}, and they were trained on one drawn with {was}; give {was}, or {fix}"
         )
 
 

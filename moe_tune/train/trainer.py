@@ -112,6 +112,7 @@ class Trainer:
         validate(cfg)
         check_output_dir(cfg.output_dir)
         check_model_source(cfg)
+        ckpt.check_resumed_base(cfg)  # before base_model/ is drawn again over the one a LoRA checkpoint fits
         check_data_sources(cfg)
         require_backends(cfg)
         require_logger(cfg.logger)

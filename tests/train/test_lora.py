@@ -150,3 +150,31 @@ def test_a_run_on_experts_grouped_gemms_cannot_take_exports_and_merges(tmp_path,
         # transformers' own grouped experts refuse those dims too: its per-expert loop reads the merged model
         merged = load_hf(tmp_path / "merged").eval()
         assert rel_err(merged(ids).logits, model.eval()(input_ids=ids).logits) < LORA_TOL
+
+
+def _snapshot(run) -> dict:
+    """Every entry under ``run`` with its inode, size, modification and change times: a write, or a move away and
+    back (a ``base_model/`` set aside and restored), changes them. ``run``'s own times are left out: the
+    writability probe (``check_output_dir``) creates and removes an entry in it."""
+    out = {}
+    for root, dirs, files in os.walk(run):
+        for name in [*dirs, *files]:
+            st = os.stat(os.path.join(root, name))
+            key = os.path.relpath(os.path.join(root, name), run)
+            out[key] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return out
+
+
+def test_a_lora_resume_with_another_seed_is_refused_before_anything_is_written(tmp_path):
+    """A LoRA run of the tiny preset drawn with train.seed=0, resumed in its output_dir with train.seed=1: refused
+    (exit 2, the seeds named) from the checkpoint's meta.json, before base_model/ is set aside and drawn again and
+    before the run lock is written: the directory is as the first run left it, entry for entry."""
+    run = tmp_path / "run"
+    first = [f"output_dir={run}", "train.steps=2", "checkpoint.every=2", "checkpoint.export_hf=false", *LORA]
+    assert run_main(first).returncode == 0
+    before = _snapshot(run)
+    r = run_main([*first, "train.steps=4", "train.seed=1"])
+    assert r.returncode == 2, r.stderr[-2000:]
+    (line,) = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert f"this run draws {run / 'base_model'} with train.seed=1" in line and "give train.seed=0" in line, line
+    assert _snapshot(run) == before
