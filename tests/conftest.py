@@ -42,6 +42,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def kept_signals():
+    """The stop signals' handlers as they were, after a test that lets the command's code change them (an ignored
+    one left behind would be kept ignored by the next test's handlers)."""
+    import signal
+
+    from moe_tune.cli.train import STOP_SIGNALS
+
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, *STOP_SIGNALS)}
+    yield
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
+
+
+@pytest.fixture
 def cli_env() -> dict[str, str]:
     """Environment for running `python -m moe_tune` in a subprocess on one CPU process."""
     return harness.cli_env()

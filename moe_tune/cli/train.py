@@ -20,13 +20,17 @@ from moe_tune.config.overrides import CONF_DIR, compose, to_config  # noqa: F401
 QUIET_EXIT_DELAY_S = 5.0
 LAUNCHER_POLL_S = 1.0
 INTERRUPTED = "moe-tune: interrupted; nothing saved since the last checkpoint"
-# Stops besides Ctrl-C: Slurm's TERM and USR1, and HUP (the terminal or ssh session of the command gone; torchrun's
-# agent passes it on to the ranks, which would otherwise die of it without saving).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+# Stops besides Ctrl-C: Slurm's TERM and USR1, HUP (the terminal or ssh session of the command gone) and QUIT
+# (Ctrl-\); torchrun's agent passes HUP and QUIT on to the ranks, which would otherwise die of them without saving.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)
+# Stop signals a process may inherit ignored on purpose, and keeps so: HUP under nohup, QUIT in a job a
+# non-interactive shell started with &.
+KEPT_IGNORED = (signal.SIGHUP, signal.SIGQUIT)
 
 
 class StopRequested(KeyboardInterrupt):
-    """SIGTERM, SIGUSR1 or SIGHUP outside training (the run starting, or writing its outputs): handled as Ctrl-C is."""
+    """A stop signal (``STOP_SIGNALS``) outside training (the run starting, or writing its outputs): handled as Ctrl-C
+    is."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -42,9 +46,9 @@ def honour_sigint() -> None:
     started with ``&`` by a non-interactive shell (a script, a CI step, a wrapper that backgrounds the run) inherits
     SIGINT ignored, and Python keeps that: Ctrl-C would be dropped while the run starts and obeyed once
     ``StopSignal`` takes it over for training. Here it raises KeyboardInterrupt (one line, exit 130) until then.
-    SIGTERM, SIGUSR1 (Slurm's) and SIGHUP would end the process without a word before training: they raise
-    StopRequested (one line, exit 128 + the signal) outside training likewise. A SIGHUP inherited ignored (nohup)
-    stays ignored."""
+    SIGTERM, SIGUSR1 (Slurm's), SIGHUP and SIGQUIT would end the process without a word before training: they raise
+    StopRequested (one line, exit 128 + the signal) outside training likewise. A SIGHUP or SIGQUIT inherited ignored
+    (``KEPT_IGNORED``) stays ignored."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for signum in STOP_SIGNALS:
         if taken(signum):
@@ -52,8 +56,8 @@ def honour_sigint() -> None:
 
 
 def taken(signum: int) -> bool:
-    """Whether moe-tune handles ``signum``: every stop signal but a SIGHUP that is ignored (``nohup``)."""
-    return signum != signal.SIGHUP or signal.getsignal(signum) != signal.SIG_IGN
+    """Whether moe-tune handles ``signum``: every stop signal but one of ``KEPT_IGNORED`` that is ignored."""
+    return signum not in KEPT_IGNORED or signal.getsignal(signum) != signal.SIG_IGN
 
 
 def watch_launcher() -> None:

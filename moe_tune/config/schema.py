@@ -289,9 +289,9 @@ class CheckpointConfig:
     keep_last: int = field(0, ge=0, help="complete checkpoints kept; 0: every one", example="3")
     resume: str = "auto"
     export_hf: bool = True
-    # SIGTERM/SIGUSR1 (Slurm's time limit or preemption, torchrun's shutdown) and SIGINT (Ctrl-C): every rank
-    # stops after the same step, a checkpoint of that step is saved, and the process exits 128 + the signal
-    # number (a second Ctrl-C stops at once, without saving).
+    # SIGTERM/SIGUSR1 (Slurm's time limit or preemption, torchrun's shutdown), SIGINT (Ctrl-C), SIGHUP and SIGQUIT
+    # (passed on by torchrun too): every rank stops after the same step, a checkpoint of that step is saved, and
+    # the process exits 128 + the signal number (a second Ctrl-C stops at once, without saving).
     save_on_signal: bool = True
     # Write checkpoints in the background: training stops only to copy the state into host memory (one copy of
     # this rank's share of the state, allocated ahead of the first save and kept for the run), then trains on while

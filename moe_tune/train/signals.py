@@ -1,6 +1,6 @@
 """Stopping on SIGTERM / SIGUSR1 (Slurm's time limit or preemption, torchrun's shutdown), SIGINT (Ctrl-C, which
-torchrun passes on to its ranks) or SIGHUP (the command's terminal gone, passed on likewise) at a step every rank
-agrees on."""
+torchrun passes on to its ranks), SIGHUP (the command's terminal gone, passed on likewise) or SIGQUIT (Ctrl-\\,
+passed on likewise) at a step every rank agrees on."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ class PeerStopped(KeyboardInterrupt):
 
 
 class StopSignal:
-    """SIGTERM, SIGUSR1, SIGINT and SIGHUP (unless ignored: nohup) set a flag instead of killing the process;
+    """SIGTERM, SIGUSR1, SIGINT, SIGHUP and SIGQUIT (these two unless inherited ignored: ``nohup``, a job started
+    with ``&`` by a non-interactive shell) set a flag instead of killing the process;
     ``agreed`` tells every rank whether any rank got one (a MAX all-reduce of one int over all ranks, and a host sync
     to read it). A second SIGINT (Ctrl-C pressed again) raises KeyboardInterrupt: stop now, without saving.
 
@@ -37,7 +38,8 @@ class StopSignal:
     the step a signal landed in (``received``). The handler's flag is never cleared: a signal landing while the
     ranks agree is counted at the next call."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    KEPT_IGNORED = (signal.SIGHUP, signal.SIGQUIT)  # as moe_tune.cli.train's, which imports no torch
 
     def __init__(self, enabled: bool):
         self.signum: int | None = None  # the agreed signal (any rank's), once every rank has seen it
@@ -46,7 +48,7 @@ class StopSignal:
         self._previous = {}
         if enabled:
             for sig in self.SIGNALS:
-                if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN:
+                if sig not in self.KEPT_IGNORED or signal.getsignal(sig) != signal.SIG_IGN:
                     self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:

@@ -72,13 +72,15 @@ def test_auto_layout_values_pass_the_launchers_check(capsys):
 
 
 @pytest.mark.parametrize(
-    "signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1], ids=["sigterm", "ctrl_c", "sigusr1"]
+    "signum",
+    [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGQUIT],
+    ids=["sigterm", "ctrl_c", "sigusr1", "sigquit"],
 )
 @pytest.mark.slow
 def test_a_stop_signal_exits_128_plus_it_without_a_traceback(tmp_path, cli_env, signum):
-    """SIGTERM (Slurm), SIGINT (Ctrl-C in the terminal reaches the launcher, which passes it on) or SIGUSR1 (Slurm's
-    warning before the time limit; torchrun's agent alone dies of it and leaves the ranks running) to the
-    launcher: both ranks save the agreed step; the launcher exits 128 + the signal with one line."""
+    """SIGTERM (Slurm), SIGINT (Ctrl-C in the terminal reaches the launcher, which passes it on), SIGUSR1 (Slurm's
+    warning before the time limit; torchrun's agent alone dies of it and leaves the ranks running) or SIGQUIT
+    (passed on as SIGINT is; the ranks died of it without saving) to the launcher: both ranks save the agreed step; the launcher exits 128 + the signal with one line."""
     run = tmp_path / "run"
     args = [f"output_dir={run}", "train.steps=100000", "checkpoint.export_hf=false", "parallel.ep=2", *FAST_RUN]
     code, err = signal_after_rows(LAUNCH + args, cli_env, run, 2, signum)

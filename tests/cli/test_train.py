@@ -181,18 +181,6 @@ def test_a_waiting_rank_that_is_not_stopped_prints_its_line(monkeypatch, capsys)
     assert capsys.readouterr().err == "moe-tune: error: data.jsonl:2: not valid JSON\n"
 
 
-@pytest.fixture
-def kept_signals():
-    """The stop signals' handlers as they were, after a test that lets the command's code change them."""
-    import signal
-
-    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
-    before = {signum: signal.getsignal(signum) for signum in stops}
-    yield
-    for signum, handler in before.items():
-        signal.signal(signum, handler)
-
-
 @pytest.mark.parametrize("local_rank, says", [("0", True), ("1", False)])
 def test_a_stop_while_starting_is_said_by_the_nodes_first_rank(monkeypatch, capsys, kept_signals, local_rank, says):
     """torchrun passes a signal to every rank: a stop before training is one line from the node's first rank (each
@@ -226,6 +214,27 @@ def test_a_hang_up_while_starting_is_a_stop_unless_ignored(kept_signals):
     os.kill(os.getpid(), signal.SIGHUP)  # ignored: nothing raised
     cli.restore_default_signals()
     assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+
+
+def test_a_quit_while_starting_is_a_stop_unless_ignored(kept_signals):
+    """SIGQUIT before training (Ctrl-\\, or torchrun's agent passing it on) is one line and exit 131, as SIGTERM is,
+    not the default's core dump; a SIGQUIT inherited ignored (a job a script starts with &) stays ignored, and is
+    left so when the run is over."""
+    import os
+    import signal
+
+    from moe_tune.cli import train as cli
+
+    cli.honour_sigint()
+    assert signal.getsignal(signal.SIGQUIT) == cli._stop_requested
+    with pytest.raises(cli.StopRequested) as stop:
+        os.kill(os.getpid(), signal.SIGQUIT)
+    assert stop.value.signum == signal.SIGQUIT and cli.interrupted(stop.value) == 131
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+    cli.honour_sigint()
+    os.kill(os.getpid(), signal.SIGQUIT)  # ignored: nothing raised
+    cli.restore_default_signals()
+    assert signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN
 
 
 def test_a_repeated_stop_signal_does_not_cut_the_stops_line(kept_signals, capsys):

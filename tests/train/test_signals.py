@@ -71,6 +71,25 @@ def test_a_hang_up_stops_and_saves_unless_ignored():
         signal.signal(signal.SIGHUP, before)
 
 
+def test_a_quit_stops_and_saves_unless_ignored():
+    """SIGQUIT (Ctrl-\\; torchrun's agent passes it on to the ranks, which died of it without saving) is a stop like
+    SIGTERM's. Inherited ignored (a job a non-interactive shell starts with &), it stays ignored."""
+    before = signal.getsignal(signal.SIGQUIT)
+    try:
+        with StopSignal(enabled=True) as stop:
+            assert signal.getsignal(signal.SIGQUIT) == stop._on_signal  # not the default, which kills the process
+            os.kill(os.getpid(), signal.SIGQUIT)
+            assert stop.agreed(torch.device("cpu")) is True and stop.signum == signal.SIGQUIT
+        assert signal.getsignal(signal.SIGQUIT) == before
+        signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+        with StopSignal(enabled=True) as stop:
+            assert signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGQUIT)
+            assert stop.agreed(torch.device("cpu")) is False
+    finally:
+        signal.signal(signal.SIGQUIT, before)
+
+
 def test_a_signal_during_the_agreement_is_counted_at_the_next_step(monkeypatch):
     """The handler's flag is never cleared by the all-reduce: a signal that lands while the ranks agree on the
     previous step's flags stops every rank one step later instead of being lost."""
@@ -147,7 +166,7 @@ def test_a_second_sigterm_during_the_stops_save_does_not_cut_it_short(tmp_path, 
     assert (tmp_path / "checkpoints" / f"step_{signalled[0]}" / "COMPLETE").exists()
 
 
-def test_a_collective_lost_to_a_peer_that_left_on_the_signal_is_the_stop():
+def test_a_collective_lost_to_a_peer_that_left_on_the_signal_is_the_stop(kept_signals):
     """Two ranks, SIGTERM to both while rank 0 still starts: rank 0 leaves at once (one line), rank 1, training
     already, loses it in its next collective. On a rank that got a signal that failure is the stop (exit 143,
     the node's one line), not a traceback; without a signal, or another error, it stays what it is."""
