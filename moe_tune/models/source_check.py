@@ -125,6 +125,23 @@ def check_sizes(fields: dict, name, fix: str) -> None:
         )
 
 
+def check_shared_expert(fields: dict, name, fix: str) -> None:
+    """Qwen2-MoE's ``shared_expert_intermediate_size`` a whole number >= 1. At 0 transformers builds the shared
+    expert zero wide (its output is zero), and weights with no elements are what FSDP2 cannot shard (a run of
+    several ranks stops in its first reduce-scatter); ``name`` and ``fix`` as ``check_sizes``'."""
+    key = "shared_expert_intermediate_size"
+    value = fields.get(key)
+    if fields.get("model_type") != "qwen2_moe" or value is None:
+        return
+    if value == 0 and not isinstance(value, bool):
+        raise ConfigError(
+            f"{name(key)}=0 (a Qwen2-MoE without a shared expert) is not supported: transformers builds that expert "
+            f"zero wide, and its empty weights cannot be sharded; {fix}"
+        )
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name(key)}={value!r} must be a whole number >= 1; {fix}")
+
+
 def check_source_dir(path: str, weights: bool = True) -> dict:
     """A local Hugging Face directory: its config.json (returned; its sizes, and that transformers reads it), its
     shard index and every safetensors file's header. ``weights=False`` (a plan, which reads none): an index
@@ -134,6 +151,11 @@ def check_source_dir(path: str, weights: bool = True) -> dict:
     cfg = read_config_json(path)
     file = os.path.join(path, "config.json")
     check_sizes(cfg, lambda key: f"{file}: {key}", "fix it there or copy config.json from the model's original release")
+    check_shared_expert(
+        cfg,
+        lambda key: f"{file}: {key}",
+        "give a Qwen2-MoE checkpoint with a shared expert (shared_expert_intermediate_size >= 1)",
+    )
     block = block_size(cfg, file)  # a quantization moe_tune does not read: refused here, before anything is built
     try:
         AutoConfig.from_pretrained(path)
@@ -317,7 +339,12 @@ def check_overrides(name: str, overrides: dict) -> None:
                 f"model.overrides.{key}={value!r} must be a {kind} (as the preset's {key}={default!r}); "
                 f"try model.overrides.{key}={default!r}"
             )
-    check_sizes(preset_config(name, overrides).to_dict(), lambda key: f"model.overrides.{key}", "change the override")
+    overridden = preset_config(name, overrides).to_dict()
+    check_sizes(overridden, lambda key: f"model.overrides.{key}", "change the override")
+    shared = defaults.get("shared_expert_intermediate_size")
+    check_shared_expert(
+        overridden, lambda key: f"model.overrides.{key}", f"drop the override (the preset's is {shared})"
+    )
 
 
 def config_differences(saved, requested: dict) -> list[str]:
@@ -339,6 +366,7 @@ __all__ = [
     "check_overrides",
     "check_expert_shapes",
     "check_safetensors_header",
+    "check_shared_expert",
     "check_sizes",
     "check_source_dir",
     "check_weights_match_config",

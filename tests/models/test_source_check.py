@@ -108,6 +108,24 @@ def test_bad_model_overrides_are_one_line(overrides, message):
         check_overrides("tiny_qwen3_moe", overrides)
 
 
+def test_a_qwen2_moe_without_shared_expert_is_one_line_before_output_dir_exists(tiny_checkpoint, tmp_path):
+    """shared_expert_intermediate_size=0, which transformers builds and saves (a zero-wide shared expert, its
+    weights of no elements): refused naming the value and the fix, exit 2, nothing written. It was told the
+    checkpoint held 'tensors the model does not use' (those empty weights), as if config.json did not match them."""
+    path = tiny_checkpoint("qwen2_moe", shared_expert_intermediate_size=0)
+    out = tmp_path / "run"
+    r = _cli(["model=hf", f"model.path={path}", f"output_dir={out}", "train.steps=1"])
+    assert r.returncode == 2, r.stderr[-2000:]
+    (line,) = r.stderr.strip().splitlines()
+    assert f"{path}/config.json: shared_expert_intermediate_size=0 (a Qwen2-MoE without a shared expert)" in line
+    assert "give a Qwen2-MoE checkpoint with a shared expert" in line and "does not use" not in line, line
+    assert not out.exists()
+    with pytest.raises(ConfigError, match=r"shared_expert_intermediate_size=0 .* drop the override \(the preset's is"):
+        check_overrides("qwen2_moe_a2_7b", {"shared_expert_intermediate_size": 0})
+    with pytest.raises(ConfigError, match="shared_expert_intermediate_size=-1 must be a whole number >= 1"):
+        check_overrides("qwen2_moe_a2_7b", {"shared_expert_intermediate_size": -1})
+
+
 def test_good_model_overrides_pass():
     check_overrides("tiny_qwen3_moe", {"num_hidden_layers": 3, "num_experts_per_tok": 8, "num_experts": 8})
 
