@@ -41,7 +41,11 @@ def _swiglu_hidden(c, key: str) -> int:
     """The routed experts' hidden size; refuses activations other than SwiGLU (silu) rather than run them wrong."""
     act = getattr(c, "hidden_act", "silu")
     if act != "silu":
-        raise ConfigError(f"{c.model_type}: hidden_act={act!r} is not supported for experts; only 'silu' (SwiGLU) is")
+        raise ConfigError(
+            f"{c.model_type}: hidden_act={act!r}, but moe_tune's experts compute SwiGLU only (silu(gate_proj) * "
+            f"up_proj), so experts trained with {act!r} would run wrong; give a model with hidden_act='silu' (a "
+            "preset: drop model.overrides.hidden_act)"
+        )
     return getattr(c, key)
 
 

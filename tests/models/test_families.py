@@ -529,6 +529,20 @@ def test_unsupported_architecture(tiny_checkpoint):
         assert family in msg
 
 
+def test_an_expert_activation_other_than_silu_names_the_value_and_the_fix(tiny_checkpoint, tmp_path):
+    """hidden_act='gelu' (transformers would run its experts with it; moe_tune's compute SwiGLU): one line naming
+    the value and the fix, through the Python API and the command (exit 2, output_dir not made)."""
+    src = tiny_checkpoint("qwen3_moe", hidden_act="gelu")
+    with pytest.raises(ConfigError) as err:
+        moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    line = str(err.value)
+    assert line.startswith("qwen3_moe: hidden_act='gelu', but moe_tune's experts compute SwiGLU only"), line
+    assert "give a model with hidden_act='silu'" in line and "drop model.overrides.hidden_act" in line, line
+    r = run_main(["+model.overrides.hidden_act=gelu", f"output_dir={tmp_path / 'run'}", "train.steps=1"])
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"moe-tune: error: {line}"], r.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
 GROUP_ROUTING_REFUSED = [
     ("deepseek_v3", dict(n_group=3), "n_group=3 does not split n_routed_experts=8"),
     ("deepseek_v3", dict(n_group=8, topk_group=2), "n_group=8 does not split n_routed_experts=8"),
