@@ -86,7 +86,7 @@ THIRD_PARTY_PRIVATE_WRITES = {
     "function by this config property, and the model is built already",
     ("moe_tune/models/model.py", "config._attn_implementation"): "transformers picks a registered attention "
     "function by this config property, and the model is built already",
-    ("moe_tune/models/export.py", "generation._from_model_config"): "transformers' GenerationConfig has no public "
+    ("moe_tune/models/generation.py", "generation._from_model_config"): "transformers' GenerationConfig has no public "
     "setter for it; left True, transformers may rebuild generation_config.json from config.json",
 }
 

@@ -18,14 +18,8 @@ import torch
 
 from moe_tune.distributed.process_group import rank_world
 from moe_tune.lora import ADAPTER, is_adapter
-from moe_tune.models.export import (
-    end_together,
-    full_tensor,
-    gather_experts,
-    save_safetensors,
-    stop_at_end_of_turn,
-    write_chat_template,
-)
+from moe_tune.models.export import end_together, full_tensor, gather_experts, save_safetensors
+from moe_tune.models.generation import stop_at_end_of_turn, write_chat_template
 from moe_tune.models.hf_io import EXPERT_PARAM, CheckpointReader, copy_side_files, expert_offsets, read_global_rows
 
 PREFIX = "base_model.model."

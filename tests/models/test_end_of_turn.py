@@ -1,4 +1,4 @@
-"""Exports stop generating where the chat template ends an assistant turn (models/export.stop_at_end_of_turn)."""
+"""Exports stop generating where the chat template ends an assistant turn (models/generation.stop_at_end_of_turn)."""
 
 import json
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from moe_tune.models.export import stop_at_end_of_turn
+from moe_tune.models.generation import stop_at_end_of_turn
 from moe_tune.models.presets import build_tiny_checkpoint
 
 
