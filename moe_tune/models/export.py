@@ -37,6 +37,7 @@ from moe_tune.models.hf_io import (
     unloaded_source_keys,
 )
 from moe_tune.models.shard_index import INDEX
+from moe_tune.models.tied_head import with_tied_head
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -94,7 +95,7 @@ def write_checkpoint(
             dense_index += 1
         if not mine:
             continue
-        for key, piece in to_disk_tensors(family, name, full, first, source_keys=dtypes):
+        for key, piece in with_tied_head(to_disk_tensors(family, name, full, first, dtypes), tied, dtypes):
             writer.add(key, piece.to(key_dtype(key, dtypes.get(key, piece.dtype))).detach().cpu().contiguous())
     _add_source_tensors(model, writer, key_dtype, dtypes, expert_writer if ep_sharded else rank == 0)
     writer.flush()

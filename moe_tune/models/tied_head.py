@@ -4,6 +4,8 @@ otherwise; a tied model would train and export the embedding alone, losing the c
 
 from __future__ import annotations
 
+from collections.abc import Container, Iterable, Iterator
+
 import torch
 
 HEAD_KEY = "lm_head.weight"
@@ -27,3 +29,15 @@ def untied_head_message(path: str) -> str:
         f"so the tied model would drop the checkpoint's head (transformers keeps both, untied); set "
         f'"tie_word_embeddings": false in {path}/config.json, or remove {HEAD_KEY} from its weights'
     )
+
+
+def with_tied_head(
+    pieces: Iterable[tuple[str, torch.Tensor]], tied: bool, source_keys: Container[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """An export's ``(key, tensor)`` pairs, and after the embedding's the same tensor as ``lm_head.weight`` where the
+    model ties its head and the source's files hold that key too (equal to the embedding: an unequal one is refused
+    at load): the export keeps the source's keys, and transformers loads either."""
+    for key, piece in pieces:
+        yield key, piece
+        if tied and key == EMBED_KEY and HEAD_KEY in source_keys:
+            yield HEAD_KEY, piece.clone()  # safetensors refuses two keys of one storage in a file

@@ -324,6 +324,25 @@ def test_tied_config_with_a_head_unlike_the_embedding_is_refused(tiny_checkpoint
         assert rel_err(ours(input_ids=_ids(5)).logits, load_hf(src).eval()(_ids(5)).logits) < TOL
 
 
+def test_a_tied_source_that_stores_its_head_exports_it(tmp_path, tiny_checkpoint):
+    """tie_word_embeddings=true with an lm_head.weight in the files, equal to the embedding (some releases store
+    both): transformers loads it, and the export keeps the key (it was dropped), the embedding's values in it, the
+    source's dtype, and the same logits in transformers."""
+    src = tiny_checkpoint("qwen3_moe", tie_word_embeddings=True)
+    weights = _disk(src)
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, os.path.join(src, "model.safetensors"))
+    ours = moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    out = str(tmp_path / "out")
+    ours.save_pretrained(out)
+    exported = _disk(out)
+    assert sorted(exported) == sorted(weights)
+    assert {k: t.dtype for k, t in exported.items()} == {k: t.dtype for k, t in weights.items()}
+    assert torch.equal(exported["lm_head.weight"], exported["model.embed_tokens.weight"])
+    with torch.no_grad():
+        assert rel_err(load_hf(out).eval()(_ids(5)).logits, ours(input_ids=_ids(5)).logits) < TOL
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_stacked_expert_layout_on_disk(tmp_path, family):
     """A checkpoint in transformers v5's in-memory layout (``save_pretrained(save_original_format=False)``: experts
