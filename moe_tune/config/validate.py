@@ -104,25 +104,30 @@ def check_expert_dims(cfg: Config, dim: int, hidden: int) -> None:
     inputs (``kernels.nf4_frozen.BLOCKS``): the model dim and the expert hidden dim must be multiples of them. Plain
     grouped GEMMs need 16-byte rows in their dtype."""
     quantized = cfg.peft.quantize_base if cfg.peft.name == "lora" else "none"
-    nf4_fix = quantized_base_fix(dim, hidden, "peft.quantize_base=fp8 or none", "peft.quantize_base=none")
+    grouped = _grouped_mm_problem(cfg.train.precision, dim, hidden)
+    # Each fix passes these checks in turn: where plain grouped GEMMs are refused too, the loop of experts.
+    plain = "kernels.experts=loop" if grouped else "kernels.experts=grouped_mm"
+    loop = " kernels.experts=loop" if grouped and cfg.kernels.experts == "grouped_mm" else ""
+    nf4_fix = quantized_base_fix(dim, hidden, "peft.quantize_base=fp8 or none", f"peft.quantize_base=none{loop}")
     for key, storage, fix in (
-        ("kernels.experts=grouped_mm_fp8", "fp8", "kernels.experts=grouped_mm"),
-        ("peft.quantize_base=fp8", "fp8", "peft.quantize_base=none"),
+        ("kernels.experts=grouped_mm_fp8", "fp8", plain),
+        ("peft.quantize_base=fp8", "fp8", f"peft.quantize_base=none{loop}"),
         ("peft.quantize_base=nf4", "nf4", nf4_fix),
     ):
         asked = key == f"kernels.experts={cfg.kernels.experts}" or key == f"peft.quantize_base={quantized}"
         problem = blocked_dims_problem(key, storage, dim, hidden, fix) if asked else None
         if problem:
             raise ConfigError(problem)
-    if cfg.kernels.experts == "grouped_mm":  # bf16 GEMMs under every precision but fp32
-        precision = cfg.train.precision
-        dtype, itemsize = ("fp32", 4) if precision == "fp32" else ("bf16", 2)
-        where = f"{dtype}, train.precision={precision}"
-        problem = grouped_mm_dims_problem(
-            "kernels.experts=grouped_mm", dim, hidden, where, itemsize, "kernels.experts=loop"
-        )
-        if problem:
-            raise ConfigError(problem)
+    if cfg.kernels.experts == "grouped_mm" and grouped:
+        raise ConfigError(grouped)
+
+
+def _grouped_mm_problem(precision: str, dim: int, hidden: int) -> str | None:
+    """``grouped_mm_dims_problem`` for kernels.experts=grouped_mm under ``precision``: bf16 GEMMs under every
+    precision but fp32."""
+    dtype, itemsize = ("fp32", 4) if precision == "fp32" else ("bf16", 2)
+    where = f"{dtype}, train.precision={precision}"
+    return grouped_mm_dims_problem("kernels.experts=grouped_mm", dim, hidden, where, itemsize, "kernels.experts=loop")
 
 
 def check_values(cfg: Config) -> None:

@@ -373,16 +373,25 @@ def test_cuda_compiled_gemms_give_eager_results_bit_for_bit(backend):
         assert torch.equal(a[:r], b[:r]), f"{name}: rel err {rel_err(a[:r], b[:r]):.2e}"
 
 
-def test_config_refuses_unaligned_expert_dims():
+@pytest.mark.parametrize(
+    "hidden, fix",
+    [
+        (776, "kernels.experts=grouped_mm"),  # bf16 grouped_mm takes multiples of 8
+        (780, "kernels.experts=loop"),  # and refuses 780 in turn: the loop is the fix
+    ],
+)
+def test_config_refuses_unaligned_expert_dims_with_a_fix_that_passes(hidden, fix):
+    """The suggested kernel is one that validate then accepts: at 780 (no multiple of 8) grouped_mm's 16-byte rows
+    in bf16 refuse it too."""
     cfg = to_config(compose(["kernels.experts=grouped_mm_fp8"]))
     validate(cfg, world_size=1, expert_dims=(2048, 768))
     with pytest.raises(ConfigError) as e:
-        validate(cfg, world_size=1, expert_dims=(2048, 776 + 4))
+        validate(cfg, world_size=1, expert_dims=(2048, hidden))
     assert str(e.value) == (
-        "kernels.experts=grouped_mm_fp8 needs the model dim (2048) and the expert hidden dim (780) to be multiples "
-        "of 16 (the FP8 grouped GEMM's alignment); use kernels.experts=grouped_mm for this model"
+        f"kernels.experts=grouped_mm_fp8 needs the model dim (2048) and the expert hidden dim ({hidden}) to be "
+        f"multiples of 16 (the FP8 grouped GEMM's alignment); use {fix} for this model"
     )
-    validate(to_config(compose([])), world_size=1, expert_dims=(2048, 776))  # bf16 grouped_mm: multiples of 8
+    validate(to_config(compose([fix])), world_size=1, expert_dims=(2048, hidden))
 
 
 @pytest.mark.parametrize(
