@@ -70,11 +70,14 @@ def check_fresh_start(run_dir: str, resume: str, rank: int = 0) -> None:
     if resume != "auto" or manifest.complete_checkpoints(run_dir):
         return
     found = [name for name in RUN_OUTPUTS if _not_empty(os.path.join(run_dir, name))]
-    if found == ["metrics.jsonl"]:  # no summary.json: the run never ended, and it saved no checkpoint
+    if "summary.json" in found and (_summary(run_dir) or {}).get("finished") is not True:
+        found.remove("summary.json")  # a divergence stop's: the run never finished
+    if found == ["metrics.jsonl"]:  # the run never finished, and it saved no checkpoint
         if rank == 0:
             log.warning(
-                "output_dir %s holds a run that stopped before its first checkpoint (metrics.jsonl, no summary.json): "
-                "starting it again from step 1, its metrics rows replaced (checkpoint.every=N saves every N steps)",
+                "output_dir %s holds a run that stopped before its first checkpoint (metrics.jsonl, no finished "
+                "summary.json): starting it again from step 1, its metrics rows replaced (checkpoint.every=N saves "
+                "every N steps)",
                 run_dir,
             )
         return
@@ -113,7 +116,7 @@ def check_finished(run_dir: str, resume: str, steps: int, cfg=None) -> None:
             f"output_dir {run_dir} holds a run that finished at train.steps={steps} (summary.json): nothing to train; "
             f"its outputs stand ({more})"
         )
-    if step is not None and isinstance(ended, int) and step < ended:
+    if summary.get("finished") is True and step is not None and isinstance(ended, int) and step < ended:
         name = os.path.basename(os.path.normpath(path))
         again = f"step {ended}" if step + 1 == ended else f"steps {step + 1}-{ended}"
         raise CheckpointError(

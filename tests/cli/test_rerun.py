@@ -115,3 +115,37 @@ def test_a_finished_run_without_checkpoints_run_again_trains_nothing(tmp_path):
     r = _ok(args)
     assert "holds a run that finished at train.steps=2 (summary.json): nothing to train" in r.stderr, r.stderr
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+
+
+def test_a_run_stopped_for_nonfinite_steps_resumes_with_the_same_command(tmp_path, monkeypatch):
+    """A run stopped for too many non-finite steps (exit 1) writes a summary that is no finished run's, and its
+    line says to resume with ``checkpoint.resume=auto``: the same command (the cause gone: a lower train.lr, a
+    fixed batch) resumes from the newest checkpoint before the stop, or with none starts again from step 1, each
+    step's metrics row once. It was refused as a run that ended after its newest checkpoint (or as a run with no
+    checkpoint to resume from)."""
+    from moe_tune.train.trainer import Trainer
+
+    train_step = Trainer.train_step
+
+    def nonfinite_from_step_3(self, i):
+        if i == 2:  # steps 3 on (1-based): every gradient NaN, as an overflow makes them
+            self.model.moe_layers()[0].register_forward_hook(lambda module, args, out: out * float("nan"))
+        return train_step(self, i)
+
+    for every, resumed_at in ((2, "step_2"), (0, None)):
+        run = tmp_path / f"every_{every}"
+        args = [f"output_dir={run}", "checkpoint.export_hf=false", *FAST_RUN, "train.steps=6"]
+        args += [f"checkpoint.every={every}", "train.log_every=1", "train.max_nonfinite_steps=1"]
+        monkeypatch.setattr(Trainer, "train_step", nonfinite_from_step_3)
+        r = run_main(args)
+        assert r.returncode == 1 and "resume with checkpoint.resume=auto" in r.stderr, r.stderr[-2000:]
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["finished"] is False and summary["final_step"] == 4, summary
+        monkeypatch.undo()
+        r = _ok(args)
+        if resumed_at:
+            assert f"resuming from {run / 'checkpoints' / resumed_at}" in r.stderr, r.stderr[-2000:]
+        else:
+            assert "stopped before its first checkpoint" in r.stderr, r.stderr[-2000:]
+        assert _steps(run) == list(range(1, 7))
+        assert json.loads((run / "summary.json").read_text())["finished"] is True
