@@ -209,23 +209,38 @@ def check_finite(named, what: str) -> None:
         )
 
 
-def _is_disk_full(exc: BaseException) -> bool:
-    """ENOSPC anywhere in ``exc``'s chain or in DCP's per-rank failures (torch.save reports a full disk as
-    ``unexpected pos``: a RuntimeError, its OSError lost)."""
+# What a write that ran out of room raises (errno, its text, safetensors' "os error N"), and the line's words for it:
+# a full disk, or this user's quota on a shared filesystem (EDQUOT: Lustre, GPFS and NFS home directories).
+_OUT_OF_ROOM = (
+    (errno.ENOSPC, "No space left", "os error 28", "no space left on device"),
+    (errno.EDQUOT, "Disk quota exceeded", "os error 122", "disk quota exceeded"),
+)
+
+
+def _disk_full(exc: BaseException) -> str | None:
+    """What ran out ("no space left on device", "disk quota exceeded") anywhere in ``exc``'s chain or in DCP's
+    per-rank failures (torch.save reports a full disk as ``unexpected pos``: a RuntimeError, its OSError lost);
+    None for any other failure."""
     seen, todo = set(), [exc]
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in str(e):
-            return True
+        for code, text, os_error, words in _OUT_OF_ROOM:
+            if isinstance(e, OSError) and e.errno == code or text in str(e) or os_error in str(e):
+                return words
         failures = getattr(e, "failures", None)
         if isinstance(failures, dict):
             for f in failures.values():
                 todo.append(f[0] if isinstance(f, tuple) else f)
         todo += [e.__cause__, e.__context__]
-    return False
+    return None
+
+
+def _free_up(words: str, where: str) -> str:
+    """The fix of a write that ran out of room in ``where``."""
+    return f"Free space in {where}" + (" (or have the quota raised)" if "quota" in words else "")
 
 
 @contextlib.contextmanager
@@ -238,7 +253,10 @@ def disk_full_exits(path: str, previous: str | None, rank: int):
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if isinstance(e, (SystemExit, KeyboardInterrupt)):
             raise
-        if not _is_disk_full(e) and not ("unexpected pos" in str(e) and _free_bytes(path) < 64 << 20):
+        words = _disk_full(e)
+        if words is None and "unexpected pos" in str(e) and _free_bytes(path) < 64 << 20:
+            words = "no space left on device"  # torch.save's full disk, its OSError lost
+        if words is None:
             raise
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
@@ -248,12 +266,12 @@ def disk_full_exits(path: str, previous: str | None, rank: int):
                 else "there is no earlier checkpoint"
             )
             log.error(
-                "saving checkpoint %s failed: no space left on device (%d MiB free); nothing of it was kept and %s. "
-                "Free space in %s, then resume",
+                "saving checkpoint %s failed: %s (%d MiB free); nothing of it was kept and %s. %s, then resume",
                 path,
+                words,
                 _free_bytes(path) >> 20,
                 kept,
-                os.path.dirname(path),
+                _free_up(words, os.path.dirname(path)),
             )
         raise SystemExit(1) from None
 
@@ -268,14 +286,15 @@ def disk_full_ends_run(output_dir: str, settle: Callable[[], object]):
     try:
         yield
     except Exception as e:
-        if isinstance(e, UserError) or not _is_disk_full(e):  # a value to fix keeps its own line and exit 2
+        words = None if isinstance(e, UserError) else _disk_full(e)  # a value to fix keeps its own line and exit 2
+        if words is None:
             raise
         settle()
         newest = next(iter(manifest.complete_checkpoints(output_dir)), None)
         kept = f"{newest} is intact (checkpoint.resume=auto continues from it)" if newest else "no checkpoint was saved"
         print(
-            f"moe-tune: error: writing {getattr(e, 'filename', None) or output_dir} failed: no space left on device "
-            f"({_free_bytes(output_dir) >> 20} MiB free); {kept}. Free space in {output_dir}, then resume",
+            f"moe-tune: error: writing {getattr(e, 'filename', None) or output_dir} failed: {words} "
+            f"({_free_bytes(output_dir) >> 20} MiB free); {kept}. {_free_up(words, output_dir)}, then resume",
             file=sys.stderr,
         )
         raise SystemExit(1) from None
@@ -285,11 +304,12 @@ def export_disk_full(exc: BaseException, out_dir: str, kept: str, fix: str) -> s
     """The one line for an export to ``out_dir`` that ran out of disk space (its partial directory already removed
     by ``write_checkpoint_atomic``); None for any other failure. ``kept``: what is intact; ``fix``: what to run
     once space is freed. Safetensors reports a full disk as a SafetensorError naming ``os error 28``."""
-    if isinstance(exc, (SystemExit, KeyboardInterrupt)) or not (_is_disk_full(exc) or "os error 28" in str(exc)):
+    words = None if isinstance(exc, (SystemExit, KeyboardInterrupt)) else _disk_full(exc)
+    if words is None:
         return None
     return (
-        f"exporting to {out_dir} failed: no space left on device ({_free_bytes(out_dir) >> 20} MiB free); nothing "
-        f"of it was kept and {kept}. Free space in {os.path.dirname(os.path.abspath(out_dir))}, then {fix}"
+        f"exporting to {out_dir} failed: {words} ({_free_bytes(out_dir) >> 20} MiB free); nothing of it was kept "
+        f"and {kept}. {_free_up(words, os.path.dirname(os.path.abspath(out_dir)))}, then {fix}"
     )
 
 

@@ -166,14 +166,24 @@ def test_nan_in_source_weights_is_refused_naming_the_tensor(tiny_checkpoint):
         moe_tune.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
-def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, make_trainer, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize(
+    "code, words",
+    [(errno.ENOSPC, "no space left on device"), (errno.EDQUOT, "disk quota exceeded")],  # EDQUOT: a user's quota
+)
+def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(
+    tmp_path,
+    make_trainer,  # noqa: F811
+    monkeypatch,
+    code,
+    words,
+):
     from torch.distributed.checkpoint import FileSystemWriter
 
     write_data = FileSystemWriter.write_data
 
     def full_at_step_4(self, plan, planner):
         if str(self.path).endswith("step_4"):
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise OSError(code, os.strerror(code))
         return write_data(self, plan, planner)
 
     monkeypatch.setattr(FileSystemWriter, "write_data", full_at_step_4)
@@ -184,7 +194,7 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(t
         trainer.fit()
     assert e.value.code == 1
     assert len(errors) == 1 and "\n" not in errors[0], errors
-    assert _ckpt(tmp_path, 4) in errors[0] and "no space left" in errors[0]
+    assert errors[0].startswith(f"saving checkpoint {_ckpt(tmp_path, 4)} failed: {words} (")
     assert f"previous checkpoint {_ckpt(tmp_path, 2)} is intact" in errors[0]
     assert not os.path.exists(_ckpt(tmp_path, 4))  # nothing that could look complete
     assert latest(str(tmp_path)) == _ckpt(tmp_path, 2) and manifest.verify(_ckpt(tmp_path, 2)) is None
