@@ -16,17 +16,23 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+# Validation batches between two checks for a stop signal: each check is an all-reduce and a host sync.
+STOP_CHECK_EVERY = 8
+
 
 def evaluate(
     model: torch.nn.Module,
     batches: Iterable,
     device: torch.device,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-) -> torch.Tensor:
+    stopped: Callable[[], bool] | None = None,
+) -> torch.Tensor | None:
     """Mean token loss over ``batches`` (``(ids, labels, position_ids)`` on ``device``, labels -100 where no
     loss) of every rank, as a 0-d fp32 device tensor; NaN if no rank has a label token. Every rank must pass the
     same number of batches (expert-parallel forwards are collectives); a padding row is fully -100.
-    ``model.training`` is restored afterwards."""
+    ``model.training`` is restored afterwards. ``stopped`` (a collective: every rank's answer is the same) is asked
+    every ``STOP_CHECK_EVERY`` batches; once it says yes the pass ends, returning None: a whole validation set can
+    outlast a scheduler's grace period after a signal."""
     was_training = model.training
     model.eval()
     ce_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -34,7 +40,9 @@ def evaluate(
     one = torch.ones((), dtype=torch.float32, device=device)  # loss_normalizer 1: the forward returns the token sum
     try:
         with torch.no_grad():
-            for ids, labels, pos in batches:
+            for i, (ids, labels, pos) in enumerate(batches):
+                if stopped is not None and i % STOP_CHECK_EVERY == STOP_CHECK_EVERY - 1 and stopped():
+                    return None
                 with autocast():
                     # no logits: the loss alone, as in training (the fused loss never builds them)
                     out = model(ids, labels=labels, position_ids=pos, loss_normalizer=one, return_logits=False)

@@ -297,7 +297,10 @@ class Trainer:
             log_expert_load(self.logger, self.step, moe_stats)
         # a stop agreed here skips this step's validation: a grace period covers steps and the save, not a val pass
         stopping = stop.agreed(self.device) and self.step < self.cfg.train.steps
-        val_loss = self._evaluate() if self.cadence.evals(self.step) and not stopping else None
+        val_loss = None
+        if self.cadence.evals(self.step) and not stopping:  # the last step's pass is the run's: never cut short
+            val_loss = self._evaluate(stop if self.step < self.cfg.train.steps else None)
+            stopping = val_loss is None  # a stop agreed during the pass skips the rest of it
         rows, layers = metrics_rows(
             pending,
             timer.take(),
@@ -327,10 +330,11 @@ class Trainer:
         """Each distinct dispatcher once (the build made them with ``checked_after_step``: the loop checks)."""
         return list({id(m.dispatcher): m.dispatcher for m in self.moe_layers}.values())
 
-    def _evaluate(self) -> torch.Tensor:
-        """The held-out loss over the whole validation set of every rank (a device tensor: no host sync)."""
+    def _evaluate(self, stop: StopSignal | None = None) -> torch.Tensor | None:
+        """The held-out loss over every rank's validation set (a device tensor, no host sync); None: ``stop`` cut it."""
         batches = self.val_data.batches(self.layout, self.rank, self.device)
-        return evaluate(self.model, batches, self.device, self._autocast)
+        stopped = None if stop is None else functools.partial(stop.agreed, self.device)
+        return evaluate(self.model, batches, self.device, self._autocast, stopped)
 
     def _stop_diverged(self, diverged: Diverged) -> None:
         if self.rank == 0:

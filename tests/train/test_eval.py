@@ -131,7 +131,7 @@ def test_trainer_evaluates_on_eval_steps_only_with_host_syncs_there(tmp_path, ma
     paused, evaluated = [], []
     pause, run_eval = StepTimer.pause, trainer._evaluate
     monkeypatch.setattr(StepTimer, "pause", lambda self: (paused.append(trainer.step), pause(self))[1])
-    monkeypatch.setattr(trainer, "_evaluate", lambda: (evaluated.append(trainer.step), run_eval())[1])
+    monkeypatch.setattr(trainer, "_evaluate", lambda *a: (evaluated.append(trainer.step), run_eval(*a))[1])
     summary = trainer.fit()
     assert paused == [2, 3, 4, 5] and evaluated == [2, 4, 5]
     rows = _rows(tmp_path)

@@ -144,10 +144,37 @@ def test_a_stop_skips_the_validation_of_the_step_it_is_agreed_on(tmp_path, make_
     it (step 4 evaluates otherwise); validation resumes with the run."""
     trainer = make_trainer("train.steps=10", "train.log_every=4", "train.eval_every=2", "data.val_fraction=0.1")
     evaluate, evaluated = trainer._evaluate, []
-    monkeypatch.setattr(trainer, "_evaluate", lambda: (evaluated.append(trainer.step), evaluate())[1])
+    monkeypatch.setattr(trainer, "_evaluate", lambda *a: (evaluated.append(trainer.step), evaluate(*a))[1])
     assert _fit_signalled_during(trainer, 4) == 128 + signal.SIGUSR1  # step 4 evaluates
     assert evaluated == [2] and _saved(tmp_path) == ["step_4"]
     assert [r["step"] for r in _rows(tmp_path) if "val_loss" in r] == [2]
+
+
+def test_a_signal_during_validation_ends_the_pass_and_saves_that_step(tmp_path, make_trainer, monkeypatch):
+    """A signal that lands during a pass over the validation set (a large one outlasts a scheduler's grace period)
+    ends the pass at its next check, not at its end: the step is saved without a validation loss, the rest of the
+    set unread. The pass of the run's last step is never cut short (the run ends after it anyway)."""
+    from moe_tune.train.evaluate import STOP_CHECK_EVERY
+
+    overrides = ["train.eval_every=4", "data.val_fraction=0.5", "data.num_samples=128"]
+    trainer = make_trainer("train.steps=5", "train.log_every=4", *overrides)
+    batches, read = trainer.val_data.batches, []
+
+    def signalled(*args):
+        for i, batch in enumerate(batches(*args)):
+            read.append(i)
+            if i == 0:
+                os.kill(os.getpid(), signal.SIGUSR1)  # step 4's pass: the first one
+            yield batch
+
+    assert len(list(batches(trainer.layout, 0, trainer.device))) > 2 * STOP_CHECK_EVERY
+    monkeypatch.setattr(trainer.val_data, "batches", signalled)
+    with pytest.raises(SystemExit) as e:
+        trainer.fit()
+    assert e.value.code == 128 + signal.SIGUSR1
+    assert read == list(range(STOP_CHECK_EVERY))
+    assert _saved(tmp_path) == ["step_4"]
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3, 4] and not any("val_loss" in r for r in _rows(tmp_path))
 
 
 def test_metrics_report_the_lr_each_step_applied(tmp_path, make_trainer):
