@@ -297,10 +297,9 @@ class Trainer:
             log_expert_load(self.logger, self.step, moe_stats)
         # a stop agreed here skips this step's validation: a grace period covers steps and the save, not a val pass
         stopping = stop.agreed(self.device) and self.step < self.cfg.train.steps
-        val_loss = None
-        if self.cadence.evals(self.step) and not stopping:  # the last step's pass is the run's: never cut short
-            val_loss = self._evaluate(stop if self.step < self.cfg.train.steps else None)
-            stopping = val_loss is None  # a stop agreed during the pass skips the rest of it
+        val_loss = None  # a stop agreed during a pass (None) ends it; the last step's pass is the run's: never cut
+        if self.cadence.evals(self.step) and not stopping:
+            stopping = (val_loss := self._evaluate(stop if self.step < self.cfg.train.steps else None)) is None
         rows, layers = metrics_rows(
             pending,
             timer.take(),
