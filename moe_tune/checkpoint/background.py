@@ -169,6 +169,11 @@ class CheckpointSaver:
     def pending(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def raise_failure(self) -> None:
+        """A save in flight that has already ended with an error raises it here (``wait``); otherwise nothing."""
+        if self._thread is not None and not self._thread.is_alive() and self._error is not None:
+            self.wait()
+
     def wait(self) -> float:
         """Block until the save in flight (if any) is on disk with its ``COMPLETE``; its error raised here.
         Returns the seconds waited."""

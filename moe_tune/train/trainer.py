@@ -1,15 +1,14 @@
 """The trainer: a model from an injected builder, ``train_step`` (one optimizer step), and a loop of a few lines.
 
-Everything else the loop needs is a small object it calls: ``Cadence`` (which steps log, evaluate, draw, save
-and synchronize), ``NonFiniteGuard`` (device-side counts of skipped steps), ``StopSignal`` (SIGTERM/SIGUSR1,
-agreed by all ranks), the profiler, ``StepTimer`` and ``MetricsWriter`` (a metrics row per step),
-``evaluate`` (held-out loss), the experiment ``Logger`` (moe_tune.loggers), and moe_tune.checkpoint.
+The loop calls small objects: ``Cadence`` (which steps log, evaluate, draw, save and synchronize), ``NonFiniteGuard``
+(skipped steps), ``StopSignal`` (agreed by all ranks), the profiler, ``StepTimer`` and ``MetricsWriter`` (a metrics
+row per step), ``evaluate``, the experiment ``Logger`` (moe_tune.loggers) and moe_tune.checkpoint.
 
 Host syncs: only at the cadence's sync steps (every ``train.log_every``-th, every ``train.eval_every``-th when
 there is a validation set, every ``logger.expert_load_image_every``-th, every ``checkpoint.every``-th and the
 last): the timer's synchronize, the dispatchers' checks, the guard's counts, the metrics rows of the steps since
-the last such step (with the validation loss), the expert-load image, the signal agreement. Other steps queue
-their work on the device and go on.
+the last such step (with the validation loss), the expert-load image, the signal agreement, a failed background save.
+Other steps queue their work on the device and go on.
 """
 
 from __future__ import annotations
@@ -290,6 +289,7 @@ class Trainer:
         on a signal that any rank got."""
         for dispatcher in self._dispatchers:
             dispatcher.check()  # after the sync: every rank sees the same device-side verdicts
+        self.saver.raise_failure()  # now, not at the next save: nothing trained after it could be saved
         diverged = self.guard.check(self.step)
         # The last training step's routing statistics (its last micro-batch's): an evaluation's forwards have their own.
         moe_stats = pending[-1][2]["moe_stats"] if self.moe_layers else None

@@ -416,3 +416,25 @@ def test_disk_full_writing_tensorboard_events_is_one_line_without_the_writer_thr
     r = run_main([*args, *FAST_RUN])
     assert r.returncode == 0, r.stderr[-3000:]
     assert [row["step"] for row in read_metrics(run)] == list(range(1, 7))
+
+
+def test_a_failed_background_save_stops_the_run_at_the_next_sync_step(tmp_path, make_trainer, monkeypatch):  # noqa: F811
+    """A background save whose write fails raises at the next step that syncs (here every step), not at the next
+    save: the steps trained in between could never be saved. Without the check it surfaced at step 12's save."""
+    import importlib
+
+    save_module = importlib.import_module("moe_tune.checkpoint.save")  # the package's ``save`` is the function
+    write = save_module._write
+
+    def fails_at_step_6(tensors, meta, path, step, *rest):
+        if step == 6:
+            raise OSError(errno.EROFS, "Read-only file system", path)
+        return write(tensors, meta, path, step, *rest)
+
+    monkeypatch.setattr(save_module, "_write", fails_at_step_6)
+    trainer = make_trainer("train.steps=12", "checkpoint.every=6", "train.log_every=1", out=str(tmp_path))
+    assert trainer.cfg.checkpoint.async_save
+    with pytest.raises(OSError, match="Read-only file system"):
+        trainer.fit()
+    assert 6 < trainer.step < 12, trainer.step
+    assert latest(str(tmp_path)) is None  # step 6's save kept nothing that could look complete
