@@ -27,7 +27,9 @@ class Diverged:
         return (
             f"stopping at step {step}: steps {self.first}-{self.last} all had a non-finite gradient norm "
             f"(train.max_nonfinite_steps={limit}); every one was skipped, {weights}. Lower train.lr or check the "
-            "data of those steps; resume with checkpoint.resume=auto"
+            "data of those steps; resume with checkpoint.resume=auto, or, if the loss had already climbed before "
+            f"step {self.first} (a finite step can wreck the weights too), from a checkpoint before the climb "
+            "(checkpoint.resume=<its path>) or anew in another output_dir"
         )
 
 

@@ -99,6 +99,8 @@ def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path, make_trainer, 
     err = capfd.readouterr().err
     assert "steps 4-6 all had a non-finite gradient norm" in err
     assert "weights are those after step 3" in err
+    # Where a finite step wrecked the weights first, every checkpoint since holds them: the line says how to go back.
+    assert "from a checkpoint before the climb (checkpoint.resume=<its path>) or anew in another output_dir" in err
     # summary.json is written at the stop and covers the run up to it, the non-finite steps included.
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["config"]["train"]["max_nonfinite_steps"] == 2 and summary["config"]["output_dir"] == str(tmp_path)
