@@ -1,7 +1,7 @@
 """The column quantizations of ``kernels.experts=grouped_mm_fp8`` on one GPU, each way of computing them: per group
-(``fp8_grouped.COLUMNS_BY_ROW_TILES`` False: one program per group and block of columns), by row tiles (True: two
-kernels over tiles of rows) and, for the input gradient's experts, by transpose (``EXPERTS_BY_TRANSPOSE``: a tiled
-bf16 transpose, then the row kernel), at
+(one program per group and block of columns), by row tiles (two kernels over tiles of rows) and, for the input
+gradient's experts, by transpose (a tiled bf16 transpose, then the row kernel): ``fp8_grouped.COLUMNS_BY_ROW_TILES``
+for the weight gradient's operands, ``fp8_grouped.EXPERT_COLUMNS`` for the experts, at
 Qwen3-30B-A3B's shapes: the weight gradient's operands (rows = 4096 tokens x micro-batch x top-8, in 128 groups of
 skewed counts, padded to 16; columns 2048, 768 and 1536) and the input gradient's experts ([128, 1536, 2048] and
 [128, 2048, 768]). Each way's outputs are compared bit for bit with the first's. Median of 30 calls after 5, CUDA
@@ -57,24 +57,24 @@ def _as_bytes(out) -> list[torch.Tensor]:
     return [t.view(torch.uint8) if t.dtype == fp8_grouped.E4M3 else t for t in out]
 
 
-WAYS = {"per_group": (False, False), "by_row_tiles": (True, False), "by_transpose": (False, True)}
+WAYS = ("per_group", "by_row_tiles", "by_transpose")
 
 
 def main(argv: list[str]) -> int:
     out_dir, mbs = argv[0], [int(m) for m in argv[1:]] or [1, 3]
-    rows = []
+    rows, saved = [], (fp8_grouped.COLUMNS_BY_ROW_TILES, fp8_grouped.EXPERT_COLUMNS)
     for mb in mbs:
         for name, call, moved in _cases(mb):
             result = {"micro_batch": mb, "case": name}
             outs = []
-            for way, (tiles, transpose) in WAYS.items():
-                if transpose and not name.startswith("input grad"):
+            for way in WAYS:
+                if way == "by_transpose" and not name.startswith("input grad"):
                     continue
-                fp8_grouped.COLUMNS_BY_ROW_TILES, fp8_grouped.EXPERTS_BY_TRANSPOSE = tiles, transpose
+                fp8_grouped.COLUMNS_BY_ROW_TILES, fp8_grouped.EXPERT_COLUMNS = way == "by_row_tiles", way
                 outs.append(_as_bytes(call()))
                 ms = median_ms(call)
                 result[way] = {"ms": ms, "gb_s": moved / ms / 1e6}
-            fp8_grouped.COLUMNS_BY_ROW_TILES = fp8_grouped.EXPERTS_BY_TRANSPOSE = False
+            fp8_grouped.COLUMNS_BY_ROW_TILES, fp8_grouped.EXPERT_COLUMNS = saved
             result["equal"] = all(torch.equal(a, b) for out in outs[1:] for a, b in zip(outs[0], out))
             rows.append(result)
             times = "  ".join(f"{way} {result[way]['ms']:6.3f} ms" for way in WAYS if way in result)

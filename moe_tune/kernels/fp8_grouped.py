@@ -27,14 +27,14 @@ from moe_tune.kernels.groups import ROW_ALIGN, pad_groups, padded_counts, padded
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
-# The column quantizations' kernels, both choices giving the same values (benchmarks/fp8_group_columns.py times
-# them on a GPU and checks them equal). COLUMNS_BY_ROW_TILES, the weight gradient's operands (and the experts when
-# they are not transposed): True, two kernels over tiles of one group's rows (ROW_TILE: rows, columns); False, one
-# program per (group, block of columns) walking the group's rows twice, where a hot expert's program holds the
-# tail. EXPERTS_BY_TRANSPOSE, the input gradient's experts: True, a tiled bf16 transpose and then the row kernel;
-# False, the column kernels above.
-COLUMNS_BY_ROW_TILES = False
-EXPERTS_BY_TRANSPOSE = False
+# The column quantizations' kernels; every choice gives the same values (benchmarks/fp8_group_columns.py times them
+# on a GPU and checks them equal). COLUMNS_BY_ROW_TILES, the weight gradient's operands: True, two kernels over tiles
+# of one group's rows (ROW_TILE: rows, columns); False, one program per (group, block of columns) walking the
+# group's rows twice, where a hot expert's program holds the tail (0.30-0.63x its time on an H100 at these shapes).
+# EXPERT_COLUMNS, the input gradient's experts: "per_group" or "by_row_tiles" (those kernels over groups of N rows),
+# or "by_transpose" (a tiled bf16 transpose, then the row kernel).
+COLUMNS_BY_ROW_TILES = True
+EXPERT_COLUMNS = "per_group"
 ROW_TILE = (64, 64)
 
 # (a, b, scale_a, scale_b, offs, fast_accum) -> bf16 out: the real kernel or its emulation.
@@ -163,10 +163,12 @@ def quantize_rows_fused(t: torch.Tensor, triton_kernel: bool | None = None) -> t
     return q.view(t.shape), inv_scale.view(t.shape[:-1])
 
 
-def _group_columns_triton(t_RC, offs_G, out_offs_G, q, out_group_scale: int, out_col_stride: int) -> torch.Tensor:
+def _group_columns_triton(
+    t_RC, offs_G, out_offs_G, q, out_group_scale: int, out_col_stride: int, by_row_tiles: bool | None = None
+) -> torch.Tensor:
     """Launches ``triton_fp8.quantize_group_columns_kernel`` over the groups ``offs_G`` of ``t_RC``'s rows, writing
     the E4M3 values into ``q`` as it places them; returns the inverse scales ``[G, C]``. With
-    ``COLUMNS_BY_ROW_TILES`` the same values from its two passes spread over tiles of rows instead."""
+    ``by_row_tiles`` (None: ``COLUMNS_BY_ROW_TILES``) the same values from its two passes spread over tiles of rows."""
     import triton
 
     from moe_tune.kernels.triton_fp8 import quantize_group_columns_kernel
@@ -174,7 +176,7 @@ def _group_columns_triton(t_RC, offs_G, out_offs_G, q, out_group_scale: int, out
     t_RC = t_RC if t_RC.stride(-1) == 1 else t_RC.contiguous()
     G, C = offs_G.shape[0], t_RC.shape[1]
     inv_scale_GC = torch.empty(G, C, dtype=torch.float32, device=t_RC.device)
-    if G and C and COLUMNS_BY_ROW_TILES:
+    if G and C and (COLUMNS_BY_ROW_TILES if by_row_tiles is None else by_row_tiles):
         _group_columns_by_row_tiles(t_RC, offs_G, out_offs_G, q, inv_scale_GC, out_group_scale, out_col_stride)
     elif G and C:
         block_c = 64
@@ -243,15 +245,15 @@ def quantize_padded_group_columns_triton(
 def quantize_expert_columns_triton(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_rows(w_eNK.transpose(-2, -1))`` of contiguous experts ``[e, N, K]``: one scale per (expert, k) over
     N, the E4M3 values written ``[e, K, N]`` contiguous (the input gradient's right operand), the inverse scales
-    ``[e, K]``. ``EXPERTS_BY_TRANSPOSE``: the transposed bf16 copy's rows quantized; otherwise the column kernels
-    over groups of N rows. PyTorch reads the strided rows in about eight passes."""
+    ``[e, K]``, the kernels ``EXPERT_COLUMNS`` names. PyTorch reads the strided rows in about eight passes."""
     e, N, K = w_eNK.shape
-    if EXPERTS_BY_TRANSPOSE:
+    if EXPERT_COLUMNS == "by_transpose":
         q_RN, inv_scale_R = quantize_rows_triton(transpose_experts(w_eNK, True).view(e * K, N))
         return q_RN.view(e, K, N), inv_scale_R.view(e, K)
     bounds_e = torch.arange(1, e + 1, device=w_eNK.device, dtype=torch.int32) * N
     q_eKN = torch.empty(e, K, N, dtype=E4M3, device=w_eNK.device)
-    return q_eKN, _group_columns_triton(w_eNK.reshape(e * N, K), bounds_e, bounds_e, q_eKN, K, N)
+    tiles = EXPERT_COLUMNS == "by_row_tiles"
+    return q_eKN, _group_columns_triton(w_eNK.reshape(e * N, K), bounds_e, bounds_e, q_eKN, K, N, tiles)
 
 
 def transpose_experts(w_eNK: torch.Tensor, triton_kernel: bool | None = None) -> torch.Tensor:

@@ -246,13 +246,16 @@ def _group_columns_match_pytorch(device: str) -> None:
     assert torch.equal(inv, s_ref) and torch.equal(q32.to(E4M3).view(torch.uint8), q_ref.view(torch.uint8))
     q, inv = quantize_expert_columns_triton(w)
     assert q.shape == (3, C, 24) and q.is_contiguous() and torch.equal(inv, s_ref)
-    # Its two ways (the bf16 experts transposed then their rows, or the column kernels): the same bytes.
-    fp8_grouped.EXPERTS_BY_TRANSPOSE = not fp8_grouped.EXPERTS_BY_TRANSPOSE
-    try:
-        q_other, inv_other = quantize_expert_columns_triton(w)
-    finally:
-        fp8_grouped.EXPERTS_BY_TRANSPOSE = not fp8_grouped.EXPERTS_BY_TRANSPOSE
-    assert torch.equal(q_other.view(torch.uint8), q.view(torch.uint8)) and torch.equal(inv_other, s_ref)
+    # Its three ways (the column kernels per group or by row tiles, the bf16 experts transposed then their rows):
+    # the same bytes.
+    saved = fp8_grouped.EXPERT_COLUMNS
+    for way in ("per_group", "by_row_tiles", "by_transpose"):
+        fp8_grouped.EXPERT_COLUMNS = way
+        try:
+            q_other, inv_other = quantize_expert_columns_triton(w)
+        finally:
+            fp8_grouped.EXPERT_COLUMNS = saved
+        assert torch.equal(q_other.view(torch.uint8), q.view(torch.uint8)) and torch.equal(inv_other, s_ref), way
     if device == "cuda":
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
