@@ -30,7 +30,7 @@ E4M3_MAX = torch.finfo(E4M3).max  # 448
 # The column quantizations' kernels; every choice gives the same values (benchmarks/fp8_group_columns.py times them
 # on a GPU and checks them equal). COLUMNS_BY_ROW_TILES, the weight gradient's operands: True, two kernels over tiles
 # of one group's rows (ROW_TILE: rows, columns); False, one program per (group, block of columns) walking the
-# group's rows twice, where a hot expert's program holds the tail (0.30-0.63x its time on an H100 at these shapes).
+# group's rows twice, where a hot expert's program holds the tail (slower at Qwen3-30B-A3B's shapes).
 # EXPERT_COLUMNS, the input gradient's experts: "per_group" or "by_row_tiles" (those kernels over groups of N rows),
 # or "by_transpose" (a tiled bf16 transpose, then the row kernel).
 COLUMNS_BY_ROW_TILES = True
