@@ -40,7 +40,7 @@ class Family:
 def _swiglu_hidden(c, key: str) -> int:
     """The routed experts' hidden size; refuses activations other than SwiGLU (silu) rather than run them wrong."""
     act = getattr(c, "hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers runs both names as SiLU
         raise ConfigError(
             f"{c.model_type}: hidden_act={act!r}, but moe_tune's experts compute SwiGLU only (silu(gate_proj) * "
             f"up_proj), so experts trained with {act!r} would run wrong; give a model with hidden_act='silu' (a "

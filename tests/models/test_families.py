@@ -107,6 +107,7 @@ VARIANTS = [
         ),
     ),
     ("qwen3_moe", dict(mlp_only_layers=[0])),
+    ("qwen3_moe", dict(hidden_act="swish", mlp_only_layers=[1])),  # transformers' other name for SiLU
     ("qwen2_moe", dict(decoder_sparse_step=2, norm_topk_prob=True)),
     ("mixtral", dict(num_experts_per_tok=1)),
     ("olmoe", dict(norm_topk_prob=True, num_experts_per_tok=3)),
