@@ -285,18 +285,18 @@ def check_experts_options(options: ModelOptions, experts) -> None:
     quantized experts are frozen) for the model's routed ``experts`` (an ``ExpertsSpec``) dims. One ConfigError
     line naming the values and the fix."""
     o = options.experts
+    dtype = o.compute_dtype or options.dtype  # the GEMMs' dtype: the activations'
+    name = str(dtype).removeprefix("torch.")
+    loop = "experts=moe_tune.moe.experts.ExpertsOptions(impl='loop')"
+    grouped = grouped_mm_dims_problem("impl='grouped_mm'", experts.dim, experts.hidden, name, dtype.itemsize, loop)
     _check_choice("impl", o.impl, EXPERT_KERNELS, {}, "pick one of those")
     _check_choice(
         "quantized_gemm", o.quantized_gemm, QUANTIZED_GEMMS, {"quantized_base": PROJECTION_CLASSES}, "pick one of those"
     )
     mode = o.quantized_base
     if mode is None:
-        dtype = o.compute_dtype or options.dtype  # the GEMMs' dtype: the activations'
-        fix = "experts=moe_tune.moe.experts.ExpertsOptions(impl='loop')"
-        args = (experts.dim, experts.hidden, str(dtype).removeprefix("torch."), dtype.itemsize, fix)
-        problem = grouped_mm_dims_problem("impl='grouped_mm'", *args) if o.impl == "grouped_mm" else None
-        if problem:
-            raise ConfigError(problem)
+        if o.impl == "grouped_mm" and grouped:
+            raise ConfigError(grouped)
         return
     _check_choice(
         "quantized_base",
@@ -317,11 +317,10 @@ def check_experts_options(options: ModelOptions, experts) -> None:
             "impl='grouped_mm')"
         )
     dim, hidden = experts.dim, experts.hidden
-    fix = (
-        "quantized_base=None"
-        if mode == "fp8"
-        else quantized_base_fix(dim, hidden, "quantized_base='fp8' or None", "quantized_base=None")
-    )
+    # A fix that passes in turn: None's bf16 grouped GEMMs need their own alignment, else the loop of experts.
+    loop_too = " with impl='loop'" if grouped and o.impl == "grouped_mm" else ""
+    none, fp8_or_none = f"quantized_base=None{loop_too}", f"quantized_base='fp8' or None{loop_too}"
+    fix = none if mode == "fp8" else quantized_base_fix(dim, hidden, fp8_or_none, none)
     problem = blocked_dims_problem(f"quantized_base={mode!r}", mode, dim, hidden, fix)
     if problem:
         raise ConfigError(problem)

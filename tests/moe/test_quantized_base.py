@@ -236,6 +236,12 @@ def test_compiled_experts_give_the_eager_outputs_and_adapter_gradients(mode, gem
             "quantized_base='fp8' needs the model dim (64) and the expert hidden dim (200) to be multiples of 16 (the "
             "FP8 grouped GEMM's alignment); use quantized_base=None for this model",
         ),
+        (  # 780 is no multiple of 8 either: bf16 grouped GEMMs would refuse quantized_base=None in turn
+            {"hidden_size": 64, "moe_intermediate_size": 780},
+            {"quantized_base": "fp8", "compute_dtype": torch.bfloat16},
+            "quantized_base='fp8' needs the model dim (64) and the expert hidden dim (780) to be multiples of 16 (the "
+            "FP8 grouped GEMM's alignment); use quantized_base=None with impl='loop' for this model",
+        ),
         (
             {"hidden_size": 64, "moe_intermediate_size": 96},
             {"quantized_base": "int4"},
