@@ -279,15 +279,27 @@ def search(
         raise invalid[0]
     # Equal predicted speeds come from a host-bound step, whose launches the model counts once per layer: a
     # recompute still adds its own, so the layout recomputing least comes first, then the one needing least memory.
-    recompute = {"none": 0, "selective": 1, "full": 2}
-    fitting.sort(
-        key=lambda p: (
-            -round(p.speed["tokens_per_s_per_gpu"]),
-            recompute[p.config.parallel.activation_checkpointing],
-            p.memory.peak,
-        )
+    fitting.sort(key=lambda p: (-round(p.speed["tokens_per_s_per_gpu"]), _recompute(p), p.memory.peak))
+    return [p for i, p in enumerate(fitting) if not any(_no_better(p, q) for q in fitting[:i])], rejected
+
+
+def _recompute(p: Plan) -> int:
+    return {"none": 0, "selective": 1, "full": 2}[p.config.parallel.activation_checkpointing]
+
+
+def _no_better(p: Plan, q: Plan) -> bool:
+    """``p`` recomputes more than ``q``, of the same ep and micro-batch, for no less memory (to the 0.1 GiB shown)
+    and no more speed: a row the search leaves out (a small model's checkpointing saves nothing)."""
+    same = (
+        p.config.parallel.ep == q.config.parallel.ep
+        and p.config.train.micro_batch_size == q.config.train.micro_batch_size
     )
-    return fitting, rejected
+    return (
+        same
+        and _recompute(p) > _recompute(q)
+        and float(f"{q.memory.peak / 2**30:.1f}") <= float(f"{p.memory.peak / 2**30:.1f}")
+        and round(q.speed["tokens_per_s_per_gpu"]) >= round(p.speed["tokens_per_s_per_gpu"])
+    )
 
 
 __all__ = ["DEFAULT_GPU_MEM_GIB", "DEFAULT_HEADROOM", "Plan", "hf_config_of", "plan", "search"]

@@ -169,9 +169,24 @@ def test_search_lists_fitting_layouts_fastest_first_and_says_why_others_do_not_f
         assert all(q.config.train.micro_batch_size < lay["micro_batch_size"] for q in same)
 
 
-def test_search_of_equal_speeds_takes_the_least_recompute_first():
+def test_search_of_equal_speeds_takes_the_least_recompute_first_and_drops_what_saves_nothing(monkeypatch):
     """LoRA on the tiny model is host-bound: the checkpointing modes predict one speed, though a recompute adds its
-    launches (not in the model): the order is none, selective, full, whatever order they were tried in."""
+    launches (not in the model). Where a recompute saves no memory either (to the 0.1 GiB a row shows), its row
+    is left out: only none stays. Where each saves memory, the order is none, selective, full, whatever order they
+    were tried in."""
+    import moe_tune.plan as plan_module
+
+    fitting, _ = search(_cfg("peft=lora"), 1, vary=("parallel.activation_checkpointing",))
+    assert [p.config.parallel.activation_checkpointing for p in fitting] == ["none"]
+    saved = {"none": 0.0, "selective": 0.5, "full": 1.0}  # GiB a mode saves: rows that differ
+    plan_of = plan_module.plan
+
+    def saving(c, *args, **kwargs):
+        p = plan_of(c, *args, **kwargs)
+        p.memory.peak -= int(saved[c.parallel.activation_checkpointing] * 2**30)
+        return p
+
+    monkeypatch.setattr(plan_module, "plan", saving)
     fitting, _ = search(_cfg("peft=lora"), 1, vary=("parallel.activation_checkpointing",))
     speeds = [round(p.speed["tokens_per_s_per_gpu"]) for p in fitting]
     assert len(set(speeds)) == 1, speeds
