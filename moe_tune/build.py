@@ -334,7 +334,8 @@ def from_checkpoint(checkpoint: str, base: str | None = None) -> tuple[MoECausal
 
         hf_config = preset_config(cfg.model.name, cfg.model.overrides)
     # LoRA: the frozen base in the dtype its files hold (not training's bf16 copy of an fp32 source, so a merge loses
-    # nothing; not fp32 for a bf16 source, so a 30B model takes 61 GB, not 122); the adapters in fp32.
+    # nothing; not fp32 for a bf16 source, so a 30B model takes 61 GB, not 122); the adapters in the dtype they
+    # trained in (bf16 under train.precision=bf16, else fp32): the checkpoint's values as they are.
     lora = lora_spec(cfg)
     if lora is not None:
         lora = dataclasses.replace(lora, base_dtype=_stored_dtype(source))
