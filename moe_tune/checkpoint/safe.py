@@ -209,11 +209,13 @@ def check_finite(named, what: str) -> None:
         )
 
 
-# What a write that ran out of room raises (errno, its text, safetensors' "os error N"), and the line's words for it:
-# a full disk, or this user's quota on a shared filesystem (EDQUOT: Lustre, GPFS and NFS home directories).
+# What a write the filesystem refused raises (errno, its text, safetensors' "os error N"), and the line's words for
+# it: a full disk, this user's quota on a shared filesystem (EDQUOT: Lustre, GPFS and NFS home directories), or a
+# filesystem remounted read-only under the run (a storage fault).
 _OUT_OF_ROOM = (
     (errno.ENOSPC, "No space left", "os error 28", "no space left on device"),
     (errno.EDQUOT, "Disk quota exceeded", "os error 122", "disk quota exceeded"),
+    (errno.EROFS, "Read-only file system", "os error 30", "read-only file system"),
 )
 
 
@@ -239,7 +241,9 @@ def _disk_full(exc: BaseException) -> str | None:
 
 
 def _free_up(words: str, where: str) -> str:
-    """The fix of a write that ran out of room in ``where``."""
+    """The fix of a write the filesystem of ``where`` refused."""
+    if "read-only" in words:
+        return f"Make {where} writable again (or give an output_dir elsewhere)"
     return f"Free space in {where}" + (" (or have the quota raised)" if "quota" in words else "")
 
 

@@ -168,7 +168,11 @@ def test_nan_in_source_weights_is_refused_naming_the_tensor(tiny_checkpoint):
 
 @pytest.mark.parametrize(
     "code, words",
-    [(errno.ENOSPC, "no space left on device"), (errno.EDQUOT, "disk quota exceeded")],  # EDQUOT: a user's quota
+    [
+        (errno.ENOSPC, "no space left on device"),
+        (errno.EDQUOT, "disk quota exceeded"),  # a user's quota
+        (errno.EROFS, "read-only file system"),  # a filesystem remounted read-only under the run
+    ],
 )
 def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(
     tmp_path,
@@ -196,6 +200,8 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(
     assert len(errors) == 1 and "\n" not in errors[0], errors
     assert errors[0].startswith(f"saving checkpoint {_ckpt(tmp_path, 4)} failed: {words} (")
     assert f"previous checkpoint {_ckpt(tmp_path, 2)} is intact" in errors[0]
+    fix = "Make" if code == errno.EROFS else "Free space in"
+    assert f". {fix} {tmp_path / 'checkpoints'}" in errors[0], errors[0]
     assert not os.path.exists(_ckpt(tmp_path, 4))  # nothing that could look complete
     assert latest(str(tmp_path)) == _ckpt(tmp_path, 2) and manifest.verify(_ckpt(tmp_path, 2)) is None
 
@@ -428,13 +434,13 @@ def test_a_failed_background_save_stops_the_run_at_the_next_sync_step(tmp_path, 
 
     def fails_at_step_6(tensors, meta, path, step, *rest):
         if step == 6:
-            raise OSError(errno.EROFS, "Read-only file system", path)
+            raise OSError(errno.EIO, "Input/output error", path)
         return write(tensors, meta, path, step, *rest)
 
     monkeypatch.setattr(save_module, "_write", fails_at_step_6)
     trainer = make_trainer("train.steps=12", "checkpoint.every=6", "train.log_every=1", out=str(tmp_path))
     assert trainer.cfg.checkpoint.async_save
-    with pytest.raises(OSError, match="Read-only file system"):
+    with pytest.raises(OSError, match="Input/output error"):
         trainer.fit()
     assert 6 < trainer.step < 12, trainer.step
     assert latest(str(tmp_path)) is None  # step 6's save kept nothing that could look complete
