@@ -52,42 +52,25 @@ def test_one_process_sees_its_own_signal_and_restores_handlers():
     assert signal.getsignal(signal.SIGUSR1) == before
 
 
-def test_a_hang_up_stops_and_saves_unless_ignored():
-    """SIGHUP (the terminal or ssh session gone; torchrun's agent passes it on to the ranks) is a stop like SIGTERM's:
-    the ranks died of it without saving while the launcher said checkpoint.resume=auto continues. Under nohup,
-    which ignores it, it stays ignored."""
-    before = signal.getsignal(signal.SIGHUP)
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGQUIT], ids=["hup", "quit"])
+def test_a_hang_up_or_quit_stops_and_saves_unless_ignored(signum):
+    """SIGHUP (the terminal or ssh session gone) and SIGQUIT (Ctrl-\\): torchrun's agent passes both on to the ranks,
+    which died of them without saving while the launcher said checkpoint.resume=auto continues. Each is a stop like
+    SIGTERM's. Inherited ignored (nohup; a job a non-interactive shell starts with &), it stays ignored."""
+    before = signal.getsignal(signum)
     try:
         with StopSignal(enabled=True) as stop:
-            assert signal.getsignal(signal.SIGHUP) == stop._on_signal  # not the default, which kills the process
-            os.kill(os.getpid(), signal.SIGHUP)
-            assert stop.agreed(torch.device("cpu")) is True and stop.signum == signal.SIGHUP
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            assert signal.getsignal(signum) == stop._on_signal  # not the default, which kills the process
+            os.kill(os.getpid(), signum)
+            assert stop.agreed(torch.device("cpu")) is True and stop.signum == signum
+        assert signal.getsignal(signum) == before
+        signal.signal(signum, signal.SIG_IGN)
         with StopSignal(enabled=True) as stop:
-            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
-            os.kill(os.getpid(), signal.SIGHUP)
+            assert signal.getsignal(signum) == signal.SIG_IGN
+            os.kill(os.getpid(), signum)
             assert stop.agreed(torch.device("cpu")) is False
     finally:
-        signal.signal(signal.SIGHUP, before)
-
-
-def test_a_quit_stops_and_saves_unless_ignored():
-    """SIGQUIT (Ctrl-\\; torchrun's agent passes it on to the ranks, which died of it without saving) is a stop like
-    SIGTERM's. Inherited ignored (a job a non-interactive shell starts with &), it stays ignored."""
-    before = signal.getsignal(signal.SIGQUIT)
-    try:
-        with StopSignal(enabled=True) as stop:
-            assert signal.getsignal(signal.SIGQUIT) == stop._on_signal  # not the default, which kills the process
-            os.kill(os.getpid(), signal.SIGQUIT)
-            assert stop.agreed(torch.device("cpu")) is True and stop.signum == signal.SIGQUIT
-        assert signal.getsignal(signal.SIGQUIT) == before
-        signal.signal(signal.SIGQUIT, signal.SIG_IGN)
-        with StopSignal(enabled=True) as stop:
-            assert signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN
-            os.kill(os.getpid(), signal.SIGQUIT)
-            assert stop.agreed(torch.device("cpu")) is False
-    finally:
-        signal.signal(signal.SIGQUIT, before)
+        signal.signal(signum, before)
 
 
 def test_a_signal_during_the_agreement_is_counted_at_the_next_step(monkeypatch):
