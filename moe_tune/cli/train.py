@@ -151,17 +151,18 @@ def precheck(argv: list[str]) -> list[str]:
             return ["--hydra-help"]  # Hydra's own help composes without the app's config: overrides would fail it
         if cli_args.composed_by_hydra_alone(args) or args.shell_completion:
             return argv
+        source = cli_args.ConfigSource.of(args)  # the packaged config, or --config-dir/--config-name's
         if args.help:
-            print(cli_args.help_text(args.overrides))
+            print(cli_args.help_text(args.overrides, source))
             raise SystemExit(0)
         flags = argv[: len(argv) - len(args.overrides)]
         args.overrides = [expand_home(o) for o in args.overrides]
         argv = flags + args.overrides
         argv = plan_auto(args, argv)
-        cfg = cli_args.check(args.overrides, multirun=args.multirun)
+        cfg = cli_args.check(args.overrides, multirun=args.multirun, source=source)
         if cli_args.runs_job(args):  # a sweep's runs each, with their swept values (data.path=a.jsonl,b.jsonl)
             jobs = sweep_jobs(args.overrides) if args.multirun else []
-            for job_cfg in [cli_args.check(job) for job in jobs] or [cfg]:
+            for job_cfg in [cli_args.check(job, source=source) for job in jobs] or [cfg]:
                 check_inputs(job_cfg, world_known=not args.multirun)
     except UserError as e:
         # Before any process group: every rank reads the same command line and files and finds the same error,

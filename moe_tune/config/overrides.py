@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import functools
 import os
 import re
 import typing
@@ -20,9 +19,15 @@ import typing
 from moe_tune.config import COMM_CONFIGS, Config, ConfigError
 from moe_tune.config.constraints import not_null
 from moe_tune.config.override_forms import grammar_error, not_an_option, refuse_add_or_delete, user_overrides
-
-# The configs ship inside the package, so an installed wheel finds them wherever it runs.
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+from moe_tune.config.primary import (
+    CONF_DIR,
+    PACKAGED,
+    ConfigSource,
+    group_options,
+    initialized,
+    missing_primary,
+    without_schema,
+)
 
 # OmegaConf's conversion error: "Value 'abc' of type 'str' could not be converted to Integer full_key: train.steps"
 # Keys that take "auto" on moe-tune's command line: the planner's search picks them (moe_tune.plan.auto).
@@ -33,8 +38,9 @@ EXPECTED = {"Integer": "an integer", "Float": "a number", "Boolean": "true or fa
 BOOL_ERROR = re.compile(r"Value '(.*?)' is not a valid bool \(type \w+\) full_key: (\S+)")
 # Flags after which Hydra prints something and runs no job.
 SHOW_FLAGS = ("help", "hydra_help", "cfg", "info", "shell_completion")
-# Flags that point Hydra at other configs or a saved job: composed by Hydra alone.
-ELSEWHERE_FLAGS = ("config_path", "config_name", "config_dir", "experimental_rerun")
+# Flags that point Hydra at configs relative to its caller or a saved job: composed by Hydra alone (--config-dir and
+# --config-name are composed here too: moe_tune.config.primary).
+ELSEWHERE_FLAGS = ("config_path", "experimental_rerun")
 
 
 # Hydra runs one of these per command.
@@ -108,49 +114,32 @@ def to_config(dict_cfg):
     return cfg
 
 
-def compose(overrides: list[str]):
+def compose(overrides: list[str], source: ConfigSource = PACKAGED):
     """Compose the config with Hydra's compose API (used by the pre-check, tests and the benchmark)."""
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
 
-    from moe_tune.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=choose_path_groups(overrides))
+    with initialized(source):
+        return hydra_compose(config_name=source.config_name, overrides=choose_path_groups(overrides))
 
 
-@functools.cache
-def group_options() -> dict[str, list[str]]:
-    """The user's config groups and their options (schema entries ``base_*`` left out), launchers included. Read
-    once per process: the packaged config directory does not change while it runs."""
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from moe_tune.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        loader = GlobalHydra.instance().config_loader()
-        groups = [g for g in loader.list_groups("") if g != "hydra"] + ["hydra/launcher"]
-        return {g: [o for o in loader.get_group_options(g) if not o.startswith("base_")] for g in groups}
-
-
-def check(overrides: list[str], multirun: bool = False):
-    """The composed config of ``overrides`` (DictConfig), or ConfigError with one line. Sweep values (``a=1,2``)
-    are refused without ``multirun`` (``-m``) and checked for their key only under it; ``hydra.*`` and
-    ``hydra/...`` are Hydra's to check."""
+def check(overrides: list[str], multirun: bool = False, source: ConfigSource = PACKAGED):
+    """The composed config of ``overrides`` (DictConfig) on ``source``'s primary config, or ConfigError with one
+    line. Sweep values (``a=1,2``) are refused without ``multirun`` (``-m``) and checked for their key only under
+    it; ``hydra.*`` and ``hydra/...`` are Hydra's to check."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception as e:  # noqa: BLE001  (Hydra's grammar errors come in several types)
         raise ConfigError(grammar_error(_one_line(e), overrides)) from None
-    options = group_options()
+    options = group_options(source)
     parsed = user_overrides(parsed, options)
     choices = [o for o in parsed if o.key_or_group in options or "/" in o.key_or_group]
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
-    base = _compose([o.input_line for o in choices if not o.is_sweep_override()], options)
+    base = _compose([o.input_line for o in choices if not o.is_sweep_override()], options, source)
+    if not dataclasses.is_dataclass(OmegaConf.get_type(base)):  # a config of the user's own, without the schema
+        raise ConfigError(without_schema(source))
     keys, free_dicts = schema_keys(base)
     for o in parsed:
         if o not in choices:
@@ -158,7 +147,7 @@ def check(overrides: list[str], multirun: bool = False):
     for o in parsed:
         if o.is_sweep_override():
             _check_sweep(o, multirun, base)
-    cfg = _compose(fixed, options)
+    cfg = _compose(fixed, options, source)
     try:
         to_config(cfg)
     except Exception as e:  # noqa: BLE001  (OmegaConf's validation errors)
@@ -171,12 +160,14 @@ def check(overrides: list[str], multirun: bool = False):
     return cfg
 
 
-def _compose(overrides: list[str], options: dict[str, list[str]]):
+def _compose(overrides: list[str], options: dict[str, list[str]], source: ConfigSource):
     from hydra.errors import MissingConfigException
 
     try:
-        return compose(overrides)
+        return compose(overrides, source)
     except MissingConfigException as e:
+        if e.missing_cfg_file == source.config_name:
+            raise ConfigError(missing_primary(source)) from None
         group, _, name = (e.missing_cfg_file or "").rpartition("/")
         if group not in options:
             raise ConfigError(_describe(e, overrides)) from None
@@ -354,11 +345,11 @@ def checked_keys() -> list[str]:
     return lines
 
 
-def help_text(overrides: list[str]) -> str:
+def help_text(overrides: list[str], source: ConfigSource = PACKAGED) -> str:
     """``moe-tune --help``: usage, config groups and their options, keys' allowed values, Hydra's flags, config."""
     from omegaconf import OmegaConf
 
-    groups = "\n".join(f"  {g}: {', '.join(opts)}" for g, opts in group_options().items())
+    groups = "\n".join(f"  {g}: {', '.join(opts)}" for g, opts in group_options(source).items())
     checked = "\n".join(checked_keys())
     return (
         "moe-tune: fine-tune a Hugging Face Mixture-of-Experts model (a Hydra app: moe_tune/conf).\n\n"
@@ -370,13 +361,14 @@ def help_text(overrides: list[str]) -> str:
         f"  {', '.join(k + '=auto' for k in AUTO_KEYS)}\n\n"
         "Hydra's flags: --cfg job|hydra|all (print the config, run nothing), --package KEY, --resolve,\n"
         "  --info [all|config|defaults|defaults-tree|plugins|searchpath], -m (sweeps and launchers), --hydra-help\n\n"
-        f"Config (key=value; with the overrides given):\n{OmegaConf.to_yaml(check(overrides))}"
+        f"Config (key=value; with the overrides given):\n{OmegaConf.to_yaml(check(overrides, source=source))}"
     )
 
 
 __all__ = [
     "AUTO_KEYS",
     "CONF_DIR",
+    "ConfigSource",
     "check",
     "checked_keys",
     "compose",

@@ -373,3 +373,49 @@ def test_a_sweep_over_data_paths_checks_each_path(tmp_path, capsys):
         precheck(["-m", out, f"data.path={tmp_path / 'a.jsonl'},{tmp_path / 'c.jsonl'}"])
     assert e.value.code == 2
     assert f"data.path={tmp_path / 'c.jsonl'} does not exist" in capsys.readouterr().err
+
+
+def _own_configs(tmp_path):
+    """A directory of the user's own configs: one built on moe_tune's, one without its defaults, an experiment."""
+    conf = tmp_path / "conf"
+    (conf / "experiment").mkdir(parents=True)
+    (conf / "mine.yaml").write_text("defaults:\n  - config\n  - _self_\ntrain:\n  steps: 2\n")
+    (conf / "bare.yaml").write_text("train:\n  steps: 2\n")
+    (conf / "experiment" / "short.yaml").write_text("# @package _global_\ntrain:\n  steps: 3\n")
+    return str(conf)
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["--config-name", "mine", "+train.stepz=5"], "+train.stepz is not a config key (+ adds no key"),
+        (["--config-name", "mine", "train.stepz=5"], "train.stepz is not a config key; did you mean train.steps"),
+        (["--config-name", "mine", "train.lr=-1"], "train.lr=-1.0 is out of range"),
+        (["experiment=shortt"], "experiment=shortt is not one of qwen3_30b_a3b_1gpu"),
+        (["--config-name", "nope"], "--config-name nope: no config nope.yaml in "),
+        (["--config-name", "bare"], "put 'defaults: [config, _self_]' at the top of bare.yaml"),
+    ],
+)
+def test_own_config_dir_is_checked_as_the_packaged_one(args, line, tmp_path, capsys):
+    """``--config-dir``/``--config-name`` were left to Hydra alone: a ``+train.stepz=5`` was added without a word
+    and the run trained 60 steps, a misspelt key was Hydra's multi-line error and exit 1."""
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        precheck(["--config-dir", _own_configs(tmp_path), f"output_dir={run_dir}", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("moe-tune: error: "), err
+    assert line in err
+    assert not run_dir.exists()
+
+
+def test_own_config_dir_options_and_configs_compose(tmp_path, capsys):
+    conf = _own_configs(tmp_path)
+    r = _moe_tune(["--config-dir", conf, "experiment=short", "-c", "job", "-p", "train"], tmp_path)
+    assert r.returncode == 0 and "steps: 3" in r.stdout, r.stderr
+    r = _moe_tune(["--config-dir", conf, "--config-name", "mine", "-c", "job", "-p", "train"], tmp_path)
+    assert r.returncode == 0 and "steps: 2" in r.stdout, r.stderr
+    with pytest.raises(SystemExit) as e:
+        precheck(["--config-dir", str(tmp_path / "none"), "train.steps=1"])
+    assert e.value.code == 2
+    assert f"--config-dir {tmp_path / 'none'} is not a directory" in capsys.readouterr().err
