@@ -140,10 +140,11 @@ def fail(message: str, quiet: bool = False) -> None:
 def precheck(argv: list[str]) -> list[str]:
     """Check the command line before Hydra sees it: one line and exit 2 for a bad key, value or model file, before
     anything is written. Returns the arguments Hydra gets (``--help`` is answered here)."""
+    from moe_tune.cli.inputs import check_inputs
     from moe_tune.config import UserError
     from moe_tune.config import overrides as cli_args
     from moe_tune.config.override_forms import expand_home
-    from moe_tune.config.sweep import sweep_jobs
+    from moe_tune.config.sweep import jobs_run_here, sweep_jobs
 
     try:
         args, argv = cli_args.parse(argv)
@@ -163,7 +164,7 @@ def precheck(argv: list[str]) -> list[str]:
         if cli_args.runs_job(args):  # a sweep's runs each, with their swept values (data.path=a.jsonl,b.jsonl)
             jobs = sweep_jobs(args.overrides) if args.multirun else []
             for job_cfg in [cli_args.check(job, source=source) for job in jobs] or [cfg]:
-                check_inputs(job_cfg, world_known=not args.multirun)
+                check_inputs(job_cfg, world_known=not args.multirun, here=jobs_run_here(args.overrides))
     except UserError as e:
         # Before any process group: every rank reads the same command line and files and finds the same error,
         # so the first rank of each node says it (2 ranks on one node: one line, not two).
@@ -194,92 +195,13 @@ def first_rank_of_node() -> bool:
     return dist_env().local_rank == 0
 
 
-# output_dir's entries before Hydra creates it (None: it did not exist), for restore_output_dir.
-_BEFORE: dict[str, set[str] | None] = {}
-
-
-def restore_output_dir(output_dir: str) -> None:
-    """A one-process run refused while setting up (a value found bad once the model is known) leaves output_dir
-    as the command found it: the lock file and the base model it created there go (an earlier base model it
-    replaced comes back), and the directory too if Hydra created it for this run and nothing else is in it. With
-    more ranks they stay: another rank may still be reading the base model rank 0 built, and no collective is safe
-    on an error path."""
-    import shutil
-
-    from moe_tune.distributed.env import dist_env
-    from moe_tune.models.base_model import BASE_MODEL, restore_base_model
-    from moe_tune.train.lock import LOCK_NAME
-
-    path = os.path.abspath(output_dir)
-    if path not in _BEFORE or dist_env().world_size > 1 or not os.path.isdir(path):
-        return
-    restore_base_model(path)
-    before, ours = _BEFORE[path], {LOCK_NAME, BASE_MODEL}
-    if before is None and set(os.listdir(path)) <= ours:
-        shutil.rmtree(path, ignore_errors=True)
-        return
-    for name in ours - (before or set()):  # what this run created (a model=hf run builds no base model)
-        entry = os.path.join(path, name)
-        if os.path.isdir(entry):
-            shutil.rmtree(entry, ignore_errors=True)
-        elif os.path.lexists(entry):
-            os.remove(entry)
-
-
-def check_inputs(dict_cfg, world_known: bool) -> None:
-    """The values and the model files, before Hydra creates the run directory: a bad one leaves nothing written.
-    With the world size known (not a sweep, whose launcher picks it), the trainer's whole check runs here."""
-    from moe_tune.loggers import require_logger
-
-    cfg = to_config(dict_cfg)
-    require_logger(cfg.logger)  # no import: a missing tracker package is said before torch and the model load
-    if cfg.checkpoint.resume not in ("auto", "none"):
-        from moe_tune.checkpoint.read import check_resume_path  # torch: only for a path given
-
-        check_resume_path(cfg.checkpoint.resume)
-    if world_known:
-        from moe_tune.train import Trainer
-
-        path = os.path.abspath(cfg.output_dir)
-        _BEFORE[path] = set(os.listdir(path)) if os.path.isdir(path) else None
-
-        Trainer.check_config(cfg)
-        check_records(cfg)
-    else:
-        from moe_tune.build import check_model_source
-        from moe_tune.config.validate import check_values
-        from moe_tune.data import check_data_sources
-
-        check_values(cfg)
-        check_model_source(cfg)
-        check_data_sources(cfg)
-
-
-def check_records(cfg) -> None:
-    """Read and encode the training and validation records (not a streamed set, read as the run goes): a bad
-    record is one line and exit 2 with nothing written. The tokenized set lands in data.cache_dir, where the
-    trainer finds it (same records, options and tokenizer: the model's own, or the built-in one a preset's
-    base_model/ holds a copy of)."""
-    from moe_tune.build import build_tokenizer
-    from moe_tune.data import build_datasets
-
-    data = cfg.data
-    if data.streaming or (data.name == "random" and data.path is None):
-        return
-    quiet = logging.getLogger("moe_tune")
-    level, quiet.level = quiet.level, logging.ERROR  # its warnings (records cut) come again, logged, in the run
-    try:
-        build_datasets(data, build_tokenizer(cfg.model.path), cfg.train.seq_len, cfg.train.seed)
-    finally:
-        quiet.setLevel(level)
-
-
 def run(dict_cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     from moe_tune.checkpoint import RunFinished
     from moe_tune.checkpoint.safe import disk_full_ends_run
+    from moe_tune.cli.inputs import restore_output_dir
     from moe_tune.config import UserError
 
     cfg = to_config(dict_cfg)

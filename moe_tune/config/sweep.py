@@ -23,3 +23,10 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]]:
     if any(o.is_sweep_override() and not o.is_discrete_sweep() for o in parsed):
         return []  # interval(...): the basic sweeper refuses it in its own words
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def jobs_run_here(overrides: list[str]) -> bool:
+    """Whether the sweep's jobs run in this process, one after another (Hydra's basic launcher), with its world
+    size and its packages; not where a launcher (``hydra/launcher=submitit_slurm``) runs them elsewhere."""
+    launchers = [o.lstrip("+~").partition("=")[2] for o in overrides if o.lstrip("+~").startswith("hydra/launcher=")]
+    return all(name == "basic" for name in launchers)

@@ -419,3 +419,39 @@ def test_own_config_dir_options_and_configs_compose(tmp_path, capsys):
         precheck(["--config-dir", str(tmp_path / "none"), "train.steps=1"])
     assert e.value.code == 2
     assert f"--config-dir {tmp_path / 'none'} is not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "sweep,line",
+    [
+        (["train.global_batch_size=8,6"], "train.global_batch_size (6) must be a multiple of train.micro_batch_size"),
+        (["parallel.ep=1,2"], "parallel.ep (2) must divide parallel.dp_shard (1, world size 1)"),
+        (["kernels=torch,te"], "kernels=te: "),
+    ],
+)
+def test_a_sweep_run_here_checks_each_job_s_layout_and_backends(sweep, line, tmp_path, capsys):
+    """Under Hydra's basic launcher a sweep's jobs run in this process, with its world size and packages: a job
+    whose layout or backend cannot run was refused only when it came up, after the jobs before it had trained."""
+    pytest.importorskip("torch")
+    if "te" in sweep[0]:
+        from moe_tune.env import unusable_reason
+
+        if unusable_reason("transformer_engine") is None:
+            pytest.skip("TransformerEngine is usable here")
+    with pytest.raises(SystemExit) as e:
+        precheck(["-m", f"output_dir={tmp_path / 'sweep'}", "train.steps=1", *sweep])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and line in err, err
+    assert not os.path.exists(tmp_path / "sweep")
+    launched = ["hydra/launcher=submitit_slurm", "-m", f"output_dir={tmp_path / 'sweep'}", *sweep]
+    assert precheck(launched)  # another launcher's jobs run elsewhere, on a world size it picks
+
+
+def test_a_sweep_into_a_file_is_one_line(tmp_path, capsys):
+    """``-m output_dir=<a file>`` was Hydra's NotADirectoryError traceback and exit 1."""
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as e:
+        precheck(["-m", f"output_dir={tmp_path / 'afile'}", "train.lr=1e-3,2e-3"])
+    assert e.value.code == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
