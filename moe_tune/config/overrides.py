@@ -212,12 +212,26 @@ def _check_key(o, keys: set[str], free_dicts: set[str], cfg) -> None:
         if o.type == OverrideType.CHANGE and (node is None or leaf not in node):
             raise ConfigError(f"{key}: {free} has no key {leaf} yet; add it with +{key}={o.value()}")
         return
+    if key in free_dicts and isinstance(o.value(), dict) and o.type != OverrideType.FORCE_ADD:
+        current = OmegaConf.select(cfg, key) or {}
+        if any(k not in current for k in o.value()) or (current and not o.value()):
+            raise ConfigError(whole_dict(o, key, current))
     if key in keys:
         refuse_add_or_delete(o, key, cfg)
         return
     if not key:
         raise ConfigError(f"{o.input_line}: no key before '='; write key=value (moe-tune --help lists every key)")
     raise ConfigError(unknown_key_message(key, plus, keys, cfg))
+
+
+def whole_dict(o, key: str, current) -> str:
+    """The line for a free-form dict given whole where Hydra would not do it (``model.overrides={num_hidden_layers:1}``
+    is merged into the dict: a key the dict lacks was its 'not in struct' error, ``{}`` removed nothing): the keys
+    one by one instead."""
+    given = o.value()
+    each = " ".join(f"{'' if k in current else '+'}{key}.{k}={v}" for k, v in given.items())
+    drop = " ".join(f"~{key}.{k}" for k in current if k not in given)
+    return f"{o.input_line}: Hydra merges a dict into {key}, keys it lacks refused; write {' '.join((each + ' ' + drop).split())}"
 
 
 def _check_sweep(o, multirun: bool, cfg) -> None:

@@ -455,3 +455,22 @@ def test_a_sweep_into_a_file_is_one_line(tmp_path, capsys):
         precheck(["-m", f"output_dir={tmp_path / 'afile'}", "train.lr=1e-3,2e-3"])
     assert e.value.code == 2
     assert "is a file, not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["model.overrides={num_hidden_layers:1}"], "write +model.overrides.num_hidden_layers=1"),
+        (["experiment=qwen3_30b_a3b_1gpu", "model.overrides={hidden_size:64}"], "+model.overrides.hidden_size=64 ~"),
+        (["experiment=qwen3_30b_a3b_1gpu", "model.overrides={}"], "write ~model.overrides.num_hidden_layers"),
+    ],
+)
+def test_a_whole_free_dict_names_its_keys_one_by_one(args, line, tmp_path, capsys):
+    """``model.overrides={...}`` with a key the dict lacks was Hydra's 'To append ... use +model.overrides={...}',
+    which was refused in turn ('already a key; write it without the +'); ``{}`` over an experiment's removed
+    nothing, without a word."""
+    with pytest.raises(SystemExit) as e:
+        precheck([f"output_dir={tmp_path / 'run'}", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and line in err and "To append" not in err, err
