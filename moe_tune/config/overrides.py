@@ -231,7 +231,8 @@ def whole_dict(o, key: str, current) -> str:
     given = o.value()
     each = " ".join(f"{'' if k in current else '+'}{key}.{k}={v}" for k, v in given.items())
     drop = " ".join(f"~{key}.{k}" for k in current if k not in given)
-    return f"{o.input_line}: Hydra merges a dict into {key}, keys it lacks refused; write {' '.join((each + ' ' + drop).split())}"
+    keys = " ".join(f"{each} {drop}".split())
+    return f"{o.input_line}: Hydra merges a dict into {key}, keys it lacks refused; write {keys}"
 
 
 def _check_sweep(o, multirun: bool, cfg) -> None:
