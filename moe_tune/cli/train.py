@@ -143,7 +143,7 @@ def precheck(argv: list[str]) -> list[str]:
     from moe_tune.cli.inputs import check_inputs
     from moe_tune.config import UserError
     from moe_tune.config import overrides as cli_args
-    from moe_tune.config.override_forms import expand_home
+    from moe_tune.config.override_forms import expand_home, repeated_keys
     from moe_tune.config.sweep import jobs_run_here, sweep_jobs
 
     try:
@@ -158,6 +158,8 @@ def precheck(argv: list[str]) -> list[str]:
             raise SystemExit(0)
         flags = argv[: len(argv) - len(args.overrides)]
         args.overrides = [expand_home(o) for o in args.overrides]
+        for note in repeated_keys(args.overrides) if first_rank_of_node() else []:
+            print(f"moe-tune: note: {note}", file=sys.stderr)
         argv = flags + args.overrides
         argv = plan_auto(args, argv)
         cfg = cli_args.check(args.overrides, multirun=args.multirun, source=source)

@@ -100,3 +100,18 @@ def grammar_error(msg: str, overrides: list[str]) -> str:
     letter = char.group(0)
     what = f"with letters outside ASCII ({letter!r})" if ord(letter) > 0x7F else f"holding {letter!r}"
     return f"{given}: Hydra reads a value {what} only in quotes; write {quoted}{shell}"
+
+
+def repeated_keys(overrides: list[str]) -> list[str]:
+    """A note for each key the command line sets more than once to different values (Hydra takes the last without a
+    word, so a script's default and the user's own value can meet unnoticed)."""
+    given: dict[str, list[tuple[str, str]]] = {}
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        if eq and not key.startswith("~"):
+            given.setdefault(key.lstrip("+"), []).append((o, value))
+    return [
+        f"{key} is given {len(seen)} times ({', '.join(o for o, _ in seen)}); the last, {seen[-1][0]}, is used"
+        for key, seen in given.items()
+        if len({value for _, value in seen}) > 1
+    ]

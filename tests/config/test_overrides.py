@@ -474,3 +474,14 @@ def test_a_whole_free_dict_names_its_keys_one_by_one(args, line, tmp_path, capsy
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and line in err and "To append" not in err, err
+
+
+def test_a_key_given_twice_gets_a_note_naming_the_one_used(tmp_path):
+    """Hydra takes the last of two values for one key without a word (a script's default and the user's own can
+    meet unnoticed): one note names both and the one used; the same value twice says nothing."""
+    r = run_main(["train.steps=5", "--cfg", "job", "train.steps=1", "train.lr=1e-4", "train.lr=1e-4"])
+    assert r.returncode == 0 and "steps: 1" in r.stdout, r.stderr[-2000:]
+    notes = [line for line in r.stderr.splitlines() if line.startswith("moe-tune: note:")]
+    assert notes == [
+        "moe-tune: note: train.steps is given 2 times (train.steps=5, train.steps=1); the last, train.steps=1, is used"
+    ], r.stderr[-2000:]
