@@ -196,9 +196,10 @@ class MoECausalLM(nn.Module):
         ``PeftModel.from_pretrained`` onto the source (``moe_tune.models.lora.merge_lora(model)`` first: the merged
         model instead)."""
         from moe_tune.models.lora import has_lora
-        from moe_tune.models.peft_export import ADAPTER_FILES, write_adapter
+        from moe_tune.models.peft_export import ADAPTER_FILES, check_not_base, write_adapter
 
         if has_lora(self):
+            check_not_base(out_dir, self.source_dir)
             write_adapter(self, out_dir)
             remove_stale_weights(out_dir, written=set())  # an earlier full save's, which moe_tune would read
             return

@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from moe_tune.config import ConfigError
 from moe_tune.distributed.process_group import rank_world
 from moe_tune.lora import ADAPTER, is_adapter
 from moe_tune.models.export import end_together, full_tensor, gather_experts, save_safetensors
@@ -96,6 +97,17 @@ ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
 
 @torch.no_grad()
+def check_not_base(out_dir: str, base: str | None) -> None:
+    """Adapters saved into a directory replace the weights there (moe_tune and transformers would read those in
+    their place): the directory of their own base would lose the model they are adapters of. ConfigError."""
+    if base is not None and os.path.isdir(out_dir) and os.path.isdir(base) and os.path.samefile(out_dir, base):
+        raise ConfigError(
+            f"save_pretrained({os.fspath(out_dir)!r}) would write LoRA adapters into the directory of their base "
+            f"model ({base}), replacing the weights the adapters need with the adapters alone; save them to a new "
+            "directory"
+        )
+
+
 def write_adapter(model, out_dir: str, ep_group=None, dtype=None, chat_template: str | None = None) -> None:
     """Every rank calls it: adapters are gathered (FSDP shards, then experts over the ep mesh axis) one tensor at
     a time; rank 0 writes them. Trained routers (``train_router``) and those whose correction bias moved

@@ -70,6 +70,25 @@ def test_save_pretrained_over_its_own_source_directory(tmp_path):
         torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
+def test_adapters_saved_into_their_base_directory_are_refused_and_the_base_kept(tmp_path):
+    """An adapter save replaces the directory's weights (as over an earlier full save): into the base model's own
+    directory it deleted the base's model.safetensors, the weights the adapters it wrote point to."""
+    from moe_tune.config import ConfigError
+    from moe_tune.lora import LoRASpec
+
+    src = build_tiny_checkpoint(str(tmp_path / "src"), overrides={"num_hidden_layers": 2})
+    before = sorted(p.name for p in (tmp_path / "src").iterdir())
+    model = moe_tune.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, lora=LoRASpec(rank=8))
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "src")
+    for out in (src, str(link)):
+        with pytest.raises(ConfigError, match=r"LoRA adapters into the directory of their base model .*new directory"):
+            model.save_pretrained(out)
+    assert sorted(p.name for p in (tmp_path / "src").iterdir()) == before
+    model.save_pretrained(str(tmp_path / "adapters"))
+    assert (tmp_path / "adapters" / "adapter_config.json").exists()
+
+
 def test_an_export_in_another_dtype_says_so_in_config_json(tmp_path):
     """Weights written in a forced dtype (``dtype``: the run's model.dtype) are that dtype in config.json too, so
     transformers' default from_pretrained loads them as they are (it loaded a bf16 export of an fp32 source as fp32)."""
