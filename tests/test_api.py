@@ -135,6 +135,17 @@ def test_lora_spec_names_a_keyword_that_is_no_field():
             "rank is not an option of the model; LoRASpec takes it: give lora=moe_tune.lora.LoRASpec(rank=8)",
         ),
         ({"target": ("attention",)}, "LoRASpec takes it as targets: give lora=moe_tune.lora.LoRASpec(targets="),
+        # kernels='torch' has no FP8 modules: an FP8 recipe, known or not, built the full-precision model unsaid.
+        (
+            {"fp8": "current"},
+            "fp8='current' is TransformerEngine's FP8 recipe (kernels.fp8) and needs kernels='te' (got "
+            "kernels='torch', which has no FP8 modules); add kernels='te' or drop fp8",
+        ),
+        ({"fp8": "Delayed", "kernels": "te"}, "fp8='Delayed' is not one of 'none', 'current', 'delayed', 'blockwise'"),
+        ({"fp8_options": {"margin": 1}}, "fp8_options={'margin': 1} apply to an FP8 recipe and fp8='none'; give fp8="),
+        # Any truthy value forced balanced routing, "false" too.
+        ({"force_balanced_routing": "false"}, "force_balanced_routing='false' is not a bool; give "),
+        ({"packed_attention": 1}, "packed_attention=1 is not a bool; give packed_attention=True or"),
     ],
 )
 def test_from_pretrained_names_a_bad_argument_and_its_fix(kwargs, words, tiny_checkpoint):

@@ -12,7 +12,7 @@ import torch
 from moe_tune.config import ConfigError
 from moe_tune.config.constraints import choice_hint
 from moe_tune.config.overrides import BNB_SWITCHES
-from moe_tune.config.schema import KERNEL_SETS
+from moe_tune.config.schema import FP8_MODES, KERNEL_SETS
 from moe_tune.lora import LoRASpec
 from moe_tune.models.model import ModelOptions
 from moe_tune.moe.experts import ExpertsOptions
@@ -53,7 +53,7 @@ def model_options(dtype, kernels: str, options: dict) -> ModelOptions:
                 f"{key} is not an option of the model; {hint}the options: {', '.join(sorted(names))} "
                 "(moe_tune.models.model.ModelOptions)"
             )
-    problem = class_problem(options) or option_problem(options)
+    problem = class_problem(options) or option_problem(options) or switch_problem(kernels, options)
     if problem:
         raise ConfigError(problem)
     return ModelOptions(dtype=torch_dtype(dtype), kernels=kernels, **options)
@@ -112,6 +112,27 @@ def option_problem(options: dict) -> str | None:
         if not (_is_real(value) and value >= 0):
             none = " or None (the checkpoint's, as transformers adds it)" if key == "aux_loss_coef" else ""
             return f"{key}={value!r} must be a finite number >= 0 (train.{key}){none}; try {key}=0.0"
+    return None
+
+
+def switch_problem(kernels: str, options: dict) -> str | None:
+    """The line for a switch the model would not act on as asked, or None: an ``fp8`` recipe other than
+    TransformerEngine's (``kernels.fp8``: kernels='torch' builds no FP8 module and ran in full precision),
+    ``fp8_options`` without a recipe, a flag that is no bool (``force_balanced_routing="false"`` turned it on)."""
+    fp8 = options.get("fp8", "none")
+    if fp8 not in FP8_MODES:
+        hint = choice_hint("fp8", fp8, FP8_MODES)
+        return f"fp8={fp8!r} is not one of {', '.join(map(repr, FP8_MODES))}" + (f"; {hint}" if hint else "")
+    if fp8 != "none" and kernels != "te":
+        return (
+            f"fp8={fp8!r} is TransformerEngine's FP8 recipe (kernels.fp8) and needs kernels='te' (got "
+            f"kernels={kernels!r}, which has no FP8 modules); add kernels='te' or drop fp8"
+        )
+    if options.get("fp8_options") and fp8 == "none":
+        return f"fp8_options={options['fp8_options']!r} apply to an FP8 recipe and fp8='none'; give fp8='current' (with kernels='te') or drop them"
+    for key in ("force_balanced_routing", "packed_attention"):
+        if key in options and not isinstance(options[key], bool):
+            return f"{key}={options[key]!r} is not a bool; give {key}=True or {key}=False"
     return None
 
 
