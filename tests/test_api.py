@@ -75,6 +75,23 @@ def test_readme_from_checkpoint_runs_as_written_after_import_moe_tune(tmp_path, 
     assert r.returncode == 0 and r.stdout.split() == ["MoECausalLM", "1"], r.stderr[-2000:]
 
 
+def test_a_float64_model_on_the_loop_of_experts_gives_transformers_logits(tiny_checkpoint):
+    """The dtype the grouped GEMMs refuse runs on the per-expert loop, as the refusal says: transformers' float64
+    logits but for the router's fp32 island (measured 2e-7)."""
+    from moe_tune.moe.experts import ExpertsOptions
+    from tests.tiny import load_hf, rel_err
+
+    path = tiny_checkpoint()
+    model = moe_tune.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float64, experts=ExpertsOptions(impl="loop")
+    )
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits
+        assert logits.dtype == torch.float64
+        assert rel_err(logits, load_hf(path, torch.float64)(input_ids=ids).logits) < 1e-5
+
+
 def test_lora_spec_names_a_keyword_that_is_no_field():
     """LoRASpec(target=...) (the CLI's peft.target) was Python's bare 'unexpected keyword argument'."""
     from moe_tune.lora import LoRASpec
@@ -92,6 +109,14 @@ def test_lora_spec_names_a_keyword_that_is_no_field():
         ({"kernels": "TE"}, "kernels='TE' is not one of torch, te; did you mean kernels='te'?"),
         ({"dtype": "bf16"}, "dtype='bf16' is not a floating-point torch dtype; give torch.bfloat16 or 'bfloat16'"),
         ({"dtype": "int8"}, "dtype='int8' is not a floating-point torch dtype"),
+        # float64 built, then failed in its first forward with torch's "Expected mat_a to be Float32, ...".
+        (
+            {"dtype": torch.float64},
+            "impl='grouped_mm': the grouped GEMMs take float32, bfloat16 or float16, not float64; use "
+            "experts=moe_tune.moe.experts.ExpertsOptions(impl='loop')",
+        ),
+        # An FP8 dtype was refused for its dims with impl='loop' as the fix, where torch found no Float8 storage.
+        ({"dtype": torch.float8_e4m3fn}, "dtype=torch.float8_e4m3fn is a storage format, not a model dtype; give"),
         # transformers' older name: a TypeError from an internal dataclass.
         ({"torch_dtype": torch.bfloat16}, "torch_dtype is transformers' older name of dtype: give dtype="),
         ({"aux_loss_coeff": 0.01}, "aux_loss_coeff is not an option of the model; did you mean aux_loss_coef?"),

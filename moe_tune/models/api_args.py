@@ -143,4 +143,9 @@ def torch_dtype(dtype) -> torch.dtype:
         raise ConfigError(
             f"dtype={dtype!r} is not a floating-point torch dtype; give torch.bfloat16 or 'bfloat16' (or float32)"
         )
+    if value.itemsize == 1:  # FP8 formats store weights for FP8 GEMMs; no norm, softmax or embedding computes in one
+        raise ConfigError(
+            f"dtype={dtype!r} is a storage format, not a model dtype; give dtype=torch.bfloat16 (FP8 experts: "
+            "experts=moe_tune.moe.experts.ExpertsOptions(impl='grouped_mm_fp8'), or quantized_base='fp8' with LoRA)"
+        )
     return value

@@ -29,6 +29,10 @@ from moe_tune.moe.layer import MoE
 from moe_tune.moe.quantized_base import PROJECTION_CLASSES
 from moe_tune.moe.stats import MoEStats, MoEStatsCollector
 
+# The activation dtypes torch's grouped GEMM (and the FP8 one's unquantized operands) take.
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+GROUPED_MM_NAMES = "float32, bfloat16 or float16"
+
 
 @dataclass(frozen=True)
 class ModelOptions:
@@ -289,6 +293,8 @@ def check_experts_options(options: ModelOptions, experts) -> None:
     dtype = o.compute_dtype or options.dtype  # the GEMMs' dtype: the activations'
     name = str(dtype).removeprefix("torch.")
     loop = "experts=moe_tune.moe.experts.ExpertsOptions(impl='loop')"
+    if o.impl != "loop" and dtype not in GROUPED_MM_DTYPES:
+        raise ConfigError(f"impl={o.impl!r}: the grouped GEMMs take {GROUPED_MM_NAMES}, not {name}; use {loop}")
     grouped = grouped_mm_dims_problem("impl='grouped_mm'", experts.dim, experts.hidden, name, dtype.itemsize, loop)
     _check_choice("impl", o.impl, EXPERT_KERNELS, {}, "pick one of those")
     _check_choice(
