@@ -320,7 +320,8 @@ def _checkpoint_base(checkpoint: str, meta: dict, cfg: Config, base: str | None)
 def from_checkpoint(checkpoint: str, base: str | None = None) -> tuple[MoECausalLM, Config]:
     """One CPU process: a training checkpoint (``checkpoints/step_<N>``, any parallel layout: experts are stored
     one per key) as moe_tune's model, with the run's config. Only the model's tensors are read; for a LoRA run,
-    the base model first, from the source the checkpoint points to or from ``base`` (checked to be the same)."""
+    the base model first, from the source the checkpoint points to or from ``base`` (checked to be the same). In
+    eval mode, as ``from_pretrained`` returns its model (``model.train()`` to train it)."""
     from transformers import AutoConfig
 
     from moe_tune.checkpoint import load_model_weights, read_meta
@@ -349,7 +350,7 @@ def from_checkpoint(checkpoint: str, base: str | None = None) -> tuple[MoECausal
             source_loader(source, cfg.train.seed)(model)
         load_model_weights(model, checkpoint)
 
-    return assemble(hf_config, options, load, "cpu", source), cfg
+    return assemble(hf_config, options, load, "cpu", source).eval(), cfg
 
 
 __all__ = [

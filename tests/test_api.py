@@ -92,6 +92,21 @@ def test_a_float64_model_on_the_loop_of_experts_gives_transformers_logits(tiny_c
         assert rel_err(logits, load_hf(path, torch.float64)(input_ids=ids).logits) < 1e-5
 
 
+def test_from_checkpoint_returns_the_model_in_eval_mode_as_from_pretrained(tmp_path):
+    """It came in training mode: the adapters' dropout made two forwards of one input differ, and a forward with
+    labels gave no logits."""
+    from tests.harness import FAST_RUN, train_run
+
+    lora = ["peft=lora", "peft.rank=8", "peft.dropout=0.5", "peft.target=[attention]"]
+    train_run([f"output_dir={tmp_path}", *lora, "train.steps=1", "checkpoint.every=1", *FAST_RUN])
+    model, _ = moe_tune.build.from_checkpoint(str(tmp_path / "checkpoints" / "step_1"))
+    assert not model.training
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, model(ids).logits, rtol=0, atol=0)
+    assert model(ids, labels=ids).logits is not None
+
+
 def test_lora_spec_names_a_keyword_that_is_no_field():
     """LoRASpec(target=...) (the CLI's peft.target) was Python's bare 'unexpected keyword argument'."""
     from moe_tune.lora import LoRASpec
