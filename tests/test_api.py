@@ -202,13 +202,23 @@ def test_from_pretrained_names_a_bad_argument_and_its_fix(kwargs, words, tiny_ch
         # rank 0 was a ZeroDivisionError, a negative one torch's "negative dimension" while building the model.
         ({"rank": 0}, "LoRASpec(rank=0): rank must be an integer >= 1 (peft.rank); try rank=16"),
         ({"rank": -4}, "LoRASpec(rank=-4): rank must be an integer >= 1"),
-        ({"alpha": 0}, "LoRASpec(alpha=0): alpha must be > 0 (peft.alpha)"),
-        ({"dropout": 1.5}, "LoRASpec(dropout=1.5): dropout must be in [0, 1) (peft.dropout)"),
+        ({"alpha": 0}, "LoRASpec(alpha=0): alpha must be a number > 0 (peft.alpha)"),
+        ({"dropout": 1.5}, "LoRASpec(dropout=1.5): dropout must be a number in [0, 1) (peft.dropout)"),
         # A bare string was read letter by letter: "peft.target names 'a', which is no linear of this model".
         (
             {"targets": "attention"},
             "LoRASpec(targets='attention'): targets is a tuple of names; write targets=('attention',)",
         ),
+        # No target built a model with nothing to train, and save_pretrained wrote it whole (no adapters).
+        ({"targets": ()}, "LoRASpec(targets=()): targets names what LoRA adapts (peft.target), words or linear"),
+        # A string: TypeError "'>' not supported between instances of 'str' and 'int'".
+        ({"alpha": "16"}, "LoRASpec(alpha='16'): alpha must be a number > 0 (peft.alpha); try alpha=32.0"),
+        ({"dropout": None}, "LoRASpec(dropout=None): dropout must be a number in [0, 1) (peft.dropout)"),
+        # Any truthy value trained the routers, "no" too.
+        ({"train_router": "no"}, "LoRASpec(train_router='no') is not a bool; give train_router=True or False"),
+        # int8 cast the frozen weights to integers (a dtype error at the first forward); a name failed as a device.
+        ({"base_dtype": torch.int8}, "LoRASpec(base_dtype=torch.int8): the frozen base is stored in a floating-"),
+        ({"base_dtype": "bfloat16"}, "LoRASpec(base_dtype='bfloat16'): the frozen base is stored in a floating-"),
     ],
 )
 def test_lora_spec_names_a_bad_value_and_its_fix(kwargs, words):

@@ -69,14 +69,32 @@ class LoRASpec:
         return "experts" in self.targets
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def spec_problem(spec: LoRASpec) -> str | None:
-    """The line for a value ``peft.*`` would refuse (its range, or a bare string for the targets), or None."""
+    """The line for a value ``peft.*`` would refuse (its range, a bare string or nothing for the targets), one of
+    another type (a string for a number, anything but a bool for ``train_router``), or None."""
     if isinstance(spec.targets, str):
         return f"LoRASpec(targets={spec.targets!r}): targets is a tuple of names; write targets=({spec.targets!r},)"
+    if not spec.targets or not all(isinstance(t, str) for t in spec.targets):
+        return (
+            f"LoRASpec(targets={spec.targets!r}): targets names what LoRA adapts (peft.target), words or linear "
+            "names; try targets=('attention', 'experts')"
+        )
     if isinstance(spec.rank, bool) or not isinstance(spec.rank, int) or spec.rank < 1:
         return f"LoRASpec(rank={spec.rank!r}): rank must be an integer >= 1 (peft.rank); try rank=16"
-    if not spec.alpha > 0:
-        return f"LoRASpec(alpha={spec.alpha!r}): alpha must be > 0 (peft.alpha); try alpha=32.0"
-    if not 0 <= spec.dropout < 1:
-        return f"LoRASpec(dropout={spec.dropout!r}): dropout must be in [0, 1) (peft.dropout); try dropout=0.0"
+    if not (_is_number(spec.alpha) and spec.alpha > 0):
+        return f"LoRASpec(alpha={spec.alpha!r}): alpha must be a number > 0 (peft.alpha); try alpha=32.0"
+    if not (_is_number(spec.dropout) and 0 <= spec.dropout < 1):
+        return f"LoRASpec(dropout={spec.dropout!r}): dropout must be a number in [0, 1) (peft.dropout); try dropout=0.0"
+    if not isinstance(spec.train_router, bool):
+        return f"LoRASpec(train_router={spec.train_router!r}) is not a bool; give train_router=True or False"
+    base = spec.base_dtype
+    if base is not None and not (isinstance(base, torch.dtype) and base.is_floating_point and base.itemsize > 1):
+        return (
+            f"LoRASpec(base_dtype={base!r}): the frozen base is stored in a floating-point torch dtype, or None "
+            "for the model's; try base_dtype=torch.bfloat16 (FP8 or NF4: ExpertsOptions(quantized_base=...))"
+        )
     return None
