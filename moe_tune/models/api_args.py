@@ -129,7 +129,8 @@ def switch_problem(kernels: str, options: dict) -> str | None:
             f"kernels={kernels!r}, which has no FP8 modules); add kernels='te' or drop fp8"
         )
     if options.get("fp8_options") and fp8 == "none":
-        return f"fp8_options={options['fp8_options']!r} apply to an FP8 recipe and fp8='none'; give fp8='current' (with kernels='te') or drop them"
+        given = options["fp8_options"]
+        return f"fp8_options={given!r} apply to an FP8 recipe and fp8='none'; give fp8='current' or drop them"
     for key in ("force_balanced_routing", "packed_attention"):
         if key in options and not isinstance(options[key], bool):
             return f"{key}={options[key]!r} is not a bool; give {key}=True or {key}=False"

@@ -96,7 +96,6 @@ def moved_routers(model) -> set[str]:
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
 
-@torch.no_grad()
 def check_not_base(out_dir: str, base: str | None) -> None:
     """Adapters saved into a directory replace the weights there (moe_tune and transformers would read those in
     their place): the directory of their own base would lose the model they are adapters of. ConfigError."""
@@ -108,6 +107,7 @@ def check_not_base(out_dir: str, base: str | None) -> None:
         )
 
 
+@torch.no_grad()
 def write_adapter(model, out_dir: str, ep_group=None, dtype=None, chat_template: str | None = None) -> None:
     """Every rank calls it: adapters are gathered (FSDP shards, then experts over the ep mesh axis) one tensor at
     a time; rank 0 writes them. Trained routers (``train_router``) and those whose correction bias moved
