@@ -263,3 +263,15 @@ def test_from_pretrained_checks_config_json_as_moe_tune_does(tiny_checkpoint, to
         json.dump(cfg, f)
     with pytest.raises(ConfigError, match=f"num_experts_per_tok={top_k} {words}"):
         moe_tune.AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_from_checkpoint_of_a_path_that_does_not_exist_says_so(tmp_path):
+    """A checkpoint path that is not there is named as missing, not as an incomplete checkpoint (whose fix, its
+    meta.json and COMPLETE, would send the user looking for files in a directory that does not exist)."""
+    from moe_tune.build import from_checkpoint
+    from moe_tune.config import CheckpointError
+
+    gone = tmp_path / "run" / "checkpoints" / "step_5"
+    with pytest.raises(CheckpointError) as e:
+        from_checkpoint(str(gone))
+    assert str(e.value) == f"checkpoint {gone} does not exist; give a run's checkpoints/step_<N> directory"

@@ -85,6 +85,8 @@ def read_meta(path: str):
     from moe_tune.config import Config, comm_config
 
     meta_path = os.path.join(path, "meta.json")
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {path} does not exist; give a run's checkpoints/step_<N> directory")
     if not os.path.isfile(os.path.join(path, COMPLETE)) or not os.path.isfile(meta_path):
         raise CheckpointError(
             f"{path} is not a complete moe-tune checkpoint (needs meta.json and {COMPLETE}){instead(path)}"
