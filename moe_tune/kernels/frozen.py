@@ -9,6 +9,8 @@ import functools
 
 import torch
 
+from moe_tune.kernels.groups import group_counts
+
 
 def register_input_grad(op, input_grad) -> None:
     """Give custom op ``op(x, *frozen, triton) -> y`` the autograd ``dx = input_grad(dy, *frozen, triton)``; no
@@ -49,7 +51,7 @@ def tile_ends(offs_e: torch.Tensor, num_rows: int, block_m: int = BLOCK_M) -> to
     """The running count of ``block_m``-row tiles per group, then one more entry for the rows past the last group
     (e + 1 entries, int32, on the device: no host sync)."""
     ends = torch.cat([offs_e.long(), offs_e.new_full((1,), num_rows).long()])
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    counts = group_counts(ends)
     return torch.cumsum((counts + block_m - 1) // block_m, 0).to(torch.int32)
 
 

@@ -16,10 +16,15 @@ def row_groups(offs_e: torch.Tensor, num_rows: int) -> torch.Tensor:
     given: no host sync."""
     e = offs_e.shape[0]
     offs = offs_e.long()
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    counts = group_counts(offs)
     tail = (num_rows - offs[-1:]).clamp(min=0)
     ids = torch.arange(e + 1, device=offs.device)
     return torch.repeat_interleave(ids, torch.cat([counts, tail]), output_size=num_rows)
+
+
+def group_counts(offs: torch.Tensor) -> torch.Tensor:
+    """Each group's rows, from the group ends ``offs`` (int64)."""
+    return torch.diff(offs, prepend=offs.new_zeros(1))
 
 
 def padded_row_bound(num_rows: int, num_groups: int) -> int:
@@ -30,7 +35,7 @@ def padded_row_bound(num_rows: int, num_groups: int) -> int:
 def padded_counts(offs_e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each group's rows, its rows padded to a multiple of 16, and the padded groups' ends (int64)."""
     offs = offs_e.long()
-    counts_e = torch.diff(offs, prepend=offs.new_zeros(1))
+    counts_e = group_counts(offs)
     padded_counts_e = (counts_e + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
     return counts_e, padded_counts_e, torch.cumsum(padded_counts_e, 0)
 
